@@ -1,0 +1,59 @@
+"""The attention backend interface: plan once per step from the batch metadata, then
+`forward(layer, q, k, v)` per layer, which writes the new K/V into their slots and attends."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from models.spec import ModelSpec
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    """Everything a backend needs about one step's flat batch; built once by the model runner.
+
+    Sequence i owns query rows [query_start[i], query_start[i] + query_lens[i]); its first query
+    token sits at position context_lens[i]; after the step it holds seq_lens[i] tokens of KV.
+    """
+
+    query_start: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [num_tokens] int64, physical slot of every new token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionStep(ABC):
+    @abstractmethod
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]. Returns like q."""
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+
+    @classmethod
+    @abstractmethod
+    def unsupported_reasons(
+        cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, block_size: int
+    ) -> list[str]:
+        """Why this backend cannot serve the model here; empty when it can."""
+
+    def __init__(self, spec: ModelSpec, kv_caches: list[torch.Tensor], block_size: int) -> None:
+        self.spec = spec
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.layer_group = [layer.kv_group for layer in spec.layers]
+
+    @abstractmethod
+    def plan(self, meta: StepMetadata) -> AttentionStep: ...

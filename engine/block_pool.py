@@ -1,0 +1,105 @@
+"""The physical KV blocks: ref counts, the LRU queue of free blocks and the prefix-cache map.
+
+Invariants (checked by tests/test_block_pool.py):
+- a block is in the free queue iff its ref_cnt is 0;
+- `cached[h] is b` iff `b.block_hash == h`; a cached block may be free (reusable until allocated);
+- allocation takes the least recently freed block and drops its hash (eviction).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """H(parent, tokens, extra): sha256, 256 bits, so collisions are not a practical concern.
+    Measured ~40 ns per token here (bench/hash_cost.py)."""
+    h = hashlib.sha256(parent)
+    h.update(array("q", token_ids).tobytes())
+    if extra:
+        h.update(b"\x00extra\x00" + extra)
+    return h.digest()
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+        self.root_hash = os.urandom(32)  # per-process seed: hashes are not predictable across runs
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on blocks found in the prefix cache (pulling free ones off the queue)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > len(self.free_queue):
+            raise MemoryError(f"need {n} KV blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in the order given (callers pass tail first so the
+        ends of long prefixes are evicted before their shared beginnings)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"double free of block {block.block_id}"
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is already cached; this one stays private
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (False) while any block is in use, since running
+        requests would keep registering blocks against a half-cleared map."""
+        if len(self.free_queue) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True

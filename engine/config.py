@@ -1,0 +1,64 @@
+"""The engine's typed configuration. Field names are the `config.toml` keys, the `LLM(...)`
+keyword arguments and (with dashes) the command-line flags."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+import torch
+
+
+def parse_bytes(value: str | int) -> int:
+    """'8GiB', '512MiB', '1.5GB', or a plain integer."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", value, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot parse a byte size from {value!r}")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
+    power = " KMGT".index(unit or " ")
+    return int(number * (1024 if binary else 1000) ** power)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # HF directory or GGUF file; None = SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the size computed from memory
+    kv_cache_memory: str = "2GiB"  # KV budget on CPU
+    gpu_memory_utilization: float = 0.90  # fraction of device memory for weights + KV on CUDA
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # default: the model's context length
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.resolved_device().type == "cpu" else torch.bfloat16
+        names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        if self.dtype not in names:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(names)}")
+        return names[self.dtype]
+
+    def validate(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError("block_size must be a power of two up to 128")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be positive")

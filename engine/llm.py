@@ -1,0 +1,87 @@
+"""The offline API in vLLM's shape: `LLM(model=...).generate(prompts, params)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, GenerationResult
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_overrides: Any) -> None:
+        unknown = set(engine_overrides) - set(EngineConfig.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_overrides))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[GenerationResult]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = (
+            list(sampling_params)
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
+        order: list[str] = []
+        results: dict[str, GenerationResult] = {}
+        for prompt, params in zip(prompts, params_list, strict=True):
+            rid = str(next(self._ids))
+            ids = self._encode(prompt)  # type: ignore[arg-type]
+            self.engine.add_request(rid, ids, params)
+            order.append(rid)
+            results[rid] = GenerationResult(
+                rid, ids, [CompletionOutput(0, "", [], None, [] if params.logprobs is not None else None)]
+            )
+        bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                res = results[out.request_id]
+                comp = res.outputs[0]
+                comp.token_ids.extend(out.new_token_ids)
+                comp.text += out.new_text
+                if comp.logprobs is not None:
+                    comp.logprobs.extend(out.logprobs)
+                res.num_cached_tokens = out.num_cached_tokens
+                if out.finished:
+                    comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in order]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[GenerationResult]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[Prompt] = [
+            self.tokenizer.encode(self.tokenizer.apply_chat_template(conv), add_special_tokens=False)  # type: ignore[arg-type]
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,209 @@
+"""The synchronous engine: owns the model, the KV cache, the scheduler and the per-request
+detokenizers. `step()` runs one batch and returns the per-request deltas. Single-threaded by
+design; `AsyncEngine` drives it from its own thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import select_backend
+from engine.config import EngineConfig, parse_bytes
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner, allocate_kv_caches
+from engine.outputs import RequestOutput
+from engine.request import FinishReason, Request
+from engine.sampler import sample
+from engine.sampling_params import ParamError, SamplingParams
+from engine.scheduler import Scheduler
+from models.loader import default_model_path, load_model
+from models.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger("kvserve.engine")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    finished: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.model_path = config.model or default_model_path()
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        torch.manual_seed(config.seed)
+        self.model, self.spec = load_model(self.model_path, self.dtype, self.device)
+        self.tokenizer: Tokenizer | None = self._try_tokenizer()
+        self.max_model_len = min(
+            config.max_model_len or self.spec.max_position_embeddings,
+            self.spec.max_position_embeddings,
+        )
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks()
+        self.backend_cls = select_backend(
+            self.spec, self.device, self.dtype, self.block_size, config.attention_backend
+        )
+        self.kv_caches = allocate_kv_caches(
+            self.spec.kv_groups, self.num_blocks, self.block_size, self.dtype, self.device
+        )
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        backend = self.backend_cls(self.spec, self.kv_caches, self.block_size)
+        self.runner = ModelRunner(self.model, backend, self.kv, self.device)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.eos_token_ids = frozenset(
+            self.spec.eos_token_ids
+            or ([self.tokenizer.eos_token_id] if self.tokenizer and self.tokenizer.eos_token_id is not None else [])
+        )
+        self.stats = EngineStats()
+
+    def _try_tokenizer(self) -> Tokenizer | None:
+        try:
+            return load_tokenizer(self.model_path)
+        except FileNotFoundError:
+            log.warning("no tokenizer found at %s: token-id prompts only", self.model_path)
+            return None
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        block_bytes = self.spec.kv_bytes_per_token(elem) * self.block_size
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.config.gpu_memory_utilization)
+        else:
+            budget = parse_bytes(self.config.kv_cache_memory)
+        # Never more than every sequence at full length could use.
+        ceiling = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        return max(1, min(int(budget // block_bytes), ceiling))
+
+    @property
+    def kv_block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.spec.kv_bytes_per_token(elem) * self.block_size
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ParamError("prompt", "prompt must contain at least one token")
+        vocab = self.spec.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ParamError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ParamError(
+                "max_tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({len(prompt_token_ids)} in the messages, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.",
+            )
+        if -(-total // self.block_size) > self.num_blocks:
+            raise ParamError(
+                "max_tokens",
+                f"{total} tokens need more than the {self.num_blocks * self.block_size} tokens of "
+                "KV cache this server has",
+            )
+        for token_id in params.logit_bias:
+            if not 0 <= token_id < vocab:
+                raise ParamError("logit_bias", f"token id {token_id} is outside the vocabulary")
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        self.validate_prompt(prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"duplicate request id {request_id}")
+        request = Request(
+            request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len
+        )
+        self.scheduler.add(request)
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens,
+                params.include_stop_str_in_output,
+            )
+        return request
+
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
+        request = self.scheduler.finish(request_id, reason)
+        detok = self.detokenizers.pop(request_id, None)
+        if request is None:
+            return None
+        return RequestOutput(
+            request_id, [], detok.flush(True) if detok else "", True, reason.value,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        logits = self.runner.execute(out)
+        sampling = [s.request for s in out.scheduled if s.samples]
+        result = sample(logits, sampling)
+        self.stats.steps += 1
+        self.stats.prompt_tokens += sum(
+            max(0, min(s.request.num_prompt_tokens - s.request.num_computed_tokens, s.num_new_tokens))
+            for s in out.scheduled
+        )
+        sampled = {r.request_id: t for r, t in zip(sampling, result.token_ids)}
+        self.scheduler.update(out, sampled)
+        now = time.monotonic()
+        outputs = []
+        for request, token, lp in zip(sampling, result.token_ids, result.logprobs):
+            self.stats.generation_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            outputs.append(self._output(request, token, lp))
+        return outputs
+
+    def _output(self, request: Request, token: int, lp) -> RequestOutput:
+        detok = self.detokenizers.get(request.request_id)
+        if detok is not None:
+            matched = detok.add([token])
+            if matched is not None and not request.is_finished:
+                self.scheduler.finish(request.request_id, FinishReason.STOP)
+                request.stop_reason = matched
+            elif matched is not None:
+                request.finish_reason, request.stop_reason = FinishReason.STOP, matched
+        finished = request.is_finished
+        text = detok.flush(finished) if detok else ""
+        if finished:
+            self.detokenizers.pop(request.request_id, None)
+            self.stats.finished += 1
+        return RequestOutput(
+            request.request_id,
+            [token],
+            text,
+            finished,
+            request.finish_reason.value if finished and request.finish_reason else None,
+            request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=request.num_output_tokens,
+            logprobs=[lp] if lp is not None else [],
+        )

@@ -1,0 +1,126 @@
+"""GGUF checkpoints: hyper-parameters from metadata, tensors dequantized with the `gguf` package
+and renamed to HF names. llama.cpp's converter permutes q/k rows of `llama` models for its rotary
+layout; we undo that so the HF-style (rotate-half) decoder can use them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import lru_cache
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGMLQuantizationType
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from models.loader import to_tensor
+from models.spec import ModelSpec, uniform_layers
+
+_ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@lru_cache(maxsize=4)
+def reader(path: str) -> GGUFReader:
+    return GGUFReader(path)
+
+
+def field(path: str, key: str, default: object = None) -> object:
+    f = reader(path).fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_spec(path: str) -> ModelSpec:
+    arch = str(field(path, "general.architecture"))
+    if arch not in _ARCH_TO_HF:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCH_TO_HF)}")
+
+    def meta(key: str, default: object = None) -> object:
+        return field(path, f"{arch}.{key}", default)
+
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    kv_heads = int(meta("attention.head_count_kv", heads))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    tensor_names = {t.name for t in reader(path).tensors}
+    tokens = field(path, "tokenizer.ggml.tokens")
+    vocab = int(meta("vocab_size", len(tokens) if tokens else 0))
+    scaling: dict | None = None
+    if meta("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    if "rope_freqs.weight" in tensor_names:
+        t = next(t for t in reader(path).tensors if t.name == "rope_freqs.weight")
+        scaling = {"freq_factors": np.asarray(t.data, dtype=np.float64).tolist()}
+    eos = field(path, "tokenizer.ggml.eos_token_id")
+    eot = field(path, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
+    bos = field(path, "tokenizer.ggml.bos_token_id")
+    return ModelSpec(
+        architecture=_ARCH_TO_HF[arch],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        layers=uniform_layers(
+            int(meta("block_count")), heads, kv_heads, head_dim, int(meta("feed_forward_length"))
+        ),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(meta("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        extra={"gguf_arch": arch},
+    )
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute`: rows grouped (head, half, pair) back to (head, pair, half)."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    if name.startswith("blk."):
+        _, idx, part, kind = name.split(".", 3)
+        if part in _LAYER_NAMES:
+            return f"model.layers.{idx}.{_LAYER_NAMES[part]}.{kind}"
+    return None
+
+
+def gguf_weights(path: str, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    permuted = spec.extra.get("gguf_arch") == "llama"
+    layer = spec.layers[0]
+    for t in tqdm(reader(path).tensors, desc="loading GGUF", unit="tensor"):
+        hf = _hf_name(t.name)
+        if hf is None:
+            continue  # rope_freqs and other metadata tensors are read by gguf_spec
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            array = np.asarray(t.data, dtype=np.float32).reshape(shape)
+        else:
+            array = dequantize(t.data, t.tensor_type).reshape(shape)
+        if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
+            array = _unpermute(array, layer.num_heads)
+        elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
+            array = _unpermute(array, layer.num_kv_heads)
+        yield hf, to_tensor(array)

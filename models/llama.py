@@ -1,0 +1,190 @@
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm) and SmolLM
+(tied embeddings). Geometry comes from `ModelSpec.layers`, so per-layer head counts and shared KV
+groups need no change here.
+
+The forward takes a flat batch of tokens (no padding) with their positions and an attention step
+object that owns the KV cache plan; it returns hidden states. Logits are computed separately, only
+for the rows that need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers import Linear, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from models.spec import LayerSpec, ModelSpec
+
+
+class AttentionStep(Protocol):
+    """What a model needs from an attention backend for one engine step (see engine/attention)."""
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, idx: int) -> None:
+        super().__init__()
+        self.idx = idx
+        self.layer = layer
+        self.eps = spec.rms_norm_eps
+        h, q_dim = spec.hidden_size, layer.num_heads * layer.head_dim
+        kv_dim = layer.num_kv_heads * layer.head_dim
+        self.q_dim, self.kv_dim = q_dim, kv_dim
+        self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.qkv_proj = Linear(h, q_dim + 2 * kv_dim, bias=spec.qkv_bias)
+        self.o_proj = Linear(q_dim, h)
+        self.q_norm = RMSNorm(layer.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(layer.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.gate_up_proj = Linear(h, 2 * layer.intermediate_size)
+        self.down_proj = Linear(layer.intermediate_size, h)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionStep,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x if residual is None else residual + x
+        h = self.input_layernorm(residual)
+        qkv = self.qkv_proj(h)
+        t, lay = x.shape[0], self.layer
+        q = qkv[:, : self.q_dim].view(t, lay.num_heads, lay.head_dim)
+        k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(t, lay.num_kv_heads, lay.head_dim)
+        v = qkv[:, self.q_dim + self.kv_dim :].view(t, lay.num_kv_heads, lay.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn.forward(self.idx, q, k, v.contiguous())
+        x = self.o_proj(o.reshape(t, self.q_dim))
+        residual = residual + x
+        h = self.post_attention_layernorm(residual)
+        gate_up = self.gate_up_proj(h)
+        inter = lay.intermediate_size
+        x = self.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        return x, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, lay, i) for i, lay in enumerate(spec.layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
+        head_dims = {lay.head_dim for lay in spec.layers}
+        self._inv_freq = {
+            d: rope_inv_freq(d, spec.rope_theta, spec.rope_scaling) for d in sorted(head_dims)
+        }
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        rope = {
+            d: rope_cos_sin(positions, inv.to(x.device), x.dtype)
+            for d, inv in self._inv_freq.items()
+        }
+        residual = None
+        for layer in self.layers:
+            cos, sin = rope[layer.layer.head_dim]
+            x, residual = layer(x, residual, cos, sin, attn)
+        assert residual is not None
+        return rms_norm(residual + x, self.norm.weight, self.norm.eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors ("model.layers.3.self_attn.q_proj.weight", ...), fusing q/k/v and
+        gate/up. Raises if a parameter the model needs never arrived."""
+        seen: set[str] = set()
+        for name, tensor in weights:
+            self._load_one(name, tensor, seen)
+        if self.spec.tie_word_embeddings or "lm_head.weight" not in seen:
+            self.lm_head.weight_t.data.copy_(self.embed_tokens.weight.data.t())
+            seen.add("lm_head.weight")
+        missing = self._expected_names() - seen
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
+
+    def _expected_names(self) -> set[str]:
+        names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                names.add(p + f"self_attn.{proj}.weight")
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                names.add(p + f"mlp.{proj}.weight")
+            names.add(p + "input_layernorm.weight")
+            names.add(p + "post_attention_layernorm.weight")
+            if self.spec.qk_norm:
+                names.add(p + "self_attn.q_norm.weight")
+                names.add(p + "self_attn.k_norm.weight")
+        return names
+
+    def _load_one(self, name: str, tensor: torch.Tensor, seen: set[str]) -> None:
+        if name.endswith("rotary_emb.inv_freq"):
+            return
+        if name == "model.embed_tokens.weight":
+            self.embed_tokens.weight.data.copy_(tensor)
+        elif name == "model.norm.weight":
+            self.norm.weight.data.copy_(tensor)
+        elif name == "lm_head.weight":
+            if self.spec.tie_word_embeddings:
+                return
+            self.lm_head.load_rows(0, tensor)
+        elif name.startswith("model.layers."):
+            idx_str, rest = name[len("model.layers.") :].split(".", 1)
+            layer = self.layers[int(idx_str)]
+            if not self._load_layer(layer, rest, tensor):
+                raise ValueError(f"unexpected tensor {name}")
+        else:
+            raise ValueError(f"unexpected tensor {name}")
+        seen.add(name)
+
+    @staticmethod
+    def _load_layer(layer: DecoderLayer, rest: str, t: torch.Tensor) -> bool:
+        inter = layer.layer.intermediate_size
+        qkv_offsets = {"q_proj": 0, "k_proj": layer.q_dim, "v_proj": layer.q_dim + layer.kv_dim}
+        module, _, kind = rest.rpartition(".")
+        part = module.rsplit(".", 1)[-1]
+        if part in qkv_offsets:
+            if kind == "weight":
+                layer.qkv_proj.load_rows(qkv_offsets[part], t)
+            else:
+                assert layer.qkv_proj.bias is not None, "bias in checkpoint but not in config"
+                start = qkv_offsets[part]
+                layer.qkv_proj.bias.data[start : start + t.shape[0]].copy_(t)
+        elif part == "o_proj":
+            layer.o_proj.load_rows(0, t)
+        elif part == "gate_proj":
+            layer.gate_up_proj.load_rows(0, t)
+        elif part == "up_proj":
+            layer.gate_up_proj.load_rows(inter, t)
+        elif part == "down_proj":
+            layer.down_proj.load_rows(0, t)
+        elif part in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"):
+            norm = getattr(layer, part)
+            if norm is None:
+                return False
+            norm.weight.data.copy_(t)
+        else:
+            return False
+        return True

