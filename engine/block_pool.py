@@ -40,7 +40,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
         self.cached: dict[bytes, KVBlock] = {}
         self.root_hash = os.urandom(32)  # per-process seed: hashes are not predictable across runs
         self.num_evictions = 0
@@ -57,7 +59,7 @@ class BlockPool:
         return self.cached.get(block_hash) if self.enable_caching else None
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on blocks found in the prefix cache (pulling free ones off the queue)."""
+        """Take a reference on prefix-cache hits (pulling free ones off the queue)."""
         for block in blocks:
             if block.ref_cnt == 0:
                 del self.free_queue[block.block_id]

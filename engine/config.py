@@ -49,8 +49,14 @@ class EngineConfig:
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.float32 if self.resolved_device().type == "cpu" else torch.bfloat16
-        names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                 "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        names = {
+            "float32": torch.float32,
+            "float16": torch.float16,
+            "bfloat16": torch.bfloat16,
+            "fp32": torch.float32,
+            "fp16": torch.float16,
+            "bf16": torch.bfloat16,
+        }
         if self.dtype not in names:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(names)}")
         return names[self.dtype]

@@ -68,8 +68,12 @@ class IncrementalDetokenizer:
         return None
 
     def flush(self, finished: bool) -> str:
-        """New text since the last call; holds back a possible stop-string prefix unless finished."""
-        end = len(self.text) if finished or not self.stop else max(self.sent, len(self.text) - self.holdback)
+        """New text since the last call; holds back a possible stop-string prefix."""
+        end = (
+            len(self.text)
+            if finished or not self.stop
+            else max(self.sent, len(self.text) - self.holdback)
+        )
         out = self.text[self.sent : end]
         self.sent = end
         return out

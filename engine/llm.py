@@ -53,7 +53,9 @@ class LLM:
             self.engine.add_request(rid, ids, params)
             order.append(rid)
             results[rid] = GenerationResult(
-                rid, ids, [CompletionOutput(0, "", [], None, [] if params.logprobs is not None else None)]
+                rid,
+                ids,
+                [CompletionOutput(0, "", [], None, [] if params.logprobs is not None else None)],
             )
         bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm)
         while self.engine.has_unfinished():
@@ -81,7 +83,9 @@ class LLM:
             raise ValueError("this model has no tokenizer")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts: list[Prompt] = [
-            self.tokenizer.encode(self.tokenizer.apply_chat_template(conv), add_special_tokens=False)  # type: ignore[arg-type]
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(conv), add_special_tokens=False
+            )  # type: ignore[arg-type]
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -63,7 +63,11 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.eos_token_ids = frozenset(
             self.spec.eos_token_ids
-            or ([self.tokenizer.eos_token_id] if self.tokenizer and self.tokenizer.eos_token_id is not None else [])
+            or (
+                [self.tokenizer.eos_token_id]
+                if self.tokenizer and self.tokenizer.eos_token_id is not None
+                else []
+            )
         )
         self.stats = EngineStats()
 
@@ -133,18 +137,27 @@ class LLMEngine:
         self.scheduler.add(request)
         if self.tokenizer is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens,
+                self.tokenizer,
+                request.prompt_token_ids,
+                params.stop,
+                params.skip_special_tokens,
                 params.include_stop_str_in_output,
             )
         return request
 
-    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
+    def abort_request(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> RequestOutput | None:
         request = self.scheduler.finish(request_id, reason)
         detok = self.detokenizers.pop(request_id, None)
         if request is None:
             return None
         return RequestOutput(
-            request_id, [], detok.flush(True) if detok else "", True, reason.value,
+            request_id,
+            [],
+            detok.flush(True) if detok else "",
+            True,
+            reason.value,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_output_tokens=request.num_output_tokens,
@@ -167,7 +180,10 @@ class LLMEngine:
         result = sample(logits, sampling)
         self.stats.steps += 1
         self.stats.prompt_tokens += sum(
-            max(0, min(s.request.num_prompt_tokens - s.request.num_computed_tokens, s.num_new_tokens))
+            max(
+                0,
+                min(s.request.num_prompt_tokens - s.request.num_computed_tokens, s.num_new_tokens),
+            )
             for s in out.scheduled
         )
         sampled = {r.request_id: t for r, t in zip(sampling, result.token_ids)}

@@ -16,7 +16,10 @@ from models.llama import LlamaForCausalLM
 
 
 def allocate_kv_caches(
-    groups: list[tuple[int, int]], num_blocks: int, block_size: int, dtype: torch.dtype,
+    groups: list[tuple[int, int]],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
     """One tensor per KV group: [num_blocks, 2, block_size, kv_heads, head_dim]."""
@@ -39,7 +42,9 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int]]:
+    def prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int]]:
         bs = self.block_size
         token_chunks, pos_chunks, slot_chunks = [], [], []
         query_start, query_lens, context_lens, seq_lens, tables = [], [], [], [], []

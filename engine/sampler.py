@@ -84,13 +84,17 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     want_logprobs = [p.logprobs is not None for p in params]
     raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
 
-    if any(p.logit_bias or (p.min_tokens and r.num_output_tokens < p.min_tokens)
-           or p.needs_penalties for p, r in zip(params, requests)):
+    if any(
+        p.logit_bias or (p.min_tokens and r.num_output_tokens < p.min_tokens) or p.needs_penalties
+        for p, r in zip(params, requests)
+    ):
         logits = logits.clone()
         for i, (p, r) in enumerate(zip(params, requests)):
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias.keys()), device=logits.device)
-                vals = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+                vals = torch.tensor(
+                    list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device
+                )
                 logits[i].index_add_(0, ids, vals)
             if p.min_tokens and r.num_output_tokens < p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))

@@ -50,8 +50,11 @@ class SamplingParams:
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
-            ("logit_bias", all(-100 <= v <= 100 for v in self.logit_bias.values()),
-             "values must be in [-100, 100]"),
+            (
+                "logit_bias",
+                all(-100 <= v <= 100 for v in self.logit_bias.values()),
+                "values must be in [-100, 100]",
+            ),
         ]
         for param, ok, message in checks:
             if not ok:

@@ -9,14 +9,18 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tqdm import tqdm
 
 from models.loader import to_tensor
 from models.spec import ModelSpec, uniform_layers
 
-_ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCH_TO_HF = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -45,7 +49,9 @@ def field(path: str, key: str, default: object = None) -> object:
 def gguf_spec(path: str) -> ModelSpec:
     arch = str(field(path, "general.architecture"))
     if arch not in _ARCH_TO_HF:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCH_TO_HF)}")
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCH_TO_HF)}"
+        )
 
     def meta(key: str, default: object = None) -> object:
         return field(path, f"{arch}.{key}", default)
@@ -88,7 +94,7 @@ def gguf_spec(path: str) -> ModelSpec:
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Inverse of llama.cpp's `permute`: rows grouped (head, half, pair) back to (head, pair, half)."""
+    """Inverse of llama.cpp's `permute`: rows (head, half, pair) back to (head, pair, half)."""
     rest = w.shape[1:]
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 

@@ -82,7 +82,9 @@ def hf_spec(path: str) -> ModelSpec:
     cfg = _read_json(root / "config.json")
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in SUPPORTED_HF_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch}; supported: {sorted(SUPPORTED_HF_ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported architecture {arch}; supported: {sorted(SUPPORTED_HF_ARCHITECTURES)}"
+        )
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer
-from tokenizers import decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from models.chat_template import render_chat
 
@@ -179,7 +179,9 @@ def _gguf_tokenizer(path: str) -> Tokenizer:
         vocab = {tok: i for i, tok in enumerate(tokens)}
         merges = [tuple(m.split(" ", 1)) for m in field(path, "tokenizer.ggml.merges")]
         backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = _bpe_pre_tokenizer(str(field(path, "tokenizer.ggml.pre", "default")))
+        backend.pre_tokenizer = _bpe_pre_tokenizer(
+            str(field(path, "tokenizer.ggml.pre", "default"))
+        )
         backend.decoder = decoders.ByteLevel()
         default_add_bos = False
     elif model == "llama":

