@@ -54,7 +54,12 @@ class LLMEngine:
             self.spec, self.device, self.dtype, self.block_size, config.attention_backend
         )
         self.kv_caches = allocate_kv_caches(
-            self.spec.kv_groups, self.num_blocks, self.block_size, self.dtype, self.device
+            self.backend_cls,
+            self.spec.kv_groups,
+            self.num_blocks,
+            self.block_size,
+            self.dtype,
+            self.device,
         )
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)

@@ -16,15 +16,19 @@ from models.llama import LlamaForCausalLM
 
 
 def allocate_kv_caches(
+    backend: type[AttentionBackend],
     groups: list[tuple[int, int]],
     num_blocks: int,
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One tensor per KV group: [num_blocks, 2, block_size, kv_heads, head_dim]."""
+    """One tensor per KV group, in the backend's layout."""
     return [
-        torch.zeros(num_blocks, 2, block_size, h, d, dtype=dtype, device=device) for h, d in groups
+        torch.zeros(
+            backend.kv_cache_shape(num_blocks, block_size, h, d), dtype=dtype, device=device
+        )
+        for h, d in groups
     ]
 
 

@@ -40,7 +40,18 @@ class AttentionStep(ABC):
 
 
 class AttentionBackend(ABC):
+    """A backend owns the layout of the KV tensors it attends over (`kv_cache_shape`); the pool
+    allocates one tensor per KV group in that layout, and `block_dim` says which dimension
+    indexes physical blocks (for copies between tiers)."""
+
     name: str = ""
+    block_dim: int = 0
+
+    @classmethod
+    @abstractmethod
+    def kv_cache_shape(
+        cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]: ...
 
     @classmethod
     @abstractmethod

@@ -1,9 +1,14 @@
 """Reference paged attention in plain PyTorch; runs on CPU and GPU.
 
-Decode rows (one query token) are attended together: their pages are gathered into a padded
-[seqs, pages * block_size] key range and reduced with two batched matmuls that handle GQA without
-repeating K/V. Prefill chunks are attended one sequence at a time with SDPA; a chunk with no
-earlier context attends its own fresh K/V directly, skipping the page gather.
+KV layout (this backend's choice): one tensor per KV group, [2, kv_heads, num_blocks, block_size,
+head_dim]. Heads outermost means gathering a sequence's pages with one `index_select` over the
+block dimension yields [kv_heads, pages * block_size, head_dim] directly, contiguous per head:
+one copy of the KV per step instead of gather-then-reshape (decode is bound by reading the KV).
+
+Decode rows (one query token) are attended in buckets of similar length (padding is bounded by
+the bucket), with two batched matmuls that handle GQA without repeating K/V. Prefill chunks are
+attended one sequence at a time with SDPA; a chunk with no earlier context attends its own fresh
+K/V directly, skipping the page gather.
 """
 
 from __future__ import annotations
@@ -17,13 +22,22 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from models.spec import ModelSpec
 
+DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
+
+
+@dataclass(slots=True)
+class _DecodeBucket:
+    rows: torch.Tensor  # query rows of these sequences in the flat batch
+    pages: torch.Tensor  # [seqs * max_pages] block ids, padded with block 0
+    num_seqs: int
+    mask: torch.Tensor  # [1, seqs, 1, max_pages * block_size] additive
+
 
 @dataclass(slots=True)
 class _Prefill:
     rows: slice
-    context_len: int
     seq_len: int
-    block_ids: torch.Tensor | None  # pages to gather when context_len > 0
+    pages: torch.Tensor | None  # blocks to gather when there is earlier context
     mask: torch.Tensor | None  # [q, seq_len] bool, True = attend; None = plain causal
 
 
@@ -32,41 +46,48 @@ class TorchAttentionStep(AttentionStep):
         self.backend = backend
         device = backend.kv_caches[0].device
         bs = backend.block_size
-        slots = meta.slot_mapping
-        self.slot_block = slots // bs
-        self.slot_offset = slots % bs
+        self.slot_block = (meta.slot_mapping // bs).to(device)
+        self.slot_offset = (meta.slot_mapping % bs).to(device)
         window = backend.spec.sliding_window
 
-        decode_seqs = [i for i, q in enumerate(meta.query_lens) if q == 1]
-        self.num_tokens = sum(meta.query_lens)
-        self.all_decode = len(decode_seqs) == meta.num_seqs
-        self.decode_rows = torch.tensor([meta.query_start[i] for i in decode_seqs], device=device)
-        self.decode_tables: torch.Tensor | None = None
-        self.decode_mask: torch.Tensor | None = None
-        if decode_seqs:
-            max_pages = max(len(meta.block_tables[i]) for i in decode_seqs)
-            table = torch.zeros(len(decode_seqs), max_pages, dtype=torch.long)
-            for row, i in enumerate(decode_seqs):
-                ids = meta.block_tables[i]
-                table[row, : len(ids)] = torch.tensor(ids)
-            seq_lens = torch.tensor([meta.seq_lens[i] for i in decode_seqs])
+        decode = sorted(
+            (i for i, q in enumerate(meta.query_lens) if q == 1), key=lambda i: meta.seq_lens[i]
+        )
+        self.num_decode = len(decode)
+        # One bucket holding every row in batch order: no gather/scatter of q and output needed.
+        self.identity_decode = (
+            self.num_decode == meta.num_seqs
+            and decode == sorted(decode)
+            and (self.num_decode <= DECODE_BUCKET)
+        )
+        self.decode: list[_DecodeBucket] = []
+        for b in range(0, len(decode), DECODE_BUCKET):
+            seqs = decode[b : b + DECODE_BUCKET]
+            max_pages = max(len(meta.block_tables[i]) for i in seqs)
+            table = torch.zeros(len(seqs), max_pages, dtype=torch.long)
+            for row, i in enumerate(seqs):
+                table[row, : len(meta.block_tables[i])] = torch.tensor(meta.block_tables[i])
+            seq_lens = torch.tensor([meta.seq_lens[i] for i in seqs])
             key_pos = torch.arange(max_pages * bs)
-            mask = key_pos[None, :] < seq_lens[:, None]
+            keep = key_pos[None, :] < seq_lens[:, None]
             if window is not None:
-                mask &= key_pos[None, :] > (seq_lens[:, None] - 1 - window)
-            self.decode_tables = table.to(device)
-            # additive mask [seqs, 1, 1, keys]: broadcast over kv heads and grouped query heads
-            self.decode_mask = torch.zeros(mask.shape, device=device).masked_fill_(
-                ~mask.to(device), float("-inf")
-            )[:, None, None, :]
+                keep &= key_pos[None, :] > (seq_lens[:, None] - 1 - window)
+            mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+            self.decode.append(
+                _DecodeBucket(
+                    torch.tensor([meta.query_start[i] for i in seqs], device=device),
+                    table.flatten().to(device),
+                    len(seqs),
+                    mask[None, :, None, :].to(device),
+                )
+            )
 
         self.prefills: list[_Prefill] = []
         for i, q_len in enumerate(meta.query_lens):
             if q_len == 1:
                 continue
             start, ctx, seq = meta.query_start[i], meta.context_lens[i], meta.seq_lens[i]
-            mask = None
-            block_ids = None
+            mask = pages = None
             if ctx > 0 or window is not None:
                 q_pos = torch.arange(ctx, seq)[:, None]
                 k_pos = torch.arange(seq)[None, :]
@@ -75,39 +96,39 @@ class TorchAttentionStep(AttentionStep):
                     m &= k_pos > q_pos - 1 - window
                 mask = m.to(device)
             if ctx > 0:
-                block_ids = torch.tensor(meta.block_tables[i][: -(-seq // bs)], device=device)
-            self.prefills.append(_Prefill(slice(start, start + q_len), ctx, seq, block_ids, mask))
+                pages = torch.tensor(meta.block_tables[i][: -(-seq // bs)], device=device)
+            self.prefills.append(_Prefill(slice(start, start + q_len), seq, pages, mask))
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         backend = self.backend
         cache = backend.kv_caches[backend.layer_group[layer_idx]]
-        cache[self.slot_block, 0, self.slot_offset] = k
-        cache[self.slot_block, 1, self.slot_offset] = v
+        cache[0][:, self.slot_block, self.slot_offset] = k.transpose(0, 1)
+        cache[1][:, self.slot_block, self.slot_offset] = v.transpose(0, 1)
         scale = 1.0 / math.sqrt(q.shape[-1])
+        if self.identity_decode:
+            return self._decode(self.decode[0], q, cache, scale)
         out = q.new_empty(q.shape)
-        if self.decode_tables is not None:
-            qd = q if self.all_decode else q.index_select(0, self.decode_rows)
-            od = self._decode(qd, cache, scale)
-            if self.all_decode:
-                return od
-            out.index_copy_(0, self.decode_rows, od)
+        for bucket in self.decode:
+            out.index_copy_(
+                0, bucket.rows, self._decode(bucket, q.index_select(0, bucket.rows), cache, scale)
+            )
         for p in self.prefills:
             out[p.rows] = self._prefill(p, q[p.rows], k[p.rows], v[p.rows], cache, scale)
         return out
 
-    def _decode(self, q: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
-        assert self.decode_tables is not None and self.decode_mask is not None
+    def _decode(
+        self, bucket: _DecodeBucket, q: torch.Tensor, cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         n, heads, dim = q.shape
-        pages = cache[self.decode_tables]  # [n, pages, 2, bs, kv_heads, dim]
-        kv_heads = pages.shape[-2]
-        keys = pages[:, :, 0].reshape(n, -1, kv_heads, dim).permute(0, 2, 3, 1)  # [n, h, d, L]
-        values = pages[:, :, 1].reshape(n, -1, kv_heads, dim).transpose(1, 2)  # [n, h, L, d]
-        qg = q.view(n, kv_heads, heads // kv_heads, dim)
-        scores = torch.matmul(qg, keys) * scale + self.decode_mask  # [n, h, g, L]
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.matmul(probs, values).reshape(n, heads, dim)
+        kv_heads = cache.shape[1]
+        keys = cache[0].index_select(1, bucket.pages).view(kv_heads, n, -1, dim)  # [h, n, L, d]
+        values = cache[1].index_select(1, bucket.pages).view(kv_heads, n, -1, dim)
+        qg = q.view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [h, n, g, d]
+        scores = torch.matmul(qg * scale, keys.transpose(-1, -2)) + bucket.mask  # [h, n, g, L]
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, values).transpose(0, 1).reshape(n, heads, dim)
 
     def _prefill(
         self,
@@ -118,14 +139,16 @@ class TorchAttentionStep(AttentionStep):
         cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        if p.block_ids is not None:
-            pages = cache[p.block_ids]  # [pages, 2, bs, kv_heads, dim]
-            k = pages[:, 0].reshape(-1, *k.shape[1:])[: p.seq_len]
-            v = pages[:, 1].reshape(-1, *v.shape[1:])[: p.seq_len]
+        if p.pages is not None:
+            kv_heads, dim = cache.shape[1], cache.shape[-1]
+            keys = cache[0].index_select(1, p.pages).view(kv_heads, -1, dim)[:, : p.seq_len]
+            values = cache[1].index_select(1, p.pages).view(kv_heads, -1, dim)[:, : p.seq_len]
+        else:
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            keys,
+            values,
             attn_mask=p.mask,
             is_causal=p.mask is None,
             scale=scale,
@@ -136,6 +159,14 @@ class TorchAttentionStep(AttentionStep):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+
+    @classmethod
+    def kv_cache_shape(
+        cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (2, kv_heads, num_blocks, block_size, head_dim)
+
+    block_dim = 2
 
     @classmethod
     def unsupported_reasons(

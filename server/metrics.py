@@ -1,0 +1,67 @@
+"""Prometheus metrics with `kvserve:` names mirroring vLLM's. Engine counters are read at scrape
+time by a collector (no locking on the hot path); latency histograms are observed per request by
+the HTTP layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.llm_engine import LLMEngine
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class EngineCollector(Collector):
+    def __init__(self, get_engine: Callable[[], LLMEngine | None]) -> None:
+        self.get_engine = get_engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        engine = self.get_engine()
+        if engine is None:
+            return
+        sched, kv, stats = engine.scheduler, engine.kv, engine.stats
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"kvserve:{name}", doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"kvserve:{name}", doc, value=value)
+
+        yield gauge("num_requests_running", "Requests in the running batch.", sched.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv.pool.usage)
+        yield gauge("kv_cache_num_blocks", "KV blocks in the device pool.", kv.pool.num_blocks)
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            kv.prefix_queries,
+        )
+        yield counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits
+        )
+        yield counter(
+            "num_preemptions", "Requests preempted for lack of KV blocks.", sched.num_preemptions
+        )
+        yield counter("prompt_tokens", "Prompt tokens computed.", stats.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield counter("engine_steps", "Engine steps run.", stats.steps)
+
+
+class Metrics:
+    def __init__(self, get_engine: Callable[[], LLMEngine | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(get_engine))
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(
+                f"kvserve:{name}", doc, registry=self.registry, buckets=_LATENCY_BUCKETS
+            )
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between streamed tokens.")
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to first step.")
