@@ -26,7 +26,7 @@ class EngineConfig:
     model: str | None = None  # HF directory or GGUF file; None = SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
-    block_size: int = 16
+    block_size: int | None = None  # None: 64 on CPU (fewer, larger matmuls), 16 on CUDA
     num_kv_blocks: int | None = None  # overrides the size computed from memory
     kv_cache_memory: str = "2GiB"  # KV budget on CPU
     gpu_memory_utilization: float = 0.90  # fraction of device memory for weights + KV on CUDA
@@ -61,8 +61,13 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(names)}")
         return names[self.dtype]
 
+    def resolved_block_size(self) -> int:
+        if self.block_size is not None:
+            return self.block_size
+        return 64 if self.resolved_device().type == "cpu" else 16
+
     def validate(self) -> None:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+        if self.block_size is not None and self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError("block_size must be a power of two up to 128")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")

@@ -48,7 +48,7 @@ class LLMEngine:
             config.max_model_len or self.spec.max_position_embeddings,
             self.spec.max_position_embeddings,
         )
-        self.block_size = config.block_size
+        self.block_size = config.resolved_block_size()
         self.num_blocks = self._num_blocks()
         self.backend_cls = select_backend(
             self.spec, self.device, self.dtype, self.block_size, config.attention_backend

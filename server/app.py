@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -48,6 +49,7 @@ from server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from server.sessions import SessionTracker
 
 VERSION = "0.1.0"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -61,6 +63,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.metrics = Metrics(lambda: self.engine.engine if self.engine else None)
         self.created = int(time.time())
+        self.sessions = SessionTracker()
 
     @property
     def model_name(self) -> str:
@@ -88,16 +91,18 @@ class GuardMiddleware:
     """API key (constant-time) on every route but /health and preflight; 413 on large bodies."""
 
     def __init__(self, app: ASGIApp, api_key: str, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body = app, api_key.encode(), max_body_bytes
+        self.app, self.max_body = app, max_body_bytes
+        self.keys = [k.strip().encode() for k in api_key.split(",") if k.strip()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode().lower(): v for k, v in scope["headers"]}
-        if self.api_key and scope["method"] != "OPTIONS" and scope["path"] != "/health":
+        if self.keys and scope["method"] != "OPTIONS" and scope["path"] != "/health":
             auth = headers.get("authorization", b"")
             token = auth[7:] if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.api_key):
+            # compare against every key so the time taken does not say which one nearly matched
+            if not sum(hmac.compare_digest(token, key) for key in self.keys):
                 resp = APIError(
                     401,
                     "Incorrect or missing API key. Pass it as 'Authorization: Bearer <key>'.",
@@ -147,6 +152,20 @@ def _param_from_loc(loc: tuple) -> str | None:
             break
         parts.append(str(p))
     return ".".join(parts) or None
+
+
+def effective_salt(state: ServerState, request: Request, salt: str | None) -> str | None:
+    """With salt_cache_per_key, the caller's API key enters the cache salt, so tenants holding
+    different keys never share KV blocks (and cannot probe each other's prompts by timing)."""
+    if not state.config.server.salt_cache_per_key:
+        return salt
+    auth = request.headers.get("authorization", "")
+    key_tag = hashlib.sha256(auth.encode()).hexdigest()[:16]
+    return f"key:{key_tag}|{salt or ''}"
+
+
+def session_id(request: Request, user: str | None) -> str | None:
+    return request.headers.get("x-session-id") or user
 
 
 def check_model(state: ServerState, name: str) -> None:
@@ -307,6 +326,9 @@ async def chat_completions(request: Request) -> Response:
     except (TemplateError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from None
     ids = tokenizer.encode(text, add_special_tokens=False)
+    body.cache_salt = effective_salt(state, request, body.cache_salt)
+    session = session_id(request, body.user)
+    state.sessions.begin_turn(session, ids)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     req_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -324,7 +346,7 @@ async def chat_completions(request: Request) -> Response:
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            chat_stream(state, engine, choices, head, body.n, include_usage, timing),
+            chat_stream(state, engine, choices, head, body.n, include_usage, timing, session),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -335,6 +357,7 @@ async def chat_completions(request: Request) -> Response:
                 timing.token()
         p, c, cached = prompt_usage(choices, body.n)
         timing.done(req_id, p, cached, c)
+        state.sessions.end_turn(session, choices[0].prompt_ids + choices[0].token_ids)
         return JSONResponse(
             {
                 **head,
@@ -365,6 +388,7 @@ async def chat_stream(
     n: int,
     include_usage: bool,
     timing: Timing,
+    session: str | None = None,
 ) -> AsyncIterator[bytes]:
     tokenizer = engine.engine.tokenizer
     assert tokenizer is not None
@@ -421,6 +445,7 @@ async def chat_stream(
         return
     p, c, cached = prompt_usage(choices, n)
     timing.done(head["id"], p, cached, c)
+    state.sessions.end_turn(session, choices[0].prompt_ids + choices[0].token_ids)
     if include_usage:
         yield sse(
             {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(p, c, cached)}
@@ -465,6 +490,7 @@ async def completions(request: Request) -> Response:
         )
     prompts = completion_prompts(state, body)
     check_limits(state, body, len(prompts))
+    body.cache_salt = effective_salt(state, request, body.cache_salt)
     engine = state.ready_engine()
     tokenizer = engine.engine.tokenizer
     req_id = f"cmpl-{uuid.uuid4().hex}"

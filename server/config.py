@@ -13,7 +13,7 @@ from typing import Any
 from engine.config import EngineConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config.toml"
-_ZERO_IS_NONE = {"num_kv_blocks", "max_model_len"}
+_ZERO_IS_NONE = {"num_kv_blocks", "max_model_len", "block_size"}
 _EMPTY_IS_NONE = {"model"}
 
 
@@ -21,7 +21,8 @@ _EMPTY_IS_NONE = {"model"}
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str = ""
+    api_key: str = ""  # one key, or several separated by commas
+    salt_cache_per_key: bool = False
     served_model_name: str = ""
     allowed_origins: list[str] = field(default_factory=list)
     max_queue_len: int = 256
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
             ap.add_argument(flag, dest=name, default=None, nargs="*")
         else:
             kind = type(default) if default is not None else str
-            if name in ("num_kv_blocks", "max_model_len"):
+            if name in _ZERO_IS_NONE:
                 kind = int
             ap.add_argument(flag, dest=name, default=None, type=kind)
     return ap

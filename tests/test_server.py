@@ -463,3 +463,45 @@ def test_queue_full_gets_429(llama_dir) -> None:
         validate("ErrorResponse", r429.json())
     finally:
         s.stop()
+
+
+def cached_tokens(server, key: str, **body) -> int:
+    r = raw(server, "POST", "/v1/completions", key=key, json={"max_tokens": 1, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_cache_salt_and_reset_over_http(server) -> None:
+    prompt = list(range(40, 180))  # over two 64-token blocks
+    assert raw(server, "POST", "/reset_prefix_cache", key=None).status_code == 401
+    assert raw(server, "POST", "/reset_prefix_cache").status_code == 200
+    assert cached_tokens(server, KEY, prompt=prompt, cache_salt="a") == 0
+    assert cached_tokens(server, KEY, prompt=prompt, cache_salt="b") == 0
+    assert cached_tokens(server, KEY, prompt=prompt, cache_salt="a") == 128
+    assert cached_tokens(server, KEY, prompt=prompt) == 0
+    assert metric(server, "prefix_cache_hits_total") >= 128
+    assert raw(server, "POST", "/reset_prefix_cache").status_code == 200
+    assert cached_tokens(server, KEY, prompt=prompt, cache_salt="a") == 0
+
+
+def test_salt_cache_per_key(llama_dir) -> None:
+    s = ServerProcess(
+        [
+            "--model",
+            str(llama_dir),
+            "--num-kv-blocks",
+            "64",
+            "--api-key",
+            "k1,k2",
+            "--salt-cache-per-key",
+        ]
+    )
+    try:
+        prompt = list(range(40, 180))
+        assert cached_tokens(s, "k1", prompt=prompt) == 0
+        assert cached_tokens(s, "k2", prompt=prompt) == 0
+        assert cached_tokens(s, "k1", prompt=prompt) == 128
+        assert cached_tokens(s, "k2", prompt=prompt) == 128
+        assert raw(s, "GET", "/v1/models", key="k3").status_code == 401
+    finally:
+        s.stop()

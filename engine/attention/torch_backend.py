@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
+from engine.attention.range_decode import RangeDecodePlan
 from models.spec import ModelSpec
 
 DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
@@ -50,17 +51,41 @@ class TorchAttentionStep(AttentionStep):
         self.slot_offset = (meta.slot_mapping % bs).to(device)
         window = backend.spec.sliding_window
 
-        decode = sorted(
-            (i for i, q in enumerate(meta.query_lens) if q == 1), key=lambda i: meta.seq_lens[i]
-        )
-        self.num_decode = len(decode)
-        # One bucket holding every row in batch order: no gather/scatter of q and output needed.
-        self.identity_decode = (
-            self.num_decode == meta.num_seqs
-            and decode == sorted(decode)
-            and (self.num_decode <= DECODE_BUCKET)
-        )
+        decode_seqs = [i for i, q in enumerate(meta.query_lens) if q == 1]
+        self.all_decode = len(decode_seqs) == meta.num_seqs
+        self.decode_rows = torch.tensor([meta.query_start[i] for i in decode_seqs], device=device)
+        self.range_plan: RangeDecodePlan | None = None
         self.decode: list[_DecodeBucket] = []
+        if decode_seqs and backend.use_range_decode:
+            self.range_plan = RangeDecodePlan.build(
+                [meta.block_tables[i] for i in decode_seqs],
+                [meta.seq_lens[i] for i in decode_seqs],
+                bs,
+                window,
+                device,
+            )
+        if decode_seqs and self.range_plan is None:
+            self._plan_buckets(meta, sorted(decode_seqs, key=lambda i: meta.seq_lens[i]), device)
+
+        self.prefills: list[_Prefill] = []
+        for i, q_len in enumerate(meta.query_lens):
+            if q_len == 1:
+                continue
+            start, ctx, seq = meta.query_start[i], meta.context_lens[i], meta.seq_lens[i]
+            mask = pages = None
+            if ctx > 0 or window is not None:
+                q_pos = torch.arange(ctx, seq)[:, None]
+                k_pos = torch.arange(seq)[None, :]
+                m = k_pos <= q_pos
+                if window is not None:
+                    m &= k_pos > q_pos - 1 - window
+                mask = m.to(device)
+            if ctx > 0:
+                pages = torch.tensor(meta.block_tables[i][: -(-seq // bs)], device=device)
+            self.prefills.append(_Prefill(slice(start, start + q_len), seq, pages, mask))
+
+    def _plan_buckets(self, meta: StepMetadata, decode: list[int], device: torch.device) -> None:
+        bs, window = self.backend.block_size, self.backend.spec.sliding_window
         for b in range(0, len(decode), DECODE_BUCKET):
             seqs = decode[b : b + DECODE_BUCKET]
             max_pages = max(len(meta.block_tables[i]) for i in seqs)
@@ -82,23 +107,6 @@ class TorchAttentionStep(AttentionStep):
                 )
             )
 
-        self.prefills: list[_Prefill] = []
-        for i, q_len in enumerate(meta.query_lens):
-            if q_len == 1:
-                continue
-            start, ctx, seq = meta.query_start[i], meta.context_lens[i], meta.seq_lens[i]
-            mask = pages = None
-            if ctx > 0 or window is not None:
-                q_pos = torch.arange(ctx, seq)[:, None]
-                k_pos = torch.arange(seq)[None, :]
-                m = k_pos <= q_pos
-                if window is not None:
-                    m &= k_pos > q_pos - 1 - window
-                mask = m.to(device)
-            if ctx > 0:
-                pages = torch.tensor(meta.block_tables[i][: -(-seq // bs)], device=device)
-            self.prefills.append(_Prefill(slice(start, start + q_len), seq, pages, mask))
-
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
@@ -107,9 +115,14 @@ class TorchAttentionStep(AttentionStep):
         cache[0][:, self.slot_block, self.slot_offset] = k.transpose(0, 1)
         cache[1][:, self.slot_block, self.slot_offset] = v.transpose(0, 1)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        if self.identity_decode:
-            return self._decode(self.decode[0], q, cache, scale)
-        out = q.new_empty(q.shape)
+        if self.range_plan is not None:
+            if self.all_decode:
+                return self.range_plan.attend(q, cache, scale)
+            out = q.new_empty(q.shape)
+            qd = q.index_select(0, self.decode_rows)
+            out.index_copy_(0, self.decode_rows, self.range_plan.attend(qd, cache, scale))
+        else:
+            out = q.new_empty(q.shape)
         for bucket in self.decode:
             out.index_copy_(
                 0, bucket.rows, self._decode(bucket, q.index_select(0, bucket.rows), cache, scale)
@@ -159,6 +172,7 @@ class TorchAttentionStep(AttentionStep):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    use_range_decode = True  # False forces the gather path (tests compare the two)
 
     @classmethod
     def kv_cache_shape(

@@ -1,0 +1,57 @@
+"""Chat sessions, keyed by the request's `user` field or an `X-Session-ID` header: the token
+history of each session's last turn, so a new turn can report how much of it the chat template
+kept (prefix-cache reuse ends at the first token the template rendered differently)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+log = logging.getLogger("kvserve.sessions")
+
+
+@dataclass(slots=True)
+class Session:
+    token_ids: list[int]
+    last_seen: float
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class SessionTracker:
+    def __init__(self, max_sessions: int = 4096) -> None:
+        self.max_sessions = max_sessions
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
+
+    def begin_turn(self, session_id: str | None, prompt_ids: list[int]) -> int | None:
+        """Log how far the new prompt follows the session's previous turn; returns that length."""
+        if not session_id or session_id not in self.sessions:
+            return None
+        previous = self.sessions[session_id].token_ids
+        same = common_prefix(previous, prompt_ids)
+        if same < len(previous):
+            log.debug(
+                "session %s: template re-rendered history; %d of the previous turn's %d tokens "
+                "kept, %d diverged",
+                session_id,
+                same,
+                len(previous),
+                len(previous) - same,
+            )
+        return same
+
+    def end_turn(self, session_id: str | None, token_ids: list[int]) -> None:
+        if not session_id:
+            return
+        self.sessions[session_id] = Session(list(token_ids), time.monotonic())
+        self.sessions.move_to_end(session_id)
+        while len(self.sessions) > self.max_sessions:
+            self.sessions.popitem(last=False)
