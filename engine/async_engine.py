@@ -60,6 +60,8 @@ class AsyncEngine:
         self._inbox.put(("wake",))
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.dead is None:
+            self.engine.shutdown()
 
     @property
     def num_in_flight(self) -> int:

@@ -46,6 +46,9 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         self.root_hash = os.urandom(32)  # per-process seed: hashes are not predictable across runs
         self.num_evictions = 0
+        # (hash, block id) of cached blocks evicted by allocate(), drained by the KV manager to
+        # write them back to the host tier before the step's forward overwrites them
+        self.evicted: list[tuple[bytes, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,6 +76,7 @@ class BlockPool:
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                self.evicted.append((block.block_hash, block.block_id))
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -95,6 +99,14 @@ class BlockPool:
             return  # an identical block is already cached; this one stays private
         block.block_hash = block_hash
         self.cached[block_hash] = block
+
+    def uncache(self, block: KVBlock) -> None:
+        """Drop a free block's hash (its KV moved to the host tier) and make it the next block
+        allocated, so the device copy is not kept twice."""
+        assert block.ref_cnt == 0 and block.block_hash is not None
+        del self.cached[block.block_hash]
+        block.block_hash = None
+        self.free_queue.move_to_end(block.block_id, last=False)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use, since running

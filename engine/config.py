@@ -36,6 +36,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     seed: int = 0
+    host_bytes: str = "0"  # host-memory KV tier size, e.g. "8GiB"; "0" = off
+    disk_path: str = ""  # optional disk tier under the host tier; "" = off
+    disk_bytes: str = "20GiB"
+    preemption_mode: str = "swap"  # "swap" (full blocks to the host tier) or "recompute"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -71,5 +75,9 @@ class EngineConfig:
             raise ValueError("block_size must be a power of two up to 128")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError("preemption_mode must be 'swap' or 'recompute'")
+        parse_bytes(self.host_bytes)
+        parse_bytes(self.disk_bytes)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")

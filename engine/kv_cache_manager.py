@@ -1,25 +1,52 @@
-"""Per-request block tables on top of the `BlockPool`, and the prefix-cache walk.
+"""Per-request block tables on top of the `BlockPool`, the prefix-cache walk, and the host tier.
 
 A request's `block_table` covers `num_computed_tokens + num_new_tokens` after each allocation.
 Full blocks are registered in the prefix cache under the request's block hashes as soon as the
 step that computes them is scheduled (the forward writes every token's KV before any attention of
 the same layer reads it, so a block registered this step may be hit by another request this step).
+
+Lookup order for a new request: device pool, then host tier (then disk, through the host tier);
+host hits are copied into freshly allocated device blocks during `allocate_slots`, before the
+step's forward. Cached blocks evicted from the device pool are written back to the host tier in
+the same call, before anything can overwrite them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from engine.block_pool import BlockPool, KVBlock, hash_block
+from engine.host_tier import HostTier
 from engine.request import Request
 
 
+@dataclass(slots=True)
+class PrefixHit:
+    device: list[KVBlock] = field(default_factory=list)
+    host: list[bytes] = field(default_factory=list)  # hashes continuing the chain on the host
+    num_disk: int = 0  # of the host hits, how many were just read from the disk tier
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device) + len(self.host)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        host: HostTier | None = None,
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.host = host if enable_caching else None
         self.block_tables: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
-        self.prefix_hits = 0  # tokens found
+        self.prefix_hits = 0  # tokens found, any tier
+        self.hits_by_source = {"device": 0, "host": 0, "disk": 0}
 
     @property
     def enable_caching(self) -> bool:
@@ -35,45 +62,84 @@ class KVCacheManager:
             extra = salt.encode() if (i == 0 and salt) else b""
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], extra))
 
-    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+    def hashes_for(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        """Block hashes of a token sequence, exactly as a request carrying it would get."""
+        out: list[bytes] = []
+        bs = self.block_size
+        for i in range(len(token_ids) // bs):
+            parent = out[-1] if out else self.pool.root_hash
+            extra = cache_salt.encode() if (i == 0 and cache_salt) else b""
+            out.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra))
+        return out
+
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
         """Longest cached prefix of the request, in whole blocks, leaving at least the last token
         to compute so the request gets logits."""
+        hit = PrefixHit()
         if not self.enable_caching or request.num_computed_tokens > 0:
-            return []
+            return hit
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        hashes = request.block_hashes[:max_blocks]
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
-            hits.append(block)
+            hit.device.append(block)
+        if self.host is not None:
+            for block_hash in hashes[len(hit.device) :]:
+                if self.host.contains(block_hash):
+                    hit.host.append(block_hash)
+                elif self.host.load_from_disk(block_hash):
+                    hit.host.append(block_hash)
+                    hit.num_disk += 1
+                else:
+                    break
+        return hit
+
+    def record_hit(self, request: Request, hit: PrefixHit) -> None:
+        """Count a lookup once, when the request is actually admitted."""
+        bs = self.block_size
         self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
-        return hits
+        self.prefix_hits += hit.num_blocks * bs
+        self.hits_by_source["device"] += len(hit.device) * bs
+        self.hits_by_source["host"] += (len(hit.host) - hit.num_disk) * bs
+        self.hits_by_source["disk"] += hit.num_disk * bs
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
+        self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None
     ) -> bool:
         """Grow the request's block table to hold its computed tokens, the prefix hits and
         `num_new_tokens` more. False (and no change) if the pool cannot supply the blocks."""
-        computed = computed or []
+        hit = hit or PrefixHit()
         table = self.block_tables.setdefault(request.request_id, [])
-        total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        need = -(-total // self.block_size) - len(table) - len(computed)
-        evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        total = request.num_computed_tokens + hit.num_blocks * self.block_size + num_new_tokens
+        need = -(-total // self.block_size) - len(table) - len(hit.device)
+        evictable_hits = sum(1 for b in hit.device if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - evictable_hits:
             if not table:
                 del self.block_tables[request.request_id]
             return False
-        self.pool.touch(computed)
-        table.extend(computed)
-        if need > 0:
-            table.extend(self.pool.allocate(need))
-        self._num_cached_blocks.setdefault(request.request_id, len(computed))
+        self.pool.touch(hit.device)
+        table.extend(hit.device)
+        fresh = self.pool.allocate(need) if need > 0 else []
+        self._write_back(protect=hit.host)
+        if hit.host:
+            assert self.host is not None
+            swapped = fresh[: len(hit.host)]
+            self.host.load(hit.host, [b.block_id for b in swapped])
+            for block, block_hash in zip(swapped, hit.host, strict=True):
+                self.pool.cache(block, block_hash)
+        table.extend(fresh)
+        self._num_cached_blocks.setdefault(request.request_id, hit.num_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, total)
         return True
+
+    def _write_back(self, protect: list[bytes] = ()) -> None:  # type: ignore[assignment]
+        evicted, self.pool.evicted = self.pool.evicted, []
+        if evicted and self.host is not None:
+            self.host.save(evicted, protect=protect)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         self.update_block_hashes(request)
@@ -88,6 +154,38 @@ class KVCacheManager:
         table = self.block_tables.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(table))
+
+    def swap_out(self, request: Request) -> int:
+        """Copy the request's computed full blocks to the host tier (preemption by swap)."""
+        if self.host is None:
+            return 0
+        table = self.block_tables.get(request.request_id, [])
+        pairs = [
+            (b.block_hash, b.block_id)
+            for b in table[: request.num_computed_tokens // self.block_size]
+            if b.block_hash is not None
+        ]
+        return self.host.save(pairs)
+
+    def offload_prefix(self, token_ids: list[int], cache_salt: str | None) -> int:
+        """Move a sequence's free cached device blocks to the host tier (idle session offload),
+        freeing device blocks before pressure arrives. Blocks in use are left alone."""
+        if self.host is None:
+            return 0
+        blocks = []
+        for block_hash in self.hashes_for(token_ids, cache_salt):
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            if block.ref_cnt == 0:
+                blocks.append(block)
+        self.host.save([(b.block_hash, b.block_id) for b in blocks if b.block_hash])
+        moved = 0
+        for b in blocks:
+            if b.block_hash is not None and self.host.contains(b.block_hash):
+                self.pool.uncache(b)
+                moved += 1
+        return moved
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request_id, [])]

@@ -4,7 +4,9 @@ design; `AsyncEngine` drives it from its own thread."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -13,6 +15,8 @@ import torch
 from engine.attention import select_backend
 from engine.config import EngineConfig, parse_bytes
 from engine.detokenizer import IncrementalDetokenizer
+from engine.disk_tier import DiskTier
+from engine.host_tier import HostTier
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.outputs import RequestOutput
@@ -61,8 +65,18 @@ class LLMEngine:
             self.dtype,
             self.device,
         )
-        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.host = self._host_tier()
+        self.kv = KVCacheManager(
+            self.num_blocks, self.block_size, config.enable_prefix_caching, self.host
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            preempt_by_swap=config.preemption_mode == "swap" and self.host is not None,
+        )
+        if self.host is not None and self.host.disk is not None:
+            self.kv.pool.root_hash = self.host.disk.root_seed
         backend = self.backend_cls(self.spec, self.kv_caches, self.block_size)
         self.runner = ModelRunner(self.model, backend, self.kv, self.device)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -75,6 +89,47 @@ class LLMEngine:
             )
         )
         self.stats = EngineStats()
+
+    def _host_tier(self) -> HostTier | None:
+        host_bytes = parse_bytes(self.config.host_bytes)
+        if host_bytes <= 0 or not self.config.enable_prefix_caching:
+            return None
+        disk = None
+        if self.config.disk_path:
+            layout = [
+                (
+                    c.shape[: self.backend_cls.block_dim]
+                    + c.shape[self.backend_cls.block_dim + 1 :],
+                    c.dtype,
+                )
+                for c in self.kv_caches
+            ]
+            fingerprint = json.dumps(
+                {
+                    "model": os.path.abspath(self.model_path),
+                    "spec": repr(self.spec),
+                    "dtype": str(self.dtype),
+                    "block_size": self.block_size,
+                    "backend": self.backend_cls.name,
+                    "layout": repr(layout),
+                    # hashes chain from the pool's root seed, so a warm restart must reuse it
+                },
+                sort_keys=True,
+            )
+            disk = DiskTier(
+                self.config.disk_path, fingerprint, layout, parse_bytes(self.config.disk_bytes)
+            )
+        return HostTier(self.kv_caches, self.backend_cls.block_dim, host_bytes, disk)
+
+    def offload_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Move an idle session's cached blocks to the host tier; returns blocks moved."""
+        return self.kv.offload_prefix(token_ids, cache_salt)
+
+    def shutdown(self) -> None:
+        """Persist the host tier to the disk tier, if any (clean shutdown)."""
+        if self.host is not None:
+            cached = [(h, b.block_id) for h, b in self.kv.pool.cached.items()]
+            self.host.flush_to_disk(cached)
 
     def _try_tokenizer(self) -> Tokenizer | None:
         try:

@@ -37,6 +37,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
+    num_host_cached_tokens: int = 0  # the part of it swapped in from the host tier
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

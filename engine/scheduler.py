@@ -44,8 +44,10 @@ class Scheduler:
         kv: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        preempt_by_swap: bool = False,
     ) -> None:
         self.kv = kv
+        self.preempt_by_swap = preempt_by_swap
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -110,13 +112,15 @@ class Scheduler:
             if request.request_id in preempted_now:
                 break  # don't re-admit a victim in the step that evicted it
             hits = self.kv.get_computed_blocks(request)
-            num_hit = len(hits) * self.kv.block_size
+            num_hit = hits.num_blocks * self.kv.block_size
             n = min(request.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(request, n, hits):
                 break
             self.waiting.popleft()
+            self.kv.record_hit(request, hits)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.num_host_cached_tokens = len(hits.host) * self.kv.block_size
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -125,6 +129,8 @@ class Scheduler:
         return out
 
     def _preempt(self, request: Request) -> None:
+        if self.preempt_by_swap:
+            self.kv.swap_out(request)
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0

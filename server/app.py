@@ -357,7 +357,9 @@ async def chat_completions(request: Request) -> Response:
                 timing.token()
         p, c, cached = prompt_usage(choices, body.n)
         timing.done(req_id, p, cached, c)
-        state.sessions.end_turn(session, choices[0].prompt_ids + choices[0].token_ids)
+        state.sessions.end_turn(
+            session, choices[0].prompt_ids + choices[0].token_ids, choices[0].params.cache_salt
+        )
         return JSONResponse(
             {
                 **head,
@@ -445,7 +447,9 @@ async def chat_stream(
         return
     p, c, cached = prompt_usage(choices, n)
     timing.done(head["id"], p, cached, c)
-    state.sessions.end_turn(session, choices[0].prompt_ids + choices[0].token_ids)
+    state.sessions.end_turn(
+        session, choices[0].prompt_ids + choices[0].token_ids, choices[0].params.cache_salt
+    )
     if include_usage:
         yield sse(
             {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(p, c, cached)}
@@ -784,6 +788,21 @@ def _wrap(
     return run
 
 
+async def offload_idle_sessions(state: ServerState) -> None:
+    """Move idle sessions' KV to the host tier before the device pool needs their blocks."""
+    idle = state.config.server.idle_seconds
+    while True:
+        await asyncio.sleep(max(0.2, idle / 4))
+        engine = state.engine
+        if engine is None or engine.dead is not None or engine.engine.host is None:
+            continue
+        for sid, session in state.sessions.idle(idle):
+            ids, salt = session.token_ids, session.cache_salt
+            moved = await engine.call(lambda e, ids=ids, salt=salt: e.offload_prefix(ids, salt))
+            session.offloaded = True
+            log.debug("session %s idle %.0fs: %d blocks offloaded to host", sid, idle, moved)
+
+
 def build_app(config: Config, engine: AsyncEngine | None = None, load: bool = True) -> Starlette:
     """The app. With `engine=None` and `load=True` the engine loads in a background thread at
     startup while /health answers 503."""
@@ -808,7 +827,12 @@ def build_app(config: Config, engine: AsyncEngine | None = None, load: bool = Tr
                     state.load_error = e
 
             threading.Thread(target=load_engine, name="kvserve-load", daemon=True).start()
+        offloader = None
+        if config.server.idle_seconds > 0:
+            offloader = asyncio.create_task(offload_idle_sessions(state))
         yield
+        if offloader is not None:
+            offloader.cancel()
         if state.engine is not None:
             state.engine.shutdown()
 

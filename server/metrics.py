@@ -18,6 +18,7 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80
 class EngineCollector(Collector):
     def __init__(self, get_engine: Callable[[], LLMEngine | None]) -> None:
         self.get_engine = get_engine
+        self.on_swap_in: Callable[[float], None] | None = None
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         engine = self.get_engine()
@@ -49,12 +50,50 @@ class EngineCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens computed.", stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("engine_steps", "Engine steps run.", stats.steps)
+        cached = CounterMetricFamily(
+            "kvserve:cached_tokens", "Prompt tokens served from a cache tier.", labels=["source"]
+        )
+        for source, value in kv.hits_by_source.items():
+            cached.add_metric([source], value)
+        yield cached
+        host = engine.host
+        if host is not None:
+            yield gauge("host_kv_used_bytes", "Bytes of KV held in the host tier.", host.used_bytes)
+            yield gauge(
+                "host_kv_capacity_bytes", "Host tier capacity in bytes.", host.capacity_bytes
+            )
+            yield counter(
+                "host_kv_offload_blocks", "Blocks copied to the host tier.", host.saved_blocks
+            )
+            yield counter(
+                "host_kv_offload_bytes",
+                "Bytes copied to the host tier.",
+                host.saved_blocks * host.block_bytes,
+            )
+            yield counter(
+                "host_kv_swap_in_blocks",
+                "Blocks copied back from the host tier.",
+                host.loaded_blocks,
+            )
+            yield counter(
+                "host_kv_swap_in_bytes",
+                "Bytes copied back from the host tier.",
+                host.loaded_blocks * host.block_bytes,
+            )
+            yield counter(
+                "host_kv_evictions", "Blocks evicted from the host tier.", host.evicted_blocks
+            )
+            if self.on_swap_in is not None:
+                latencies, host.recent_load_latencies = host.recent_load_latencies, []
+                for seconds in latencies:
+                    self.on_swap_in(seconds)
 
 
 class Metrics:
     def __init__(self, get_engine: Callable[[], LLMEngine | None]) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(get_engine))
+        collector = EngineCollector(get_engine)
+        self.registry.register(collector)
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(
@@ -65,3 +104,10 @@ class Metrics:
         self.itl = hist("inter_token_latency_seconds", "Time between streamed tokens.")
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue = hist("request_queue_time_seconds", "Time from arrival to first step.")
+        self.swap_in = Histogram(
+            "kvserve:host_kv_swap_in_seconds",
+            "Latency of one host-to-device swap-in copy.",
+            registry=self.registry,
+            buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1),
+        )
+        collector.on_swap_in = self.swap_in.observe

@@ -16,6 +16,8 @@ log = logging.getLogger("kvserve.sessions")
 class Session:
     token_ids: list[int]
     last_seen: float
+    cache_salt: str | None = None
+    offloaded: bool = False
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -48,10 +50,21 @@ class SessionTracker:
             )
         return same
 
-    def end_turn(self, session_id: str | None, token_ids: list[int]) -> None:
+    def end_turn(
+        self, session_id: str | None, token_ids: list[int], cache_salt: str | None = None
+    ) -> None:
         if not session_id:
             return
-        self.sessions[session_id] = Session(list(token_ids), time.monotonic())
+        self.sessions[session_id] = Session(list(token_ids), time.monotonic(), cache_salt)
         self.sessions.move_to_end(session_id)
         while len(self.sessions) > self.max_sessions:
             self.sessions.popitem(last=False)
+
+    def idle(self, idle_seconds: float) -> list[tuple[str, Session]]:
+        """Sessions idle longer than idle_seconds whose KV has not been offloaded yet."""
+        now = time.monotonic()
+        return [
+            (sid, s)
+            for sid, s in self.sessions.items()
+            if not s.offloaded and now - s.last_seen >= idle_seconds
+        ]

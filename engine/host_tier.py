@@ -1,0 +1,142 @@
+"""The host-memory KV tier: a second block pool in CPU memory (pinned on CUDA), keyed by the same
+block hashes as the device prefix cache and bounded in bytes, LRU.
+
+Blocks arrive on eviction from the device pool (write-back), on preemption by swap, and when an
+idle session is offloaded; a new request whose prefix continues here gets them copied back into
+fresh device blocks instead of recomputing them. Copies are batched per call: one index_select /
+index_copy per KV group. Blocks evicted from here go to the optional disk tier.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from engine.disk_tier import DiskTier
+
+
+class HostTier:
+    def __init__(
+        self,
+        device_caches: list[torch.Tensor],
+        block_dim: int,
+        capacity_bytes: int,
+        disk: DiskTier | None = None,
+    ) -> None:
+        self.device_caches = device_caches
+        self.block_dim = block_dim
+        shapes = [c.shape[:block_dim] + c.shape[block_dim + 1 :] for c in device_caches]
+        self.block_bytes = sum(
+            c.element_size() * c.numel() // c.shape[block_dim] for c in device_caches
+        )
+        self.num_blocks = max(0, capacity_bytes // self.block_bytes)
+        pin = bool(device_caches) and device_caches[0].is_cuda
+        self.storage = [
+            torch.empty((self.num_blocks, *s), dtype=c.dtype, pin_memory=pin)
+            for s, c in zip(shapes, device_caches, strict=True)
+        ]
+        self.index: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
+        self.free_slots = list(range(self.num_blocks - 1, -1, -1))
+        self.disk = disk
+        self.saved_blocks = 0
+        self.loaded_blocks = 0
+        self.evicted_blocks = 0
+        self.load_seconds = 0.0
+        self.recent_load_latencies: list[float] = []  # drained by the metrics exporter
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self.index) * self.block_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self.index
+
+    def save(self, pairs: Sequence[tuple[bytes, int]], protect: Iterable[bytes] = ()) -> int:
+        """Copy device blocks (hash, device block id) here; returns how many were stored."""
+        if self.num_blocks == 0:
+            return 0
+        protected = set(protect)
+        new = [(h, b) for h, b in dict(pairs).items() if h not in self.index]
+        for h, _ in pairs:
+            if h in self.index:
+                self.index.move_to_end(h)
+        new = new[-self.num_blocks :]  # more than fits: keep the latest
+        slots: list[int] = []
+        for h, _ in new:
+            slot = self._take_slot(protected)
+            if slot is None:
+                break
+            self.index[h] = slot
+            slots.append(slot)
+        new = new[: len(slots)]
+        if not new:
+            return 0
+        src = torch.tensor([b for _, b in new], device=self.device_caches[0].device)
+        dst = torch.tensor(slots)
+        for cache, store in zip(self.device_caches, self.storage, strict=True):
+            blocks = cache.index_select(self.block_dim, src).movedim(self.block_dim, 0)
+            store.index_copy_(0, dst, blocks.to("cpu", non_blocking=True))
+        self.saved_blocks += len(new)
+        return len(new)
+
+    def _take_slot(self, protected: set[bytes]) -> int | None:
+        if self.free_slots:
+            return self.free_slots.pop()
+        for victim in self.index:  # oldest first
+            if victim not in protected:
+                slot = self.index.pop(victim)
+                self.evicted_blocks += 1
+                if self.disk is not None:
+                    self.disk.save(victim, [s[slot] for s in self.storage])
+                return slot
+        return None
+
+    def load(self, hashes: Sequence[bytes], device_blocks: Sequence[int]) -> None:
+        """Copy host blocks into the given device blocks (all hashes must be present)."""
+        if not hashes:
+            return
+        t = time.perf_counter()
+        slots = torch.tensor([self.index[h] for h in hashes])
+        dst = torch.tensor(list(device_blocks), device=self.device_caches[0].device)
+        for cache, store in zip(self.device_caches, self.storage, strict=True):
+            blocks = store.index_select(0, slots).to(cache.device, non_blocking=True)
+            cache.index_copy_(self.block_dim, dst, blocks.movedim(0, self.block_dim))
+        for h in hashes:
+            self.index.move_to_end(h)
+        self.loaded_blocks += len(hashes)
+        elapsed = time.perf_counter() - t
+        self.load_seconds += elapsed
+        if len(self.recent_load_latencies) < 10_000:
+            self.recent_load_latencies.append(elapsed)
+
+    def load_from_disk(self, block_hash: bytes) -> bool:
+        """Bring one block from the disk tier into this tier (it then loads like any host hit)."""
+        if self.disk is None or self.num_blocks == 0:
+            return False
+        tensors = self.disk.load(block_hash)
+        if tensors is None:
+            return False
+        slot = self._take_slot(set())
+        if slot is None:
+            return False
+        for store, t in zip(self.storage, tensors, strict=True):
+            store[slot].copy_(t)
+        self.index[block_hash] = slot
+        return True
+
+    def flush_to_disk(self, device_pairs: Sequence[tuple[bytes, int]] = ()) -> int:
+        """Clean shutdown: persist this tier and the device pool's cached blocks to disk."""
+        if self.disk is None:
+            return 0
+        for h, slot in self.index.items():
+            self.disk.save(h, [s[slot] for s in self.storage])
+        for h, block_id in device_pairs:
+            self.disk.save(h, [c.select(self.block_dim, block_id) for c in self.device_caches])
+        return len(self.index) + len(device_pairs)
