@@ -30,13 +30,16 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-class RequestFailed(RuntimeError):
+class EngineShutdownError(RuntimeError):
     pass
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(
+        self, engine: LLMEngine, on_death: Callable[[BaseException], None] | None = None
+    ) -> None:
         self.engine = engine
+        self.on_death = on_death
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -116,6 +119,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def abort_all(self, message: str) -> None:
+        """End every request now; their streams get `message` as an error event."""
+        self._inbox.put(("abort_all", message))
+
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps (scoring, cache reset, stats)."""
         fut: Future[Any] = Future()
@@ -147,6 +154,10 @@ class AsyncEngine:
             result = self.engine.abort_request(msg[1])
             if result is not None:
                 out.append((msg[1], result))
+        elif kind == "abort_all":
+            for request_id in list(self.engine.scheduler.requests):
+                self.engine.abort_request(request_id)
+                out.append((request_id, EngineShutdownError(msg[1])))
         elif kind == "call":
             _, fn, fut = msg
             try:
@@ -175,3 +186,5 @@ class AsyncEngine:
             self._post([(rid, err) for rid in list(self._queues)])
             for rid in list(self.engine.scheduler.requests):
                 self.engine.scheduler.finish(rid, FinishReason.ERROR)
+            if self.on_death is not None:
+                self.on_death(e)

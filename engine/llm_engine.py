@@ -232,11 +232,33 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One batch. A failure that belongs to one request (non-finite logits, detokenizer
+        error) fails that request only; a failed forward fails the requests of that batch; the
+        engine keeps serving. Failures in scheduling itself are engine bugs and propagate."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        logits = self.runner.execute(out)
+        try:
+            logits = self.runner.execute(out)
+        except Exception:
+            log.exception(
+                "forward pass failed; failing the %d requests of this batch", len(out.scheduled)
+            )
+            return [self._fail(s.request, "the forward pass failed") for s in out.scheduled]
+        outputs: list[RequestOutput] = []
         sampling = [s.request for s in out.scheduled if s.samples]
+        if sampling:
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
+            if not all(finite):
+                keep = [i for i, ok in enumerate(finite) if ok]
+                for i, ok in enumerate(finite):
+                    if not ok:
+                        log.error(
+                            "request %s: non-finite logits; failing it", sampling[i].request_id
+                        )
+                        outputs.append(self._fail(sampling[i], "the model produced NaN/inf logits"))
+                sampling = [sampling[i] for i in keep]
+                logits = logits[keep]
         result = sample(logits, sampling)
         self.stats.steps += 1
         self.stats.prompt_tokens += sum(
@@ -249,13 +271,31 @@ class LLMEngine:
         sampled = {r.request_id: t for r, t in zip(sampling, result.token_ids)}
         self.scheduler.update(out, sampled)
         now = time.monotonic()
-        outputs = []
         for request, token, lp in zip(sampling, result.token_ids, result.logprobs):
             self.stats.generation_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = now
-            outputs.append(self._output(request, token, lp))
+            try:
+                outputs.append(self._output(request, token, lp))
+            except Exception:
+                log.exception("request %s: output processing failed", request.request_id)
+                outputs.append(self._fail(request, "detokenization failed"))
         return outputs
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        self.scheduler.finish(request.request_id, FinishReason.ERROR)
+        self.detokenizers.pop(request.request_id, None)
+        return RequestOutput(
+            request.request_id,
+            [],
+            "",
+            True,
+            FinishReason.ERROR.value,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=request.num_output_tokens,
+            error=message,
+        )
 
     def _output(self, request: Request, token: int, lp) -> RequestOutput:
         detok = self.detokenizers.get(request.request_id)

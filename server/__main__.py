@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
+import time
 
 import uvicorn
 
@@ -39,7 +41,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     from server.app import build_app
 
-    app = build_app(config)
+    exit_code = 0
+    server: DrainingServer | None = None
+
+    def on_fatal(error: BaseException) -> None:
+        """The engine died or the model failed to load: exit non-zero so a supervisor restarts
+        us, rather than hang with /health at 503."""
+        nonlocal exit_code
+        exit_code = 1
+        logging.getLogger("kvserve.server").critical("fatal: %s; shutting down", error)
+        if server is not None and state.loop is not None:
+            state.loop.call_soon_threadsafe(setattr, server, "should_exit", True)
+
+    app = build_app(config, on_fatal=on_fatal)
     state = app.state.kv
 
     class BannerOnReady(logging.Handler):
@@ -53,13 +67,54 @@ def main(argv: list[str] | None = None) -> None:
         f"listening on http://{config.server.host}:{config.server.port}",
         flush=True,
     )
-    uvicorn.run(
-        app,
-        host=config.server.host,
-        port=config.server.port,
-        log_level=config.server.log_level,
-        timeout_graceful_shutdown=5,
+    server = DrainingServer(
+        uvicorn.Config(
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            log_level=config.server.log_level,
+            timeout_graceful_shutdown=5,
+        ),
+        state,
+        config.server.shutdown_grace_s,
     )
+    server.run()
+    sys.exit(exit_code)
+
+
+class DrainingServer(uvicorn.Server):
+    """SIGTERM/SIGINT: stop admitting (503), let in-flight requests finish for up to the grace
+    period, end the rest with an error event, then shut down (the lifespan flushes the KV tiers).
+    A second signal shuts down at once."""
+
+    def __init__(self, config: uvicorn.Config, state, grace_s: float) -> None:  # state: ServerState
+        super().__init__(config)
+        self.state, self.grace_s = state, grace_s
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        state = self.state
+        if state.draining or state.engine is None or state.loop is None:
+            return super().handle_exit(sig, frame)
+        state.draining = True
+        logging.getLogger("kvserve.server").info(
+            "signal %d: draining %d requests (up to %.0fs)",
+            sig,
+            state.engine.num_in_flight,
+            self.grace_s,
+        )
+        state.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(sig, frame)))
+
+    async def _drain(self, sig: int, frame: object) -> None:
+        engine = self.state.engine
+        deadline = time.monotonic() + self.grace_s
+        while engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_in_flight:
+            engine.abort_all("the server is shutting down")
+            await asyncio.sleep(0.2)  # let the error events reach their streams
+        # Not super().handle_exit: uvicorn would re-raise the captured SIGTERM after shutdown
+        # and the process would die by signal instead of exiting 0 after a clean drain.
+        self.should_exit = True
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from server.config import Config
 from server.errors import APIError, error_body
 from server.generation import (
     Choice,
+    RequestFailed,
     admit,
     chat_logprobs,
     completion_logprobs,
@@ -64,6 +65,8 @@ class ServerState:
         self.metrics = Metrics(lambda: self.engine.engine if self.engine else None)
         self.created = int(time.time())
         self.sessions = SessionTracker()
+        self.draining = False  # SIGTERM received: finish in-flight work, admit nothing new
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def model_name(self) -> str:
@@ -75,6 +78,13 @@ class ServerState:
         return name.removesuffix(".gguf")
 
     def ready_engine(self) -> AsyncEngine:
+        if self.draining:
+            raise APIError(
+                503,
+                "the server is shutting down",
+                code="shutting_down",
+                headers={"Retry-After": "5"},
+            )
         if self.engine is None:
             raise APIError(503, "the model is still loading", code="model_loading")
         if self.engine.dead is not None:
@@ -661,6 +671,8 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "loading"}, status_code=503)
     if state.engine.dead is not None:
         return JSONResponse({"status": "dead", "error": str(state.engine.dead)}, status_code=503)
+    if state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ok", "attention_backend": state.engine.engine.backend_cls.name})
 
 
@@ -784,6 +796,16 @@ def _wrap(
             return APIError(503, str(e), code="engine_dead").response()
         except ParamError as e:
             return APIError(400, str(e), param=e.param).response()
+        except RequestFailed as e:
+            return APIError(500, str(e), code="request_failed").response()
+        except Exception:
+            ref = uuid.uuid4().hex[:12]
+            log.exception("request %s failed on %s %s", ref, request.method, request.url.path)
+            return APIError(
+                500,
+                f"internal error processing the request (request id {ref})",
+                code="internal_error",
+            ).response()
 
     return run
 
@@ -803,7 +825,12 @@ async def offload_idle_sessions(state: ServerState) -> None:
             log.debug("session %s idle %.0fs: %d blocks offloaded to host", sid, idle, moved)
 
 
-def build_app(config: Config, engine: AsyncEngine | None = None, load: bool = True) -> Starlette:
+def build_app(
+    config: Config,
+    engine: AsyncEngine | None = None,
+    load: bool = True,
+    on_fatal: Callable[[BaseException], None] | None = None,
+) -> Starlette:
     """The app. With `engine=None` and `load=True` the engine loads in a background thread at
     startup while /health answers 503."""
     state = ServerState(config)
@@ -811,7 +838,9 @@ def build_app(config: Config, engine: AsyncEngine | None = None, load: bool = Tr
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
+        state.loop = loop
         if engine is not None:
+            engine.on_death = engine.on_death or on_fatal
             engine.start(loop)
             state.engine = engine
         elif load:
@@ -819,12 +848,15 @@ def build_app(config: Config, engine: AsyncEngine | None = None, load: bool = Tr
             def load_engine() -> None:
                 try:
                     eng = AsyncEngine.from_config(config.engine)
+                    eng.on_death = on_fatal
                     eng.start(loop)
                     state.engine = eng
                     log.info("model loaded: ready")
                 except BaseException as e:  # noqa: BLE001
                     log.exception("model failed to load")
                     state.load_error = e
+                    if on_fatal is not None:
+                        on_fatal(e)
 
             threading.Thread(target=load_engine, name="kvserve-load", daemon=True).start()
         offloader = None

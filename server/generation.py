@@ -14,6 +14,10 @@ from engine.sampling_params import SamplingParams
 from models.tokenizer import Tokenizer
 
 
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine; the others carry on."""
+
+
 @dataclass(slots=True)
 class Choice:
     """One (prompt, sample) pair of a request."""
@@ -59,6 +63,8 @@ async def merged_outputs(
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
+            elif item.finish_reason == "error":
+                raise RequestFailed(f"request {choice.request_id} failed: {item.error}")
             else:
                 choice.token_ids.extend(item.new_token_ids)
                 choice.text += item.new_text

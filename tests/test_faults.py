@@ -1,0 +1,217 @@
+"""Fault isolation: one request's failure stays with that request; a dead engine is loud; SIGTERM
+drains. In-process servers (uvicorn in a thread) let tests inject faults into the live engine."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from server.app import build_app
+from server.config import Config, ServerConfig
+from tests.openai_schema import validate
+from tests.server_utils import ServerProcess, free_port
+
+MARKER = 399  # a prompt token that makes the injected NaN fault fire
+
+
+class InProcessServer:
+    def __init__(self, model_dir) -> None:
+        self.fatal: list[BaseException] = []
+        self.engine = AsyncEngine.from_config(
+            EngineConfig(model=str(model_dir), num_kv_blocks=128, max_model_len=512)
+        )
+        config = Config(ServerConfig(), self.engine.engine.config)
+        app = build_app(config, engine=self.engine, on_fatal=self.fatal.append)
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+
+@pytest.fixture()
+def live(llama_dir):
+    s = InProcessServer(llama_dir)
+    yield s
+    s.stop()
+
+
+def post(base: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(base + path, json=body, timeout=60)
+
+
+def test_tokenizer_failure_fails_only_that_request(live, monkeypatch) -> None:
+    tok = live.engine.engine.tokenizer
+    original = tok.encode
+
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        if "EXPLODE" in text:
+            raise RuntimeError("tokenizer blew up")
+        return original(text, add_special_tokens)
+
+    monkeypatch.setattr(tok, "encode", encode)
+    bad = post(live.base, "/v1/completions", {"prompt": "EXPLODE now", "max_tokens": 2})
+    assert bad.status_code == 500
+    validate("ErrorResponse", bad.json())
+    assert "request id" in bad.json()["error"]["message"]
+    assert "EXPLODE" not in bad.text  # no prompt text in errors
+    good = post(live.base, "/v1/completions", {"prompt": "fine", "max_tokens": 2})
+    assert good.status_code == 200
+
+
+def test_nan_logits_fail_only_their_request(live, monkeypatch) -> None:
+    runner = live.engine.engine.runner
+    original = runner.execute
+
+    def execute(out):
+        logits = original(out).clone()
+        rows = [s.request for s in out.scheduled if s.samples]
+        for i, r in enumerate(rows):
+            if MARKER in r.prompt_token_ids:
+                logits[i] = float("nan")
+        return logits
+
+    monkeypatch.setattr(runner, "execute", execute)
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, prompt: list[int]) -> None:
+        results[name] = post(
+            live.base, "/v1/completions", {"prompt": prompt, "max_tokens": 20, "ignore_eos": True}
+        )
+
+    threads = [
+        threading.Thread(target=send, args=("bad", [5, MARKER, 7])),
+        threading.Thread(target=send, args=("good", [5, 6, 7])),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["bad"].status_code == 500
+    assert "NaN" in results["bad"].json()["error"]["message"]
+    assert results["good"].status_code == 200
+    assert results["good"].json()["usage"]["completion_tokens"] == 20
+    assert live.engine.engine.kv.pool.num_free_blocks == live.engine.engine.num_blocks
+    with httpx.stream(
+        "POST",
+        live.base + "/v1/completions",
+        timeout=60,
+        json={"prompt": [MARKER], "max_tokens": 5, "stream": True},
+    ) as r:
+        lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+    assert "error" in json.loads(lines[-2][6:]) and lines[-1] == "data: [DONE]"
+
+
+def test_dead_engine_thread_is_loud(live, monkeypatch) -> None:
+    sched = live.engine.engine.scheduler
+    original = sched.schedule
+    armed = threading.Event()
+
+    def schedule():
+        if armed.is_set():
+            raise RuntimeError("scheduler bug")
+        return original()
+
+    monkeypatch.setattr(sched, "schedule", schedule)
+    events = []
+    with httpx.stream(
+        "POST",
+        live.base + "/v1/completions",
+        timeout=60,
+        json={"prompt": [5, 6], "max_tokens": 400, "ignore_eos": True, "stream": True},
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 3:
+                    armed.set()
+    assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+    assert httpx.get(live.base + "/health").status_code == 503
+    assert len(live.fatal) == 1
+    later = post(live.base, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert later.status_code == 503
+
+
+def test_sigterm_drains_in_flight_and_refuses_new(llama_dir) -> None:
+    s = ServerProcess(
+        ["--model", str(llama_dir), "--num-kv-blocks", "128", "--max-model-len", "4096"]
+    )
+    events: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream(
+            "POST",
+            s.base + "/v1/completions",
+            timeout=120,
+            json={"prompt": "go", "max_tokens": 600, "ignore_eos": True, "stream": True},
+        ) as r:
+            events.extend(x[6:] for x in r.iter_lines() if x.startswith("data: "))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.0)
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    late = httpx.post(s.base + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert late.status_code == 503
+    assert httpx.get(s.base + "/health").json()["status"] == "draining"
+    t.join(timeout=120)
+    assert s.proc.wait(timeout=60) == 0
+    assert events[-1] == "[DONE]"
+    finals = [json.loads(e) for e in events[:-1]]
+    assert "error" not in finals[-1], finals[-1]
+    assert finals[-1]["choices"][0]["finish_reason"] == "length"
+    s.stop()
+
+
+def test_sigterm_grace_expiry_aborts_with_error_event(llama_dir) -> None:
+    s = ServerProcess(
+        [
+            "--model",
+            str(llama_dir),
+            "--num-kv-blocks",
+            "128",
+            "--max-model-len",
+            "8192",
+            "--shutdown-grace-s",
+            "0.5",
+        ]
+    )
+    events: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream(
+            "POST",
+            s.base + "/v1/completions",
+            timeout=120,
+            json={"prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True},
+        ) as r:
+            events.extend(x[6:] for x in r.iter_lines() if x.startswith("data: "))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.0)
+    s.proc.send_signal(signal.SIGTERM)
+    t.join(timeout=60)
+    assert s.proc.wait(timeout=60) == 0
+    assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
+    s.stop()
+
+
+def test_nan_guard_sanity() -> None:
+    assert not torch.isfinite(torch.tensor([float("nan")])).all()
