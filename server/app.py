@@ -44,11 +44,21 @@ from server.generation import (
     usage,
 )
 from server.metrics import Metrics
+from server.openapi import build_openapi
 from server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    StatusResponse,
     TokenizeRequest,
+    TokenizeResponse,
 )
 from server.sessions import SessionTracker
 
@@ -229,7 +239,18 @@ async def run_or_disconnect(request: Request, work: Awaitable[Any]) -> Any:
         watcher.cancel()
 
 
-def sse(data: dict | str) -> bytes:
+def checked(model: type[BaseModel], data: dict) -> dict:
+    """Pass a response body through its protocol model: what we send is what we publish."""
+    return model.model_validate(data).model_dump(mode="json", exclude_unset=True)
+
+
+def reply(model: type[BaseModel], data: dict, status: int = 200) -> JSONResponse:
+    return JSONResponse(checked(model, data), status_code=status)
+
+
+def sse(data: dict | str, model: type[BaseModel] | None = None) -> bytes:
+    if model is not None and isinstance(data, dict):
+        data = checked(model, data)
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {payload}\n\n".encode()
 
@@ -370,7 +391,8 @@ async def chat_completions(request: Request) -> Response:
         state.sessions.end_turn(
             session, choices[0].prompt_ids + choices[0].token_ids, choices[0].params.cache_salt
         )
-        return JSONResponse(
+        return reply(
+            ChatCompletionResponse,
             {
                 **head,
                 "object": "chat.completion",
@@ -386,7 +408,7 @@ async def chat_completions(request: Request) -> Response:
                     for ch in choices
                 ],
                 "usage": usage(p, c, cached),
-            }
+            },
         )
 
     return await run_or_disconnect(request, collect())
@@ -407,7 +429,10 @@ async def chat_stream(
     extra = {"usage": None} if include_usage else {}
 
     def chunk(choice_list: list[dict]) -> bytes:
-        return sse({**head, "object": "chat.completion.chunk", "choices": choice_list, **extra})
+        return sse(
+            {**head, "object": "chat.completion.chunk", "choices": choice_list, **extra},
+            ChatCompletionChunk,
+        )
 
     for ch in choices:
         yield chunk(
@@ -452,7 +477,7 @@ async def chat_stream(
                     ]
                 )
     except (EngineDeadError, RuntimeError) as e:
-        yield sse(error_body(500, f"generation failed: {e}", code="engine_error"))
+        yield sse(error_body(500, f"generation failed: {e}", code="engine_error"), ErrorResponse)
         yield sse("[DONE]")
         return
     p, c, cached = prompt_usage(choices, n)
@@ -462,7 +487,13 @@ async def chat_stream(
     )
     if include_usage:
         yield sse(
-            {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(p, c, cached)}
+            {
+                **head,
+                "object": "chat.completion.chunk",
+                "choices": [],
+                "usage": usage(p, c, cached),
+            },
+            ChatCompletionChunk,
         )
     yield sse("[DONE]")
 
@@ -560,13 +591,14 @@ async def completions(request: Request) -> Response:
                     "finish_reason": finish_reason(ch.finish_reason),
                 }
             )
-        return JSONResponse(
+        return reply(
+            CompletionResponse,
             {
                 **head,
                 "object": "text_completion",
                 "choices": out_choices,
                 "usage": usage(p, c, cached),
-            }
+            },
         )
 
     return await run_or_disconnect(request, collect())
@@ -625,7 +657,8 @@ async def completion_stream(
                 "choices": [
                     {"index": index, "text": text, "logprobs": lps, "finish_reason": reason}
                 ],
-            }
+            },
+            CompletionResponse,
         )
 
     if body.echo:
@@ -648,14 +681,15 @@ async def completion_stream(
             if out.finished:
                 yield chunk(ch.index, "", None, finish_reason(out.finish_reason))
     except (EngineDeadError, RuntimeError) as e:
-        yield sse(error_body(500, f"generation failed: {e}", code="engine_error"))
+        yield sse(error_body(500, f"generation failed: {e}", code="engine_error"), ErrorResponse)
         yield sse("[DONE]")
         return
     p, c, cached = prompt_usage(choices, body.n)
     timing.done(head["id"], p, cached, c)
     if include_usage:
         yield sse(
-            {**head, "object": "text_completion", "choices": [], "usage": usage(p, c, cached)}
+            {**head, "object": "text_completion", "choices": [], "usage": usage(p, c, cached)},
+            CompletionResponse,
         )
     yield sse("[DONE]")
 
@@ -666,14 +700,21 @@ async def completion_stream(
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.kv
     if state.load_error is not None:
-        return JSONResponse({"status": "failed", "error": str(state.load_error)}, status_code=503)
+        return reply(StatusResponse, {"status": "failed", "error": str(state.load_error)}, 503)
     if state.engine is None:
-        return JSONResponse({"status": "loading"}, status_code=503)
+        return reply(StatusResponse, {"status": "loading"}, 503)
     if state.engine.dead is not None:
-        return JSONResponse({"status": "dead", "error": str(state.engine.dead)}, status_code=503)
+        return reply(StatusResponse, {"status": "dead", "error": str(state.engine.dead)}, 503)
     if state.draining:
-        return JSONResponse({"status": "draining"}, status_code=503)
-    return JSONResponse({"status": "ok", "attention_backend": state.engine.engine.backend_cls.name})
+        return reply(StatusResponse, {"status": "draining"}, 503)
+    return reply(
+        StatusResponse,
+        {"status": "ok", "attention_backend": state.engine.engine.backend_cls.name},
+    )
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(request.app.state.openapi)
 
 
 async def version(request: Request) -> Response:
@@ -693,7 +734,7 @@ def model_card(state: ServerState) -> dict:
 
 async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.kv
-    return JSONResponse({"object": "list", "data": [model_card(state)]})
+    return reply(ModelList, {"object": "list", "data": [model_card(state)]})
 
 
 async def get_model(request: Request) -> Response:
@@ -703,7 +744,7 @@ async def get_model(request: Request) -> Response:
         raise APIError(
             404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
         )
-    return JSONResponse(model_card(state))
+    return reply(ModelCard, model_card(state))
 
 
 async def tokenize(request: Request) -> Response:
@@ -728,7 +769,9 @@ async def tokenize(request: Request) -> Response:
         ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         raise APIError(400, "either prompt or messages is required", param="prompt")
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+    return reply(
+        TokenizeResponse, {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+    )
 
 
 async def detokenize(request: Request) -> Response:
@@ -743,7 +786,10 @@ async def detokenize(request: Request) -> Response:
     vocab = engine.spec.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-    return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+    return reply(
+        DetokenizeResponse,
+        {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)},
+    )
 
 
 async def metrics(request: Request) -> Response:
@@ -871,6 +917,7 @@ def build_app(
     routes = [
         Route("/health", health),
         Route("/version", version),
+        Route("/openapi.json", openapi),
         Route("/v1/models", _wrap(list_models)),
         Route("/v1/models/{model:path}", _wrap(get_model)),
         Route("/v1/chat/completions", _wrap(chat_completions), methods=["POST"]),
@@ -904,4 +951,5 @@ def build_app(
         },
     )
     app.state.kv = state
+    app.state.openapi = build_openapi(VERSION)
     return app

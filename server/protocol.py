@@ -124,3 +124,151 @@ class TokenizeRequest(_Base):
 class DetokenizeRequest(_Base):
     model: str = ""
     tokens: list[int]
+
+
+# ---- responses (every JSON body the server sends is validated through one of these, so the
+# published /openapi.json cannot drift from what the code returns) ----------------------------
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Out):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: str | None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(_Out):
+    """Also the shape of each completion stream chunk (as OpenAI does it)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Out):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Out):
+    prompt: str
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Out):
+    error: ErrorDetail
+
+
+class StatusResponse(_Out):
+    status: str
+    attention_backend: str | None = None
+    error: str | None = None

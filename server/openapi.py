@@ -1,0 +1,144 @@
+"""/openapi.json, generated from the pydantic protocol models (requests and responses alike)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from server import protocol as p
+
+REF = "#/components/schemas/{model}"
+
+
+def _schema(models: list[type[BaseModel]]) -> dict[str, Any]:
+    schemas: dict[str, Any] = {}
+    for model in models:
+        s = model.model_json_schema(ref_template=REF, mode="serialization")
+        schemas.update(s.pop("$defs", {}))
+        schemas[model.__name__] = s
+    # request models are read in validation mode (defaults optional)
+    return schemas
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _json(model: type[BaseModel]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": _ref(model)}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {str(c): {"description": "error", **_json(p.ErrorResponse)} for c in codes}
+
+
+def build_openapi(version: str) -> dict[str, Any]:
+    requests = [
+        p.ChatCompletionRequest,
+        p.CompletionRequest,
+        p.TokenizeRequest,
+        p.DetokenizeRequest,
+    ]
+    responses = [
+        p.ChatCompletionResponse,
+        p.ChatCompletionChunk,
+        p.CompletionResponse,
+        p.ModelList,
+        p.ModelCard,
+        p.TokenizeResponse,
+        p.DetokenizeResponse,
+        p.ErrorResponse,
+        p.StatusResponse,
+    ]
+    schemas: dict[str, Any] = {}
+    for model in requests:
+        s = model.model_json_schema(ref_template=REF, mode="validation")
+        schemas.update(s.pop("$defs", {}))
+        schemas[model.__name__] = s
+    schemas.update(_schema(responses))
+    api_errors = _errors(400, 401, 404, 413, 429, 500, 503)
+    # each server-sent event: `data` is a JSON chunk (or the literal [DONE])
+    sse = {
+        "text/event-stream": {
+            "schema": {
+                "type": "object",
+                "required": ["data"],
+                "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+            }
+        }
+    }
+
+    def generate(req: type[BaseModel], resp: type[BaseModel], summary: str) -> dict[str, Any]:
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref(req)}},
+                },
+                "responses": {
+                    "200": {
+                        "description": "completion, or an SSE stream when stream=true",
+                        "content": {"application/json": {"schema": _ref(resp)}, **sse},
+                    },
+                    **api_errors,
+                },
+            }
+        }
+
+    def post(req: type[BaseModel], resp: type[BaseModel], summary: str) -> dict[str, Any]:
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref(req)}},
+                },
+                "responses": {"200": {"description": "ok", **_json(resp)}, **api_errors},
+            }
+        }
+
+    def get(resp: type[BaseModel], summary: str) -> dict[str, Any]:
+        return {
+            "get": {
+                "summary": summary,
+                "responses": {"200": {"description": "ok", **_json(resp)}, **api_errors},
+            }
+        }
+
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "kvserve",
+            "version": version,
+            "description": "OpenAI-compatible inference server",
+        },
+        "paths": {
+            "/v1/chat/completions": generate(
+                p.ChatCompletionRequest, p.ChatCompletionResponse, "Create a chat completion"
+            ),
+            "/v1/completions": generate(
+                p.CompletionRequest, p.CompletionResponse, "Create a completion"
+            ),
+            "/v1/models": get(p.ModelList, "List models"),
+            "/tokenize": post(p.TokenizeRequest, p.TokenizeResponse, "Tokenize text or messages"),
+            "/detokenize": post(p.DetokenizeRequest, p.DetokenizeResponse, "Token ids to text"),
+            "/health": {
+                "get": {
+                    "summary": "Liveness and readiness",
+                    "responses": {
+                        "200": {"description": "ready", **_json(p.StatusResponse)},
+                        "503": {
+                            "description": "loading, draining or failed",
+                            **_json(p.StatusResponse),
+                        },
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
