@@ -22,8 +22,9 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -107,6 +108,15 @@ class ServerState:
 # ---- middleware ---------------------------------------------------------------------------------
 
 
+UI_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui")
+
+
+def _public(path: str) -> bool:
+    """Routes served without the API key: liveness and the static page (which asks for the key
+    and sends it on every API call)."""
+    return path in ("/health", "/") or path.startswith("/ui/")
+
+
 class GuardMiddleware:
     """API key (constant-time) on every route but /health and preflight; 413 on large bodies."""
 
@@ -118,7 +128,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode().lower(): v for k, v in scope["headers"]}
-        if self.keys and scope["method"] != "OPTIONS" and scope["path"] != "/health":
+        if self.keys and scope["method"] != "OPTIONS" and not _public(scope["path"]):
             auth = headers.get("authorization", b"")
             token = auth[7:] if auth[:7].lower() == b"bearer " else b""
             # compare against every key so the time taken does not say which one nearly matched
@@ -713,6 +723,39 @@ async def health(request: Request) -> Response:
     )
 
 
+async def index(request: Request) -> Response:
+    return FileResponse(os.path.join(UI_DIR, "index.html"))
+
+
+async def stats(request: Request) -> Response:
+    """A snapshot for the page's live panel. Read without locking from the engine thread's
+    objects: a view may be a step stale, never wrong for long."""
+    state: ServerState = request.app.state.kv
+    engine = state.ready_engine().engine
+    pool, sched = engine.kv.pool, engine.scheduler
+    cells = ["2" if b.ref_cnt else ("1" if b.block_hash is not None else "0") for b in pool.blocks]
+    host = engine.host
+    return JSONResponse(
+        {
+            "model": state.model_name,
+            "time": time.time(),
+            "running": sched.num_running,
+            "waiting": sched.num_waiting,
+            "generation_tokens": engine.stats.generation_tokens,
+            "prompt_tokens": engine.stats.prompt_tokens,
+            "prefix_cache_queries": engine.kv.prefix_queries,
+            "prefix_cache_hits": engine.kv.prefix_hits,
+            "num_blocks": pool.num_blocks,
+            "block_size": engine.block_size,
+            "blocks_in_use": cells.count("2"),
+            "block_map": "".join(cells),
+            "host": None
+            if host is None
+            else {"used_bytes": host.used_bytes, "capacity_bytes": host.capacity_bytes},
+        }
+    )
+
+
 async def openapi(request: Request) -> Response:
     return JSONResponse(request.app.state.openapi)
 
@@ -916,6 +959,9 @@ def build_app(
 
     routes = [
         Route("/health", health),
+        Route("/", index),
+        Mount("/ui", app=StaticFiles(directory=UI_DIR), name="ui"),
+        Route("/v1/stats", _wrap(stats)),
         Route("/version", version),
         Route("/openapi.json", openapi),
         Route("/v1/models", _wrap(list_models)),

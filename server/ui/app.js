@@ -1,0 +1,162 @@
+// kvserve's built-in page: a streaming chat and a live view of the KV cache.
+// Model output is only ever inserted as text (textContent), never as HTML.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const history = [];  // {role, content}
+let controller = null;
+
+function apiKey() { return sessionStorage.getItem("kvserve-key") || ""; }
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  if (apiKey()) h["Authorization"] = "Bearer " + apiKey();
+  return h;
+}
+
+function askKey() {
+  const key = window.prompt("This server needs an API key:", apiKey());
+  if (key !== null) sessionStorage.setItem("kvserve-key", key.trim());
+}
+
+function addMessage(role, text) {
+  const el = document.createElement("div");
+  el.className = "msg " + role;
+  const body = document.createElement("span");
+  body.className = "body";
+  body.textContent = text;
+  el.appendChild(body);
+  $("messages").appendChild(el);
+  $("messages").scrollTop = $("messages").scrollHeight;
+  return el;
+}
+
+function appendText(el, text) {
+  el.querySelector(".body").textContent += text;
+  $("messages").scrollTop = $("messages").scrollHeight;
+}
+
+function setMeta(el, text) {
+  let meta = el.querySelector(".meta");
+  if (!meta) { meta = document.createElement("span"); meta.className = "meta"; el.appendChild(meta); }
+  meta.textContent = text;
+}
+
+async function send(text) {
+  const messages = [{ role: "system", content: $("system").value }, ...history,
+                    { role: "user", content: text }];
+  history.push({ role: "user", content: text });
+  addMessage("user", text);
+  const reply = addMessage("assistant", "");
+  controller = new AbortController();
+  $("send").disabled = true; $("stop").disabled = false;
+  const started = performance.now();
+  let firstToken = null, tokens = 0, usage = null, content = "";
+  try {
+    const res = await fetch("/v1/chat/completions", {
+      method: "POST", headers: headers(), signal: controller.signal,
+      body: JSON.stringify({
+        messages, stream: true, stream_options: { include_usage: true },
+        temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value),
+      }),
+    });
+    if (res.status === 401) { askKey(); throw new Error("unauthorized: set the API key and retry"); }
+    if (!res.ok) { const err = await res.json(); throw new Error(err.error ? err.error.message : res.statusText); }
+    const reader = res.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      const events = buffer.split("\n\n");
+      buffer = events.pop();
+      for (const event of events) {
+        if (!event.startsWith("data: ")) continue;
+        const data = event.slice(6);
+        if (data === "[DONE]") continue;
+        const chunk = JSON.parse(data);
+        if (chunk.error) throw new Error(chunk.error.message);
+        if (chunk.usage) usage = chunk.usage;
+        const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content;
+        if (delta) {
+          if (firstToken === null) firstToken = performance.now();
+          tokens += 1; content += delta;
+          appendText(reply, delta);
+        }
+      }
+    }
+  } catch (e) {
+    if (e.name === "AbortError") setMeta(reply, "stopped");
+    else { reply.classList.add("error"); setMeta(reply, String(e.message || e)); }
+  } finally {
+    controller = null;
+    $("send").disabled = false; $("stop").disabled = true;
+  }
+  history.push({ role: "assistant", content });
+  if (firstToken !== null) {
+    const ttft = (firstToken - started) / 1000;
+    const elapsed = (performance.now() - firstToken) / 1000;
+    const n = usage ? usage.completion_tokens : tokens;
+    const tps = elapsed > 0 && n > 1 ? ((n - 1) / elapsed).toFixed(1) : "-";
+    const cached = usage ? usage.prompt_tokens_details.cached_tokens : "?";
+    const stats = `TTFT ${ttft.toFixed(2)} s · ${tps} tok/s · ${n} tokens · cached ${cached}`;
+    if (!reply.querySelector(".meta")) setMeta(reply, stats);
+    $("reply-stats").textContent = stats;
+  }
+}
+
+$("composer").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const text = $("input").value.trim();
+  if (!text || controller) return;
+  $("input").value = "";
+  send(text);
+});
+$("input").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
+});
+$("stop").addEventListener("click", () => { if (controller) controller.abort(); });
+$("clear").addEventListener("click", () => { history.length = 0; $("messages").textContent = ""; });
+$("key-button").addEventListener("click", askKey);
+
+// ---- live engine panel --------------------------------------------------------------------
+let last = null;
+const CLASSES = { "0": "free", "1": "cached", "2": "used" };
+
+function renderBlocks(map) {
+  const grid = $("blocks");
+  if (grid.childElementCount !== map.length) {
+    grid.textContent = "";
+    for (let i = 0; i < map.length; i++) {
+      const c = document.createElement("span");
+      grid.appendChild(c);
+    }
+  }
+  for (let i = 0; i < map.length; i++) grid.children[i].className = "cell " + CLASSES[map[i]];
+}
+
+async function refresh() {
+  try {
+    const res = await fetch("/v1/stats", { headers: headers() });
+    if (res.status === 401) { $("panel-error").textContent = "API key needed for stats"; return; }
+    const s = await res.json();
+    $("model").textContent = s.model;
+    $("s-running").textContent = s.running;
+    $("s-waiting").textContent = s.waiting;
+    if (last) {
+      const dt = (s.time - last.time);
+      $("s-tps").textContent = dt > 0 ? ((s.generation_tokens - last.generation_tokens) / dt).toFixed(1) : "-";
+    }
+    $("s-hit").textContent = s.prefix_cache_queries ? (100 * s.prefix_cache_hits / s.prefix_cache_queries).toFixed(1) + "%" : "-";
+    $("s-usage").textContent = `${s.blocks_in_use} / ${s.num_blocks} (${s.block_size} tok)`;
+    $("s-host").textContent = s.host ? `${(s.host.used_bytes / 2 ** 20).toFixed(0)} / ${(s.host.capacity_bytes / 2 ** 20).toFixed(0)} MiB` : "off";
+    renderBlocks(s.block_map);
+    $("panel-error").textContent = "";
+    last = s;
+  } catch (e) {
+    $("panel-error").textContent = "stats unavailable: " + (e.message || e);
+  }
+}
+refresh();
+setInterval(refresh, 1000);
