@@ -13,7 +13,8 @@ from engine.sampling_params import ParamError, SamplingParams
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: JSON types as the schema publishes them (no "1" for 1, no false for 0.0)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class TextPart(_Base):

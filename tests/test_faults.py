@@ -147,26 +147,37 @@ def test_dead_engine_thread_is_loud(live, monkeypatch) -> None:
     assert later.status_code == 503
 
 
-def test_sigterm_drains_in_flight_and_refuses_new(llama_dir) -> None:
-    s = ServerProcess(
-        ["--model", str(llama_dir), "--num-kv-blocks", "128", "--max-model-len", "4096"]
-    )
-    events: list[str] = []
-
+def _stream_in_thread(
+    s: ServerProcess, max_tokens: int, events: list[str], started: threading.Event
+) -> threading.Thread:
     def stream() -> None:
         with httpx.stream(
             "POST",
             s.base + "/v1/completions",
             timeout=120,
-            json={"prompt": "go", "max_tokens": 600, "ignore_eos": True, "stream": True},
+            json={"prompt": "go", "max_tokens": max_tokens, "ignore_eos": True, "stream": True},
         ) as r:
-            events.extend(x[6:] for x in r.iter_lines() if x.startswith("data: "))
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 5:
+                        started.set()
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(1.0)
+    return t
+
+
+def test_sigterm_drains_in_flight_and_refuses_new(llama_dir) -> None:
+    s = ServerProcess(
+        ["--model", str(llama_dir), "--num-kv-blocks", "128", "--max-model-len", "4096"]
+    )
+    events: list[str] = []
+    started = threading.Event()
+    t = _stream_in_thread(s, 2000, events, started)
+    assert started.wait(60)
     s.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
+    time.sleep(0.1)
     late = httpx.post(s.base + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert late.status_code == 503
     assert httpx.get(s.base + "/health").json()["status"] == "draining"
@@ -187,25 +198,15 @@ def test_sigterm_grace_expiry_aborts_with_error_event(llama_dir) -> None:
             "--num-kv-blocks",
             "128",
             "--max-model-len",
-            "8192",
+            "4096",
             "--shutdown-grace-s",
             "0.5",
         ]
     )
     events: list[str] = []
-
-    def stream() -> None:
-        with httpx.stream(
-            "POST",
-            s.base + "/v1/completions",
-            timeout=120,
-            json={"prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True},
-        ) as r:
-            events.extend(x[6:] for x in r.iter_lines() if x.startswith("data: "))
-
-    t = threading.Thread(target=stream)
-    t.start()
-    time.sleep(1.0)
+    started = threading.Event()
+    t = _stream_in_thread(s, 4000, events, started)
+    assert started.wait(60)
     s.proc.send_signal(signal.SIGTERM)
     t.join(timeout=60)
     assert s.proc.wait(timeout=60) == 0
