@@ -159,6 +159,25 @@ class Timing:
         )
 
 
+def event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def run_to_end(
+    engine: AsyncEngine, choices: list[Choice], n: int, timing: Timing, req_id: str
+) -> tuple[int, int, int]:
+    """Run every choice to completion (non-streaming); returns prompt, completion and cached
+    token counts."""
+    async for _choice, out in merged_outputs(engine, choices):
+        if out.new_token_ids:
+            timing.token()
+    p, c, cached = prompt_usage(choices, n)
+    timing.done(req_id, p, cached, c)
+    return p, c, cached
+
+
 def prompt_usage(choices: list[Choice], n: int) -> tuple[int, int, int]:
     firsts = choices[::n]
     return (
@@ -222,18 +241,12 @@ async def chat_completions(request: Request) -> Response:
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return event_stream(
             chat_stream(state, engine, choices, head, body.n, include_usage, timing, session),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
         )
 
     async def collect() -> Response:
-        async for _choice, out in merged_outputs(engine, choices):
-            if out.new_token_ids:
-                timing.token()
-        p, c, cached = prompt_usage(choices, body.n)
-        timing.done(req_id, p, cached, c)
+        p, c, cached = await run_to_end(engine, choices, body.n, timing, req_id)
         state.sessions.end_turn(
             session, choices[0].prompt_ids + choices[0].token_ids, choices[0].params.cache_salt
         )
@@ -403,20 +416,14 @@ async def completions(request: Request) -> Response:
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return event_stream(
             completion_stream(
                 state, engine, choices, head, body, prompt_texts, include_usage, timing
             ),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
         )
 
     async def collect() -> Response:
-        async for _choice, out in merged_outputs(engine, choices):
-            if out.new_token_ids:
-                timing.token()
-        p, c, cached = prompt_usage(choices, body.n)
-        timing.done(req_id, p, cached, c)
+        p, c, cached = await run_to_end(engine, choices, body.n, timing, req_id)
         out_choices = []
         for ch in choices:
             p_idx = ch.index // body.n

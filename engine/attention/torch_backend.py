@@ -24,6 +24,7 @@ from engine.attention.range_decode import RangeDecodePlan
 from models.spec import ModelSpec
 
 DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
+RANGE_MIN_SEQS = 4  # decode batches at least this large read KV through pool views
 
 
 @dataclass(slots=True)
@@ -56,7 +57,8 @@ class TorchAttentionStep(AttentionStep):
         self.decode_rows = torch.tensor([meta.query_start[i] for i in decode_seqs], device=device)
         self.range_plan: RangeDecodePlan | None = None
         self.decode: list[_DecodeBucket] = []
-        if decode_seqs and backend.use_range_decode:
+        # A few sequences read little KV: the gather path's fewer kernel launches win there.
+        if len(decode_seqs) >= RANGE_MIN_SEQS and backend.use_range_decode:
             self.range_plan = RangeDecodePlan.build(
                 [meta.block_tables[i] for i in decode_seqs],
                 [meta.seq_lens[i] for i in decode_seqs],

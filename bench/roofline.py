@@ -1,0 +1,77 @@
+"""The physical limit: this machine's float32 matmul rate and memory bandwidth (measured now,
+with torch), the model's FLOPs and bytes per token, and the decode throughput ceiling at each
+batch size: min(compute bound, bandwidth bound), where every step reads all weights once.
+
+    python bench/roofline.py [--model PATH] [--context 384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.loader import default_model_path, load_spec  # noqa: E402
+
+
+def matmul_gflops(k: int, n: int, batch: int, reps: int = 20) -> float:
+    x, w = torch.randn(batch, k), torch.randn(k, n)
+    x @ w
+    t = time.perf_counter()
+    for _ in range(reps):
+        x @ w
+    return 2 * batch * k * n * reps / (time.perf_counter() - t) / 1e9
+
+
+def copy_gbps(mb: int = 256, reps: int = 5) -> float:
+    src = torch.empty(mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    return 2 * src.numel() * 4 * reps / (time.perf_counter() - t) / 1e9  # read + write
+
+
+def ceilings(spec, gflops: float, gbps: float, context: int) -> list[tuple[int, float, float]]:
+    flops = spec.flops_per_token()
+    weight_bytes = 4 * (flops // 2)  # one float32 weight per multiply-add
+    kv_bytes = spec.kv_bytes_per_token(4) * context  # KV read per token per step
+    rows = []
+    for batch in (1, 4, 16, 64):
+        t_compute = batch * flops / (gflops * 1e9)
+        t_memory = (weight_bytes + batch * kv_bytes) / (gbps * 1e9)
+        rows.append((batch, batch / max(t_compute, t_memory), batch / t_compute))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--context", type=int, default=384, help="mean context per sequence")
+    args = ap.parse_args()
+    spec = load_spec(args.model or default_model_path())
+    lay = spec.layers[0]
+    gflops = matmul_gflops(spec.hidden_size, lay.intermediate_size, 64)
+    gbps = copy_gbps() / 2  # the read side of a copy ~ streaming read bandwidth
+    print(
+        f"float32 matmul ({spec.hidden_size}x{lay.intermediate_size}, batch 64): "
+        f"{gflops:.0f} GFLOP/s; memory (copy, read side): {gbps:.1f} GB/s"
+    )
+    print(
+        f"model: {spec.flops_per_token() / 1e6:.0f} MFLOP/token, "
+        f"{2 * spec.flops_per_token() / 1e6:.0f} MB float32 weights read per step, "
+        f"KV {spec.kv_bytes_per_token(4) / 1024:.0f} KiB/token"
+    )
+    print("batch  decode ceiling tok/s  (compute-only bound)")
+    for batch, ceiling, compute in ceilings(spec, gflops, gbps, args.context):
+        print(f"{batch:5d}  {ceiling:20.1f}  ({compute:.1f})")
+
+
+if __name__ == "__main__":
+    main()
