@@ -22,14 +22,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.async_engine import AsyncEngine
 from server.config import Config
 from server.errors import APIError, error_body
-from server.http import (
+from server.openapi import build_openapi
+from server.plumbing import (
     UI_DIR,
     VERSION,
     ServerState,
     _wrap,
     log,
 )
-from server.openapi import build_openapi
 from server.routes_admin import (
     detokenize,
     get_model,

@@ -12,7 +12,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 
 from models.chat_template import TemplateError
 from server.errors import APIError
-from server.http import (
+from server.plumbing import (
     UI_DIR,
     VERSION,
     ServerState,

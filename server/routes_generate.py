@@ -27,7 +27,7 @@ from server.generation import (
     merged_outputs,
     usage,
 )
-from server.http import (
+from server.plumbing import (
     VERSION,
     ServerState,
     check_model,
