@@ -170,7 +170,16 @@ def _stream_in_thread(
 
 def test_sigterm_drains_in_flight_and_refuses_new(llama_dir) -> None:
     s = ServerProcess(
-        ["--model", str(llama_dir), "--num-kv-blocks", "128", "--max-model-len", "4096"]
+        [
+            "--model",
+            str(llama_dir),
+            "--num-kv-blocks",
+            "128",
+            "--max-model-len",
+            "4096",
+            "--shutdown-grace-s",
+            "120",
+        ]
     )
     events: list[str] = []
     started = threading.Event()
