@@ -82,7 +82,7 @@ class HostTier:
         dst = torch.tensor(slots)
         for cache, store in zip(self.device_caches, self.storage, strict=True):
             blocks = cache.index_select(self.block_dim, src).movedim(self.block_dim, 0)
-            store.index_copy_(0, dst, blocks.to("cpu", non_blocking=True))
+            store.index_copy_(0, dst, blocks.to("cpu"))  # blocking: the source may be reused next
         self.saved_blocks += len(new)
         return len(new)
 
