@@ -21,6 +21,10 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    # set while cached, for token-granular reuse of a partially matching block
+    parent_hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+    extra: bytes = b""
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
@@ -44,6 +48,10 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self.cached: dict[bytes, KVBlock] = {}
+        self.children: dict[bytes, dict[int, KVBlock]] = {}  # parent hash -> cached children
+        # blocks registered during the current schedule: their KV is written by this step's
+        # forward, so they can be shared whole (attention reads after the write) but not copied
+        self.registered_this_step: set[int] = set()
         self.root_hash = os.urandom(32)  # per-process seed: hashes are not predictable across runs
         self.num_evictions = 0
         # (hash, block id) of cached blocks evicted by allocate(), drained by the KV manager to
@@ -75,9 +83,8 @@ class BlockPool:
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
-                del self.cached[block.block_hash]
                 self.evicted.append((block.block_hash, block.block_id))
-                block.block_hash = None
+                self._forget(block)
                 self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
@@ -92,20 +99,61 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+    def cache(
+        self,
+        block: KVBlock,
+        block_hash: bytes,
+        parent: bytes | None = None,
+        token_ids: tuple[int, ...] = (),
+        extra: bytes = b"",
+    ) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
             return  # an identical block is already cached; this one stays private
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        self.registered_this_step.add(block.block_id)
+        if parent is not None:
+            block.parent_hash, block.token_ids, block.extra = parent, token_ids, extra
+            self.children.setdefault(parent, {})[block.block_id] = block
+
+    def _forget(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        del self.cached[block.block_hash]
+        if block.parent_hash is not None:
+            siblings = self.children.get(block.parent_hash, {})
+            siblings.pop(block.block_id, None)
+            if not siblings:
+                self.children.pop(block.parent_hash, None)
+        block.block_hash, block.parent_hash, block.token_ids, block.extra = None, None, (), b""
+
+    def best_partial(
+        self, parent: bytes, token_ids: list[int], extra: bytes
+    ) -> tuple[KVBlock | None, int]:
+        """The cached child of `parent` sharing the longest token prefix with `token_ids` (same
+        extra keys), and that length. Lets a prompt that diverges mid-block reuse the part of
+        the block before the divergence."""
+        best, best_len = None, 0
+        if not self.enable_caching:
+            return best, best_len
+        for block in self.children.get(parent, {}).values():
+            if block.extra != extra or block.block_id in self.registered_this_step:
+                continue
+            n = 0
+            for a, b in zip(block.token_ids, token_ids):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = block, n
+        return best, best_len
 
     def uncache(self, block: KVBlock) -> None:
         """Drop a free block's hash (its KV moved to the host tier) and make it the next block
         allocated, so the device copy is not kept twice."""
         assert block.ref_cnt == 0 and block.block_hash is not None
-        del self.cached[block.block_hash]
-        block.block_hash = None
+        self._forget(block)
         self.free_queue.move_to_end(block.block_id, last=False)
 
     def reset_prefix_cache(self) -> bool:
@@ -114,6 +162,7 @@ class BlockPool:
         if len(self.free_queue) != self.num_blocks:
             return False
         for block in self.blocks:
-            block.block_hash = None
+            block.block_hash, block.parent_hash, block.token_ids, block.extra = None, None, (), b""
         self.cached.clear()
+        self.children.clear()
         return True

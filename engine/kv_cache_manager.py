@@ -13,6 +13,7 @@ the same call, before anything can overwrite them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool, KVBlock, hash_block
@@ -25,10 +26,19 @@ class PrefixHit:
     device: list[KVBlock] = field(default_factory=list)
     host: list[bytes] = field(default_factory=list)  # hashes continuing the chain on the host
     num_disk: int = 0  # of the host hits, how many were just read from the disk tier
+    # a cached block whose first `partial_len` tokens continue the prefix (then it diverges)
+    partial: KVBlock | None = None
+    partial_len: int = 0
 
     @property
     def num_blocks(self) -> int:
         return len(self.device) + len(self.host)
+
+    def num_tokens(self, block_size: int) -> int:
+        return self.num_blocks * block_size + self.partial_len
+
+
+BlockPrefixCopier = Callable[[int, int, int], None]  # (src block, dst block, num tokens)
 
 
 class KVCacheManager:
@@ -38,8 +48,10 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         host: HostTier | None = None,
+        copy_block_prefix: BlockPrefixCopier | None = None,
     ) -> None:
         self.block_size = block_size
+        self.copy_block_prefix = copy_block_prefix
         self.pool = BlockPool(num_blocks, enable_caching)
         self.host = host if enable_caching else None
         self.block_tables: dict[str, list[KVBlock]] = {}
@@ -51,6 +63,12 @@ class KVCacheManager:
     @property
     def enable_caching(self) -> bool:
         return self.pool.enable_caching
+
+    def begin_step(self) -> None:
+        self.pool.registered_this_step.clear()
+
+    def _extra(self, request_salt: str | None, index: int) -> bytes:
+        return request_salt.encode() if (index == 0 and request_salt) else b""
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend `request.block_hashes` to cover every full block of its tokens."""
@@ -95,14 +113,32 @@ class KVCacheManager:
                     hit.num_disk += 1
                 else:
                     break
+        self._partial_hit(request, hit)
         return hit
+
+    def _partial_hit(self, request: Request, hit: PrefixHit) -> None:
+        """Token-granular tail: if the next block is not cached whole, reuse the longest token
+        prefix of a cached sibling (copied into the request's own block at allocation)."""
+        if self.copy_block_prefix is None:
+            return
+        bs, j = self.block_size, hit.num_blocks
+        limit = min(bs, request.num_tokens - 1 - j * bs)  # the last token is always recomputed
+        if limit <= 0:
+            return
+        parent = request.block_hashes[j - 1] if j else self.pool.root_hash
+        tokens = request.all_token_ids[j * bs : j * bs + limit]
+        block, n = self.pool.best_partial(
+            parent, tokens, self._extra(request.sampling_params.cache_salt, j)
+        )
+        if block is not None and n > 0:
+            hit.partial, hit.partial_len = block, n
 
     def record_hit(self, request: Request, hit: PrefixHit) -> None:
         """Count a lookup once, when the request is actually admitted."""
         bs = self.block_size
         self.prefix_queries += request.num_tokens
-        self.prefix_hits += hit.num_blocks * bs
-        self.hits_by_source["device"] += len(hit.device) * bs
+        self.prefix_hits += hit.num_tokens(bs)
+        self.hits_by_source["device"] += len(hit.device) * bs + hit.partial_len
         self.hits_by_source["host"] += (len(hit.host) - hit.num_disk) * bs
         self.hits_by_source["disk"] += hit.num_disk * bs
 
@@ -113,14 +149,15 @@ class KVCacheManager:
         `num_new_tokens` more. False (and no change) if the pool cannot supply the blocks."""
         hit = hit or PrefixHit()
         table = self.block_tables.setdefault(request.request_id, [])
-        total = request.num_computed_tokens + hit.num_blocks * self.block_size + num_new_tokens
+        total = request.num_computed_tokens + hit.num_tokens(self.block_size) + num_new_tokens
         need = -(-total // self.block_size) - len(table) - len(hit.device)
-        evictable_hits = sum(1 for b in hit.device if b.ref_cnt == 0)
+        pinned = hit.device + ([hit.partial] if hit.partial is not None else [])
+        evictable_hits = sum(1 for b in pinned if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - evictable_hits:
             if not table:
                 del self.block_tables[request.request_id]
             return False
-        self.pool.touch(hit.device)
+        self.pool.touch(pinned)  # the partial source too, so this allocation cannot evict it
         table.extend(hit.device)
         fresh = self.pool.allocate(need) if need > 0 else []
         self._write_back(protect=hit.host)
@@ -128,8 +165,17 @@ class KVCacheManager:
             assert self.host is not None
             swapped = fresh[: len(hit.host)]
             self.host.load(hit.host, [b.block_id for b in swapped])
-            for block, block_hash in zip(swapped, hit.host, strict=True):
-                self.pool.cache(block, block_hash)
+            bs, salt = self.block_size, request.sampling_params.cache_salt
+            for k, (block, block_hash) in enumerate(zip(swapped, hit.host, strict=True)):
+                i = len(hit.device) + k
+                parent = request.block_hashes[i - 1] if i else self.pool.root_hash
+                tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+                self.pool.cache(block, block_hash, parent, tokens, self._extra(salt, i))
+        if hit.partial is not None:
+            assert self.copy_block_prefix is not None
+            target = fresh[len(hit.host)]
+            self.copy_block_prefix(hit.partial.block_id, target.block_id, hit.partial_len)
+            self.pool.free([hit.partial])
         table.extend(fresh)
         self._num_cached_blocks.setdefault(request.request_id, hit.num_blocks)
         if self.enable_caching:
@@ -146,8 +192,11 @@ class KVCacheManager:
         table = self.block_tables[request.request_id]
         start = self._num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
+        bs, salt = self.block_size, request.sampling_params.cache_salt
         for i in range(start, end):
-            self.pool.cache(table[i], request.block_hashes[i])
+            parent = request.block_hashes[i - 1] if i else self.pool.root_hash
+            tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache(table[i], request.block_hashes[i], parent, tokens, self._extra(salt, i))
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:

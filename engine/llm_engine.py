@@ -67,7 +67,11 @@ class LLMEngine:
         )
         self.host = self._host_tier()
         self.kv = KVCacheManager(
-            self.num_blocks, self.block_size, config.enable_prefix_caching, self.host
+            self.num_blocks,
+            self.block_size,
+            config.enable_prefix_caching,
+            self.host,
+            self._copy_block_prefix,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -120,6 +124,14 @@ class LLMEngine:
                 self.config.disk_path, fingerprint, layout, parse_bytes(self.config.disk_bytes)
             )
         return HostTier(self.kv_caches, self.backend_cls.block_dim, host_bytes, disk)
+
+    def _copy_block_prefix(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the first num_tokens slots of block src into block dst, in every KV group."""
+        bd, sd = self.backend_cls.block_dim, self.backend_cls.slot_dim - 1
+        for cache in self.kv_caches:
+            cache.select(bd, dst).narrow(sd, 0, num_tokens).copy_(
+                cache.select(bd, src).narrow(sd, 0, num_tokens)
+            )
 
     def offload_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Move an idle session's cached blocks to the host tier; returns blocks moved."""

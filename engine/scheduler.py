@@ -90,6 +90,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.kv.begin_step()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -112,7 +113,7 @@ class Scheduler:
             if request.request_id in preempted_now:
                 break  # don't re-admit a victim in the step that evicted it
             hits = self.kv.get_computed_blocks(request)
-            num_hit = hits.num_blocks * self.kv.block_size
+            num_hit = hits.num_tokens(self.kv.block_size)
             n = min(request.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(request, n, hits):
                 break

@@ -19,7 +19,9 @@ def test_fully_cached_prompt_recomputes_last_token(llm: LLM, llama_dir) -> None:
     first = llm.generate([prompt], GREEDY_LP)[0]
     second = llm.generate([prompt], GREEDY_LP)[0]
     assert first.num_cached_tokens == 0
-    assert second.num_cached_tokens == 32  # (48 - 1) // 16 blocks: the last token is recomputed
+    # two whole blocks plus 15 tokens of the third copied from the cached block: only the last
+    # token is recomputed
+    assert second.num_cached_tokens == 47
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     for a, b in zip(first.outputs[0].logprobs, second.outputs[0].logprobs, strict=True):
         assert abs(a.logprob - b.logprob) < 1e-5
@@ -64,7 +66,7 @@ def test_lru_eviction_keeps_recent_and_referenced_blocks(llama_dir) -> None:
     pool = llm.engine.kv.pool
     assert len(pool.cached) == 8
     llm.generate([c], one)  # needs 7 blocks: 2 free + 5 evicted, a's first (its tail first)
-    assert llm.generate([b], one)[0].num_cached_tokens == 12  # b intact
+    assert llm.generate([b], one)[0].num_cached_tokens == 15  # b intact (all but its last token)
     assert llm.generate([a], one)[0].num_cached_tokens == 0  # a's head block went last, gone
     assert pool.num_evictions >= 5
 
@@ -107,3 +109,19 @@ def test_turn_two_of_a_chat_on_smollm2(smollm2_path) -> None:
     assert turn2.num_cached_tokens >= (min(same, len(ids2) - 1) // bs) * bs
     assert turn2.num_cached_tokens >= bs
     assert "Berlin" in turn2.outputs[0].text
+
+
+def test_prompt_diverging_mid_block_reuses_the_matching_part(llm: LLM, llama_dir) -> None:
+    base = list(range(300, 348))  # three 16-token blocks, all cached after the first run
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    llm.generate([base], params)
+    diverging = base[:40] + [7, 8, 9, 10, 11]  # block 2 matches for 8 tokens, then differs
+    hit = llm.generate([diverging], params)[0]
+    assert hit.num_cached_tokens == 40
+    cold = LLM(str(llama_dir), num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
+    ref = cold.generate([diverging], params)[0]
+    assert hit.outputs[0].token_ids == ref.outputs[0].token_ids
+    for a, b in zip(hit.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
+        assert abs(a.logprob - b.logprob) < 1e-5
+    salted = SamplingParams(temperature=0.0, max_tokens=2, cache_salt="other")
+    assert llm.generate([diverging], salted)[0].num_cached_tokens == 0

@@ -46,6 +46,7 @@ class AttentionBackend(ABC):
 
     name: str = ""
     block_dim: int = 0
+    slot_dim: int = 2  # the token-within-block dimension (> block_dim)
 
     @classmethod
     @abstractmethod

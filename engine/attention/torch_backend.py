@@ -183,6 +183,7 @@ class TorchBackend(AttentionBackend):
         return (2, kv_heads, num_blocks, block_size, head_dim)
 
     block_dim = 2
+    slot_dim = 3
 
     @classmethod
     def unsupported_reasons(
