@@ -1,0 +1,29 @@
+"""The Docker appliance and the config plumbing that it relies on."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from server.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed")
+def test_dockerfile_lints_clean() -> None:
+    r = subprocess.run(["hadolint", str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_env_overrides_file_and_flags_override_env() -> None:
+    cfg = load_config(
+        [], env={"KVSERVE_PORT": "9001", "KVSERVE_HOST": "0.0.0.0", "KVSERVE_MAX_NUM_SEQS": "8"}
+    )
+    assert (cfg.server.port, cfg.server.host, cfg.engine.max_num_seqs) == (9001, "0.0.0.0", 8)
+    cfg = load_config(["--port", "9002", "--host-bytes", "1GiB"], env={"KVSERVE_PORT": "9001"})
+    assert cfg.server.port == 9002 and cfg.engine.host_bytes == "1GiB"
+    assert cfg.engine.block_size is None and cfg.engine.num_kv_blocks is None  # 0 in the file
