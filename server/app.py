@@ -44,7 +44,8 @@ from server.routes_admin import (
     tokenize,
     version,
 )
-from server.routes_generate import chat_completions, completions
+from server.routes_chat import chat_completions
+from server.routes_completions import completions
 
 
 def _public(path: str) -> bool:
