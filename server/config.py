@@ -32,6 +32,7 @@ class ServerConfig:
     max_stop_sequences: int = 16
     max_stop_length: int = 256
     log_level: str = "info"
+    request_timeout_s: float = 0.0  # abort a request running longer than this; 0 = off
     shutdown_grace_s: float = 30.0  # on SIGTERM, let in-flight requests finish this long
     idle_seconds: float = 0.0  # offload a session's KV to the host tier after this idle time
 

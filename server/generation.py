@@ -4,6 +4,7 @@ logprobs formatting and usage accounting. No HTTP here."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -16,6 +17,10 @@ from models.tokenizer import Tokenizer
 
 class RequestFailed(RuntimeError):
     """One request failed inside the engine; the others carry on."""
+
+
+class RequestTimeout(RuntimeError):
+    """The request ran past `request_timeout_s`; it has been aborted."""
 
 
 @dataclass(slots=True)
@@ -37,10 +42,11 @@ class Choice:
 
 
 async def merged_outputs(
-    engine: AsyncEngine, choices: list[Choice]
+    engine: AsyncEngine, choices: list[Choice], timeout_s: float = 0.0
 ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Run every choice concurrently; yield (choice, delta) in arrival order. Cancelling the
-    consumer cancels every choice, which aborts them in the engine."""
+    consumer (or passing `timeout_s`) cancels every choice, which aborts them in the engine."""
+    deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
     q: asyncio.Queue[tuple[Choice, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
@@ -58,7 +64,13 @@ async def merged_outputs(
     remaining = len(choices)
     try:
         while remaining:
-            choice, item = await q.get()
+            if deadline is None:
+                choice, item = await q.get()
+            else:
+                try:
+                    choice, item = await asyncio.wait_for(q.get(), deadline - time.monotonic())
+                except TimeoutError:
+                    raise RequestTimeout(f"request exceeded the {timeout_s:g} s limit") from None
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):

@@ -22,6 +22,7 @@ from server.config import Config
 from server.errors import APIError
 from server.generation import (
     RequestFailed,
+    RequestTimeout,
 )
 from server.metrics import Metrics
 from server.sessions import SessionTracker
@@ -135,6 +136,8 @@ def _wrap(
             return APIError(503, str(e), code="engine_dead").response()
         except ParamError as e:
             return APIError(400, str(e), param=e.param).response()
+        except RequestTimeout as e:
+            return APIError(504, str(e), code="timeout").response()
         except RequestFailed as e:
             return APIError(500, str(e), code="request_failed").response()
         except Exception:

@@ -146,11 +146,16 @@ def event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
 
 
 async def run_to_end(
-    engine: AsyncEngine, choices: list[Choice], n: int, timing: Timing, req_id: str
+    engine: AsyncEngine,
+    choices: list[Choice],
+    n: int,
+    timing: Timing,
+    req_id: str,
+    timeout_s: float = 0.0,
 ) -> tuple[int, int, int]:
     """Run every choice to completion (non-streaming); returns prompt, completion and cached
     token counts."""
-    async for _choice, out in merged_outputs(engine, choices):
+    async for _choice, out in merged_outputs(engine, choices, timeout_s):
         if out.new_token_ids:
             timing.token()
     p, c, cached = prompt_usage(choices, n)

@@ -106,7 +106,9 @@ async def chat_completions(request: Request) -> Response:
         )
 
     async def collect() -> Response:
-        p, c, cached = await run_to_end(engine, choices, body.n, timing, req_id)
+        p, c, cached = await run_to_end(
+            engine, choices, body.n, timing, req_id, state.config.server.request_timeout_s
+        )
         state.sessions.end_turn(
             session, choices[0].prompt_ids + choices[0].token_ids, choices[0].params.cache_salt
         )
@@ -165,7 +167,7 @@ async def chat_stream(
             ]
         )
     try:
-        async for ch, out in merged_outputs(engine, choices):
+        async for ch, out in merged_outputs(engine, choices, state.config.server.request_timeout_s):
             if out.new_token_ids:
                 timing.token()
             if out.new_text or out.logprobs:

@@ -112,7 +112,9 @@ async def completions(request: Request) -> Response:
         )
 
     async def collect() -> Response:
-        p, c, cached = await run_to_end(engine, choices, body.n, timing, req_id)
+        p, c, cached = await run_to_end(
+            engine, choices, body.n, timing, req_id, state.config.server.request_timeout_s
+        )
         out_choices = []
         for ch in choices:
             p_idx = ch.index // body.n
@@ -206,7 +208,7 @@ async def completion_stream(
             offsets[ch.index] = len(text)
             yield chunk(ch.index, text, None, None)
     try:
-        async for ch, out in merged_outputs(engine, choices):
+        async for ch, out in merged_outputs(engine, choices, state.config.server.request_timeout_s):
             if out.new_token_ids:
                 timing.token()
             lps = None

@@ -225,3 +225,40 @@ def test_sigterm_grace_expiry_aborts_with_error_event(llama_dir) -> None:
 
 def test_nan_guard_sanity() -> None:
     assert not torch.isfinite(torch.tensor([float("nan")])).all()
+
+
+def test_request_timeout_aborts_cleanly(llama_dir) -> None:
+    s = ServerProcess(
+        [
+            "--model",
+            str(llama_dir),
+            "--num-kv-blocks",
+            "128",
+            "--max-model-len",
+            "4096",
+            "--request-timeout-s",
+            "0.5",
+        ]
+    )
+    try:
+        body = {"prompt": "go", "max_tokens": 4000, "ignore_eos": True}
+        r = httpx.post(s.base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 504
+        validate("ErrorResponse", r.json())
+        with httpx.stream(
+            "POST", s.base + "/v1/completions", timeout=60, json={**body, "stream": True}
+        ) as resp:
+            events = [x[6:] for x in resp.iter_lines() if x.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "exceeded" in json.loads(events[-2])["error"]["message"]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            m = httpx.get(s.base + "/metrics").text
+            if "kvserve:num_requests_running 0.0" in m:
+                break
+            time.sleep(0.1)
+        assert "kvserve:num_requests_running 0.0" in m
+        assert "kvserve:kv_cache_usage_perc 0.0" in m
+        ok = httpx.post(s.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        s.stop()
