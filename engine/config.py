@@ -40,6 +40,9 @@ class EngineConfig:
     disk_path: str = ""  # optional disk tier under the host tier; "" = off
     disk_bytes: str = "20GiB"
     preemption_mode: str = "swap"  # "swap" (full blocks to the host tier) or "recompute"
+    speculative_model: str = ""  # EAGLE draft head dir; "" = the shipped head (default model)
+    num_speculative_tokens: int = 0  # k draft tokens per step; 0 = speculation off
+    spec_max_verify_rows: int = 8  # adaptive k: batch x (1 + k) stays within this many rows
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -79,5 +82,7 @@ class EngineConfig:
             raise ValueError("preemption_mode must be 'swap' or 'recompute'")
         parse_bytes(self.host_bytes)
         parse_bytes(self.disk_bytes)
+        if self.num_speculative_tokens < 0 or self.spec_max_verify_rows < 1:
+            raise ValueError("num_speculative_tokens must be >= 0, spec_max_verify_rows >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")

@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,13 +21,24 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.outputs import RequestOutput
 from engine.request import FinishReason, Request
-from engine.sampler import sample
+from engine.sampler import SamplerOutput, TokenLogprobs, sample
 from engine.sampling_params import ParamError, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler
+from engine.spec_decode import CatchUp, Proposer, verify
+from models.eagle.head import EagleHead, load_eagle_head
 from models.loader import default_model_path, load_model
 from models.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("kvserve.engine")
+
+# The self-distilled EAGLE-1 head shipped for the default model (models/eagle/train.py).
+DEFAULT_DRAFT_HEAD = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "models",
+    "eagle",
+    "heads",
+    "smollm2-135m-instruct",
+)
 
 
 @dataclass(slots=True)
@@ -47,6 +58,12 @@ class LLMEngine:
         self.dtype = config.resolved_dtype()
         torch.manual_seed(config.seed)
         self.model, self.spec = load_model(self.model_path, self.dtype, self.device)
+        self.draft = self._load_draft_head()
+        # The pool and the backend see the draft's layer as one more layer with its own KV group.
+        self.pool_spec = self.spec
+        if self.draft is not None:
+            draft_layer = self.draft.cfg.layer_spec(kv_group=len(self.spec.kv_groups))
+            self.pool_spec = replace(self.spec, layers=self.spec.layers + (draft_layer,))
         self.tokenizer: Tokenizer | None = self._try_tokenizer()
         self.max_model_len = min(
             config.max_model_len or self.spec.max_position_embeddings,
@@ -55,11 +72,11 @@ class LLMEngine:
         self.block_size = config.resolved_block_size()
         self.num_blocks = self._num_blocks()
         self.backend_cls = select_backend(
-            self.spec, self.device, self.dtype, self.block_size, config.attention_backend
+            self.pool_spec, self.device, self.dtype, self.block_size, config.attention_backend
         )
         self.kv_caches = allocate_kv_caches(
             self.backend_cls,
-            self.spec.kv_groups,
+            self.pool_spec.kv_groups,
             self.num_blocks,
             self.block_size,
             self.dtype,
@@ -78,11 +95,25 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             preempt_by_swap=config.preemption_mode == "swap" and self.host is not None,
+            num_lookahead_tokens=config.num_speculative_tokens if self.draft else 0,
         )
         if self.host is not None and self.host.disk is not None:
             self.kv.pool.root_hash = self.host.disk.root_seed
-        backend = self.backend_cls(self.spec, self.kv_caches, self.block_size)
-        self.runner = ModelRunner(self.model, backend, self.kv, self.device)
+        backend = self.backend_cls(self.pool_spec, self.kv_caches, self.block_size)
+        aux = self.draft.cfg.aux_layers if self.draft else ()
+        self.runner = ModelRunner(self.model, backend, self.kv, self.device, aux)
+        self.proposer = (
+            Proposer(
+                self.draft,
+                backend,
+                self.block_size,
+                config.num_speculative_tokens,
+                config.spec_max_verify_rows,
+                self.device,
+            )
+            if self.draft is not None
+            else None
+        )
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.eos_token_ids = frozenset(
             self.spec.eos_token_ids
@@ -93,6 +124,26 @@ class LLMEngine:
             )
         )
         self.stats = EngineStats()
+
+    def _load_draft_head(self) -> EagleHead | None:
+        if self.config.num_speculative_tokens <= 0:
+            return None
+        path = self.config.speculative_model
+        if not path:
+            if self.config.model:
+                raise ValueError(
+                    "num_speculative_tokens > 0 needs speculative_model (a draft head directory) "
+                    "for a model other than the default"
+                )
+            path = DEFAULT_DRAFT_HEAD
+        head = load_eagle_head(path, self.model, self.dtype, self.device)
+        log.info(
+            "speculative decoding: %s head from %s, k=%d",
+            head.cfg.layout,
+            path,
+            self.config.num_speculative_tokens,
+        )
+        return head
 
     def _host_tier(self) -> HostTier | None:
         host_bytes = parse_bytes(self.config.host_bytes)
@@ -115,6 +166,9 @@ class LLMEngine:
                     "dtype": str(self.dtype),
                     "block_size": self.block_size,
                     "backend": self.backend_cls.name,
+                    "draft": os.path.abspath(self.config.speculative_model or "-")
+                    if self.draft
+                    else None,
                     "layout": repr(layout),
                     # hashes chain from the pool's root seed, so a warm restart must reuse it
                 },
@@ -154,7 +208,7 @@ class LLMEngine:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         elem = torch.empty((), dtype=self.dtype).element_size()
-        block_bytes = self.spec.kv_bytes_per_token(elem) * self.block_size
+        block_bytes = self.pool_spec.kv_bytes_per_token(elem) * self.block_size
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - self.config.gpu_memory_utilization)
@@ -167,7 +221,7 @@ class LLMEngine:
     @property
     def kv_block_bytes(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.spec.kv_bytes_per_token(elem) * self.block_size
+        return self.pool_spec.kv_bytes_per_token(elem) * self.block_size
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -251,27 +305,15 @@ class LLMEngine:
         if not out.scheduled:
             return []
         try:
-            logits = self.runner.execute(out)
+            logits, hidden = self.runner.execute(out)
         except Exception:
             log.exception(
                 "forward pass failed; failing the %d requests of this batch", len(out.scheduled)
             )
             return [self._fail(s.request, "the forward pass failed") for s in out.scheduled]
         outputs: list[RequestOutput] = []
-        sampling = [s.request for s in out.scheduled if s.samples]
-        if sampling:
-            finite = torch.isfinite(logits).all(dim=-1).tolist()
-            if not all(finite):
-                keep = [i for i, ok in enumerate(finite) if ok]
-                for i, ok in enumerate(finite):
-                    if not ok:
-                        log.error(
-                            "request %s: non-finite logits; failing it", sampling[i].request_id
-                        )
-                        outputs.append(self._fail(sampling[i], "the model produced NaN/inf logits"))
-                sampling = [sampling[i] for i in keep]
-                logits = logits[keep]
-        result = sample(logits, sampling)
+        sampling = [s for s in out.scheduled if s.samples]
+        results, failed = self._sample(logits, sampling, outputs)
         self.stats.steps += 1
         self.stats.prompt_tokens += sum(
             max(
@@ -280,19 +322,87 @@ class LLMEngine:
             )
             for s in out.scheduled
         )
-        sampled = {r.request_id: t for r, t in zip(sampling, result.token_ids)}
+        before = {
+            s.request.request_id: (s.request.num_computed_tokens, s.request.num_tokens)
+            for s in out.scheduled
+        }
+        tables = {rid: self.kv.block_ids(rid) for rid in before} if self.proposer else {}
+        sampled = {s.request.request_id: res.token_ids for s, res in results}
         self.scheduler.update(out, sampled)
+        if self.proposer is not None:
+            self._propose(out.scheduled, hidden, before, tables, failed)
         now = time.monotonic()
-        for request, token, lp in zip(sampling, result.token_ids, result.logprobs):
-            self.stats.generation_tokens += 1
+        for item, res in results:
+            request = item.request
+            tokens = request.all_token_ids[before[request.request_id][1] :]
+            self.stats.generation_tokens += len(tokens)
             if request.first_token_time is None:
                 request.first_token_time = now
             try:
-                outputs.append(self._output(request, token, lp))
+                outputs.append(self._output(request, tokens, res.logprobs[: len(tokens)]))
             except Exception:
                 log.exception("request %s: output processing failed", request.request_id)
                 outputs.append(self._fail(request, "detokenization failed"))
         return outputs
+
+    def _sample(
+        self, logits: torch.Tensor, sampling: list[ScheduledRequest], outputs: list[RequestOutput]
+    ) -> tuple[list[tuple[ScheduledRequest, SamplerOutput]], set[str]]:
+        """Sample plain rows, verify drafted ones; requests with non-finite logits fail alone."""
+        spans, row = [], 0
+        for s in sampling:
+            spans.append((row, row + 1 + s.num_spec))
+            row += 1 + s.num_spec
+        finite = torch.isfinite(logits).all(dim=-1).tolist() if sampling else []
+        failed: set[str] = set()
+        plain, drafted = [], []
+        for s, (a, b) in zip(sampling, spans):
+            if not all(finite[a:b]):
+                log.error("request %s: non-finite logits; failing it", s.request.request_id)
+                outputs.append(self._fail(s.request, "the model produced NaN/inf logits"))
+                failed.add(s.request.request_id)
+            elif s.num_spec:
+                drafted.append((s, a, b))
+            else:
+                plain.append((s, a))
+        results: list[tuple[ScheduledRequest, SamplerOutput]] = []
+        if plain:
+            rows = torch.tensor([a for _, a in plain], device=logits.device)
+            res = sample(logits.index_select(0, rows), [s.request for s, _ in plain])
+            results.extend(
+                (s, SamplerOutput([t], [lp]))
+                for (s, _), t, lp in zip(plain, res.token_ids, res.logprobs)
+            )
+        if drafted:
+            rows = torch.cat([torch.arange(a, b) for _, a, b in drafted]).to(logits.device)
+            verified = verify(logits.index_select(0, rows), [s.request for s, _, _ in drafted])
+            assert self.proposer is not None
+            for (s, _, _), res in zip(drafted, verified):
+                self.proposer.stats.record(s.num_spec, len(res.token_ids) - 1)
+                results.append((s, res))
+        return results, failed
+
+    def _propose(
+        self,
+        scheduled: list[ScheduledRequest],
+        hidden: torch.Tensor,
+        before: dict[str, tuple[int, int]],
+        tables: dict[str, list[int]],
+        failed: set[str],
+    ) -> None:
+        """Catch the draft's KV up over what the target kept this step; draft for next step."""
+        assert self.proposer is not None
+        items, row = [], 0
+        for s in scheduled:
+            r = s.request
+            start = before[r.request_id][0]
+            kept = r.num_computed_tokens - start
+            if r.request_id not in failed and kept > 0:
+                caught_up = r.num_computed_tokens == r.num_tokens - 1
+                items.append(CatchUp(r, start, hidden[row : row + kept], caught_up))
+            row += s.num_new_tokens
+        k = self.proposer.choose_k(sum(1 for i in items if i.propose and not i.request.is_finished))
+        self.proposer.run(items, tables, k)
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
         self.scheduler.finish(request.request_id, FinishReason.ERROR)
@@ -309,15 +419,25 @@ class LLMEngine:
             error=message,
         )
 
-    def _output(self, request: Request, token: int, lp) -> RequestOutput:
+    def _output(
+        self, request: Request, tokens: list[int], lps: list[TokenLogprobs | None]
+    ) -> RequestOutput:
+        """The step's delta for a request. Under speculation several tokens arrive at once; a
+        stop string matched inside them drops the tokens after it, as if never generated."""
         detok = self.detokenizers.get(request.request_id)
         if detok is not None:
-            matched = detok.add([token])
-            if matched is not None and not request.is_finished:
-                self.scheduler.finish(request.request_id, FinishReason.STOP)
-                request.stop_reason = matched
-            elif matched is not None:
+            for j, token in enumerate(tokens):
+                matched = detok.add([token])
+                if matched is None:
+                    continue
+                if not request.is_finished:
+                    self.scheduler.finish(request.request_id, FinishReason.STOP)
                 request.finish_reason, request.stop_reason = FinishReason.STOP, matched
+                dropped = len(tokens) - j - 1
+                if dropped:
+                    del request.all_token_ids[-dropped:]
+                    tokens, lps = tokens[: j + 1], lps[: j + 1]
+                break
         finished = request.is_finished
         text = detok.flush(finished) if detok else ""
         if finished:
@@ -325,7 +445,7 @@ class LLMEngine:
             self.stats.finished += 1
         return RequestOutput(
             request.request_id,
-            [token],
+            tokens,
             text,
             finished,
             request.finish_reason.value if finished and request.finish_reason else None,
@@ -333,5 +453,5 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_output_tokens=request.num_output_tokens,
-            logprobs=[lp] if lp is not None else [],
+            logprobs=[lp for lp in lps if lp is not None],
         )

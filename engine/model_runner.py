@@ -32,61 +32,79 @@ def allocate_kv_caches(
     ]
 
 
+def step_metadata(
+    seqs: list[tuple[list[int], int, int]], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, StepMetadata]:
+    """Positions and attention metadata for a flat batch of (block table, first position, number
+    of tokens) per sequence: per-sequence numpy work, nothing per token in Python."""
+    pos_chunks, slot_chunks = [], []
+    query_start, query_lens, context_lens, seq_lens, tables = [], [], [], [], []
+    row = 0
+    for table, start, n in seqs:
+        positions = np.arange(start, start + n)
+        table_np = np.asarray(table, dtype=np.int64)
+        slot_chunks.append(table_np[positions // block_size] * block_size + positions % block_size)
+        pos_chunks.append(positions)
+        query_start.append(row)
+        query_lens.append(n)
+        context_lens.append(start)
+        seq_lens.append(start + n)
+        tables.append(table)
+        row += n
+    positions = torch.from_numpy(np.concatenate(pos_chunks)).to(device)
+    slots = torch.from_numpy(np.concatenate(slot_chunks)).to(device)
+    return positions, StepMetadata(query_start, query_lens, context_lens, seq_lens, tables, slots)
+
+
 class ModelRunner:
+    """`aux_layers` (EAGLE-3) makes the forward also return those layers' inputs, for the draft."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
         backend: AttentionBackend,
         kv: KVCacheManager,
         device: torch.device,
+        aux_layers: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.backend = backend
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
+        self.aux_layers = aux_layers
 
     def prepare(
         self, out: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int]]:
-        bs = self.block_size
-        token_chunks, pos_chunks, slot_chunks = [], [], []
-        query_start, query_lens, context_lens, seq_lens, tables = [], [], [], [], []
-        logits_rows = []
-        row = 0
+        """Input ids, positions, attention metadata and the hidden rows that need logits: the
+        last row of a chunk that reaches its request's end, and every draft row."""
+        token_ids: list[int] = []
+        seqs = []
+        logits_rows: list[int] = []
         for item in out.scheduled:
             r, n = item.request, item.num_new_tokens
             start = r.num_computed_tokens
-            table = self.kv.block_ids(r.request_id)
-            positions = np.arange(start, start + n)
-            table_np = np.asarray(table, dtype=np.int64)
-            slot_chunks.append(table_np[positions // bs] * bs + positions % bs)
-            token_chunks.append(r.all_token_ids[start : start + n])
-            pos_chunks.append(positions)
-            query_start.append(row)
-            query_lens.append(n)
-            context_lens.append(start)
-            seq_lens.append(start + n)
-            tables.append(table)
-            row += n
+            token_ids.extend(r.all_token_ids[start : start + n - item.num_spec])
+            token_ids.extend(r.spec_token_ids[: item.num_spec])
+            seqs.append((self.kv.block_ids(r.request_id), start, n))
             if item.samples:
-                logits_rows.append(row - 1)
-        input_ids = torch.tensor([t for chunk in token_chunks for t in chunk], dtype=torch.long)
-        positions = torch.from_numpy(np.concatenate(pos_chunks))
-        slots = torch.from_numpy(np.concatenate(slot_chunks))
-        meta = StepMetadata(
-            query_start, query_lens, context_lens, seq_lens, tables, slots.to(self.device)
-        )
-        return input_ids.to(self.device), positions.to(self.device), meta, logits_rows
+                end = len(token_ids)
+                logits_rows.extend(range(end - 1 - item.num_spec, end))
+        positions, meta = step_metadata(seqs, self.block_size, self.device)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return input_ids, positions, meta, logits_rows
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the step's forward; returns logits [num_sampling_requests, vocab] (float32) in the
-        order of the scheduled requests that sample."""
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step's forward. Returns the logits [rows, vocab] (float32) of the rows that
+        sample, in scheduled order, and every token's hidden state (the draft head's features:
+        [tokens, hidden], or [tokens, hidden * (1 + len(aux_layers))])."""
         input_ids, positions, meta, rows = self.prepare(out)
         attn = self.backend.plan(meta)
-        hidden = self.model(input_ids, positions, attn)
+        hidden = self.model(input_ids, positions, attn, self.aux_layers)
         if not rows:
-            return hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32)
+            return hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32), hidden
         index = torch.tensor(rows, device=hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, index))
+        final = hidden[:, : self.model.spec.hidden_size]
+        return self.model.compute_logits(final.index_select(0, index)), hidden

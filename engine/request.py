@@ -45,11 +45,19 @@ class Request:
     generator: torch.Generator | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     first_token_time: float | None = None
+    # Speculation: draft tokens to verify next step (not part of all_token_ids), and for sampled
+    # requests their draft distributions q [k, vocab].
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_spec(self) -> int:
+        return len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,11 +12,31 @@ processing), as vLLM reports them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+class SamplingContext(Protocol):
+    """What sampling reads of a request: a `Request`, or a view of one with draft tokens
+    appended (speculative verification)."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def all_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def generator(self) -> torch.Generator | None: ...
 
 
 @dataclass(slots=True)
@@ -32,7 +52,7 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingContext]) -> None:
     rows = [i for i, r in enumerate(requests) if r.sampling_params.needs_penalties]
     if not rows:
         return
@@ -77,13 +97,11 @@ def _apply_top_k_top_p_min_p(
     return logits
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-    """logits: [len(requests), vocab] float32; row i belongs to requests[i]."""
-    n = len(requests)
+def apply_logits_processors(
+    logits: torch.Tensor, requests: Sequence[SamplingContext]
+) -> torch.Tensor:
+    """logit_bias, min_tokens and penalties; returns `logits` itself when none apply."""
     params = [r.sampling_params for r in requests]
-    want_logprobs = [p.logprobs is not None for p in params]
-    raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
-
     if any(
         p.logit_bias or (p.min_tokens and r.num_output_tokens < p.min_tokens) or p.needs_penalties
         for p, r in zip(params, requests)
@@ -101,21 +119,36 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
                 if stops:
                     logits[i, list(stops)] = float("-inf")
         _apply_penalties(logits, requests)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top_k, top_p, min_p, softmax: the distribution a (non-greedy) row draws
+    from. Speculative verification applies the same to the target's and the draft's rows."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev)
+    sub = _apply_top_k_top_p_min_p(
+        logits / temps[:, None],
+        torch.tensor([p.top_k for p in params], device=dev),
+        torch.tensor([p.top_p for p in params], device=dev),
+        torch.tensor([p.min_p for p in params], device=dev),
+    )
+    return sub.softmax(-1)
+
+
+def sample(logits: torch.Tensor, requests: Sequence[SamplingContext]) -> SamplerOutput:
+    """logits: [len(requests), vocab] float32; row i belongs to requests[i]."""
+    n = len(requests)
+    params = [r.sampling_params for r in requests]
+    want_logprobs = [p.logprobs is not None for p in params]
+    raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
+    logits = apply_logits_processors(logits, requests)
 
     token_ids = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
-        sub = logits.index_select(0, rows)
-        temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
-        sub = sub / temps[:, None]
-        sub = _apply_top_k_top_p_min_p(
-            sub,
-            torch.tensor([params[i].top_k for i in sampled_rows], device=logits.device),
-            torch.tensor([params[i].top_p for i in sampled_rows], device=logits.device),
-            torch.tensor([params[i].min_p for i in sampled_rows], device=logits.device),
-        )
-        probs = sub.softmax(-1)
+        probs = sampling_probs(logits.index_select(0, rows), [params[i] for i in sampled_rows])
         noise = torch.empty_like(probs)
         seeded = [j for j, i in enumerate(sampled_rows) if requests[i].generator is not None]
         if len(seeded) < len(sampled_rows):
@@ -128,12 +161,16 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     logprobs: list[TokenLogprobs | None] = [None] * n
     if raw_logprobs is not None:
         for i, p in enumerate(params):
-            if p.logprobs is None:
-                continue
-            row = raw_logprobs[i]
-            top: list[tuple[int, float]] = []
-            if p.logprobs > 0:
-                vals, idx = row.topk(p.logprobs)
-                top = list(zip(idx.tolist(), vals.tolist()))
-            logprobs[i] = TokenLogprobs(ids[i], float(row[ids[i]]), top)
+            logprobs[i] = token_logprobs(raw_logprobs[i], ids[i], p.logprobs)
     return SamplerOutput(ids, logprobs)
+
+
+def token_logprobs(row: torch.Tensor, token_id: int, top_n: int | None) -> TokenLogprobs | None:
+    """The chosen token's logprob and the top-N alternatives from a raw log-softmax row."""
+    if top_n is None:
+        return None
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        vals, idx = row.topk(top_n)
+        top = list(zip(idx.tolist(), vals.tolist()))
+    return TokenLogprobs(token_id, float(row[token_id]), top)

@@ -1,7 +1,10 @@
 """Continuous batching under a per-step token budget.
 
 Each step grants every scheduled request `num_new_tokens` so that `num_computed_tokens` catches up
-with `num_tokens`: a prefill chunk, a single decode token, or (later) 1 + k under speculation.
+with `num_tokens`: a prefill chunk, a single decode token, or 1 + k under speculation (the last
+token and k draft tokens, verified in one forward; `update` rolls the counter back over rejected
+drafts, whose slots are simply overwritten later). With speculation every request that reaches its
+end also reserves `num_lookahead_tokens` slots for the draft head's chained steps.
 Running requests go first (FCFS among themselves); when the pool runs dry the most recently
 admitted running request is preempted by recompute (its blocks freed, its counter reset, and it
 returns to the head of the waiting queue). Waiting requests are admitted in arrival order while
@@ -20,12 +23,14 @@ from engine.request import FinishReason, Request, RequestStatus
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # includes num_spec draft tokens
+    num_spec: int = 0
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's tokens, so it yields logits."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens - self.num_spec == r.num_tokens
 
 
 @dataclass(slots=True)
@@ -45,8 +50,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preempt_by_swap: bool = False,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.kv = kv
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.preempt_by_swap = preempt_by_swap
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -95,15 +102,24 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, n):
+            remaining = request.num_tokens - request.num_computed_tokens
+            n = min(remaining, budget)
+            num_spec = 0
+            if remaining == 1 and request.spec_token_ids:
+                num_spec = min(request.num_spec, budget - 1)
+                del request.spec_token_ids[num_spec:]
+                if request.spec_probs is not None:
+                    request.spec_probs = request.spec_probs[:num_spec] if num_spec else None
+                n += num_spec
+            lookahead = self._lookahead(request, request.num_computed_tokens, n)
+            while not self.kv.allocate_slots(request, n + lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, n))
+                out.scheduled.append(ScheduledRequest(request, n, num_spec))
                 budget -= n
                 i += 1
 
@@ -115,7 +131,8 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(request)
             num_hit = hits.num_tokens(self.kv.block_size)
             n = min(request.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(request, n, hits):
+            lookahead = self._lookahead(request, num_hit, n)
+            if not self.kv.allocate_slots(request, n + lookahead, hits):
                 break
             self.waiting.popleft()
             self.kv.record_hit(request, hits)
@@ -129,28 +146,43 @@ class Scheduler:
             budget -= n
         return out
 
+    def _lookahead(self, request: Request, start: int, n: int) -> int:
+        """Slots for the draft head's chain when this chunk reaches the request's end."""
+        if not self.num_lookahead_tokens:
+            return 0
+        ends = start + n - request.num_spec >= request.num_tokens
+        return self.num_lookahead_tokens if ends else 0
+
     def _preempt(self, request: Request) -> None:
         if self.preempt_by_swap:
             self.kv.swap_out(request)
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.spec_token_ids, request.spec_probs = [], None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance counters after the forward, append sampled tokens, finish requests that hit a
-        token-level stop. Returns the requests that finished this step (blocks already freed)."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance counters after the forward, append the step's tokens (one, or under
+        speculation the accepted drafts plus the target's own token), stop at the first
+        token-level stop, and roll `num_computed_tokens` back over rejected drafts. Returns the
+        requests that finished this step (blocks already freed)."""
         finished = []
         for item in out.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            token = sampled.get(request.request_id)
-            if token is None:
+            request.num_computed_tokens += item.num_new_tokens - item.num_spec
+            request.spec_token_ids, request.spec_probs = [], None
+            tokens = sampled.get(request.request_id)
+            if not tokens:
                 continue
-            request.append_token(token)
-            if request.check_stop():
-                self.finish(request.request_id, request.finish_reason or FinishReason.STOP)
-                finished.append(request)
+            for j, token in enumerate(tokens):
+                if j:  # an accepted draft: its KV (computed in this forward) is kept
+                    request.num_computed_tokens += 1
+                request.append_token(token)
+                if request.check_stop():
+                    self.finish(request.request_id, request.finish_reason or FinishReason.STOP)
+                    finished.append(request)
+                    break
         return finished

@@ -90,20 +90,31 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionStep,
+        aux_layers: tuple[int, ...] = (),
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [tokens, hidden]."""
+        """Hidden states after the final norm, [tokens, hidden]. With `aux_layers` (EAGLE-3),
+        the inputs of those layers are concatenated after it: [tokens, hidden * (1 + n)]."""
         x = self.embed_tokens(input_ids)
         rope = {
             d: rope_cos_sin(positions, inv.to(x.device), x.dtype)
             for d, inv in self._inv_freq.items()
         }
         residual = None
-        for layer in self.layers:
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                captured[i] = x if residual is None else residual + x
             cos, sin = rope[layer.layer.head_dim]
             x, residual = layer(x, residual, cos, sin, attn)
         assert residual is not None
-        return rms_norm(residual + x, self.norm.weight, self.norm.eps)
+        hidden = rms_norm(residual + x, self.norm.weight, self.norm.eps)
+        if not aux_layers:
+            return hidden
+        return torch.cat([hidden, *(captured[i] for i in aux_layers)], dim=-1)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -79,12 +79,13 @@ def test_nan_logits_fail_only_their_request(live, monkeypatch) -> None:
     original = runner.execute
 
     def execute(out):
-        logits = original(out).clone()
+        logits, hidden = original(out)
+        logits = logits.clone()
         rows = [s.request for s in out.scheduled if s.samples]
         for i, r in enumerate(rows):
             if MARKER in r.prompt_token_ids:
                 logits[i] = float("nan")
-        return logits
+        return logits, hidden
 
     monkeypatch.setattr(runner, "execute", execute)
     results: dict[str, httpx.Response] = {}

@@ -1,0 +1,261 @@
+"""EAGLE speculative decoding: the proposer (draft head, batched across requests) and the lossless
+verifier.
+
+Per engine step, after the target's forward and verification:
+1. Catch-up: the head runs over every position the target just computed and kept (p), with the
+   token that follows it (t_{p+1}) and the target's feature f_p, writing the draft layer's KV in
+   its own KV group of the shared pool. Its output at a request's last position is the predicted
+   next feature, whose logits give the first draft token.
+2. Chain: k-1 single-token steps feed the head its own predicted feature and the token it drafted.
+   The KV these write is provisional; next step's catch-up overwrites it with true features.
+Draft KV at a position is written in the same step as the target's KV there, so blocks shared
+through the prefix cache carry both.
+
+Verification (`verify`): one target forward over [last token, d_1..d_k]; greedy rows accept while
+the draft equals the target's argmax; sampled rows accept d with probability min(1, p(d)/q(d)) and
+otherwise resample from norm(max(0, p - q)); a bonus token on full acceptance. p and q both go
+through the request's temperature/top_k/top_p/min_p; logit_bias, min_tokens and penalties see the
+drafted prefix of each row, so every emitted token is distributed exactly as without speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.model_runner import step_metadata
+from engine.request import Request
+from engine.sampler import (
+    SamplerOutput,
+    TokenLogprobs,
+    apply_logits_processors,
+    sampling_probs,
+    token_logprobs,
+)
+from engine.sampling_params import SamplingParams
+from models.eagle.head import EagleHead
+
+
+@dataclass(slots=True)
+class DraftedRow:
+    """A request as sampling sees it at verification row j: its tokens plus drafts d_1..d_j."""
+
+    request: Request
+    extra: list[int]
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.extra)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.request.all_token_ids + self.extra
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.extra
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.request.eos_token_ids
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.request.generator
+
+
+def verify(logits: torch.Tensor, requests: list[Request]) -> list[SamplerOutput]:
+    """logits: the target's rows for each request's [last token, d_1..d_k] (k = its number of
+    `spec_token_ids`), concatenated in request order. Returns the emitted tokens per request."""
+    views = [DraftedRow(r, r.spec_token_ids[:j]) for r in requests for j in range(r.num_spec + 1)]
+    want_lp = any(r.sampling_params.logprobs is not None for r in requests)
+    raw = logits.log_softmax(-1) if want_lp else None
+    processed = apply_logits_processors(logits, views)
+    results, row = [], 0
+    for r in requests:
+        k, params = r.num_spec, r.sampling_params
+        rows = processed[row : row + k + 1]
+        if params.greedy:
+            target = rows.argmax(-1).tolist()
+            m = 0
+            while m < k and r.spec_token_ids[m] == target[m]:
+                m += 1
+            tokens = r.spec_token_ids[:m] + [target[m]]
+        else:
+            tokens = _rejection_sample(r, sampling_probs(rows, [params] * (k + 1)))
+        lps: list[TokenLogprobs | None] = [None] * len(tokens)
+        if raw is not None and params.logprobs is not None:
+            lps = [token_logprobs(raw[row + j], t, params.logprobs) for j, t in enumerate(tokens)]
+        results.append(SamplerOutput(tokens, lps))
+        row += k + 1
+    return results
+
+
+def _rejection_sample(r: Request, p: torch.Tensor) -> list[int]:
+    """Leviathan et al.'s rule over draft tokens drawn from r.spec_probs (q)."""
+    q, gen = r.spec_probs, r.generator
+    assert q is not None
+    uniforms = torch.rand(r.num_spec, generator=gen).tolist() if r.num_spec else []
+    tokens: list[int] = []
+    for j, d in enumerate(r.spec_token_ids):
+        pj, qj = float(p[j, d]), float(q[j, d])
+        if uniforms[j] * qj <= pj:
+            tokens.append(d)
+            continue
+        residual = (p[j] - q[j]).clamp_(min=0)
+        if float(residual.sum()) <= 0:
+            residual = p[j]
+        tokens.append(int(torch.multinomial(residual, 1, generator=gen)))
+        return tokens
+    tokens.append(int(torch.multinomial(p[r.num_spec], 1, generator=gen)))
+    return tokens
+
+
+@dataclass(slots=True)
+class SpecStats:
+    num_drafts: int = 0  # verification rounds that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position.append(0)
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification round (accepted drafts + the target's own token)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(slots=True)
+class CatchUp:
+    """Positions [start, start + num_kept) of `request` whose target features are `features`."""
+
+    request: Request
+    start: int
+    features: torch.Tensor
+    propose: bool  # draft k tokens after catching up
+
+
+class Proposer:
+    """Runs the head over the pool's extra KV group. Adaptive k: verification stays in the
+    memory-bound regime while the step's target rows (batch x (1 + k)) are few; beyond
+    `max_verify_rows` the matmuls turn compute-bound and speculation no longer pays, so k shrinks
+    with the batch (down to 0). `current_k` is exported in /metrics."""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        backend: AttentionBackend,
+        block_size: int,
+        num_speculative_tokens: int,
+        max_verify_rows: int,
+        device: torch.device,
+    ) -> None:
+        self.head = head
+        self.backend = backend
+        self.block_size = block_size
+        self.k = num_speculative_tokens
+        self.max_verify_rows = max_verify_rows
+        self.device = device
+        self.current_k = num_speculative_tokens
+        self.stats = SpecStats()
+
+    def choose_k(self, num_decoding: int) -> int:
+        if num_decoding <= 0:
+            return self.k
+        self.current_k = max(0, min(self.k, self.max_verify_rows // num_decoding - 1))
+        return self.current_k
+
+    @torch.inference_mode()
+    def run(self, items: list[CatchUp], tables: dict[str, list[int]], k: int) -> None:
+        """Catch the draft KV up over `items`, then set `spec_token_ids`/`spec_probs` on the
+        requests that propose (at most k each, fewer near max_tokens / max_model_len)."""
+        for item in items:
+            item.request.spec_token_ids, item.request.spec_probs = [], None
+        if not items:
+            return
+        head = self.head
+        tokens, lens = [], []
+        for item in items:
+            n = item.features.shape[0]
+            tokens.extend(item.request.all_token_ids[item.start + 1 : item.start + n + 1])
+            lens.append(n)
+        seqs = [(tables[i.request.request_id], i.start, n) for i, n in zip(items, lens)]
+        positions, meta = step_metadata(seqs, self.block_size, self.device)
+        features = head.target_features(torch.cat([i.features for i in items]))
+        hidden = head(
+            torch.tensor(tokens, device=self.device), features, positions, self.backend.plan(meta)
+        )
+        ends = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        proposers = [j for j, item in enumerate(items) if item.propose]
+        budgets = [self._budget(items[j].request, k) for j in proposers]
+        active = [(j, b) for j, b in zip(proposers, budgets) if b > 0]
+        if not active:
+            return
+        reqs = [items[j].request for j, _ in active]
+        budget = [b for _, b in active]
+        last = hidden.index_select(0, ends[[j for j, _ in active]])
+        pos = [r.num_tokens - 1 for r in reqs]  # position of the last real token
+        for step in range(max(budget)):
+            live = [i for i, b in enumerate(budget) if b > step]
+            drafted = self._draft_tokens(last, reqs, live)
+            if step + 1 >= max(budget):
+                break
+            seqs = [(tables[reqs[i].request_id], pos[i] + step, 1) for i in range(len(reqs))]
+            positions, meta = step_metadata(seqs, self.block_size, self.device)
+            last = head(
+                torch.tensor(drafted, device=self.device),
+                last,
+                positions,
+                self.backend.plan(meta),
+                from_target=False,
+            )
+
+    def _budget(self, r: Request, k: int) -> int:
+        """Drafts a request may carry: k, but never past max_tokens or the context length."""
+        params = r.sampling_params
+        if r.is_finished:
+            return 0
+        room = min(params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
+        return max(0, min(k, room - 1))
+
+    def _draft_tokens(
+        self, hidden: torch.Tensor, reqs: list[Request], live: list[int]
+    ) -> list[int]:
+        """Draft one token per request from the head's predicted features; append it (and, for
+        sampled requests, its draft distribution q) to the `live` requests."""
+        logits = self.head.logits(hidden)
+        token_map = self.head.token_map
+        greedy = logits.argmax(-1)
+        out = (token_map[greedy] if token_map is not None else greedy).tolist()
+        sampled = [i for i in live if not reqs[i].sampling_params.greedy]
+        if sampled:
+            rows = logits[sampled]
+            if token_map is not None:
+                vocab = self.head.embed.weight.shape[0]
+                full = rows.new_full((len(sampled), vocab), float("-inf"))
+                rows = full.index_copy_(1, token_map, rows)
+            q = sampling_probs(rows, [reqs[i].sampling_params for i in sampled])
+            for row, i in enumerate(sampled):
+                r = reqs[i]
+                out[i] = int(torch.multinomial(q[row], 1, generator=r.generator))
+                qi = q[row : row + 1]
+                r.spec_probs = qi if r.spec_probs is None else torch.cat([r.spec_probs, qi])
+        for i in live:
+            reqs[i].spec_token_ids.append(out[i])
+        return out

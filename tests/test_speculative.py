@@ -1,0 +1,289 @@
+"""EAGLE speculative decoding must be lossless: greedy tokens identical with and without it (mixed
+batches, chunked prefill, prefix hits, preemption), and sampled tokens distributed as without it.
+
+Draft heads are written by the tests in the published key names:
+- `identity` (EAGLE-1): fc = [0 | I] and zero attention/MLP outputs, so the draft's "next feature"
+  is the current one, i.e. it proposes what the target predicted one position earlier. A poor
+  draft that still overlaps the target's distribution, so accept and reject paths both run.
+- `random` (EAGLE-1 with fc bias, and EAGLE-3 with d2t): random weights, drafts mostly rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine import LLM, SamplingParams
+
+H, HEADS, INTER, VOCAB = 64, 4, 128, 512  # conftest's tiny llama
+
+
+def _config(path: Path, extra: dict | None = None) -> None:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": H,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": 2,
+        "intermediate_size": INTER,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+    }
+    cfg.update(extra or {})
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _layer(prefix: str, attn_in: int, gen: torch.Generator, zero_out: bool) -> dict:
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.2
+
+    kv = 2 * (H // HEADS)
+    t = {
+        f"{prefix}self_attn.q_proj.weight": r(H, attn_in),
+        f"{prefix}self_attn.k_proj.weight": r(kv, attn_in),
+        f"{prefix}self_attn.v_proj.weight": r(kv, attn_in),
+        f"{prefix}self_attn.o_proj.weight": r(H, H),
+        f"{prefix}mlp.gate_proj.weight": r(INTER, H),
+        f"{prefix}mlp.up_proj.weight": r(INTER, H),
+        f"{prefix}mlp.down_proj.weight": r(H, INTER),
+        f"{prefix}post_attention_layernorm.weight": 1 + r(H) * 0.5,
+    }
+    if zero_out:
+        t[f"{prefix}self_attn.o_proj.weight"].zero_()
+        t[f"{prefix}mlp.down_proj.weight"].zero_()
+    return t
+
+
+def write_eagle1(path: Path, identity: bool, seed: int = 0) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    t = _layer("layers.0.", H, gen, zero_out=identity)
+    fc = torch.randn(H, 2 * H, generator=gen) * 0.2
+    if identity:
+        fc = torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1)
+    t["fc.weight"] = fc
+    if not identity:
+        t["fc.bias"] = torch.randn(H, generator=gen) * 0.1
+        t["embed_tokens.weight"] = torch.randn(VOCAB, H, generator=gen)  # saved by some heads
+    save_file(t, str(path / "model.safetensors"))
+    _config(path)
+    return path
+
+
+def write_eagle3(path: Path, seed: int = 0, draft_vocab: int = 128) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    t = _layer("midlayer.", 2 * H, gen, zero_out=False)
+    t["midlayer.input_layernorm.weight"] = torch.ones(H)
+    t["midlayer.hidden_norm.weight"] = torch.ones(H)
+    t["fc.weight"] = torch.randn(H, 3 * H, generator=gen) * 0.2
+    t["norm.weight"] = torch.ones(H)
+    t["lm_head.weight"] = torch.randn(draft_vocab, H, generator=gen) * 0.2
+    ids = torch.sort(torch.randperm(VOCAB, generator=gen)[:draft_vocab]).values
+    t["d2t"] = ids - torch.arange(draft_vocab)
+    t["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, ids, True)
+    torch.save(t, path / "pytorch_model.bin")  # the other published file format
+    _config(
+        path,
+        {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": draft_vocab,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]},  # 2-layer target
+        },
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("heads")
+    return {
+        "identity": write_eagle1(root / "identity", identity=True),
+        "random": write_eagle1(root / "random", identity=False),
+        "eagle3": write_eagle3(root / "eagle3"),
+    }
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 400) for _ in range(40)]
+    out = []
+    for i in range(n):
+        own = [rng.randrange(3, 400) for _ in range(rng.randrange(1, 60))]
+        out.append(shared[: rng.randrange(0, 40)] + own if i % 2 else own)
+    return out
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def generate(model: Path, ps, params, **kw) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(str(model), **kw)
+    return llm, [r.outputs[0].token_ids for r in llm.generate(ps, params)]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir) -> tuple[list[list[int]], list[list[int]]]:
+    ps = prompts(12)
+    _, outs = generate(llama_dir, ps, GREEDY, num_kv_blocks=256, block_size=4)
+    return ps, outs
+
+
+@pytest.mark.parametrize("head", ["identity", "random", "eagle3"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"max_num_batched_tokens": 8},  # chunked prefill
+        {"num_kv_blocks": 40},  # preemption
+    ],
+    ids=["batch", "chunked", "preempt"],
+)
+def test_greedy_identical(llama_dir, heads, reference, head, kw) -> None:
+    ps, ref = reference
+    opts = {"num_kv_blocks": 256, "block_size": 4, **kw}
+    llm, outs = generate(
+        llama_dir,
+        ps,
+        GREEDY,
+        speculative_model=str(heads[head]),
+        num_speculative_tokens=3,
+        spec_max_verify_rows=256,
+        **opts,
+    )
+    assert outs == ref
+    stats = llm.engine.proposer.stats
+    assert stats.num_draft_tokens > 0
+    if "num_kv_blocks" in kw:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv.pool.num_free_blocks == opts["num_kv_blocks"]
+
+
+def test_oracle_drafts_accept_and_stay_identical(llama_dir, heads, reference, monkeypatch) -> None:
+    """Drafts replaced by the reference continuation (mostly right, sometimes corrupted) drive
+    long acceptances, bonus tokens, max_tokens and stop-token endings inside a verified chunk."""
+    ps, ref = reference
+    llm = LLM(
+        str(llama_dir),
+        num_kv_blocks=256,
+        block_size=4,
+        speculative_model=str(heads["random"]),
+        num_speculative_tokens=4,
+        spec_max_verify_rows=256,
+    )
+    proposer = llm.engine.proposer
+    expected = {}
+    original = proposer._draft_tokens
+    rng = random.Random(0)
+
+    def oracle(hidden, reqs, live):
+        out = original(hidden, reqs, live)
+        for i in live:
+            r = reqs[i]
+            cont = expected[r.request_id]
+            j = r.num_output_tokens + len(r.spec_token_ids) - 1
+            if j < len(cont) and rng.random() < 0.85:
+                r.spec_token_ids[-1] = out[i] = cont[j]
+        return out
+
+    monkeypatch.setattr(proposer, "_draft_tokens", oracle)
+    stops = [ref[i][10] for i in range(len(ps))]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stops[i]])
+        if i % 3 == 0
+        else SamplingParams(temperature=0.0, max_tokens=5 + i, ignore_eos=True)
+        for i in range(len(ps))
+    ]
+    for i in range(len(ps)):
+        expected[str(i)] = ref[i]
+    outs = [r.outputs[0].token_ids for r in llm.generate(ps, params)]
+    for i, out in enumerate(outs):
+        if i % 3 == 0:
+            assert out == ref[i][: ref[i].index(stops[i]) + 1]
+        else:
+            assert out == ref[i][: 5 + i]
+    stats = proposer.stats
+    assert stats.mean_acceptance_length > 2.0
+    assert stats.accepted_per_position[3] > 0  # full acceptances: bonus tokens
+    assert llm.engine.kv.pool.num_free_blocks == 256
+
+
+def test_penalties_bias_logprobs_match(llama_dir, heads, monkeypatch) -> None:
+    """Processors see each verified row's drafted prefix; logprobs come from the target."""
+    ps = prompts(6, seed=3)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=20,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        logit_bias={7: 3.0, 11: -50.0},
+        min_tokens=5,
+        logprobs=3,
+    )
+    plain = LLM(str(llama_dir), num_kv_blocks=256, block_size=4).generate(ps, params)
+    spec = LLM(
+        str(llama_dir),
+        num_kv_blocks=256,
+        block_size=4,
+        speculative_model=str(heads["identity"]),
+        num_speculative_tokens=3,
+        spec_max_verify_rows=256,
+    ).generate(ps, params)
+    for a, b in zip(plain, spec):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.token_id == y.token_id
+            assert abs(x.logprob - y.logprob) < 1e-3
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_sampling_distribution_unchanged(llama_dir, heads) -> None:
+    """Second-token frequencies over 3000 seeded requests, with and without a poor draft: a
+    chi-square two-sample test at p > 0.001 (the threshold; a wrong acceptance rule, e.g.
+    accepting every draft, fails it by orders of magnitude)."""
+    prompt = [5, 17, 42, 99]
+    n = 3000
+    kw = {"num_kv_blocks": 1024, "block_size": 4, "max_num_seqs": 512}
+    params = [
+        SamplingParams(temperature=3.0, top_p=0.9, max_tokens=3, ignore_eos=True, seed=i)
+        for i in range(n)
+    ]
+    plain = LLM(str(llama_dir), **kw).generate([prompt] * n, params)
+    spec_llm = LLM(
+        str(llama_dir),
+        speculative_model=str(heads["identity"]),
+        num_speculative_tokens=2,
+        spec_max_verify_rows=4096,
+        **kw,
+    )
+    spec = spec_llm.generate([prompt] * n, params)
+    stats = spec_llm.engine.proposer.stats
+    assert stats.num_draft_tokens >= n  # every request verified drafts
+    assert 0.1 * n < stats.num_accepted_tokens < 0.9 * n  # both paths ran often
+    for pos in (1, 2):
+        a = Counter(r.outputs[0].token_ids[pos] for r in plain)
+        b = Counter(r.outputs[0].token_ids[pos] for r in spec)
+        tokens = sorted(set(a) | set(b))
+        assert chi_square_p(a, b, tokens) > 0.001, (pos, a.most_common(5), b.most_common(5))
+
+
+def chi_square_p(a: Counter, b: Counter, tokens: list[int]) -> float:
+    """p-value of Pearson's chi-square test that two samples share one distribution; tokens
+    seen fewer than 20 times in all are pooled into one cell."""
+    rare = [t for t in tokens if a[t] + b[t] < 20]
+    tokens = [t for t in tokens if a[t] + b[t] >= 20]
+    a = Counter({**{t: a[t] for t in tokens}, -1: sum(a[t] for t in rare)})
+    b = Counter({**{t: b[t] for t in tokens}, -1: sum(b[t] for t in rare)})
+    tokens = tokens + [-1]
+    table = torch.tensor([[a[t] for t in tokens], [b[t] for t in tokens]], dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    df = torch.tensor(len(tokens) - 1.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
