@@ -56,6 +56,8 @@ class EngineCollector(Collector):
         for source, value in kv.hits_by_source.items():
             cached.add_metric([source], value)
         yield cached
+        if engine.proposer is not None:
+            yield from _spec_metrics(engine.proposer, gauge, counter)
         host = engine.host
         if host is not None:
             yield gauge("host_kv_used_bytes", "Bytes of KV held in the host tier.", host.used_bytes)
@@ -111,3 +113,32 @@ class Metrics:
             buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1),
         )
         collector.on_swap_in = self.swap_in.observe
+
+
+def _spec_metrics(proposer, gauge, counter) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    spec = proposer.stats
+    yield counter("spec_decode_num_drafts", "Verification rounds with drafts.", spec.num_drafts)
+    yield counter(
+        "spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens
+    )
+    yield counter(
+        "spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens
+    )
+    yield gauge(
+        "spec_decode_mean_acceptance_length",
+        "Tokens emitted per verification round (accepted drafts + 1).",
+        spec.mean_acceptance_length,
+    )
+    yield gauge(
+        "spec_decode_num_speculative_tokens",
+        "k chosen for the last step by adaptive speculation (0 = off at this batch size).",
+        proposer.current_k,
+    )
+    per_pos = CounterMetricFamily(
+        "kvserve:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at each draft position.",
+        labels=["position"],
+    )
+    for j, value in enumerate(spec.accepted_per_position):
+        per_pos.add_metric([str(j)], value)
+    yield per_pos

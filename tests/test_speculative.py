@@ -287,3 +287,44 @@ def chi_square_p(a: Counter, b: Counter, tokens: list[int]) -> float:
     stat = ((table - expected) ** 2 / expected).sum()
     df = torch.tensor(len(tokens) - 1.0, dtype=torch.float64)
     return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+def test_server_flags_stream_and_metrics(llama_dir, heads, reference) -> None:
+    """--speculative-model / --num-speculative-tokens through HTTP: greedy completions equal the
+    engine's non-speculative tokens (streamed, several tokens per chunk), metrics report it."""
+    import httpx
+
+    from tests.server_utils import ServerProcess
+
+    ps, _ = reference
+    server = ServerProcess(
+        [
+            "--model", str(llama_dir), "--num-kv-blocks", "256", "--block-size", "4",
+            "--speculative-model", str(heads["identity"]), "--num-speculative-tokens", "3",
+        ]
+    )  # fmt: skip
+    plain = LLM(str(llama_dir), num_kv_blocks=256, block_size=4)
+    try:
+        for prompt in ps[:4]:
+            expected = plain.generate([prompt], GREEDY)[0].outputs[0].text
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(server.base + "/v1/completions", json=body | {"logprobs": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert r.json()["usage"]["completion_tokens"] == 24
+            assert len(choice["logprobs"]["tokens"]) == 24
+            assert choice["text"] == expected
+            with httpx.stream(
+                "POST", server.base + "/v1/completions", json=body | {"stream": True}, timeout=60
+            ) as s:
+                chunks = [
+                    json.loads(line[6:])["choices"][0]["text"]
+                    for line in s.iter_lines()
+                    if line.startswith("data: {")
+                ]
+            assert "".join(chunks) == choice["text"]
+        metrics = httpx.get(server.base + "/metrics", timeout=10).text
+        assert "kvserve:spec_decode_num_draft_tokens_total" in metrics
+        assert "kvserve:spec_decode_num_speculative_tokens 3.0" in metrics
+    finally:
+        server.stop()
