@@ -24,7 +24,7 @@ from engine.request import FinishReason, Request
 from engine.sampler import SamplerOutput, TokenLogprobs, sample
 from engine.sampling_params import ParamError, SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
-from engine.spec_decode import CatchUp, Proposer, verify
+from engine.spec_decode import CatchUp, Proposer, record_acceptance, verify
 from models.eagle.head import EagleHead, load_eagle_head
 from models.loader import default_model_path, load_model
 from models.tokenizer import Tokenizer, load_tokenizer
@@ -330,7 +330,7 @@ class LLMEngine:
         sampled = {s.request.request_id: res.token_ids for s, res in results}
         self.scheduler.update(out, sampled)
         if self.proposer is not None:
-            self._propose(out.scheduled, hidden, before, tables, failed)
+            self._propose(out.scheduled, hidden, before, tables, failed, set(sampled))
         now = time.monotonic()
         for item, res in results:
             request = item.request
@@ -379,6 +379,7 @@ class LLMEngine:
             assert self.proposer is not None
             for (s, _, _), res in zip(drafted, verified):
                 self.proposer.stats.record(s.num_spec, len(res.token_ids) - 1)
+                record_acceptance(s.request, s.num_spec, len(res.token_ids) - 1)
                 results.append((s, res))
         return results, failed
 
@@ -389,6 +390,7 @@ class LLMEngine:
         before: dict[str, tuple[int, int]],
         tables: dict[str, list[int]],
         failed: set[str],
+        sampled: set[str],
     ) -> None:
         """Catch the draft's KV up over what the target kept this step; draft for next step."""
         assert self.proposer is not None
@@ -398,8 +400,8 @@ class LLMEngine:
             start = before[r.request_id][0]
             kept = r.num_computed_tokens - start
             if r.request_id not in failed and kept > 0:
-                caught_up = r.num_computed_tokens == r.num_tokens - 1
-                items.append(CatchUp(r, start, hidden[row : row + kept], caught_up))
+                # only a chunk that sampled proposes: it alone got lookahead slots
+                items.append(CatchUp(r, start, hidden[row : row + kept], r.request_id in sampled))
             row += s.num_new_tokens
         k = self.proposer.choose_k(sum(1 for i in items if i.propose and not i.request.is_finished))
         self.proposer.run(items, tables, k)

@@ -49,6 +49,7 @@ class Request:
     # requests their draft distributions q [k, vocab].
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
+    spec_acceptance: float = 0.7  # running per-draft acceptance rate (adaptive k)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

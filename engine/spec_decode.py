@@ -20,6 +20,7 @@ drafted prefix of each row, so every emitted token is distributed exactly as wit
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -115,6 +116,15 @@ def _rejection_sample(r: Request, p: torch.Tensor) -> list[int]:
         return tokens
     tokens.append(int(torch.multinomial(p[r.num_spec], 1, generator=gen)))
     return tokens
+
+
+MIN_GAIN = 0.1  # expected accepted tokens a draft position must bring to be drafted
+
+
+def record_acceptance(r: Request, num_drafted: int, num_accepted: int) -> None:
+    """Update a request's running acceptance rate after a verification round."""
+    if num_drafted:
+        r.spec_acceptance = 0.7 * r.spec_acceptance + 0.3 * (num_accepted / num_drafted)
 
 
 @dataclass(slots=True)
@@ -227,12 +237,17 @@ class Proposer:
             )
 
     def _budget(self, r: Request, k: int) -> int:
-        """Drafts a request may carry: k, but never past max_tokens or the context length."""
+        """Drafts a request may carry: k, but never past max_tokens or the context length, and
+        only as deep as its own acceptance makes worthwhile (draft j survives with probability
+        about alpha^j; below MIN_GAIN the draft step and the extra verify row cost more than
+        they return). At least one draft, so a request whose acceptance recovers is noticed."""
         params = r.sampling_params
-        if r.is_finished:
+        if r.is_finished or k == 0:
             return 0
         room = min(params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
-        return max(0, min(k, room - 1))
+        alpha = min(r.spec_acceptance, 0.99)
+        depth = max(1, int(math.log(MIN_GAIN) / math.log(alpha))) if alpha > 0 else 1
+        return max(0, min(k, depth, room - 1))
 
     def _draft_tokens(
         self, hidden: torch.Tensor, reqs: list[Request], live: list[int]

@@ -118,9 +118,7 @@ class Metrics:
 def _spec_metrics(proposer, gauge, counter) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     spec = proposer.stats
     yield counter("spec_decode_num_drafts", "Verification rounds with drafts.", spec.num_drafts)
-    yield counter(
-        "spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens
-    )
+    yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens)
     yield counter(
         "spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens
     )

@@ -160,6 +160,7 @@ def test_greedy_identical(llama_dir, heads, reference, head, kw) -> None:
     assert outs == ref
     stats = llm.engine.proposer.stats
     assert stats.num_draft_tokens > 0
+    assert llm.engine.kv.prefix_hits > 0  # shared prefixes hit; the draft's KV came along
     if "num_kv_blocks" in kw:
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.kv.pool.num_free_blocks == opts["num_kv_blocks"]

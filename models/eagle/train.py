@@ -285,6 +285,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--pack-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-seqs", type=int, default=0, help="use only the first N (0 = all)")
     ap.add_argument("--stage", choices=["data", "features", "all"], default="all")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -298,10 +299,12 @@ def main() -> None:
         prompts = train_prompts(args.num_prompts, args.seed)
         seqs = generate_data(llm, prompts, args.max_tokens, args.sampled_share, args.seed)
         torch.save(seqs, data_path)
+    if args.train_seqs:
+        seqs = seqs[: args.train_seqs]
     print(f"{len(seqs)} sequences, {sum(len(s) for s, _ in seqs)} tokens")
     if args.stage == "data":
         return
-    feat_path = data_path.replace(".pt", "-features.pt")
+    feat_path = data_path.replace(".pt", f"-{len(seqs)}-features.pt")
     if os.path.exists(feat_path):
         feats = torch.load(feat_path)
     else:
