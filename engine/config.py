@@ -34,7 +34,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    allow_slow_dtype: bool = False  # serve bf16/fp16 on a CPU without native support anyway
+    require_fast_kernels: bool = False  # refuse to start on a slow general attention path
     seed: int = 0
     host_bytes: str = "0"  # host-memory KV tier size, e.g. "8GiB"; "0" = off
     disk_path: str = ""  # optional disk tier under the host tier; "" = off

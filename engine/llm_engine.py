@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.attention import select_backend
+from engine.attention import DeviceFacts, select_backend
 from engine.config import EngineConfig, parse_bytes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.disk_tier import DiskTier
@@ -71,9 +71,17 @@ class LLMEngine:
         )
         self.block_size = config.resolved_block_size()
         self.num_blocks = self._num_blocks()
-        self.backend_cls = select_backend(
-            self.pool_spec, self.device, self.dtype, self.block_size, config.attention_backend
+        self.device_facts = DeviceFacts.detect(self.device)
+        self.backend_choice = select_backend(
+            self.pool_spec,
+            self.device_facts,
+            self.dtype,
+            self.block_size,
+            config.attention_backend,
+            config.allow_slow_dtype,
+            config.require_fast_kernels,
         )
+        self.backend_cls = self.backend_choice.backend
         self.kv_caches = allocate_kv_caches(
             self.backend_cls,
             self.pool_spec.kv_groups,

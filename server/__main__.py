@@ -24,17 +24,58 @@ def banner(config: Config, engine) -> str:  # engine: LLMEngine
         f"{engine.num_blocks * engine.block_size} tokens "
         f"({engine.num_blocks * engine.kv_block_bytes / 2**20:.0f} MiB), "
         f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}",
-        f"  attention  {engine.backend_cls.name}",
+        f"  attention  {engine.backend_cls.name} on {engine.device_facts.label}",
         f"  context    {engine.max_model_len} tokens, max {engine.config.max_num_seqs} seqs, "
         f"{engine.config.max_num_batched_tokens} tokens/step",
         f"  URL        http://{config.server.host}:{config.server.port}/v1"
         + ("  (API key required)" if config.server.api_key else ""),
     ]
+    if engine.draft is not None:
+        lines.insert(
+            -1,
+            f"  speculate  {engine.draft.cfg.layout} head, k={engine.config.num_speculative_tokens}"
+            f" (adaptive up to {engine.config.spec_max_verify_rows} verify rows)",
+        )
+    lines += ["  kernel matrix:", engine.backend_choice.table]
     return "\n".join(lines)
 
 
+def kernels(argv: list[str]) -> int:
+    """`python -m server kernels --model PATH`: the kernel-support matrix, without serving."""
+    import torch
+
+    from engine.attention import DeviceFacts, select_backend
+    from models.loader import default_model_path, load_spec
+
+    config = load_config(argv).engine
+    path = config.model or default_model_path()
+    spec = load_spec(path)
+    device = config.resolved_device()
+    facts = DeviceFacts.detect(device)
+    dtype = config.resolved_dtype()
+    elem = torch.empty((), dtype=dtype).element_size()
+    print(
+        f"model  {path}: {spec.architecture}, {spec.num_layers} layers, KV groups "
+        f"{len(spec.kv_groups)}, {spec.kv_bytes_per_token(elem)} KV bytes/token"
+    )
+    print(f"device {facts.label}, dtype {str(dtype).replace('torch.', '')}")
+    try:
+        choice = select_backend(
+            spec, facts, dtype, config.resolved_block_size(), config.attention_backend,
+            config.allow_slow_dtype, config.require_fast_kernels,
+        )  # fmt: skip
+    except ValueError as e:
+        print(e)
+        return 1
+    print(choice.table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
-    config = load_config(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["kernels"]:
+        sys.exit(kernels(args[1:]))
+    config = load_config(args)
     logging.basicConfig(
         level=config.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,40 +1,96 @@
-"""Attention backends, in priority order, and the choice among them."""
+"""Attention backends in priority order, the kernel-support matrix, and the choice among them."""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
+from engine.attention.flashinfer_backend import FlashInferBackend
+from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, format_matrix
 from engine.attention.torch_backend import TorchBackend
 from models.spec import ModelSpec
 
-BACKENDS: list[type[AttentionBackend]] = [TorchBackend]
+BACKENDS: list[type[AttentionBackend]] = [FlashInferBackend, TorchBackend]
+SLOW_ONLY = ("dtype",)  # requirements that cost speed, not correctness (waivable)
 
-__all__ = ["AttentionBackend", "AttentionStep", "StepMetadata", "BACKENDS", "select_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionStep",
+    "StepMetadata",
+    "BACKENDS",
+    "BackendChoice",
+    "DeviceFacts",
+    "select_backend",
+]
+log = logging.getLogger("kvserve.attention")
+
+
+@dataclass(frozen=True, slots=True)
+class BackendChoice:
+    backend: type[AttentionBackend]
+    reason: str
+    table: str  # the matrix as printed at startup
+    fast: bool
 
 
 def support_matrix(
-    spec: ModelSpec, device: torch.device, dtype: torch.dtype, block_size: int
-) -> dict[str, list[str]]:
-    return {b.name: b.unsupported_reasons(spec, device, dtype, block_size) for b in BACKENDS}
+    spec: ModelSpec, facts: DeviceFacts, dtype: torch.dtype, block_size: int
+) -> dict[str, Verdict]:
+    needs = ModelNeeds.of(spec)
+    return {b.name: b.check(needs, facts, dtype, block_size) for b in BACKENDS}
+
+
+def _failures(verdict: Verdict) -> list[str]:
+    return [f"{req}: {why}" for req, why in verdict.items() if why]
 
 
 def select_backend(
-    spec: ModelSpec, device: torch.device, dtype: torch.dtype, block_size: int, forced: str = "auto"
-) -> type[AttentionBackend]:
-    matrix = support_matrix(spec, device, dtype, block_size)
+    spec: ModelSpec,
+    facts: DeviceFacts,
+    dtype: torch.dtype,
+    block_size: int,
+    forced: str = "auto",
+    allow_slow_dtype: bool = False,
+    require_fast_kernels: bool = False,
+) -> BackendChoice:
+    """The first backend in priority order that meets every requirement, or the forced one.
+    Raises ValueError with the reasons when nothing (or not the forced backend) can serve."""
+    matrix = support_matrix(spec, facts, dtype, block_size)
+    if allow_slow_dtype:  # the user accepted the slow dtype: it no longer disqualifies
+        matrix = {n: {r: w for r, w in v.items() if r not in SLOW_ONLY} for n, v in matrix.items()}
     by_name = {b.name: b for b in BACKENDS}
     if forced != "auto":
         if forced not in by_name:
             raise ValueError(f"unknown attention backend {forced!r}; known: {sorted(by_name)}")
-        if matrix[forced]:
+        chosen, why = by_name[forced], "forced by --attention-backend"
+        if _failures(matrix[forced]):
             raise ValueError(
-                f"attention backend {forced!r} cannot serve this model: "
-                + "; ".join(matrix[forced])
+                f"attention backend {forced!r} cannot serve this model on {facts.label}: "
+                + "; ".join(_failures(matrix[forced]))
+                + "\n"
+                + format_matrix(matrix, forced, "refused")
             )
-        return by_name[forced]
-    for backend in BACKENDS:
-        if not matrix[backend.name]:
-            return backend
-    # Nothing is clean: the reference backend still computes the right answer, only slowly.
-    return TorchBackend
+    else:
+        clean = [b for b in BACKENDS if not _failures(matrix[b.name])]
+        if not clean:
+            reasons = {n: _failures(v) for n, v in matrix.items()}
+            raise ValueError(
+                f"no attention backend can serve this model on {facts.label}: {reasons}\n"
+                + format_matrix(matrix, "none", "refused")
+            )
+        chosen = clean[0]
+        passed = [b.name for b in BACKENDS[: BACKENDS.index(chosen)]]
+        why = "first in priority order meeting every requirement"
+        if passed:
+            why += f" ({', '.join(passed)} passed over)"
+    fast = chosen.is_fast_on(facts)
+    table = format_matrix(matrix, chosen.name, why)
+    if not fast:
+        message = f"attention backend {chosen.name} is the slow general path on {facts.label}"
+        if require_fast_kernels:
+            raise ValueError(message + " and --require-fast-kernels is set\n" + table)
+        log.warning("%s: expect 2-5x slower attention", message)
+    return BackendChoice(chosen, why, table, fast)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict
 from models.spec import ModelSpec
 
 
@@ -56,10 +57,24 @@ class AttentionBackend(ABC):
 
     @classmethod
     @abstractmethod
+    def check(
+        cls, needs: ModelNeeds, facts: DeviceFacts, dtype: torch.dtype, block_size: int
+    ) -> Verdict:
+        """Per requirement (matrix.REQUIREMENTS), why this backend cannot serve it here."""
+
+    @classmethod
+    def is_fast_on(cls, facts: DeviceFacts) -> bool:
+        """False where this backend is a slow general path (a loud warning, or refused under
+        --require-fast-kernels)."""
+        return True
+
+    @classmethod
     def unsupported_reasons(
-        cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, block_size: int
+        cls, spec: ModelSpec, facts: DeviceFacts, dtype: torch.dtype, block_size: int
     ) -> list[str]:
         """Why this backend cannot serve the model here; empty when it can."""
+        verdict = cls.check(ModelNeeds.of(spec), facts, dtype, block_size)
+        return [f"{req}: {why}" for req, why in verdict.items() if why]
 
     def __init__(self, spec: ModelSpec, kv_caches: list[torch.Tensor], block_size: int) -> None:
         self.spec = spec

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
+from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name
 from engine.attention.range_decode import RangeDecodePlan
-from models.spec import ModelSpec
 
 DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
 RANGE_MIN_SEQS = 4  # decode batches at least this large read KV through pool views
@@ -186,17 +186,26 @@ class TorchBackend(AttentionBackend):
     slot_dim = 3
 
     @classmethod
-    def unsupported_reasons(
-        cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, block_size: int
-    ) -> list[str]:
-        reasons = []
-        if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-            reasons.append(f"{dtype} on this CPU is far slower than float32 (no native support)")
-        for lay in spec.layers:
-            if lay.num_heads % lay.num_kv_heads:
-                reasons.append(f"{lay.num_heads} query heads not a multiple of {lay.num_kv_heads}")
-                break
-        return reasons
+    def check(
+        cls, needs: ModelNeeds, facts: DeviceFacts, dtype: torch.dtype, block_size: int
+    ) -> Verdict:
+        verdict: Verdict = {}
+        if facts.type == "cpu" and dtype != torch.float32 and not facts.native_bf16:
+            verdict["dtype"] = (
+                f"{dtype_name(dtype)} on a CPU without native bf16/fp16 is ~50x slower than "
+                "float32 (use --dtype float32, or --allow-slow-dtype)"
+            )
+        if needs.uneven_gqa:
+            verdict["GQA group size"] = "query heads not a multiple of KV heads"
+        if needs.soft_cap:
+            verdict["soft-capping"] = "logit soft-capping is not implemented"
+        if needs.tree_masks:
+            verdict["tree masks"] = "custom (tree) masks are not implemented"
+        return verdict
+
+    @classmethod
+    def is_fast_on(cls, facts: DeviceFacts) -> bool:
+        return facts.type == "cpu"  # on a GPU, gather + SDPA is the slow general path
 
     def plan(self, meta: StepMetadata) -> TorchAttentionStep:
         return TorchAttentionStep(self, meta)

@@ -1,0 +1,135 @@
+"""The kernel-support matrix: what each attention backend can serve, checked per requirement
+against the model's geometry and the device's facts, before the server takes traffic.
+
+Device facts are a value (`DeviceFacts`), detected once and injectable, so the selection rules for
+sm80/sm90 GPUs are tested on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.spec import ModelSpec
+
+REQUIREMENTS = (
+    "device",
+    "compute capability",
+    "dtype",
+    "head_dim",
+    "GQA group size",
+    "block size",
+    "per-layer heads",
+    "KV sharing",
+    "sliding window",
+    "soft-capping",
+    "tree masks",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceFacts:
+    type: str  # "cpu" or "cuda"
+    name: str = ""
+    capability: tuple[int, int] | None = None  # CUDA (major, minor)
+    native_bf16: bool = False  # CPU: AVX512-BF16 or AMX; CUDA: sm80+
+    libraries: frozenset[str] = frozenset()  # importable GPU kernel libraries
+
+    @staticmethod
+    def detect(device: torch.device) -> DeviceFacts:
+        libs = frozenset(lib for lib in ("flashinfer", "xformers") if _importable(lib))
+        if device.type == "cuda":
+            cap = torch.cuda.get_device_capability(device)
+            name = torch.cuda.get_device_name(device)
+            return DeviceFacts("cuda", name, cap, cap >= (8, 0), libs)
+        return DeviceFacts("cpu", "cpu", None, _cpu_bf16_is_fast(), libs)
+
+    @property
+    def label(self) -> str:
+        if self.capability:
+            return f"{self.name} (sm{self.capability[0]}{self.capability[1]})"
+        return f"{self.type}{' (native bf16)' if self.native_bf16 else ''}"
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def _cpu_bf16_is_fast() -> bool:
+    """Whether bfloat16 matmuls run at least half as fast as float32 here. Measured (~10 ms),
+    not read from CPU flags: an advertised avx512_bf16 does not guarantee torch uses it, and
+    where it does not, bf16 runs tens of times slower than float32."""
+    import time
+
+    import torch.nn.functional as F
+
+    def best(dtype: torch.dtype) -> float:
+        x, w = torch.randn(64, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
+        F.linear(x, w)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            F.linear(x, w)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(torch.bfloat16) <= 2 * best(torch.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelNeeds:
+    """What a model asks of an attention kernel, derived from its `ModelSpec`."""
+
+    head_dims: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+    uneven_gqa: bool
+    per_layer_heads: bool
+    kv_sharing: bool
+    sliding_window: int | None
+    soft_cap: float | None
+    tree_masks: bool
+
+    @staticmethod
+    def of(spec: ModelSpec, tree_masks: bool = False) -> ModelNeeds:
+        return ModelNeeds(
+            tuple(sorted({lay.head_dim for lay in spec.layers})),
+            tuple(sorted({lay.num_heads // max(1, lay.num_kv_heads) for lay in spec.layers})),
+            any(lay.num_heads % max(1, lay.num_kv_heads) for lay in spec.layers),
+            spec.has_per_layer_heads,
+            spec.has_kv_sharing,
+            spec.sliding_window,
+            spec.extra.get("attn_logit_softcapping"),
+            tree_masks,
+        )
+
+
+Verdict = dict[str, str | None]  # requirement -> reason it fails, or None when met
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def format_matrix(verdicts: dict[str, Verdict], chosen: str, why: str) -> str:
+    """Backend x requirement table ('ok' or the reason), the choice and why."""
+    names = list(verdicts)
+    width = max(len(r) for r in REQUIREMENTS) + 2
+    col = max(12, *(len(n) + 2 for n in names))
+    lines = [" " * width + "".join(n.ljust(col) for n in names)]
+    notes: list[str] = []
+    for req in REQUIREMENTS:
+        cells = []
+        for name in names:
+            reason = verdicts[name].get(req)
+            if reason is None:
+                cells.append("ok".ljust(col))
+            else:
+                notes.append(f"  [{len(notes) + 1}] {name} / {req}: {reason}")
+                cells.append(f"no [{len(notes)}]".ljust(col))
+        lines.append(req.ljust(width) + "".join(cells))
+    lines.extend(notes)
+    lines.append(f"  -> {chosen}: {why}")
+    return "\n".join(lines)
