@@ -45,3 +45,46 @@ def test_logits_and_greedy_match_transformers(arch: str, model_dirs) -> None:
             gen = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
         assert res.outputs[0].token_ids == gen[0, len(prompt) :].tolist(), arch
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.fixture(scope="module")
+def windowed_mistral(tmp_path_factory) -> str:
+    """Mistral with a 16-token sliding window: prompts below run 3-4 windows past it."""
+    import transformers
+
+    from tests.conftest import build_tokenizer
+
+    out = tmp_path_factory.mktemp("mistral-window")
+    config = transformers.MistralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        sliding_window=16, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = transformers.MistralForCausalLM(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.2)
+    model.save_pretrained(out)
+    build_tokenizer(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("block_size,chunk", [(4, 1024), (16, 7), (64, 1024)])
+def test_sliding_window_matches_transformers(windowed_mistral, block_size, chunk) -> None:
+    ref = hf_model(windowed_mistral)
+    llm = LLM(
+        windowed_mistral, num_kv_blocks=64, block_size=block_size, max_num_batched_tokens=chunk
+    )
+    assert llm.engine.spec.sliding_window == 16
+    prompts = [list(range(10, 70)), [7, 8, 9] * 15]
+    for prompt in prompts:
+        ours = score_prompt(llm.engine, prompt)
+        with torch.no_grad():
+            theirs = ref(torch.tensor([prompt])).logits[0].float()
+        assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for prompt, res in zip(prompts, llm.generate(prompts, params)):
+        with torch.no_grad():
+            gen = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
+        assert res.outputs[0].token_ids == gen[0, len(prompt) :].tolist()

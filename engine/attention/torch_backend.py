@@ -80,7 +80,7 @@ class TorchAttentionStep(AttentionStep):
                 k_pos = torch.arange(seq)[None, :]
                 m = k_pos <= q_pos
                 if window is not None:
-                    m &= k_pos > q_pos - 1 - window
+                    m &= k_pos > q_pos - window  # window tokens, itself included (as HF)
                 mask = m.to(device)
             if ctx > 0:
                 pages = torch.tensor(meta.block_tables[i][: -(-seq // bs)], device=device)
