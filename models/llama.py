@@ -24,18 +24,22 @@ class AttentionStep(Protocol):
     """What a model needs from an attention backend for one engine step (see engine/attention)."""
 
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor: ...
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer. A layer that shares another layer's KV group (cross-layer KV sharing)
+    projects only queries and attends over the KV its group's first layer wrote."""
+
     def __init__(self, spec: ModelSpec, layer: LayerSpec, idx: int) -> None:
         super().__init__()
         self.idx = idx
         self.layer = layer
         self.eps = spec.rms_norm_eps
+        self.writes_kv = spec.kv_group_owner(layer.kv_group) == idx
         h, q_dim = spec.hidden_size, layer.num_heads * layer.head_dim
-        kv_dim = layer.num_kv_heads * layer.head_dim
+        kv_dim = layer.num_kv_heads * layer.head_dim if self.writes_kv else 0
         self.q_dim, self.kv_dim = q_dim, kv_dim
         self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.qkv_proj = Linear(h, q_dim + 2 * kv_dim, bias=spec.qkv_bias)
@@ -59,12 +63,19 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(h)
         t, lay = x.shape[0], self.layer
         q = qkv[:, : self.q_dim].view(t, lay.num_heads, lay.head_dim)
-        k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(t, lay.num_kv_heads, lay.head_dim)
-        v = qkv[:, self.q_dim + self.kv_dim :].view(t, lay.num_kv_heads, lay.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attn.forward(self.idx, q, k, v.contiguous())
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q, cos, sin)
+        k = v = None
+        if self.writes_kv:
+            k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(
+                t, lay.num_kv_heads, lay.head_dim
+            )
+            v = qkv[:, self.q_dim + self.kv_dim :].view(t, lay.num_kv_heads, lay.head_dim)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            k, v = apply_rope(k, cos, sin), v.contiguous()
+        o = attn.forward(self.idx, q, k, v)
         x = self.o_proj(o.reshape(t, self.q_dim))
         residual = residual + x
         h = self.post_attention_layernorm(residual)
@@ -139,7 +150,10 @@ class LlamaForCausalLM(nn.Module):
         names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            writes_kv = self.layers[i].writes_kv
+            for proj in (
+                ("q_proj", "k_proj", "v_proj", "o_proj") if writes_kv else ("q_proj", "o_proj")
+            ):
                 names.add(p + f"self_attn.{proj}.weight")
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 names.add(p + f"mlp.{proj}.weight")
@@ -176,6 +190,8 @@ class LlamaForCausalLM(nn.Module):
         qkv_offsets = {"q_proj": 0, "k_proj": layer.q_dim, "v_proj": layer.q_dim + layer.kv_dim}
         module, _, kind = rest.rpartition(".")
         part = module.rsplit(".", 1)[-1]
+        if part in ("k_proj", "v_proj") and not layer.writes_kv:
+            return True  # a KV-sharing layer ignores its own K/V projections, if saved
         if part in qkv_offsets:
             if kind == "weight":
                 layer.qkv_proj.load_rows(qkv_offsets[part], t)

@@ -17,10 +17,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from models.llama import LlamaForCausalLM
-from models.spec import ModelSpec, uniform_layers
+from models.spec import LayerSpec, ModelSpec
 
 SUPPORTED_HF_ARCHITECTURES = {
-    "LlamaForCausalLM",
+    "LlamaForCausalLM",  # also with per-layer head lists (see _llama_layers)
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
@@ -61,6 +61,10 @@ def load_model(
         from models.gguf_loader import gguf_weights
 
         model.load_weights(gguf_weights(path, spec))
+    elif spec.architecture == "OpenELMForCausalLM":
+        from models.openelm import openelm_weights
+
+        model.load_weights(openelm_weights(spec, hf_weights(path)))
     else:
         model.load_weights(hf_weights(path))
     model = model.to(device=device, dtype=dtype).eval()
@@ -81,32 +85,27 @@ def hf_spec(path: str) -> ModelSpec:
         raise FileNotFoundError(f"{path}: not a GGUF file and no config.json")
     cfg = _read_json(root / "config.json")
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if cfg.get("model_type") == "openelm" or arch == "OpenELMForCausalLM":
+        from models.openelm import openelm_spec
+
+        return openelm_spec(cfg, tuple(_eos_ids(root, cfg)))
     if arch not in SUPPORTED_HF_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch}; supported: {sorted(SUPPORTED_HF_ARCHITECTURES)}"
         )
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
+    heads = _per_layer(cfg["num_attention_heads"], cfg["num_hidden_layers"])[0]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
     rope_type = rope.get("rope_type", rope.get("type"))
     scaling = rope if rope_type not in (None, "default") else None
-    eos: list[int] = []
-    gen_path = root / "generation_config.json"
-    for source in ([_read_json(gen_path)] if gen_path.is_file() else []) + [cfg]:
-        value = source.get("eos_token_id")
-        if value is not None:
-            eos = [value] if isinstance(value, int) else list(value)
-            break
+    eos = _eos_ids(root, cfg)
     sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     return ModelSpec(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
-        layers=uniform_layers(
-            cfg["num_hidden_layers"], heads, kv_heads, head_dim, cfg["intermediate_size"]
-        ),
+        layers=llama_layers(cfg, head_dim),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta),
         rope_scaling=scaling,
@@ -119,6 +118,43 @@ def hf_spec(path: str) -> ModelSpec:
         eos_token_ids=tuple(eos),
         sliding_window=sliding,
     )
+
+
+def _per_layer(value: int | list, n: int) -> list[int]:
+    return list(value) if isinstance(value, list) else [value] * n
+
+
+def llama_layers(cfg: dict, head_dim: int) -> tuple[LayerSpec, ...]:
+    """Per-layer geometry of a Llama-style config. `num_attention_heads`, `num_key_value_heads`
+    and `intermediate_size` may be per-layer lists. Cross-layer KV sharing: Gemma-3n's
+    `num_kv_shared_layers` (the last N layers read the KV of the last layer before them) or a
+    CLA-style `cla_group_size` / `kv_sharing_group_size` g (layers i..i+g-1 read layer i's)."""
+    n = cfg["num_hidden_layers"]
+    heads = _per_layer(cfg["num_attention_heads"], n)
+    kv_heads = _per_layer(cfg.get("num_key_value_heads") or cfg["num_attention_heads"], n)
+    inter = _per_layer(cfg["intermediate_size"], n)
+    owner = list(range(n))
+    shared = cfg.get("num_kv_shared_layers") or 0
+    if not 0 <= shared < n:
+        raise ValueError(f"num_kv_shared_layers={shared} must be below num_hidden_layers={n}")
+    for i in range(n - shared, n):
+        owner[i] = n - shared - 1
+    group_size = cfg.get("cla_group_size") or cfg.get("kv_sharing_group_size")
+    if group_size:
+        owner = [i // group_size * group_size for i in range(n)]
+    group_of = {o: g for g, o in enumerate(sorted(set(owner)))}
+    return tuple(
+        LayerSpec(heads[i], kv_heads[i], head_dim, inter[i], group_of[owner[i]]) for i in range(n)
+    )
+
+
+def _eos_ids(root: Path, cfg: dict) -> list[int]:
+    gen_path = root / "generation_config.json"
+    for source in ([_read_json(gen_path)] if gen_path.is_file() else []) + [cfg]:
+        value = source.get("eos_token_id")
+        if value is not None:
+            return [value] if isinstance(value, int) else list(value)
+    return []
 
 
 def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:

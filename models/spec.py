@@ -51,6 +51,10 @@ class ModelSpec:
                 raise ValueError(f"layers sharing KV group {layer.kv_group} disagree on shape")
         return [shapes[g] for g in sorted(shapes)]
 
+    def kv_group_owner(self, group: int) -> int:
+        """The first layer of a KV group: the one that writes its K/V."""
+        return next(i for i, lay in enumerate(self.layers) if lay.kv_group == group)
+
     @property
     def has_kv_sharing(self) -> bool:
         return len(self.kv_groups) < self.num_layers
@@ -63,12 +67,18 @@ class ModelSpec:
         """Bytes of K and V one token occupies across all KV groups."""
         return sum(2 * h * d * dtype_size for h, d in self.kv_groups)
 
+    def kv_bytes_per_token_unshared(self, dtype_size: int) -> int:
+        """What every layer holding its own KV would take (the banner's comparison)."""
+        return sum(2 * lay.num_kv_heads * lay.head_dim * dtype_size for lay in self.layers)
+
     def flops_per_token(self, include_lm_head: bool = True) -> int:
         """Matmul FLOPs of one token through the weights (attention over context excluded)."""
         total = 0
-        for lay in self.layers:
+        for i, lay in enumerate(self.layers):
             q = lay.num_heads * lay.head_dim
-            kv = 2 * lay.num_kv_heads * lay.head_dim
+            kv = (
+                2 * lay.num_kv_heads * lay.head_dim if self.kv_group_owner(lay.kv_group) == i else 0
+            )
             total += 2 * self.hidden_size * (q + kv) + 2 * q * self.hidden_size
             total += 2 * 3 * self.hidden_size * lay.intermediate_size
         if include_lm_head:

@@ -12,6 +12,21 @@ import uvicorn
 from server.config import Config, load_config
 
 
+def kv_line(engine) -> str:  # engine: LLMEngine
+    """KV bytes per token, and what cross-layer sharing saves against one group per layer."""
+    elem = (
+        engine.kv_block_bytes // engine.block_size // max(1, engine.pool_spec.kv_bytes_per_token(1))
+    )
+    spec = engine.spec
+    ours, unshared = spec.kv_bytes_per_token(elem), spec.kv_bytes_per_token_unshared(elem)
+    text = f"{ours} bytes in {len(spec.kv_groups)} KV groups ({spec.num_layers} layers)"
+    if unshared != ours:
+        text += f", {unshared / ours:.2f}x fewer than unshared ({unshared} bytes)"
+    if engine.draft is not None:
+        text += f", + {engine.pool_spec.kv_bytes_per_token(elem) - ours} for the draft head"
+    return text
+
+
 def banner(config: Config, engine) -> str:  # engine: LLMEngine
     spec = engine.spec
     lines = [
@@ -24,6 +39,7 @@ def banner(config: Config, engine) -> str:  # engine: LLMEngine
         f"{engine.num_blocks * engine.block_size} tokens "
         f"({engine.num_blocks * engine.kv_block_bytes / 2**20:.0f} MiB), "
         f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}",
+        f"  KV/token   {kv_line(engine)}",
         f"  attention  {engine.backend_cls.name} on {engine.device_facts.label}",
         f"  context    {engine.max_model_len} tokens, max {engine.config.max_num_seqs} seqs, "
         f"{engine.config.max_num_batched_tokens} tokens/step",

@@ -35,9 +35,11 @@ class StepMetadata:
 class AttentionStep(ABC):
     @abstractmethod
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
-        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]. Returns like q."""
+        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim], written to the
+        layer's KV group before attending; None for a layer that reads a group another layer
+        wrote (cross-layer KV sharing). Returns like q."""
 
 
 class AttentionBackend(ABC):

@@ -63,12 +63,13 @@ class FlashInferStep(AttentionStep):
             self.wrappers[geometry] = wrapper
 
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
         backend = self.backend
         cache = backend.kv_caches[backend.layer_group[layer_idx]]
-        cache[self.slot_block, 0, self.slot_offset] = k
-        cache[self.slot_block, 1, self.slot_offset] = v
+        if k is not None and v is not None:  # None: a layer reading a shared KV group
+            cache[self.slot_block, 0, self.slot_offset] = k
+            cache[self.slot_block, 1, self.slot_offset] = v
         return self.wrappers[backend.layer_geometry[layer_idx]].run(q.contiguous(), cache)
 
 

@@ -39,7 +39,8 @@ class _DecodeBucket:
 class _Prefill:
     rows: slice
     seq_len: int
-    pages: torch.Tensor | None  # blocks to gather when there is earlier context
+    pages: torch.Tensor  # the sequence's blocks (gathered when there is earlier context)
+    has_context: bool
     mask: torch.Tensor | None  # [q, seq_len] bool, True = attend; None = plain causal
 
 
@@ -74,7 +75,7 @@ class TorchAttentionStep(AttentionStep):
             if q_len == 1:
                 continue
             start, ctx, seq = meta.query_start[i], meta.context_lens[i], meta.seq_lens[i]
-            mask = pages = None
+            mask = None
             if ctx > 0 or window is not None:
                 q_pos = torch.arange(ctx, seq)[:, None]
                 k_pos = torch.arange(seq)[None, :]
@@ -82,9 +83,8 @@ class TorchAttentionStep(AttentionStep):
                 if window is not None:
                     m &= k_pos > q_pos - window  # window tokens, itself included (as HF)
                 mask = m.to(device)
-            if ctx > 0:
-                pages = torch.tensor(meta.block_tables[i][: -(-seq // bs)], device=device)
-            self.prefills.append(_Prefill(slice(start, start + q_len), seq, pages, mask))
+            pages = torch.tensor(meta.block_tables[i][: -(-seq // bs)], device=device)
+            self.prefills.append(_Prefill(slice(start, start + q_len), seq, pages, ctx > 0, mask))
 
     def _plan_buckets(self, meta: StepMetadata, decode: list[int], device: torch.device) -> None:
         bs, window = self.backend.block_size, self.backend.spec.sliding_window
@@ -110,12 +110,13 @@ class TorchAttentionStep(AttentionStep):
             )
 
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
         backend = self.backend
         cache = backend.kv_caches[backend.layer_group[layer_idx]]
-        cache[0][:, self.slot_block, self.slot_offset] = k.transpose(0, 1)
-        cache[1][:, self.slot_block, self.slot_offset] = v.transpose(0, 1)
+        if k is not None and v is not None:  # None: a layer reading a shared KV group
+            cache[0][:, self.slot_block, self.slot_offset] = k.transpose(0, 1)
+            cache[1][:, self.slot_block, self.slot_offset] = v.transpose(0, 1)
         scale = 1.0 / math.sqrt(q.shape[-1])
         if self.range_plan is not None:
             if self.all_decode:
@@ -130,7 +131,8 @@ class TorchAttentionStep(AttentionStep):
                 0, bucket.rows, self._decode(bucket, q.index_select(0, bucket.rows), cache, scale)
             )
         for p in self.prefills:
-            out[p.rows] = self._prefill(p, q[p.rows], k[p.rows], v[p.rows], cache, scale)
+            fresh = (k[p.rows], v[p.rows]) if k is not None and v is not None else None
+            out[p.rows] = self._prefill(p, q[p.rows], fresh, cache, scale)
         return out
 
     def _decode(
@@ -149,17 +151,16 @@ class TorchAttentionStep(AttentionStep):
         self,
         p: _Prefill,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        fresh: tuple[torch.Tensor, torch.Tensor] | None,
         cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        if p.pages is not None:
+        if p.has_context or fresh is None:
             kv_heads, dim = cache.shape[1], cache.shape[-1]
             keys = cache[0].index_select(1, p.pages).view(kv_heads, -1, dim)[:, : p.seq_len]
             values = cache[1].index_select(1, p.pages).view(kv_heads, -1, dim)[:, : p.seq_len]
         else:
-            keys, values = k.transpose(0, 1), v.transpose(0, 1)
+            keys, values = fresh[0].transpose(0, 1), fresh[1].transpose(0, 1)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             keys,
