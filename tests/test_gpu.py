@@ -43,20 +43,11 @@ def test_cuda_bfloat16_close(llama_dir) -> None:
 @pytest.fixture(scope="module")
 def head64_dir(tmp_path_factory) -> str:
     """A tiny Llama with head_dim 64 (FlashInfer's smallest compiled head size)."""
-    import transformers
+    from tests.conftest import build_model
 
-    from tests.conftest import build_tokenizer
-
-    out = tmp_path_factory.mktemp("head64")
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).float().save_pretrained(out)
-    build_tokenizer(out)
-    return str(out)
+    out = tmp_path_factory.mktemp("head64") / "llama"
+    dims = dict(hidden_size=256, intermediate_size=512, num_key_value_heads=1)
+    return str(build_model("llama", out, **dims))
 
 
 @pytest.mark.skipif(

@@ -50,24 +50,10 @@ def test_logits_and_greedy_match_transformers(arch: str, model_dirs) -> None:
 @pytest.fixture(scope="module")
 def windowed_mistral(tmp_path_factory) -> str:
     """Mistral with a 16-token sliding window: prompts below run 3-4 windows past it."""
-    import transformers
+    from tests.conftest import build_model
 
-    from tests.conftest import build_tokenizer
-
-    out = tmp_path_factory.mktemp("mistral-window")
-    config = transformers.MistralConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        sliding_window=16, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(3)
-    model = transformers.MistralForCausalLM(config).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.2)
-    model.save_pretrained(out)
-    build_tokenizer(out)
-    return str(out)
+    out = tmp_path_factory.mktemp("mistral-window") / "mistral"
+    return str(build_model("mistral", out, sliding_window=16))
 
 
 @pytest.mark.parametrize("block_size,chunk", [(4, 1024), (16, 7), (64, 1024)])
