@@ -65,3 +65,18 @@ def test_gguf_tokenizer_matches_transformers(smol: LLM, hf_gguf, text: str) -> N
     )
     ids = tok.encode(text, add_special_tokens=False)
     assert smol.tokenizer.decode(ids, skip_special_tokens=False) == tok.decode(ids)
+
+
+def test_shipped_eagle_head_is_lossless_and_accepts(smol: LLM) -> None:
+    """The head shipped for the default model loads as the default draft (no path given) and
+    leaves greedy chat answers unchanged, with drafts actually accepted."""
+    from models.eagle.prompts import heldout_prompts
+
+    spec = LLM(num_kv_blocks=256, num_speculative_tokens=4)  # default model + shipped head
+    assert spec.engine.draft is not None and spec.engine.draft.token_map is not None
+    convs = [[{"role": "user", "content": p}] for p in heldout_prompts(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    want = [r.outputs[0].token_ids for r in smol.chat(convs, params)]
+    assert [r.outputs[0].token_ids for r in spec.chat(convs, params)] == want
+    stats = spec.engine.proposer.stats
+    assert stats.num_accepted_tokens > 0.1 * stats.num_draft_tokens  # a random head: ~0

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from models.eagle.head import EagleConfig, EagleHead
+from models.eagle.head import EagleConfig, EagleHead, load_eagle_head
 from models.eagle.prompts import train_prompts
 from models.llama import LlamaForCausalLM
 
@@ -159,6 +159,7 @@ def train_head(
     pack: int,
     seed: int,
     unroll_weight: float = 0.5,
+    ce_weight: float = 0.1,
 ) -> None:
     rng = random.Random(seed)
     token_map = head.token_map
@@ -202,7 +203,7 @@ def train_head(
                 reg = F.smooth_l1_loss(pred[m], fout[m])
                 logits = pred[m] @ vocab_weight.t()
                 ce = F.cross_entropy(logits, tnext[m], ignore_index=-100)
-                loss = loss + weight * (reg + 0.1 * ce)
+                loss = loss + weight * (reg + ce_weight * ce)
                 with torch.no_grad():
                     valid = tnext[m] >= 0
                     acc = (logits.argmax(-1)[valid] == tnext[m][valid]).float().mean().item()
@@ -286,6 +287,8 @@ def main() -> None:
     ap.add_argument("--pack-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-seqs", type=int, default=0, help="use only the first N (0 = all)")
+    ap.add_argument("--resume", default="", help="continue training the head saved in this dir")
+    ap.add_argument("--ce-weight", type=float, default=0.1, help="token loss weight (EAGLE: 0.1)")
     ap.add_argument("--stage", choices=["data", "features", "all"], default="all")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -318,9 +321,17 @@ def main() -> None:
         if tok
         else []
     )
-    token_map = torch.tensor(draft_vocabulary(seqs, args.draft_vocab, specials))
-    head = new_head(model, token_map)
-    train_head(head, seqs, feats, args.epochs, args.lr, args.pack_tokens, args.seed)
+    if args.resume:
+        head = load_eagle_head(args.resume, model, torch.float32, torch.device("cpu"))
+        for p in head.parameters():
+            p.requires_grad_(True)
+    else:
+        token_map = torch.tensor(draft_vocabulary(seqs, args.draft_vocab, specials))
+        head = new_head(model, token_map)
+    train_head(
+        head, seqs, feats, args.epochs, args.lr, args.pack_tokens, args.seed,
+        ce_weight=args.ce_weight,
+    )  # fmt: skip
     save_head(head, model, args.out)
     print(f"saved {args.out}")
 
