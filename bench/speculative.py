@@ -5,8 +5,9 @@ For each batch size, runs without and with speculation alternately (`--rounds` t
 a shared machine hits both) and prints output tokens/s for both, their ratio, and the mean
 acceptance length (tokens per verification round) and per-position acceptance.
 
-    python bench/speculative.py                  # batch 1 and 8, k = 4
+    python bench/speculative.py                  # batch 1 and 8, k = 4, adaptive as served
     python bench/speculative.py --k 2 --batch-sizes 1
+    python bench/speculative.py --max-verify-rows 1000   # k pinned at every batch size
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--speculative-model", default="")
+    ap.add_argument(
+        "--max-verify-rows", type=int, default=8, help="adaptive k (the server default); "
+        "a large value pins k at every batch size"
+    )  # fmt: skip
     args = ap.parse_args()
     convs = [[{"role": "user", "content": p}] for p in heldout_prompts(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -41,17 +46,18 @@ def main() -> None:
     spec = LLM(
         speculative_model=args.speculative_model,
         num_speculative_tokens=args.k,
-        spec_max_verify_rows=10_000,  # measure fixed k, not the adaptive choice
+        spec_max_verify_rows=args.max_verify_rows,
     )
     base.chat(convs[0], SamplingParams(max_tokens=4))  # warm-up
     spec.chat(convs[0], SamplingParams(max_tokens=4))
     print(
         f"k = {args.k}, {args.num_prompts} held-out prompts, greedy, {args.max_tokens} max tokens"
     )
-    print(f"{'batch':>5} {'base tok/s':>11} {'spec tok/s':>11} {'ratio':>6} {'accept len':>10}")
+    print(f"{'batch':>5} {'base tok/s':>11} {'spec tok/s':>11} {'ratio':>6} {'accept':>6} k/round")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         stats = spec.engine.proposer.stats
         drafts0, accepted0 = stats.num_drafts, stats.num_accepted_tokens
+        draft_tokens0 = stats.num_draft_tokens
         per_pos0 = list(stats.accepted_per_position)
         totals = {"base": [0, 0.0], "spec": [0, 0.0]}
         for _ in range(args.rounds):
@@ -67,8 +73,10 @@ def main() -> None:
             (a - (per_pos0[j] if j < len(per_pos0) else 0)) / max(1, drafts)
             for j, a in enumerate(stats.accepted_per_position)
         ]
+        mean_k = (stats.num_draft_tokens - draft_tokens0) / max(1, drafts)
         print(
-            f"{batch:>5} {b_tps:>11.1f} {s_tps:>11.1f} {s_tps / b_tps:>5.2f}x {accept_len:>10.2f}"
+            f"{batch:>5} {b_tps:>11.1f} {s_tps:>11.1f} {s_tps / b_tps:>5.2f}x {accept_len:>6.2f}"
+            f" {mean_k:.2f}"
         )
         print("      acceptance by draft position: " + " ".join(f"{p:.2f}" for p in per_pos))
 

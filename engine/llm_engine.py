@@ -412,7 +412,10 @@ class LLMEngine:
                 items.append(CatchUp(r, start, hidden[row : row + kept], r.request_id in sampled))
             row += s.num_new_tokens
         k = self.proposer.choose_k(sum(1 for i in items if i.propose and not i.request.is_finished))
-        self.proposer.run(items, tables, k)
+        whole_step = len(items) == len(scheduled) and all(
+            i.features.shape[0] == s.num_new_tokens for i, s in zip(items, scheduled)
+        )
+        self.proposer.run(items, tables, k, self.runner.last_plan if whole_step else None)
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
         self.scheduler.finish(request.request_id, FinishReason.ERROR)

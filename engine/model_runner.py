@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionBackend, StepMetadata
+from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.kv_cache_manager import KVCacheManager
 from engine.scheduler import SchedulerOutput
 from models.llama import LlamaForCausalLM
@@ -73,6 +73,9 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.aux_layers = aux_layers
+        # The last step's positions and attention plan: the draft head's catch-up reuses them
+        # when it covers exactly the step's tokens (no rejected drafts), saving a second plan.
+        self.last_plan: tuple[torch.Tensor, AttentionStep] | None = None
 
     def prepare(
         self, out: SchedulerOutput
@@ -102,6 +105,7 @@ class ModelRunner:
         [tokens, hidden], or [tokens, hidden * (1 + len(aux_layers))])."""
         input_ids, positions, meta, rows = self.prepare(out)
         attn = self.backend.plan(meta)
+        self.last_plan = (positions, attn)
         hidden = self.model(input_ids, positions, attn, self.aux_layers)
         if not rows:
             return hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32), hidden

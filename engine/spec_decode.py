@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, AttentionStep
 from engine.model_runner import step_metadata
 from engine.request import Request
 from engine.sampler import (
@@ -192,9 +192,17 @@ class Proposer:
         return self.current_k
 
     @torch.inference_mode()
-    def run(self, items: list[CatchUp], tables: dict[str, list[int]], k: int) -> None:
+    def run(
+        self,
+        items: list[CatchUp],
+        tables: dict[str, list[int]],
+        k: int,
+        step_plan: tuple[torch.Tensor, AttentionStep] | None = None,
+    ) -> None:
         """Catch the draft KV up over `items`, then set `spec_token_ids`/`spec_probs` on the
-        requests that propose (at most k each, fewer near max_tokens / max_model_len)."""
+        requests that propose (at most k each, fewer near max_tokens / max_model_len).
+        `step_plan`: the target step's positions and plan, when the catch-up covers exactly
+        the step's tokens."""
         for item in items:
             item.request.spec_token_ids, item.request.spec_probs = [], None
         if not items:
@@ -205,12 +213,14 @@ class Proposer:
             n = item.features.shape[0]
             tokens.extend(item.request.all_token_ids[item.start + 1 : item.start + n + 1])
             lens.append(n)
-        seqs = [(tables[i.request.request_id], i.start, n) for i, n in zip(items, lens)]
-        positions, meta = step_metadata(seqs, self.block_size, self.device)
+        if step_plan is not None:
+            positions, attn = step_plan
+        else:
+            seqs = [(tables[i.request.request_id], i.start, n) for i, n in zip(items, lens)]
+            positions, meta = step_metadata(seqs, self.block_size, self.device)
+            attn = self.backend.plan(meta)
         features = head.target_features(torch.cat([i.features for i in items]))
-        hidden = head(
-            torch.tensor(tokens, device=self.device), features, positions, self.backend.plan(meta)
-        )
+        hidden = head(torch.tensor(tokens, device=self.device), features, positions, attn)
         ends = torch.tensor(lens, device=self.device).cumsum(0) - 1
         proposers = [j for j, item in enumerate(items) if item.propose]
         budgets = [self._budget(items[j].request, k) for j in proposers]
