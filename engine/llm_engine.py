@@ -56,6 +56,7 @@ class LLMEngine:
         self.model_path = config.model or default_model_path()
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
+        self.dtype_size = torch.empty((), dtype=self.dtype).element_size()
         torch.manual_seed(config.seed)
         self.model, self.spec = load_model(self.model_path, self.dtype, self.device)
         self.draft = self._load_draft_head()
@@ -215,8 +216,7 @@ class LLMEngine:
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        block_bytes = self.pool_spec.kv_bytes_per_token(elem) * self.block_size
+        block_bytes = self.kv_block_bytes
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - self.config.gpu_memory_utilization)
@@ -228,8 +228,7 @@ class LLMEngine:
 
     @property
     def kv_block_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.pool_spec.kv_bytes_per_token(elem) * self.block_size
+        return self.pool_spec.kv_bytes_per_token(self.dtype_size) * self.block_size
 
     # ---- requests ----------------------------------------------------------------------------
 

@@ -70,14 +70,6 @@ class AttentionBackend(ABC):
         --require-fast-kernels)."""
         return True
 
-    @classmethod
-    def unsupported_reasons(
-        cls, spec: ModelSpec, facts: DeviceFacts, dtype: torch.dtype, block_size: int
-    ) -> list[str]:
-        """Why this backend cannot serve the model here; empty when it can."""
-        verdict = cls.check(ModelNeeds.of(spec), facts, dtype, block_size)
-        return [f"{req}: {why}" for req, why in verdict.items() if why]
-
     def __init__(self, spec: ModelSpec, kv_caches: list[torch.Tensor], block_size: int) -> None:
         self.spec = spec
         self.kv_caches = kv_caches

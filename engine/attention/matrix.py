@@ -7,6 +7,7 @@ sm80/sm90 GPUs are tested on a CPU-only machine.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,10 +59,11 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+@functools.cache
 def _cpu_bf16_is_fast() -> bool:
     """Whether bfloat16 matmuls run at least half as fast as float32 here. Measured (~10 ms),
     not read from CPU flags: an advertised avx512_bf16 does not guarantee torch uses it, and
-    where it does not, bf16 runs tens of times slower than float32."""
+    where it does not, bf16 runs tens of times slower than float32. Once per process."""
     import time
 
     import torch.nn.functional as F
