@@ -69,25 +69,15 @@ def build_openapi(version: str) -> dict[str, Any]:
         }
     }
 
-    def generate(req: type[BaseModel], resp: type[BaseModel], summary: str) -> dict[str, Any]:
-        return {
-            "post": {
-                "summary": summary,
-                "requestBody": {
-                    "required": True,
-                    "content": {"application/json": {"schema": _ref(req)}},
-                },
-                "responses": {
-                    "200": {
-                        "description": "completion, or an SSE stream when stream=true",
-                        "content": {"application/json": {"schema": _ref(resp)}, **sse},
-                    },
-                    **api_errors,
-                },
+    def post(
+        req: type[BaseModel], resp: type[BaseModel], summary: str, streams: bool = False
+    ) -> dict[str, Any]:
+        ok = {"description": "ok", **_json(resp)}
+        if streams:
+            ok = {
+                "description": "completion, or an SSE stream when stream=true",
+                "content": {"application/json": {"schema": _ref(resp)}, **sse},
             }
-        }
-
-    def post(req: type[BaseModel], resp: type[BaseModel], summary: str) -> dict[str, Any]:
         return {
             "post": {
                 "summary": summary,
@@ -95,7 +85,7 @@ def build_openapi(version: str) -> dict[str, Any]:
                     "required": True,
                     "content": {"application/json": {"schema": _ref(req)}},
                 },
-                "responses": {"200": {"description": "ok", **_json(resp)}, **api_errors},
+                "responses": {"200": ok, **api_errors},
             }
         }
 
@@ -115,11 +105,14 @@ def build_openapi(version: str) -> dict[str, Any]:
             "description": "OpenAI-compatible inference server",
         },
         "paths": {
-            "/v1/chat/completions": generate(
-                p.ChatCompletionRequest, p.ChatCompletionResponse, "Create a chat completion"
+            "/v1/chat/completions": post(
+                p.ChatCompletionRequest,
+                p.ChatCompletionResponse,
+                "Create a chat completion",
+                streams=True,
             ),
-            "/v1/completions": generate(
-                p.CompletionRequest, p.CompletionResponse, "Create a completion"
+            "/v1/completions": post(
+                p.CompletionRequest, p.CompletionResponse, "Create a completion", streams=True
             ),
             "/v1/models": get(p.ModelList, "List models"),
             "/tokenize": post(p.TokenizeRequest, p.TokenizeResponse, "Tokenize text or messages"),

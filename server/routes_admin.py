@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
@@ -30,6 +31,9 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 
 async def health(request: Request) -> Response:
@@ -115,15 +119,22 @@ async def get_model(request: Request) -> Response:
     return reply(ModelCard, model_card(state))
 
 
-async def tokenize(request: Request) -> Response:
+BodyT = TypeVar("BodyT", TokenizeRequest, DetokenizeRequest)
+
+
+async def _tokenizer_body(request: Request, model: type[BodyT]) -> tuple[BodyT, LLMEngine]:
+    """The parsed body of a tokenizer route and the engine, once its model and tokenizer check."""
     state: ServerState = request.app.state.kv
-    body: TokenizeRequest = await parse_body(
-        request, TokenizeRequest, state.config.server.max_body_bytes
-    )
+    body = await parse_body(request, model, state.config.server.max_body_bytes)
     check_model(state, body.model)
     engine = state.ready_engine().engine
     if engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer")
+    return body, engine
+
+
+async def tokenize(request: Request) -> Response:
+    body, engine = await _tokenizer_body(request, TokenizeRequest)
     if body.messages is not None:
         try:
             text = engine.tokenizer.apply_chat_template(
@@ -143,14 +154,7 @@ async def tokenize(request: Request) -> Response:
 
 
 async def detokenize(request: Request) -> Response:
-    state: ServerState = request.app.state.kv
-    body: DetokenizeRequest = await parse_body(
-        request, DetokenizeRequest, state.config.server.max_body_bytes
-    )
-    check_model(state, body.model)
-    engine = state.ready_engine().engine
-    if engine.tokenizer is None:
-        raise APIError(400, "this model has no tokenizer")
+    body, engine = await _tokenizer_body(request, DetokenizeRequest)
     vocab = engine.spec.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
