@@ -123,15 +123,20 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def generate(model: Path, ps, params, **kw) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(str(model), **kw)
-    return llm, [r.outputs[0].token_ids for r in llm.generate(ps, params)]
+PIN_K = {"spec_max_verify_rows": 1 << 16}  # adaptive k never shrinks k at these batch sizes
+
+
+def spec_llm(model: Path, head: Path, k: int, **kw) -> LLM:
+    """An engine speculating with `head`, k drafts pinned; small blocks to exercise paging."""
+    opts = {"num_kv_blocks": 256, "block_size": 4, **PIN_K, **kw}
+    return LLM(str(model), speculative_model=str(head), num_speculative_tokens=k, **opts)
 
 
 @pytest.fixture(scope="module")
 def reference(llama_dir) -> tuple[list[list[int]], list[list[int]]]:
     ps = prompts(12)
-    _, outs = generate(llama_dir, ps, GREEDY, num_kv_blocks=256, block_size=4)
+    llm = LLM(str(llama_dir), num_kv_blocks=256, block_size=4)
+    outs = [r.outputs[0].token_ids for r in llm.generate(ps, GREEDY)]
     return ps, outs
 
 
@@ -147,37 +152,22 @@ def reference(llama_dir) -> tuple[list[list[int]], list[list[int]]]:
 )
 def test_greedy_identical(llama_dir, heads, reference, head, kw) -> None:
     ps, ref = reference
-    opts = {"num_kv_blocks": 256, "block_size": 4, **kw}
-    llm, outs = generate(
-        llama_dir,
-        ps,
-        GREEDY,
-        speculative_model=str(heads[head]),
-        num_speculative_tokens=3,
-        spec_max_verify_rows=256,
-        **opts,
-    )
+    llm = spec_llm(llama_dir, heads[head], 3, **kw)
+    outs = [r.outputs[0].token_ids for r in llm.generate(ps, GREEDY)]
     assert outs == ref
     stats = llm.engine.proposer.stats
     assert stats.num_draft_tokens > 0
     assert llm.engine.kv.prefix_hits > 0  # shared prefixes hit; the draft's KV came along
     if "num_kv_blocks" in kw:
         assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.kv.pool.num_free_blocks == opts["num_kv_blocks"]
+    assert llm.engine.kv.pool.num_free_blocks == kw.get("num_kv_blocks", 256)
 
 
 def test_oracle_drafts_accept_and_stay_identical(llama_dir, heads, reference, monkeypatch) -> None:
     """Drafts replaced by the reference continuation (mostly right, sometimes corrupted) drive
     long acceptances, bonus tokens, max_tokens and stop-token endings inside a verified chunk."""
     ps, ref = reference
-    llm = LLM(
-        str(llama_dir),
-        num_kv_blocks=256,
-        block_size=4,
-        speculative_model=str(heads["random"]),
-        num_speculative_tokens=4,
-        spec_max_verify_rows=256,
-    )
+    llm = spec_llm(llama_dir, heads["random"], 4)
     proposer = llm.engine.proposer
     expected = {}
     original = proposer._draft_tokens
@@ -229,14 +219,7 @@ def test_penalties_bias_logprobs_match(llama_dir, heads, monkeypatch) -> None:
         logprobs=3,
     )
     plain = LLM(str(llama_dir), num_kv_blocks=256, block_size=4).generate(ps, params)
-    spec = LLM(
-        str(llama_dir),
-        num_kv_blocks=256,
-        block_size=4,
-        speculative_model=str(heads["identity"]),
-        num_speculative_tokens=3,
-        spec_max_verify_rows=256,
-    ).generate(ps, params)
+    spec = spec_llm(llama_dir, heads["identity"], 3).generate(ps, params)
     for a, b in zip(plain, spec):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -257,15 +240,9 @@ def test_sampling_distribution_unchanged(llama_dir, heads) -> None:
         for i in range(n)
     ]
     plain = LLM(str(llama_dir), **kw).generate([prompt] * n, params)
-    spec_llm = LLM(
-        str(llama_dir),
-        speculative_model=str(heads["identity"]),
-        num_speculative_tokens=2,
-        spec_max_verify_rows=4096,
-        **kw,
-    )
-    spec = spec_llm.generate([prompt] * n, params)
-    stats = spec_llm.engine.proposer.stats
+    speculating = spec_llm(llama_dir, heads["identity"], 2, **kw)
+    spec = speculating.generate([prompt] * n, params)
+    stats = speculating.engine.proposer.stats
     assert stats.num_draft_tokens >= n  # every request verified drafts
     assert 0.1 * n < stats.num_accepted_tokens < 0.9 * n  # both paths ran often
     for pos in (1, 2):
