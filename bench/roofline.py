@@ -50,6 +50,23 @@ def ceilings(spec, gflops: float, gbps: float, context: int) -> list[tuple[int, 
     return rows
 
 
+def workload_ceiling(
+    spec, gflops: float, gbps: float, batch: int, prompt_len: int, output_len: int
+) -> float:
+    """Output tokens/s ceiling of one wave of `batch` requests: compute-bound prefill (no
+    lm_head but the last row), then `output_len` decode steps, each bound by compute or by
+    reading all weights plus every sequence's KV at its current length."""
+    flops, body = spec.flops_per_token(), spec.flops_per_token(include_lm_head=False)
+    weight_bytes = 4 * (flops // 2)
+    kv = spec.kv_bytes_per_token(4)
+    seconds = batch * (prompt_len * body + flops) / (gflops * 1e9)
+    for i in range(output_len):
+        t_compute = batch * flops / (gflops * 1e9)
+        t_memory = (weight_bytes + batch * kv * (prompt_len + i)) / (gbps * 1e9)
+        seconds += max(t_compute, t_memory)
+    return batch * output_len / seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)

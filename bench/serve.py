@@ -1,14 +1,16 @@
 """Load generator for any OpenAI-compatible server (streaming, httpx, asyncio).
 
     python bench/serve.py --base-url http://127.0.0.1:8000 --workload random \\
-        --concurrency 16 --num-requests 64 --input-len 256 --output-len 128 --out run.json
+        --concurrency 1,4,16,64 --num-requests 64 --input-len 256 --output-len 128 \\
+        --ignore-eos --out run.json --plot run.png
 
 Workloads: `random` (lengths drawn from --input-len/--output-len ranges "lo:hi" or a fixed
 number), `fixed` (every prompt the same length, unique content), `shared-prefix` (RAG-like: one
 long shared prefix + a unique suffix), `multi-turn` (sessions whose turns grow). Load is a fixed
-concurrency, or a Poisson arrival rate (--request-rate); the run ends after --num-requests or
---duration seconds. Per request: TTFT, inter-token latencies, TPOT, end-to-end latency, and
-prompt / cached / completion tokens from `usage`. Every random choice is seeded.
+concurrency (a comma list sweeps the levels in turn), or a Poisson arrival rate (--request-rate);
+each run ends after --num-requests or --duration seconds. Per request: TTFT, inter-token
+latencies, TPOT, end-to-end latency, and prompt / cached / completion tokens from `usage`.
+Every random choice is seeded.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
 from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WORDS = (
     "time person year way day thing man world life hand part child eye woman place work "
@@ -198,7 +204,9 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
     }
 
 
-async def run(args: argparse.Namespace) -> dict:
+async def run(args: argparse.Namespace, concurrency: int | None = None) -> dict:
+    """One run at one concurrency level (default: the first of --concurrency)."""
+    concurrency = concurrency or args.concurrency[0]
     workload = Workload(
         args.workload, args.input_len, args.output_len, args.seed, args.sessions, args.prefix_words
     )
@@ -206,10 +214,10 @@ async def run(args: argparse.Namespace) -> dict:
     results: list[RequestResult] = []
     deadline = time.monotonic() + args.duration if args.duration else None
     total = args.num_requests if not deadline else None
-    bar = tqdm(total=total, desc=f"{args.workload} c={args.concurrency}", disable=args.quiet)
+    bar = tqdm(total=total, desc=f"{args.workload} c={concurrency}", disable=args.quiet)
     issued = 0
     lock = asyncio.Lock()
-    limits = httpx.Limits(max_connections=max(args.concurrency, 1) + 8)
+    limits = httpx.Limits(max_connections=concurrency + 8)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
     async with httpx.AsyncClient(
@@ -255,13 +263,25 @@ async def run(args: argparse.Namespace) -> dict:
         if args.request_rate:
             await poisson()
         else:
-            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - start
     bar.close()
     summary = summarize(results, wall)
+    summary["concurrency"] = concurrency
     summary["config"] = {k: v for k, v in vars(args).items() if k not in ("api_key",)}
     summary["per_request"] = [asdict(r) | {"tpot": r.tpot} for r in results]
     return summary
+
+
+def levels(spec: str) -> list[int]:
+    values = [int(x) for x in spec.split(",")]
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("concurrency levels must be >= 1")
+    return values
+
+
+def brief(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if k not in ("per_request", "config")}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -274,7 +294,9 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--input-len", default="256", help="tokens, or lo:hi")
     ap.add_argument("--output-len", default="128", help="tokens, or lo:hi")
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument(
+        "--concurrency", type=levels, default=[8], help="clients; a comma list sweeps levels"
+    )
     ap.add_argument("--prefix-words", type=int, default=800, help="shared-prefix workload")
     ap.add_argument("--sessions", type=int, default=8, help="multi-turn workload")
     ap.add_argument(
@@ -286,6 +308,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default=None, help="write the JSON summary here")
+    ap.add_argument("--plot", default=None, help="PNG: throughput and latency vs concurrency")
     ap.add_argument("--quiet", action="store_true")
     return ap
 
@@ -294,12 +317,15 @@ def main() -> None:
     args = parser().parse_args()
     if args.workload == "fixed":
         args.input_len = str(span(args.input_len)[0])
-    summary = asyncio.run(run(args))
-    brief = {k: v for k, v in summary.items() if k not in ("per_request", "config")}
-    print(json.dumps(brief, indent=2))
+    runs = [asyncio.run(run(args, c)) for c in args.concurrency]
+    print(json.dumps([brief(s) for s in runs] if len(runs) > 1 else brief(runs[0]), indent=2))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump({"schema_version": SCHEMA_VERSION, "runs": runs}, f, indent=2)
+    if args.plot:
+        from bench.plot import plot_levels
+
+        plot_levels({args.base_url: [(s["concurrency"], s) for s in runs]}, args.plot)
 
 
 if __name__ == "__main__":

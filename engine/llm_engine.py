@@ -26,6 +26,7 @@ from engine.sampling_params import ParamError, SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.spec_decode import CatchUp, Proposer, record_acceptance, verify
 from models.eagle.head import EagleHead, load_eagle_head
+from models.layers import pack_linears
 from models.loader import default_model_path, load_model
 from models.tokenizer import Tokenizer, load_tokenizer
 
@@ -60,6 +61,11 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model, self.spec = load_model(self.model_path, self.dtype, self.device)
         self.draft = self._load_draft_head()
+        self.packed_weight_bytes = 0
+        if config.cpu_packed_weights:
+            self.packed_weight_bytes = pack_linears(self.model) + (
+                pack_linears(self.draft) if self.draft is not None else 0
+            )
         # The pool and the backend see the draft's layer as one more layer with its own KV group.
         self.pool_spec = self.spec
         if self.draft is not None:

@@ -34,7 +34,12 @@ def banner(config: Config, engine) -> str:  # engine: LLMEngine
         f"  model      {engine.model_path}",
         f"  arch       {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
         f"vocab {spec.vocab_size}",
-        f"  dtype      {str(engine.dtype).replace('torch.', '')} on {engine.device}",
+        f"  dtype      {str(engine.dtype).replace('torch.', '')} on {engine.device}"
+        + (
+            f", + {engine.packed_weight_bytes / 2**20:.0f} MiB oneDNN-packed weight copies"
+            if engine.packed_weight_bytes
+            else ""
+        ),
         f"  KV cache   {engine.num_blocks} blocks x {engine.block_size} tokens = "
         f"{engine.num_blocks * engine.block_size} tokens "
         f"({engine.num_blocks * engine.kv_block_bytes / 2**20:.0f} MiB), "

@@ -1,0 +1,289 @@
+"""kvserve against peer servers on the same model and workload, interleaved (A B A B) so drift on a
+shared machine hits every server alike.
+
+    python bench/export.py                      # float32 weights for the peers (once)
+    bench/setup_peers.sh llama-server vllm      # build / install peers (once; see README)
+    python bench/compare.py --out bench/results/compare.json --plot bench/results/compare.png
+
+Every available server is started once and kept up; each experiment then runs on each server in
+turn, the order rotated every round. Experiments: output throughput at each concurrency level
+(~256-token unique prompts, 128 output tokens, ignore_eos), TTFT at concurrency 1 for each
+--ttft-lens prompt length, and the shared-prefix and multi-turn workloads. Prints one table per
+figure with kvserve's ratio to the best peer, and kvserve's throughput as a fraction of this
+machine's float32 ceiling (bench/roofline.py). Missing peers are listed and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import peers, roofline  # noqa: E402
+from bench import serve as loadgen  # noqa: E402
+from models.loader import default_model_path, load_spec  # noqa: E402
+
+
+@dataclass(slots=True)
+class Experiment:
+    key: str  # e.g. "throughput c=16"
+    workload: str
+    concurrency: int
+    num_requests: int
+    input_len: int
+    output_len: int
+
+    def args(self, base_url: str, model: str, seed: int) -> argparse.Namespace:
+        return loadgen.parser().parse_args(
+            [
+                *("--base-url", base_url, "--model", model, "--workload", self.workload),
+                *("--concurrency", str(self.concurrency)),
+                *("--num-requests", str(self.num_requests), "--input-len", str(self.input_len)),
+                *("--output-len", str(self.output_len), "--ignore-eos", "--seed", str(seed)),
+                *("--prefix-words", "800", "--sessions", "8", "--quiet"),
+            ]
+        )
+
+
+def experiments(a: argparse.Namespace) -> list[Experiment]:
+    out = [
+        Experiment(f"throughput c={c}", "fixed", c, max(a.min_requests, c), a.input_len, 128)
+        for c in a.concurrency
+    ]
+    out += [Experiment(f"ttft {n}", "fixed", 1, a.ttft_requests, n, 4) for n in a.ttft_lens]
+    if not a.skip_app_workloads:
+        out.append(Experiment("shared-prefix c=8", "shared-prefix", 8, 32, 32, 64))
+        out.append(Experiment("multi-turn c=8", "multi-turn", 8, 32, 32, 64))
+    return out
+
+
+def warm_up(proc, model: str) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
+    for _ in range(2):
+        httpx.post(proc.base + "/v1/chat/completions", json=body, timeout=300).raise_for_status()
+
+
+def mean_summary(runs: list[dict]) -> dict:
+    """Round means of the headline figures (each round's full summary stays in the JSON)."""
+
+    def avg(path: tuple[str, ...]) -> float:
+        values = []
+        for r in runs:
+            v = r
+            for k in path:
+                v = v[k]
+            values.append(v)
+        return statistics.mean(values)
+
+    return {
+        "output_throughput": avg(("output_throughput",)),
+        "ttft_s": {q: avg(("ttft_s", q)) for q in ("mean", "p50", "p90", "p99")},
+        "tpot_s": {q: avg(("tpot_s", q)) for q in ("mean", "p50", "p90", "p99")},
+        "prefix_hit_rate": avg(("prefix_hit_rate",)),
+        "failed": sum(r["failed"] for r in runs),
+        "rounds": [r["output_throughput"] for r in runs],
+    }
+
+
+def table(
+    title: str, rows: list[str], names: list[str], value, higher_better: bool, fmt: str
+) -> str:
+    """Markdown table: one row per experiment, a column per server, then kvserve / best peer."""
+    lines = [f"**{title}**", "", "| | " + " | ".join(names) + " | kvserve / best peer |"]
+    lines.append("|---" * (len(names) + 2) + "|")
+    for row in rows:
+        cells, values = [], {}
+        for n in names:
+            v = value(row, n)
+            values[n] = v
+            cells.append("-" if v is None else format(v, fmt))
+        ours = values.get("kvserve")
+        others = [v for n, v in values.items() if n != "kvserve" and v is not None]
+        ratio = "-"
+        if ours and others:
+            best = max(others) if higher_better else min(others)
+            ratio = f"{ours / best:.2f}x" if higher_better else f"{best / ours:.2f}x"
+        lines.append(f"| {row} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peers-dir", default="bench/.peers")
+    ap.add_argument("--only", default="", help="comma list of servers (default: all available)")
+    ap.add_argument("--model", default=None, help="the GGUF (default: SmolLM2)")
+    ap.add_argument("--concurrency", type=loadgen.levels, default=[1, 4, 16, 64])
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--min-requests", type=int, default=4, help="per level: max(this, c)")
+    ap.add_argument("--ttft-lens", type=loadgen.levels, default=[256, 1500])
+    ap.add_argument("--ttft-requests", type=int, default=3)
+    ap.add_argument("--skip-app-workloads", action="store_true")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--out", default="bench/results/compare.json")
+    ap.add_argument("--plot", default="bench/results/compare.png")
+    a = ap.parse_args()
+
+    gguf = a.model or default_model_path()
+    found = peers.catalog(Path(a.peers_dir), gguf, a.threads, max(a.concurrency), 512)
+    chosen = [p for p in found.available if not a.only or p.name in a.only.split(",")]
+    for name, why in found.missing.items():
+        print(f"skipping {name}: {why}")
+    spec = load_spec(gguf)
+    gflops = roofline.matmul_gflops(spec.hidden_size, spec.layers[0].intermediate_size, 256)
+    gbps = roofline.copy_gbps() / 2
+    print(f"machine: float32 matmul {gflops:.0f} GFLOP/s, memory read {gbps:.1f} GB/s")
+
+    procs = {}
+    try:
+        for peer in chosen:
+            t = time.monotonic()
+            procs[peer.name] = (peers.start(peer), peer)
+            model = procs[peer.name][0].model_id()
+            warm_up(procs[peer.name][0], model)
+            print(f"started {peer.name} in {time.monotonic() - t:.0f} s (model id {model!r})")
+        names = list(procs)
+        results: dict[str, dict[str, list[dict]]] = {}
+        for exp in experiments(a):
+            for rnd in range(a.rounds):
+                order = names[rnd % len(names) :] + names[: rnd % len(names)]
+                for name in order:
+                    proc, peer = procs[name]
+                    if exp.concurrency > peer.max_concurrency:
+                        continue
+                    # same prompts for every server within a round; fresh ones for each round
+                    # and experiment, so no server meets a prompt it has cached before
+                    seed = zlib.crc32(exp.key.encode()) + 1000 * rnd
+                    args = exp.args(proc.base, proc.model_id(), seed)
+                    summary = asyncio.run(loadgen.run(args))
+                    results.setdefault(exp.key, {}).setdefault(name, []).append(summary)
+                    print(
+                        f"{exp.key:20s} round {rnd} {name:20s} "
+                        f"{summary['output_throughput']:7.1f} tok/s  "
+                        f"TTFT p50 {summary['ttft_s']['p50']:.2f} s  "
+                        f"failed {summary['failed']}",
+                        flush=True,
+                    )
+    finally:
+        for proc, _ in procs.values():
+            proc.stop()
+
+    means = {k: {n: mean_summary(runs) for n, runs in v.items()} for k, v in results.items()}
+    ceilings = {
+        c: roofline.workload_ceiling(spec, gflops, gbps, c, a.input_len + 14, 128)
+        for c in a.concurrency
+    }
+    report = render(a, names, means, ceilings, gflops, gbps)
+    print(report)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(
+                {
+                    "schema_version": loadgen.SCHEMA_VERSION,
+                    "config": vars(a),
+                    "machine": {"gflops": gflops, "read_gbps": gbps},
+                    "ceilings": ceilings,
+                    "skipped": found.missing,
+                    "means": means,
+                    "runs": {
+                        k: {n: [loadgen.brief(s) for s in rs] for n, rs in v.items()}
+                        for k, v in results.items()
+                    },
+                    "report": report,
+                },
+                f,
+                indent=2,
+            )
+    if a.plot:
+        from bench.plot import plot_levels
+
+        series = {
+            n: [
+                (c, means[f"throughput c={c}"][n])
+                for c in a.concurrency
+                if n in means.get(f"throughput c={c}", {})
+            ]
+            for n in names
+        }
+        plot_levels(
+            series,
+            a.plot,
+            f"{Path(gguf).stem}, {a.input_len}-token prompts, 128 output tokens, float32",
+            ceiling=sorted(ceilings.items()),
+        )
+
+
+def render(a, names, means, ceilings, gflops, gbps) -> str:
+    def get(row: str, name: str, *path: str) -> float | None:
+        v = means.get(row, {}).get(name)
+        for k in path:
+            if v is None:
+                return None
+            v = v[k]
+        return v
+
+    tp_rows = [f"throughput c={c}" for c in a.concurrency]
+    ttft_rows = [f"ttft {n}" for n in a.ttft_lens]
+    app_rows = [r for r in ("shared-prefix c=8", "multi-turn c=8") if r in means]
+    parts = [
+        table(
+            "Output tokens/s (mean of rounds)",
+            tp_rows + app_rows,
+            names,
+            lambda r, n: get(r, n, "output_throughput"),
+            True,
+            ".1f",
+        ),
+        table(
+            "TTFT p50 (s)",
+            ttft_rows + tp_rows + app_rows,
+            names,
+            lambda r, n: get(r, n, "ttft_s", "p50"),
+            False,
+            ".3f",
+        ),
+        table(
+            "TPOT p50 (ms)",
+            tp_rows + app_rows,
+            names,
+            lambda r, n: None if get(r, n) is None else 1000 * get(r, n, "tpot_s", "p50"),
+            False,
+            ".1f",
+        ),
+        table(
+            "Prefix hit rate (cached / prompt tokens, from usage)",
+            app_rows,
+            names,
+            lambda r, n: get(r, n, "prefix_hit_rate"),
+            True,
+            ".2f",
+        ),
+    ]
+    roof = [
+        f"float32 ceiling (matmul {gflops:.0f} GFLOP/s, read {gbps:.1f} GB/s; one wave of c "
+        "requests, prefill included):",
+        "",
+        "| c | ceiling tok/s | kvserve tok/s | fraction |",
+        "|---|---|---|---|",
+    ]
+    for c, ceiling in sorted(ceilings.items()):
+        ours = get(f"throughput c={c}", "kvserve", "output_throughput")
+        frac = f"{ours / ceiling:.0%}" if ours else "-"
+        roof.append(f"| {c} | {ceiling:.1f} | {ours or 0:.1f} | {frac} |")
+    return "\n\n".join(parts + ["\n".join(roof)])
+
+
+if __name__ == "__main__":
+    main()

