@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"skipping {name}: {why}")
     spec = load_spec(gguf)
     gflops = roofline.matmul_gflops(spec.hidden_size, spec.layers[0].intermediate_size, 256)
-    gbps = roofline.copy_gbps() / 2
+    gbps = roofline.read_gbps()
     print(f"machine: float32 matmul {gflops:.0f} GFLOP/s, memory read {gbps:.1f} GB/s")
 
     procs = {}

@@ -62,19 +62,26 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(residual)
         qkv = self.qkv_proj(h)
         t, lay = x.shape[0], self.layer
-        q = qkv[:, : self.q_dim].view(t, lay.num_heads, lay.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = apply_rope(q, cos, sin)
         k = v = None
         if self.writes_kv:
-            k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(
-                t, lay.num_kv_heads, lay.head_dim
-            )
             v = qkv[:, self.q_dim + self.kv_dim :].view(t, lay.num_kv_heads, lay.head_dim)
-            if self.k_norm is not None:
-                k = self.k_norm(k)
-            k, v = apply_rope(k, cos, sin), v.contiguous()
+        if self.q_norm is None and self.writes_kv:
+            # q and k heads side by side in qkv: one rotary pass over both (fewer small ops)
+            qk = qkv[:, : self.q_dim + self.kv_dim].view(t, -1, lay.head_dim)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, : lay.num_heads], qk[:, lay.num_heads :]
+        else:
+            q = qkv[:, : self.q_dim].view(t, lay.num_heads, lay.head_dim)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+            q = apply_rope(q, cos, sin)
+            if self.writes_kv:
+                k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(
+                    t, lay.num_kv_heads, lay.head_dim
+                )
+                if self.k_norm is not None:
+                    k = self.k_norm(k)
+                k = apply_rope(k, cos, sin)
         o = attn.forward(self.idx, q, k, v)
         x = self.o_proj(o.reshape(t, self.q_dim))
         residual = residual + x
