@@ -89,8 +89,9 @@ class Workload:
         self.counter += 1
         n_in = self.rng.randint(*self.input)
         n_out = self.rng.randint(*self.output)
-        # ~0.75 words per token for this vocabulary; exact lengths come back in `usage`
-        words = max(1, int(n_in * 0.75))
+        # ~1 token per word of this vocabulary, plus ~32 for the chat template (SmolLM2's adds
+        # a system prompt); exact lengths come back in `usage`
+        words = max(1, n_in - 32)
         if self.kind == "shared-prefix":
             return (
                 None,

@@ -133,16 +133,21 @@ def build_app(
                 try:
                     eng = AsyncEngine.from_config(config.engine)
                     eng.on_death = on_fatal
-                    eng.start(loop)
-                    state.engine = eng
-                    log.info("model loaded: ready")
                 except BaseException as e:  # noqa: BLE001
                     log.exception("model failed to load")
                     state.load_error = e
                     if on_fatal is not None:
                         on_fatal(e)
+                    return
 
-            threading.Thread(target=load_engine, name="kvserve-load", daemon=True).start()
+                def ready() -> None:
+                    state.engine = eng
+                    log.info("model loaded: ready")
+
+                # this thread loaded the model and now steps it: one thread for all torch work
+                eng.run_here(loop, on_ready=ready)
+
+            threading.Thread(target=load_engine, name="kvserve-engine", daemon=True).start()
         offloader = None
         if config.server.idle_seconds > 0:
             offloader = asyncio.create_task(offload_idle_sessions(state))
