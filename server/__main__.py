@@ -45,7 +45,12 @@ def banner(config: Config, engine) -> str:  # engine: LLMEngine
         f"({engine.num_blocks * engine.kv_block_bytes / 2**20:.0f} MiB), "
         f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}",
         f"  KV/token   {kv_line(engine)}",
-        f"  attention  {engine.backend_cls.name} on {engine.device_facts.label}",
+        f"  attention  {engine.backend_cls.name} on {engine.device_facts.label}"
+        + (
+            " (decode: compiled C++ paged attention)"
+            if getattr(engine.runner.backend, "decode_op", None) is not None
+            else ""
+        ),
         f"  context    {engine.max_model_len} tokens, max {engine.config.max_num_seqs} seqs, "
         f"{engine.config.max_num_batched_tokens} tokens/step",
         f"  URL        http://{config.server.host}:{config.server.port}/v1"

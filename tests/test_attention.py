@@ -40,8 +40,8 @@ def reference(q, tables, seq_lens, cache, bs, window):
 
 
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("use_range", [True, False])
-def test_decode_strategies_match_reference(window, use_range) -> None:
+@pytest.mark.parametrize("strategy", ["cpp", "range", "gather"])
+def test_decode_strategies_match_reference(window, strategy) -> None:
     rng = random.Random(0)
     torch.manual_seed(0)
     bs, num_blocks = 4, 64
@@ -60,9 +60,15 @@ def test_decode_strategies_match_reference(window, use_range) -> None:
     slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, seq_lens)])
     meta = StepMetadata(list(range(7)), [1] * 7, [n - 1 for n in seq_lens], seq_lens, tables, slots)
     backend = TorchBackend(spec, [cache], bs)
-    backend.use_range_decode = use_range
+    # the compiled op must build here (CI has g++ and ninja): a silent fallback would hide a
+    # performance regression
+    assert backend.decode_op is not None
+    if strategy != "cpp":
+        backend.decode_op = None
+    backend.use_range_decode = strategy == "range"
     step = backend.plan(meta)
-    assert (step.range_plan is not None) == use_range
+    assert (step.cpp_decode is not None) == (strategy == "cpp")
+    assert (step.range_plan is not None) == (strategy == "range")
     q = torch.randn(7, 6, 16)
     k_new, v_new = torch.randn(7, 2, 16), torch.randn(7, 2, 16)
     out = step.forward(0, q, k_new, v_new)

@@ -16,12 +16,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_decode
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name
 from engine.attention.range_decode import RangeDecodePlan
+from models.spec import ModelSpec
 
 DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
 RANGE_MIN_SEQS = 4  # decode batches at least this large read KV through pool views
@@ -58,8 +61,17 @@ class TorchAttentionStep(AttentionStep):
         self.decode_rows = torch.tensor([meta.query_start[i] for i in decode_seqs], device=device)
         self.range_plan: RangeDecodePlan | None = None
         self.decode: list[_DecodeBucket] = []
+        self.cpp_decode: tuple[torch.Tensor, torch.Tensor] | None = None  # tables, lengths
+        if decode_seqs and backend.decode_op is not None:
+            tables = [meta.block_tables[i] for i in decode_seqs]
+            width = max(len(t) for t in tables)
+            padded = np.zeros((len(tables), width), dtype=np.int32)
+            for row, t in enumerate(tables):
+                padded[row, : len(t)] = t
+            lens = np.asarray([meta.seq_lens[i] for i in decode_seqs], dtype=np.int32)
+            self.cpp_decode = (torch.from_numpy(padded), torch.from_numpy(lens))
         # A few sequences read little KV: the gather path's fewer kernel launches win there.
-        if len(decode_seqs) >= RANGE_MIN_SEQS and backend.use_range_decode:
+        elif len(decode_seqs) >= RANGE_MIN_SEQS and backend.use_range_decode:
             self.range_plan = RangeDecodePlan.build(
                 [meta.block_tables[i] for i in decode_seqs],
                 [meta.seq_lens[i] for i in decode_seqs],
@@ -118,7 +130,18 @@ class TorchAttentionStep(AttentionStep):
             cache[0][:, self.slot_block, self.slot_offset] = k.transpose(0, 1)
             cache[1][:, self.slot_block, self.slot_offset] = v.transpose(0, 1)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        if self.range_plan is not None:
+        if self.cpp_decode is not None:
+            assert self.backend.decode_op is not None
+            tables, lens = self.cpp_decode
+            qd = q.contiguous() if self.all_decode else q.index_select(0, self.decode_rows)
+            od = self.backend.decode_op(
+                qd, cache[0], cache[1], tables, lens, scale, self.backend.spec.sliding_window or 0
+            )
+            if self.all_decode:
+                return od
+            out = q.new_empty(q.shape)
+            out.index_copy_(0, self.decode_rows, od)
+        elif self.range_plan is not None:
             if self.all_decode:
                 return self.range_plan.attend(q, cache, scale)
             out = q.new_empty(q.shape)
@@ -178,6 +201,14 @@ class TorchAttentionStep(AttentionStep):
 class TorchBackend(AttentionBackend):
     name = "torch"
     use_range_decode = True  # False forces the gather path (tests compare the two)
+
+    def __init__(self, spec: ModelSpec, kv_caches: list[torch.Tensor], block_size: int) -> None:
+        super().__init__(spec, kv_caches, block_size)
+        # Decode rows go to the compiled C++ op where it builds (CPU, float32); None: PyTorch
+        # ops (range plan or gather buckets). Tests set it to None to compare the paths.
+        self.decode_op = None
+        if kv_caches[0].device.type == "cpu" and kv_caches[0].dtype == torch.float32:
+            self.decode_op = cpu_decode.load()
 
     @classmethod
     def kv_cache_shape(
