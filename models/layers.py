@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import cpu_ops
+
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] @ weight [out, in].T (+ bias) -> [rows, out], the fastest form on CPU."""
@@ -82,6 +84,36 @@ class Linear(nn.Module):
 def pack_linears(module: nn.Module) -> int:
     """`Linear.pack` every linear layer under `module` (each weight once, tied ones too)."""
     return sum(m.pack() for m in module.modules() if isinstance(m, Linear))
+
+
+def _fused_ops(x: torch.Tensor):  # -> the compiled ops, or None
+    """kvserve's C++ ops where they apply: CPU float32, no autograd (they have no backward)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        return None
+    if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        return None
+    return cpu_ops.load()
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, RMSNorm(residual + x)); with residual None, (x, RMSNorm(x))."""
+    ops = _fused_ops(x)
+    if ops is not None:
+        res = residual.contiguous() if residual is not None else None
+        return ops.add_rms_norm(x.contiguous(), res, weight, eps)
+    total = x if residual is None else residual + x
+    return total, rms_norm(total, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up = [gate ; up] along the last dim."""
+    ops = _fused_ops(gate_up)
+    if ops is not None:
+        return ops.silu_mul(gate_up.contiguous())
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,10 +13,18 @@ from collections.abc import Iterable
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.layers import Linear, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from models.layers import (
+    Linear,
+    RMSNorm,
+    add_rms_norm,
+    apply_rope,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    silu_mul,
+)
 from models.spec import LayerSpec, ModelSpec
 
 
@@ -58,8 +66,7 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attn: AttentionStep,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = x if residual is None else residual + x
-        h = self.input_layernorm(residual)
+        residual, h = add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
         qkv = self.qkv_proj(h)
         t, lay = x.shape[0], self.layer
         k = v = None
@@ -84,12 +91,8 @@ class DecoderLayer(nn.Module):
                 k = apply_rope(k, cos, sin)
         o = attn.forward(self.idx, q, k, v)
         x = self.o_proj(o.reshape(t, self.q_dim))
-        residual = residual + x
-        h = self.post_attention_layernorm(residual)
-        gate_up = self.gate_up_proj(h)
-        inter = lay.intermediate_size
-        x = self.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        return x, residual
+        residual, h = add_rms_norm(x, residual, self.post_attention_layernorm.weight, self.eps)
+        return self.down_proj(silu_mul(self.gate_up_proj(h))), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,15 +1,21 @@
-"""Paged decode attention for CPU as one small C++ op, compiled at first use.
+"""kvserve's few C++ ops for CPU float32, compiled at first use: paged decode attention, and two
+fusions of the per-layer elementwise work (residual add + RMSNorm, SiLU x up).
 
-Why: a decode step's attention is a few dot products per cached token, but in PyTorch it is a
-gather or a batched matmul of tiny (group x head_dim x block) matrices per KV head and layer:
-per-matrix and per-op overhead, not memory, set its cost (16 sequences of ~300 tokens: ~25 ms of
-an ~85 ms step, where reading the KV once takes ~10 ms). This op walks each sequence's block
-table and reads each K/V row once, for all query heads of its KV head together, in parallel over
-(sequence, KV head) with ATen's thread pool (the same OpenMP team as the matmuls).
+Why paged decode: a decode step's attention is a few dot products per cached token, but in
+PyTorch it is a gather or a batched matmul of tiny (group x head_dim x block) matrices per KV
+head and layer: per-matrix and per-op overhead, not memory, set its cost (16 sequences of ~300
+tokens: ~25 ms of an ~85 ms step, where reading the KV once takes ~10 ms). This op walks each
+sequence's block table and reads each K/V row once, for all query heads of its KV head
+together, in parallel over (sequence, KV head) with ATen's thread pool (the same OpenMP team as
+the matmuls).
+
+Why the fusions: at batch 1 a step is ~22 ms of matmuls and ~8 ms of ~750 small ops; a residual
+add + RMSNorm is 7 ops in PyTorch and SiLU x up 4 (two slices, silu, mul), each a dispatch and a
+pass over memory. One op each, parallel over rows.
 
 Built with `torch.utils.cpp_extension.load_inline` (g++ and ninja; ~1 min once, then cached
-under TORCH_EXTENSIONS_DIR). Where it cannot build, `load()` returns None and the torch backend
-keeps its pure-PyTorch paths; tests compare the two.
+under TORCH_EXTENSIONS_DIR). Where it cannot build, `load()` returns None and callers keep
+their pure-PyTorch paths; tests compare the two.
 """
 
 from __future__ import annotations
@@ -18,11 +24,11 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+from typing import Any
 
 import torch
 
-log = logging.getLogger("kvserve.attention")
+log = logging.getLogger("kvserve.ops")
 
 SOURCE = r"""
 #include <ATen/ATen.h>
@@ -123,24 +129,84 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// (residual + x, rms_norm(residual + x) * weight); residual None: (x, rms_norm(x) * weight).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
+                                                 const c10::optional<at::Tensor>& residual,
+                                                 const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous());
+  TORCH_CHECK(weight.dtype() == at::kFloat && weight.is_contiguous());
+  const bool has_res = residual.has_value() && residual->defined();
+  if (has_res) TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes());
+  const int64_t rows = x.size(0), h = x.size(1);
+  at::Tensor sum = has_res ? at::empty_like(x) : x;
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* rp = has_res ? residual->data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * h;
+      float* sr = sp + r * h;
+      if (rp != nullptr) {
+        const float* rr = rp + r * h;
+        for (int64_t i = 0; i < h; ++i) sr[i] = rr[i] + xr[i];
+      }
+      float ss = 0.f;
+      for (int64_t i = 0; i < h; ++i) ss += sr[i] * sr[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + e);
+      float* orow = op + r * h;
+      for (int64_t i = 0; i < h; ++i) orow[i] = sr[i] * inv * wp[i];
+    }
+  });
+  return {sum, out};
+}
+
+// gate_up [rows, 2 * inter] -> silu(gate) * up [rows, inter]
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dtype() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous());
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = at::empty({rows, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * 2 * inter;
+      const float* u = g + inter;
+      float* o = op + r * inter;
+      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, int window) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+  m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
 }
 """
 
 _lock = threading.Lock()
-_op: Callable[..., torch.Tensor] | None = None
+_ops: Any = None
 _tried = False
 
 
-def load() -> Callable[..., torch.Tensor] | None:
-    """The compiled op, or None where it cannot be built (no compiler; KVSERVE_NO_CPP=1)."""
-    global _op, _tried
+def load() -> Any:
+    """The compiled ops (`.paged_decode`, `.add_rms_norm`, `.silu_mul`), or None where they
+    cannot be built (no compiler, or KVSERVE_NO_CPP=1)."""
+    global _ops, _tried
+    if _tried:  # the hot path: no lock once decided
+        return _ops
     with _lock:
         if _tried:
-            return _op
+            return _ops
         _tried = True
         if os.environ.get("KVSERVE_NO_CPP") == "1":
             return None
@@ -153,13 +219,13 @@ def load() -> Callable[..., torch.Tensor] | None:
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
             load_inline(
-                name="kvserve_cpu_decode",
+                name="kvserve_cpu_ops",
                 cpp_sources=[SOURCE],
                 extra_cflags=["-O3", "-march=native", "-ffast-math"],
                 is_python_module=False,
                 verbose=False,
             )
-            _op = torch.ops.kvserve_cpu.paged_decode
+            _ops = torch.ops.kvserve_cpu
         except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
-            log.warning("C++ decode attention unavailable (%s); using PyTorch ops", e)
-        return _op
+            log.warning("kvserve's C++ CPU ops unavailable (%s); using PyTorch ops", e)
+        return _ops
