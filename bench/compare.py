@@ -74,6 +74,15 @@ def experiments(a: argparse.Namespace) -> list[Experiment]:
     return out
 
 
+def save_raw(path: str, results: dict[str, dict[str, list[dict]]]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    raw = {
+        k: {n: [loadgen.brief(s) for s in rs] for n, rs in v.items()} for k, v in results.items()
+    }
+    with open(path + ".partial", "w") as f:
+        json.dump(raw, f, indent=2)
+
+
 def warm_up(proc, model: str) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
     for _ in range(2):
@@ -115,7 +124,7 @@ def table(
             values[n] = v
             cells.append("-" if v is None else format(v, fmt))
         ours = values.get("kvserve")
-        others = [v for n, v in values.items() if n != "kvserve" and v is not None]
+        others = [v for n, v in values.items() if n != "kvserve" and v]
         ratio = "-"
         if ours and others:
             best = max(others) if higher_better else min(others)
@@ -147,7 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
 
     gguf = a.model or default_model_path()
-    found = peers.catalog(Path(a.peers_dir), gguf, a.threads, max(a.concurrency), 512)
+    # llama-server splits its context evenly over its slots: each must hold the longest prompt
+    ctx_per_slot = max(512, max(a.ttft_lens) + a.output_len + 128)
+    found = peers.catalog(Path(a.peers_dir), gguf, a.threads, max(a.concurrency), ctx_per_slot)
     chosen = [p for p in found.available if not a.only or p.name in a.only.split(",")]
     for name, why in found.missing.items():
         print(f"skipping {name}: {why}")
@@ -179,6 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
                     args = exp.args(proc.base, proc.model_id(), seed)
                     summary = asyncio.run(loadgen.run(args))
                     results.setdefault(exp.key, {}).setdefault(name, []).append(summary)
+                    if a.out:  # raw results so far, in case a later step fails
+                        save_raw(a.out, results)
                     print(
                         f"{exp.key:20s} round {rnd} {name:20s} "
                         f"{summary['output_throughput']:7.1f} tok/s  "
@@ -190,7 +203,12 @@ def main(argv: list[str] | None = None) -> dict:
         for proc, _ in procs.values():
             proc.stop()
 
-    means = {k: {n: mean_summary(runs) for n, runs in v.items()} for k, v in results.items()}
+    # a server that failed any request of an experiment gets no figure for it (a partial run's
+    # throughput or latency would mislead); its errors stay in the JSON
+    means = {
+        k: {n: mean_summary(runs) for n, runs in v.items() if not any(r["failed"] for r in runs)}
+        for k, v in results.items()
+    }
     ceilings = {
         c: roofline.workload_ceiling(spec, gflops, gbps, c, a.input_len + 14, a.output_len)
         for c in a.concurrency

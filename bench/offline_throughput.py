@@ -17,17 +17,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.roofline import matmul_gflops  # noqa: E402
 from bench.workload import chat_prompts  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-
-
-def matmul_gflops(hidden: int, inter: int, batch: int = 64, reps: int = 30) -> float:
-    x, w = torch.randn(batch, hidden), torch.randn(hidden, inter)
-    x @ w
-    t = time.perf_counter()
-    for _ in range(reps):
-        x @ w
-    return 2 * batch * hidden * inter * reps / (time.perf_counter() - t) / 1e9
 
 
 def run_kvserve(llm: LLM, work) -> tuple[int, float]:

@@ -191,6 +191,8 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
         "requests": len(results),
         "completed": len(ok),
         "failed": len(results) - len(ok),
+        # what went wrong, so a failure in a comparison can be explained afterwards
+        "errors": sorted({f"{r.status}: {r.error}"[:200] for r in results if not r.ok})[:5],
         "duration_s": wall,
         "request_throughput": len(ok) / wall if wall else 0.0,
         "output_throughput": out_tokens / wall if wall else 0.0,
