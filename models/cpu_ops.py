@@ -20,6 +20,7 @@ their pure-PyTorch paths; tests compare the two.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import sys
@@ -218,13 +219,30 @@ def load() -> Any:
             if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
-            load_inline(
-                name="kvserve_cpu_ops",
-                cpp_sources=[SOURCE],
-                extra_cflags=["-O3", "-march=native", "-ffast-math"],
-                is_python_module=False,
-                verbose=False,
+            build_dir = os.path.join(
+                os.environ.get("TORCH_EXTENSIONS_DIR")
+                or os.path.expanduser("~/.cache/torch_extensions"),
+                "kvserve_cpu_ops",
             )
+            os.makedirs(build_dir, exist_ok=True)
+            # torch guards a build with a plain `lock` file that a process killed mid-build
+            # leaves behind, and every later start then waits on it forever. An flock is
+            # released by the kernel when its holder dies: whoever holds it is the only
+            # builder, so a `lock` file it finds is stale.
+            with open(os.path.join(build_dir, "kvserve.flock"), "w") as guard:
+                fcntl.flock(guard, fcntl.LOCK_EX)
+                stale = os.path.join(build_dir, "lock")
+                if os.path.exists(stale):
+                    log.warning("removing a stale build lock left by a killed build")
+                    os.remove(stale)
+                load_inline(
+                    name="kvserve_cpu_ops",
+                    cpp_sources=[SOURCE],
+                    extra_cflags=["-O3", "-march=native", "-ffast-math"],
+                    build_directory=build_dir,
+                    is_python_module=False,
+                    verbose=False,
+                )
             _ops = torch.ops.kvserve_cpu
         except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
             log.warning("kvserve's C++ CPU ops unavailable (%s); using PyTorch ops", e)

@@ -63,3 +63,23 @@ def test_fused_ops_match_pytorch(rows: int) -> None:
     total, normed = add_rms_norm(xg, res, w, 1e-5)
     normed.sum().backward()
     assert xg.grad is not None
+
+
+def test_a_stale_build_lock_does_not_hang_startup() -> None:
+    """A process killed while compiling the C++ ops leaves torch's `lock` file behind; the next
+    start must not wait on it forever (it did: a killed first start hung every later one)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from models import cpu_ops
+
+    assert cpu_ops.load() is not None  # built (or found) by this process
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+    lock = Path(base) / "kvserve_cpu_ops" / "lock"
+    lock.write_text("")  # what a build killed mid-way leaves
+    code = "from models import cpu_ops; assert cpu_ops.load() is not None"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-c", code], cwd=root, timeout=180, check=True)
+    assert not lock.exists()
