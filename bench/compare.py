@@ -74,13 +74,17 @@ def experiments(a: argparse.Namespace) -> list[Experiment]:
     return out
 
 
-def save_raw(path: str, results: dict[str, dict[str, list[dict]]]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    raw = {
+def brief_runs(results: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, list[dict]]]:
+    """experiment -> server -> each round's summary without the per-request detail."""
+    return {
         k: {n: [loadgen.brief(s) for s in rs] for n, rs in v.items()} for k, v in results.items()
     }
+
+
+def save_raw(path: str, results: dict[str, dict[str, list[dict]]]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path + ".partial", "w") as f:
-        json.dump(raw, f, indent=2)
+        json.dump(brief_runs(results), f, indent=2)
 
 
 def warm_up(proc, model: str) -> None:
@@ -171,9 +175,10 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for peer in chosen:
             t = time.monotonic()
-            procs[peer.name] = (peers.start(peer), peer)
-            model = procs[peer.name][0].model_id()
-            warm_up(procs[peer.name][0], model)
+            proc = peers.start(peer)
+            model = proc.model_id()
+            procs[peer.name] = (proc, peer, model)
+            warm_up(proc, model)
             print(f"started {peer.name} in {time.monotonic() - t:.0f} s (model id {model!r})")
         names = list(procs)
         results: dict[str, dict[str, list[dict]]] = {}
@@ -181,13 +186,13 @@ def main(argv: list[str] | None = None) -> dict:
             for rnd in range(a.rounds):
                 order = names[rnd % len(names) :] + names[: rnd % len(names)]
                 for name in order:
-                    proc, peer = procs[name]
+                    proc, peer, model = procs[name]
                     if exp.concurrency > peer.max_concurrency:
                         continue
                     # same prompts for every server within a round; fresh ones for each round
                     # and experiment, so no server meets a prompt it has cached before
                     seed = zlib.crc32(exp.key.encode()) + 1000 * rnd
-                    args = exp.args(proc.base, proc.model_id(), seed)
+                    args = exp.args(proc.base, model, seed)
                     summary = asyncio.run(loadgen.run(args))
                     results.setdefault(exp.key, {}).setdefault(name, []).append(summary)
                     if a.out:  # raw results so far, in case a later step fails
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
                         flush=True,
                     )
     finally:
-        for proc, _ in procs.values():
+        for proc, _, _ in procs.values():
             proc.stop()
 
     # a server that failed any request of an experiment gets no figure for it (a partial run's
@@ -223,10 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ceilings": ceilings,
         "skipped": found.missing,
         "means": means,
-        "runs": {
-            k: {n: [loadgen.brief(s) for s in rs] for n, rs in v.items()}
-            for k, v in results.items()
-        },
+        "runs": brief_runs(results),
         "report": report,
     }
     if a.out:

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -74,21 +75,16 @@ class Process:
         self.stop()
 
 
+def kvserve_cmd(args: list[str]) -> Callable[[int], list[str]]:
+    """argv for kvserve itself on a given port: `python -m server ARGS`."""
+    return lambda port: [
+        *(sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning"),
+        *args,
+    ]
+
+
 class Server(Process):
-    """kvserve itself: `python -m server ARGS`."""
+    """kvserve itself."""
 
     def __init__(self, args: list[str], timeout: float = 180.0) -> None:
-        super().__init__(
-            "kvserve",
-            lambda port: [
-                sys.executable,
-                "-m",
-                "server",
-                "--port",
-                str(port),
-                "--log-level",
-                "warning",
-                *args,
-            ],
-            timeout=timeout,
-        )
+        super().__init__("kvserve", kvserve_cmd(args), timeout=timeout)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.launch import ROOT, Process
+from bench.launch import ROOT, Process, kvserve_cmd
 
 Cmd = Callable[[int], list[str]]
 
@@ -42,15 +42,7 @@ def catalog(peers_dir: Path, gguf: str, threads: int, slots: int, ctx_per_slot: 
     models = peers_dir / "models"
     f32 = models / (Path(gguf).stem + ".F32.gguf")
     hf = models / "hf"
-    available: list[Peer] = [
-        Peer(
-            "kvserve",
-            lambda port: (
-                [sys.executable, "-m", "server", "--port", str(port)]
-                + ["--log-level", "warning", "--model", gguf]
-            ),
-        )
-    ]
+    available: list[Peer] = [Peer("kvserve", kvserve_cmd(["--model", gguf]))]
     missing: dict[str, str] = {}
 
     def need(name: str, *paths: Path) -> bool:

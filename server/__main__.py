@@ -14,9 +14,7 @@ from server.config import Config, load_config
 
 def kv_line(engine) -> str:  # engine: LLMEngine
     """KV bytes per token, and what cross-layer sharing saves against one group per layer."""
-    elem = (
-        engine.kv_block_bytes // engine.block_size // max(1, engine.pool_spec.kv_bytes_per_token(1))
-    )
+    elem = engine.dtype_size
     spec = engine.spec
     ours, unshared = spec.kv_bytes_per_token(elem), spec.kv_bytes_per_token_unshared(elem)
     text = f"{ours} bytes in {len(spec.kv_groups)} KV groups ({spec.num_layers} layers)"

@@ -30,6 +30,14 @@ DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
 RANGE_MIN_SEQS = 4  # decode batches at least this large read KV through pool views
 
 
+def padded_tables(tables: list[list[int]], dtype: type) -> np.ndarray:
+    """Ragged block tables as one [seqs, longest] array, padded with block 0."""
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=dtype)
+    for row, t in enumerate(tables):
+        out[row, : len(t)] = t
+    return out
+
+
 @dataclass(slots=True)
 class _DecodeBucket:
     rows: torch.Tensor  # query rows of these sequences in the flat batch
@@ -63,13 +71,9 @@ class TorchAttentionStep(AttentionStep):
         self.decode: list[_DecodeBucket] = []
         self.cpp_decode: tuple[torch.Tensor, torch.Tensor] | None = None  # tables, lengths
         if decode_seqs and backend.decode_op is not None:
-            tables = [meta.block_tables[i] for i in decode_seqs]
-            width = max(len(t) for t in tables)
-            padded = np.zeros((len(tables), width), dtype=np.int32)
-            for row, t in enumerate(tables):
-                padded[row, : len(t)] = t
+            tables = padded_tables([meta.block_tables[i] for i in decode_seqs], np.int32)
             lens = np.asarray([meta.seq_lens[i] for i in decode_seqs], dtype=np.int32)
-            self.cpp_decode = (torch.from_numpy(padded), torch.from_numpy(lens))
+            self.cpp_decode = (torch.from_numpy(tables), torch.from_numpy(lens))
         # A few sequences read little KV: the gather path's fewer kernel launches win there.
         elif len(decode_seqs) >= RANGE_MIN_SEQS and backend.use_range_decode:
             self.range_plan = RangeDecodePlan.build(
@@ -102,10 +106,8 @@ class TorchAttentionStep(AttentionStep):
         bs, window = self.backend.block_size, self.backend.spec.sliding_window
         for b in range(0, len(decode), DECODE_BUCKET):
             seqs = decode[b : b + DECODE_BUCKET]
-            max_pages = max(len(meta.block_tables[i]) for i in seqs)
-            table = torch.zeros(len(seqs), max_pages, dtype=torch.long)
-            for row, i in enumerate(seqs):
-                table[row, : len(meta.block_tables[i])] = torch.tensor(meta.block_tables[i])
+            table = torch.from_numpy(padded_tables([meta.block_tables[i] for i in seqs], np.int64))
+            max_pages = table.shape[1]
             seq_lens = torch.tensor([meta.seq_lens[i] for i in seqs])
             key_pos = torch.arange(max_pages * bs)
             keep = key_pos[None, :] < seq_lens[:, None]
