@@ -1,0 +1,71 @@
+"""Time (and optionally profile) engine steps in-process on the default model: a prefill of N
+prompts, then decode steps of the batch of N, with no HTTP in between.
+
+    python bench/step_profile.py --batch 16 [--prompt-len 256] [--profile]
+    python bench/step_profile.py --batch 1 --prompt-len 1500 --prefill-only
+    KVSERVE_NO_CPP=1 python bench/step_profile.py --batch 16   # without the C++ ops
+
+Prints the prefill time and the mean decode step (ms, tokens/s); `--profile` adds
+torch.profiler's table of the ops where the decode steps spend their time. The figures in the
+session notes for single changes (packed weights, C++ decode, fused ops) come from this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.workload import chat_prompts  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--no-packed-weights", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    llm = LLM(cpu_packed_weights=not a.no_packed_weights, enable_prefix_caching=False)
+    engine = llm.engine
+    n = a.prompt_len
+    work = chat_prompts(llm.tokenizer, a.batch, (n, n), (1, 1), seed=3)
+    tokens = 1 if a.prefill_only else a.steps + 5
+    for i, (prompt, _) in enumerate(work):
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        engine.add_request(str(i), prompt, params)
+    t, steps = time.perf_counter(), 0
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()
+        steps += 1
+    dt = time.perf_counter() - t
+    total = sum(len(p) for p, _ in work)
+    print(f"prefill {a.batch} x {total // a.batch} tokens: {dt:.2f} s in {steps} steps")
+    if a.prefill_only:
+        return
+    for _ in range(3):
+        engine.step()
+    t = time.perf_counter()
+    for _ in range(a.steps - 5):
+        engine.step()
+    step = (time.perf_counter() - t) / (a.steps - 5)
+    print(f"decode step, batch {a.batch}: {step * 1000:.1f} ms = {a.batch / step:.1f} tok/s")
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(2):
+                engine.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()
