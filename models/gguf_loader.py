@@ -1,6 +1,6 @@
 """GGUF checkpoints: hyper-parameters from metadata, tensors dequantized with the `gguf` package
-and renamed to HF names. llama.cpp's converter permutes q/k rows of `llama` models for its rotary
-layout; we undo that so the HF-style (rotate-half) decoder can use them."""
+and renamed to the model's parameter names. llama.cpp's converter permutes q/k rows of `llama`
+models for its rotary layout; we undo that so the HF-style (rotate-half) decoder can use them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from models.loader import to_tensor
+from models.checkpoint import Part, fuse_parts, to_tensor
 from models.spec import ModelSpec, uniform_layers
 
 _ARCH_TO_HF = {
@@ -21,18 +21,25 @@ _ARCH_TO_HF = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+# GGUF tensor names -> the model's. Top level:
+_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# "blk.N.<part>.<kind>" -> ("layers.N.<module>.<kind>", part of a fused parameter).
+_LAYER_NAMES: dict[str, tuple[str, str | None]] = {
+    "attn_norm": ("input_layernorm", None),
+    "attn_q": ("qkv_proj", "q"),
+    "attn_k": ("qkv_proj", "k"),
+    "attn_v": ("qkv_proj", "v"),
+    "attn_output": ("o_proj", None),
+    "attn_q_norm": ("q_norm", None),
+    "attn_k_norm": ("k_norm", None),
+    "ffn_norm": ("post_attention_layernorm", None),
+    "ffn_gate": ("gate_up_proj", "gate"),
+    "ffn_up": ("gate_up_proj", "up"),
+    "ffn_down": ("down_proj", None),
 }
 
 
@@ -99,34 +106,38 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> str | None:
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
+def _model_name(name: str) -> tuple[str, str | None] | None:
+    """(the model's parameter name, part of a fused parameter) for a GGUF tensor name."""
+    if name in _NAMES:
+        return _NAMES[name], None
     if name.startswith("blk."):
         _, idx, part, kind = name.split(".", 3)
         if part in _LAYER_NAMES:
-            return f"model.layers.{idx}.{_LAYER_NAMES[part]}.{kind}"
+            module, fused_part = _LAYER_NAMES[part]
+            return f"layers.{idx}.{module}.{kind}", fused_part
     return None
 
 
 def gguf_weights(path: str, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors, dequantized to float32, under the model's parameter names."""
+    return fuse_parts(spec, _gguf_parts(path, spec))
+
+
+def _gguf_parts(path: str, spec: ModelSpec) -> Iterator[Part]:
     permuted = spec.extra.get("gguf_arch") == "llama"
     layer = spec.layers[0]
     for t in tqdm(reader(path).tensors, desc="loading GGUF", unit="tensor"):
-        hf = _hf_name(t.name)
-        if hf is None:
+        named = _model_name(t.name)
+        if named is None:
             continue  # rope_freqs and other metadata tensors are read by gguf_spec
+        name, part = named
         shape = tuple(int(x) for x in reversed(t.shape))
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             array = np.asarray(t.data, dtype=np.float32).reshape(shape)
         else:
             array = dequantize(t.data, t.tensor_type).reshape(shape)
-        if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
+        if permuted and part == "q":
             array = _unpermute(array, layer.num_heads)
-        elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
+        elif permuted and part == "k":
             array = _unpermute(array, layer.num_kv_heads)
-        yield hf, to_tensor(array)
+        yield name, part, to_tensor(array)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import cpu_ops
+from models import cpu_fused
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -92,7 +92,7 @@ def _fused_ops(x: torch.Tensor):  # -> the compiled ops, or None
         return None
     if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
         return None
-    return cpu_ops.load()
+    return cpu_fused.load()
 
 
 def add_rms_norm(

@@ -5,16 +5,20 @@ groups need no change here.
 The forward takes a flat batch of tokens (no padding) with their positions and an attention step
 object that owns the KV cache plan; it returns hidden states. Logits are computed separately, only
 for the rows that need them.
+
+The model knows only its own parameter names (its `state_dict`): q/k/v are one `qkv_proj`, gate/up
+one `gate_up_proj`. Checkpoint formats map their names onto these in their loaders
+(models/loader.py, gguf_loader.py, openelm.py; see models/checkpoint.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
 
 import torch
 from torch import nn
 
+from models.attention_step import AttentionStep
 from models.layers import (
     Linear,
     RMSNorm,
@@ -26,14 +30,6 @@ from models.layers import (
     silu_mul,
 )
 from models.spec import LayerSpec, ModelSpec
-
-
-class AttentionStep(Protocol):
-    """What a model needs from an attention backend for one engine step (see engine/attention)."""
-
-    def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
-    ) -> torch.Tensor: ...
 
 
 class DecoderLayer(nn.Module):
@@ -144,84 +140,27 @@ class LlamaForCausalLM(nn.Module):
     # ---- weights -------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors ("model.layers.3.self_attn.q_proj.weight", ...), fusing q/k/v and
-        gate/up. Raises if a parameter the model needs never arrived."""
+        """Copy tensors named as in `state_dict()` ("layers.3.qkv_proj.weight", ...) into the
+        model. Biases may be absent (they stay zero). With tied embeddings, or without an
+        `lm_head.weight`, the head shares the embedding. Raises on a name or shape the model
+        does not have, or if a weight never arrived."""
+        params = dict(self.named_parameters())
         seen: set[str] = set()
         for name, tensor in weights:
-            self._load_one(name, tensor, seen)
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unexpected tensor {name}")
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"{name}: checkpoint shape {list(tensor.shape)}, model {list(param.shape)}"
+                )
+            param.data.copy_(tensor)
+            seen.add(name)
         if self.spec.tie_word_embeddings or "lm_head.weight" not in seen:
             self.lm_head.weight = self.embed_tokens.weight  # tied: one tensor, both roles
             seen.add("lm_head.weight")
-        missing = self._expected_names() - seen
+        missing = {name for name in params if not name.endswith(".bias")} - seen
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
-
-    def _expected_names(self) -> set[str]:
-        names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-        for i in range(self.spec.num_layers):
-            p = f"model.layers.{i}."
-            writes_kv = self.layers[i].writes_kv
-            for proj in (
-                ("q_proj", "k_proj", "v_proj", "o_proj") if writes_kv else ("q_proj", "o_proj")
-            ):
-                names.add(p + f"self_attn.{proj}.weight")
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                names.add(p + f"mlp.{proj}.weight")
-            names.add(p + "input_layernorm.weight")
-            names.add(p + "post_attention_layernorm.weight")
-            if self.spec.qk_norm:
-                names.add(p + "self_attn.q_norm.weight")
-                names.add(p + "self_attn.k_norm.weight")
-        return names
-
-    def _load_one(self, name: str, tensor: torch.Tensor, seen: set[str]) -> None:
-        if name.endswith("rotary_emb.inv_freq"):
-            return
-        if name == "model.embed_tokens.weight":
-            self.embed_tokens.weight.data.copy_(tensor)
-        elif name == "model.norm.weight":
-            self.norm.weight.data.copy_(tensor)
-        elif name == "lm_head.weight":
-            if self.spec.tie_word_embeddings:
-                return
-            self.lm_head.load_rows(0, tensor)
-        elif name.startswith("model.layers."):
-            idx_str, rest = name[len("model.layers.") :].split(".", 1)
-            layer = self.layers[int(idx_str)]
-            if not self._load_layer(layer, rest, tensor):
-                raise ValueError(f"unexpected tensor {name}")
-        else:
-            raise ValueError(f"unexpected tensor {name}")
-        seen.add(name)
-
-    @staticmethod
-    def _load_layer(layer: DecoderLayer, rest: str, t: torch.Tensor) -> bool:
-        inter = layer.layer.intermediate_size
-        qkv_offsets = {"q_proj": 0, "k_proj": layer.q_dim, "v_proj": layer.q_dim + layer.kv_dim}
-        module, _, kind = rest.rpartition(".")
-        part = module.rsplit(".", 1)[-1]
-        if part in ("k_proj", "v_proj") and not layer.writes_kv:
-            return True  # a KV-sharing layer ignores its own K/V projections, if saved
-        if part in qkv_offsets:
-            if kind == "weight":
-                layer.qkv_proj.load_rows(qkv_offsets[part], t)
-            else:
-                assert layer.qkv_proj.bias is not None, "bias in checkpoint but not in config"
-                start = qkv_offsets[part]
-                layer.qkv_proj.bias.data[start : start + t.shape[0]].copy_(t)
-        elif part == "o_proj":
-            layer.o_proj.load_rows(0, t)
-        elif part == "gate_proj":
-            layer.gate_up_proj.load_rows(0, t)
-        elif part == "up_proj":
-            layer.gate_up_proj.load_rows(inter, t)
-        elif part == "down_proj":
-            layer.down_proj.load_rows(0, t)
-        elif part in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"):
-            norm = getattr(layer, part)
-            if norm is None:
-                return False
-            norm.weight.data.copy_(t)
-        else:
-            return False
-        return True

@@ -1,22 +1,25 @@
 """Load a model from an HF directory or a GGUF file into `LlamaForCausalLM`.
 
 `load_model(path, dtype, device)` returns the model and a `ModelSpec`; tokenizers and chat
-templates come from `models.tokenizer` reading the same path."""
+templates come from `models.tokenizer` reading the same path. Each checkpoint format maps its
+tensor names to the model's own (see models/checkpoint.py): HF Llama-family names here, GGUF in
+gguf_loader.py, OpenELM in openelm.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from models.checkpoint import Part, fuse_parts
 from models.llama import LlamaForCausalLM
+from models.openelm import openelm_spec, openelm_weights
 from models.spec import LayerSpec, ModelSpec
 
 SUPPORTED_HF_ARCHITECTURES = {
@@ -45,6 +48,7 @@ def is_gguf(path: str) -> bool:
 
 def load_spec(path: str) -> ModelSpec:
     if is_gguf(path):
+        # imported here: the `gguf` package costs ~0.15 s to import, for GGUF files only
         from models.gguf_loader import gguf_spec
 
         return gguf_spec(path)
@@ -62,11 +66,9 @@ def load_model(
 
         model.load_weights(gguf_weights(path, spec))
     elif spec.architecture == "OpenELMForCausalLM":
-        from models.openelm import openelm_weights
-
-        model.load_weights(openelm_weights(spec, hf_weights(path)))
+        model.load_weights(openelm_weights(hf_weights(path)))
     else:
-        model.load_weights(hf_weights(path))
+        model.load_weights(fuse_parts(spec, hf_llama_parts(hf_weights(path))))
     model = model.to(device=device, dtype=dtype).eval()
     return model, spec
 
@@ -86,8 +88,6 @@ def hf_spec(path: str) -> ModelSpec:
     cfg = _read_json(root / "config.json")
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if cfg.get("model_type") == "openelm" or arch == "OpenELMForCausalLM":
-        from models.openelm import openelm_spec
-
         return openelm_spec(cfg, tuple(_eos_ids(root, cfg)))
     if arch not in SUPPORTED_HF_ARCHITECTURES:
         raise ValueError(
@@ -158,6 +158,7 @@ def _eos_ids(root: Path, cfg: dict) -> list[int]:
 
 
 def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the directory's safetensors files, under its checkpoint name (float32)."""
     root = Path(path)
     index = root / "model.safetensors.index.json"
     if index.is_file():
@@ -172,5 +173,45 @@ def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name).float()
 
 
-def to_tensor(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
+# HF Llama-family names -> the model's. Top level:
+_HF_NAMES = {
+    "model.embed_tokens.weight": "embed_tokens.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+# Under "model.layers.N." -> (the model's name under "layers.N.", part of a fused parameter).
+_HF_LAYER_NAMES: dict[str, tuple[str, str | None]] = {
+    "input_layernorm.weight": ("input_layernorm.weight", None),
+    "self_attn.q_proj.weight": ("qkv_proj.weight", "q"),
+    "self_attn.k_proj.weight": ("qkv_proj.weight", "k"),
+    "self_attn.v_proj.weight": ("qkv_proj.weight", "v"),
+    "self_attn.q_proj.bias": ("qkv_proj.bias", "q"),
+    "self_attn.k_proj.bias": ("qkv_proj.bias", "k"),
+    "self_attn.v_proj.bias": ("qkv_proj.bias", "v"),
+    "self_attn.q_norm.weight": ("q_norm.weight", None),
+    "self_attn.k_norm.weight": ("k_norm.weight", None),
+    "self_attn.o_proj.weight": ("o_proj.weight", None),
+    "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
+    "mlp.gate_proj.weight": ("gate_up_proj.weight", "gate"),
+    "mlp.up_proj.weight": ("gate_up_proj.weight", "up"),
+    "mlp.down_proj.weight": ("down_proj.weight", None),
+}
+
+
+def hf_llama_parts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Part]:
+    """HF-named tensors ("model.layers.3.self_attn.q_proj.weight") under the model's names,
+    with their part of a fused parameter (`fuse_parts` joins them). Raises on a name the model
+    has no place for."""
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer older checkpoints saved; the model computes its own
+        if name in _HF_NAMES:
+            yield _HF_NAMES[name], None, tensor
+            continue
+        if name.startswith("model.layers."):
+            idx, rest = name[len("model.layers.") :].split(".", 1)
+            if rest in _HF_LAYER_NAMES:
+                own, part = _HF_LAYER_NAMES[rest]
+                yield f"layers.{idx}.{own}", part, tensor
+                continue
+        raise ValueError(f"unexpected tensor {name}")

@@ -9,7 +9,7 @@ on q and k per head before RoPE (`normalize_qk_projections`), a GLU FFN whose `p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -53,43 +53,36 @@ def openelm_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
     )
 
 
+# OpenELM names under "transformer.layers.N." -> the model's under "layers.N.". Its fused
+# `qkv_proj` ([q ; k ; v]; every layer writes its own KV) and `proj_1` ([gate ; up]) have the
+# model's row layout, so they load whole.
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn.q_norm.weight": "self_attn.q_norm.weight",
-    "attn.k_norm.weight": "self_attn.k_norm.weight",
-    "attn.out_proj.weight": "self_attn.o_proj.weight",
-    "ffn.proj_2.weight": "mlp.down_proj.weight",
+    "attn.qkv_proj.weight": "qkv_proj.weight",
+    "attn.q_norm.weight": "q_norm.weight",
+    "attn.k_norm.weight": "k_norm.weight",
+    "attn.out_proj.weight": "o_proj.weight",
+    "ffn.proj_1.weight": "gate_up_proj.weight",
+    "ffn.proj_2.weight": "down_proj.weight",
 }
 
 
 def openelm_weights(
-    spec: ModelSpec, weights: Iterator[tuple[str, torch.Tensor]]
+    weights: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rename OpenELM tensors to the Llama names `LlamaForCausalLM.load_weights` takes, splitting
-    the fused qkv_proj / proj_1 by each layer's geometry."""
+    """OpenELM tensors under the names `LlamaForCausalLM.load_weights` takes."""
     for name, t in weights:
         if name == "transformer.token_embeddings.weight":
-            yield "model.embed_tokens.weight", t
+            yield "embed_tokens.weight", t
         elif name == "transformer.norm.weight":
-            yield "model.norm.weight", t
+            yield "norm.weight", t
         elif name == "lm_head.weight":
             yield name, t
         elif name.startswith("transformer.layers."):
-            idx_str, rest = name[len("transformer.layers.") :].split(".", 1)
-            i, lay = int(idx_str), spec.layers[int(idx_str)]
-            p = f"model.layers.{i}."
-            if rest == "attn.qkv_proj.weight":
-                q, kv = lay.num_heads * lay.head_dim, lay.num_kv_heads * lay.head_dim
-                yield p + "self_attn.q_proj.weight", t[:q]
-                yield p + "self_attn.k_proj.weight", t[q : q + kv]
-                yield p + "self_attn.v_proj.weight", t[q + kv : q + 2 * kv]
-            elif rest == "ffn.proj_1.weight":
-                yield p + "mlp.gate_proj.weight", t[: lay.intermediate_size]
-                yield p + "mlp.up_proj.weight", t[lay.intermediate_size :]
-            elif rest in _LAYER_NAMES:
-                yield p + _LAYER_NAMES[rest], t
-            else:
+            idx, rest = name[len("transformer.layers.") :].split(".", 1)
+            if rest not in _LAYER_NAMES:
                 raise ValueError(f"unexpected OpenELM tensor {name}")
+            yield f"layers.{idx}.{_LAYER_NAMES[rest]}", t
         else:
             raise ValueError(f"unexpected OpenELM tensor {name}")

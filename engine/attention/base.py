@@ -1,5 +1,8 @@
 """The attention backend interface: plan once per step from the batch metadata, then
-`forward(layer, q, k, v)` per layer, which writes the new K/V into their slots and attends."""
+`forward(layer, q, k, v)` per layer, which writes the new K/V into their slots and attends.
+
+A plan is an `AttentionStep`, defined once in models/attention_step.py (the model calls it, and
+models do not import the engine); it is re-exported here for the engine's modules."""
 
 from __future__ import annotations
 
@@ -9,7 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict
+from models.attention_step import AttentionStep
 from models.spec import ModelSpec
+
+__all__ = ["AttentionBackend", "AttentionStep", "StepMetadata"]
 
 
 @dataclass(slots=True)
@@ -30,16 +36,6 @@ class StepMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
-
-
-class AttentionStep(ABC):
-    @abstractmethod
-    def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
-    ) -> torch.Tensor:
-        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim], written to the
-        layer's KV group before attending; None for a layer that reads a group another layer
-        wrote (cross-layer KV sharing). Returns like q."""
 
 
 class AttentionBackend(ABC):

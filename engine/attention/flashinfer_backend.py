@@ -1,5 +1,6 @@
 """FlashInfer paged attention (CUDA only; the `gpu` extra). Written against FlashInfer's documented
-wrapper API (see ../shared/REFERENCES.md); exercised by tests/test_gpu.py where a GPU is lent.
+wrapper API (BatchDecodeWithPagedKVCacheWrapper / BatchPrefillWithPagedKVCacheWrapper, plan then
+run); exercised by tests/test_gpu.py where a GPU is lent.
 
 KV layout: FlashInfer's NHD pages, one tensor per KV group [num_blocks, 2, block_size, kv_heads,
 head_dim]. Per step: one plan per distinct layer geometry (query heads, KV heads, head_dim), with

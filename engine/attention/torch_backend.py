@@ -20,10 +20,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_decode
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name
 from engine.attention.range_decode import RangeDecodePlan
-from models import cpu_ops
 from models.spec import ModelSpec
 
 DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
@@ -210,7 +210,7 @@ class TorchBackend(AttentionBackend):
         # ops (range plan or gather buckets). Tests set it to None to compare the paths.
         self.decode_op = None
         if kv_caches[0].device.type == "cpu" and kv_caches[0].dtype == torch.float32:
-            ops = cpu_ops.load()
+            ops = cpu_decode.load()
             self.decode_op = ops.paged_decode if ops is not None else None
 
     @classmethod

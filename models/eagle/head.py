@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from models.attention_step import AttentionStep
 from models.layers import (
     Linear,
     RMSNorm,
@@ -34,7 +35,7 @@ from models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from models.llama import AttentionStep, LlamaForCausalLM
+from models.llama import LlamaForCausalLM
 from models.spec import LayerSpec, ModelSpec
 
 
@@ -80,7 +81,7 @@ class EagleConfig:
 
 class EagleHead(nn.Module):
     """One draft step for a flat batch of positions. Parameters are plain tensors that do not
-    require grad; `models.eagle.train` switches them on."""
+    require grad; the trainer (tools/eagle_train.py) switches them on."""
 
     def __init__(self, cfg: EagleConfig, target: LlamaForCausalLM, layer_idx: int) -> None:
         super().__init__()

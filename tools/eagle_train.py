@@ -1,6 +1,6 @@
 """Self-distil an EAGLE-1 draft head for a target model, on a CPU.
 
-    python -m models.eagle.train --out models/eagle/heads/smollm2-135m-instruct
+    python -m tools.eagle_train --out models/eagle/heads/smollm2-135m-instruct
 
 1. Data: the target's own answers (greedy, and a share sampled at temperature 0.8) to a fixed
    prompt set (`models.eagle.prompts`), generated with kvserve's engine. Cached in `--work`.

@@ -1,0 +1,25 @@
+"""The one interface between a model and attention: `AttentionStep`.
+
+It lives in models/ because the model calls it and models must not import the engine; the
+engine's backends (engine/attention) subclass it, and anything else with a matching `forward`
+(the EAGLE trainer's packed causal attention, a test's reference) satisfies it structurally.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Protocol
+
+import torch
+
+
+class AttentionStep(Protocol):
+    """Attention for one engine step, planned by a backend from the step's batch metadata."""
+
+    @abstractmethod
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim], written to the
+        layer's KV group before attending; None for a layer that reads a group another layer
+        wrote (cross-layer KV sharing). Returns like q."""

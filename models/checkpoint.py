@@ -1,0 +1,67 @@
+"""What the checkpoint loaders share: tensors in `LlamaForCausalLM`'s own parameter names.
+
+The model's names are its `state_dict()`'s ("layers.3.qkv_proj.weight"), and it fuses what
+checkpoints keep apart: `qkv_proj` holds [q ; k ; v] rows (q only, in a layer that reads another
+layer's KV) and `gate_up_proj` [gate ; up], one matmul each. Each loader (loader.py for HF
+directories, gguf_loader.py, openelm.py) renames its tensors to those names; a slice of a fused
+weight also names its part ("k"), and `fuse_parts` joins a weight's parts once all of them have
+arrived (checkpoints store tensors in any order, and a layer's may straddle shards).
+
+Kept apart from the loaders so that each can import it without importing another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from models.spec import ModelSpec
+
+# The parts of each fused parameter, in row order.
+FUSED_PARTS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+
+# (model parameter name, part of a fused parameter or None, tensor)
+Part = tuple[str, str | None, torch.Tensor]
+
+
+def to_tensor(array: np.ndarray) -> torch.Tensor:
+    """A float32, C-ordered torch copy of `array` (GGUF data is a read-only memory map)."""
+    return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
+
+
+def fuse_parts(spec: ModelSpec, tensors: Iterable[Part]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, part, tensor) -> (name, tensor): a tensor without a part passes through; the parts
+    of a fused parameter wait until all have arrived, then go out concatenated in row order. A
+    layer that reads another layer's KV has no k/v rows: its k and v parts, if saved, are
+    dropped. Raises if a fused parameter got some of its parts but not all."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, part, tensor in tensors:
+        if part is None:
+            yield name, tensor
+            continue
+        parts = _parts_of(spec, name)
+        if part not in parts:
+            continue  # k/v of a KV-sharing layer
+        got = pending.setdefault(name, {})
+        got[part] = tensor
+        if len(got) == len(parts):
+            del pending[name]
+            yield name, torch.cat([got[p] for p in parts])
+    # a fused parameter none of whose parts arrived is reported by the model as missing
+    missing = [
+        f"{n} ({p})" for n, got in pending.items() for p in _parts_of(spec, n) if p not in got
+    ]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
+
+
+def _parts_of(spec: ModelSpec, name: str) -> tuple[str, ...]:
+    """The parts of fused parameter `name` ("layers.3.qkv_proj.weight") in this model."""
+    _, idx, module, _ = name.split(".")
+    if module == "qkv_proj":
+        i = int(idx)
+        if spec.kv_group_owner(spec.layers[i].kv_group) != i:
+            return ("q",)
+    return FUSED_PARTS[module]

@@ -1,0 +1,91 @@
+"""kvserve's C++ ops: `.cpp` files beside the module that uses them, compiled at first use.
+
+Each source registers its ops with `TORCH_LIBRARY(<name>, m)` and is built as the extension
+`<name>` by `torch.utils.cpp_extension.load` (g++ and ninja; ~1 min once per source, then cached
+under TORCH_EXTENSIONS_DIR). Where it cannot build (no compiler, or KVSERVE_NO_CPP=1), `load()`
+returns None and callers keep their pure-PyTorch paths; tests compare the two.
+
+Consumers: models/cpu_fused.py (fused elementwise ops for models/layers.py) and
+engine/attention/cpu_decode.py (paged decode attention for the torch backend). The build logic
+lives here, in models/, because models must not import the engine.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("kvserve.ops")
+
+CFLAGS = ["-O3", "-march=native", "-ffast-math"]
+
+
+class CppOps:
+    """One C++ source compiled at first `load()` into `torch.ops.<name>`."""
+
+    def __init__(self, name: str, source: Path) -> None:
+        self.name = name
+        self.source = source
+        self._lock = threading.Lock()
+        self._ops: Any = None
+        self._tried = False
+
+    def load(self) -> Any:
+        """The compiled ops namespace (`torch.ops.<name>`), or None where they cannot be built
+        (no compiler, or KVSERVE_NO_CPP=1)."""
+        if self._tried:  # the hot path: no lock once decided
+            return self._ops
+        with self._lock:
+            if self._tried:
+                return self._ops
+            self._tried = True
+            if os.environ.get("KVSERVE_NO_CPP") == "1":
+                return None
+            try:
+                self._build()
+                self._ops = getattr(torch.ops, self.name)
+            except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
+                log.warning(
+                    "kvserve's C++ ops %s unavailable (%s); using PyTorch ops", self.name, e
+                )
+            return self._ops
+
+    def _build(self) -> None:
+        from torch.utils.cpp_extension import load
+
+        # the `ninja` that pip installs sits next to this interpreter, maybe not on PATH
+        bindir = os.path.dirname(sys.executable)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+        build_dir = os.path.join(
+            os.environ.get("TORCH_EXTENSIONS_DIR")
+            or os.path.expanduser("~/.cache/torch_extensions"),
+            self.name,
+        )
+        os.makedirs(build_dir, exist_ok=True)
+        # torch guards a build with a plain `lock` file that a process killed mid-build leaves
+        # behind, and every later start then waits on it forever. An flock is released by the
+        # kernel when its holder dies: whoever holds it is the only builder, so a `lock` file it
+        # finds is stale.
+        with open(os.path.join(build_dir, "kvserve.flock"), "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                log.warning("removing a stale build lock left by a killed build")
+                os.remove(stale)
+            load(
+                name=self.name,
+                sources=[str(self.source)],
+                extra_cflags=CFLAGS,
+                build_directory=build_dir,
+                is_python_module=False,
+                verbose=False,
+            )

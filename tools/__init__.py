@@ -1,0 +1,1 @@
+"""Offline tools that use kvserve but are no part of serving (they may import the engine)."""
