@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -28,11 +27,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench import peers, roofline  # noqa: E402
-from bench import serve as loadgen  # noqa: E402
-from models.loader import default_model_path, load_spec  # noqa: E402
+from bench import peers, roofline
+from bench import serve as loadgen
+from models.loader import default_model_path, load_spec
 
 
 @dataclass(slots=True)

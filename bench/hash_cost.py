@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.block_pool import hash_block  # noqa: E402
+from engine.block_hash import hash_block
 
 
 def main() -> None:

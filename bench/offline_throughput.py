@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.roofline import matmul_gflops  # noqa: E402
-from bench.workload import chat_prompts  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from bench.roofline import matmul_gflops
+from bench.workload import chat_prompts
+from engine import LLM, SamplingParams
 
 
 def run_kvserve(llm: LLM, work) -> tuple[int, float]:

@@ -15,19 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
 import statistics
-import sys
-import time
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.launch import Server  # noqa: E402
-from bench.workload import WORDS  # noqa: E402
+from bench import sse
+from bench.launch import Server
+from bench.workload import WORDS
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -56,34 +51,13 @@ def build_requests(n: int, seed: int = 0) -> list[list[dict]]:
 
 
 async def one(client: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    ttft = None
-    usage = None
-    async with client.stream(
-        "POST",
-        "/v1/chat/completions",
-        json={
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        },
-    ) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                ttft = time.perf_counter() - t0
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    assert usage is not None
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    s = (await sse.stream(client, "/v1/chat/completions", body)).check()
+    assert s.usage is not None
     return {
-        "ttft": ttft or time.perf_counter() - t0,
-        "prompt": usage["prompt_tokens"],
-        "cached": usage["prompt_tokens_details"]["cached_tokens"],
+        "ttft": s.ttft if s.ttft is not None else s.e2e,
+        "prompt": s.usage["prompt_tokens"],
+        "cached": s.usage["prompt_tokens_details"]["cached_tokens"],
     }
 
 

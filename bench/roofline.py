@@ -8,15 +8,11 @@ batch size: min(compute bound, bandwidth bound), where every step reads all weig
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from models.loader import default_model_path, load_spec  # noqa: E402
+from models.loader import default_model_path, load_spec
 
 
 def matmul_gflops(k: int, n: int, batch: int, reps: int = 20) -> float:

@@ -18,17 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import sse
 
 WORDS = (
     "time person year way day thing man world life hand part child eye woman place work "
@@ -114,56 +112,23 @@ class Workload:
 async def one_request(
     client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int, ignore_eos: bool
 ) -> tuple[RequestResult, str]:
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     if ignore_eos:
         body["ignore_eos"] = True
-    start = time.perf_counter()
-    last = None
-    res = RequestResult(ok=False, status=0)
-    text = ""
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-            res.status = r.status_code
-            if r.status_code != 200:
-                res.error = (await r.aread()).decode()[:200]
-                return res, text
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = chunk["error"].get("message", "error")
-                    return res, text
-                if chunk.get("usage"):
-                    u = chunk["usage"]
-                    res.prompt_tokens = u["prompt_tokens"]
-                    res.completion_tokens = u["completion_tokens"]
-                    res.cached_tokens = (u.get("prompt_tokens_details") or {}).get(
-                        "cached_tokens", 0
-                    )
-                delta = (
-                    chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
-                )
-                if delta:
-                    now = time.perf_counter()
-                    if last is None:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    text += delta
-        res.e2e = time.perf_counter() - start
-        res.ok = True
-    except httpx.HTTPError as e:
-        res.error = repr(e)
-    return res, text
+    s = await sse.stream(client, "/v1/chat/completions", body)
+    usage = s.usage or {}
+    res = RequestResult(
+        ok=s.ok,
+        status=s.status,
+        ttft=s.ttft or 0.0,
+        e2e=s.e2e,
+        itl=s.itl,
+        prompt_tokens=usage.get("prompt_tokens", 0),
+        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        completion_tokens=usage.get("completion_tokens", 0),
+        error=s.error,
+    )
+    return res, s.text
 
 
 def pct(values: list[float], q: float) -> float:

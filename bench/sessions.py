@@ -13,19 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
 import re
-import sys
-import time
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.launch import Server  # noqa: E402
-from bench.workload import WORDS  # noqa: E402
+from bench import sse
+from bench.launch import Server
+from bench.workload import WORDS
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -33,33 +28,10 @@ def words(rng: random.Random, n: int) -> str:
 
 
 async def turn(client: httpx.AsyncClient, sid: str, messages: list[dict], max_tokens: int):
-    t0 = time.perf_counter()
-    ttft, text, usage = None, "", None
-    async with client.stream(
-        "POST",
-        "/v1/chat/completions",
-        headers={"X-Session-ID": sid},
-        json={
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        },
-    ) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"]:
-                delta = chunk["choices"][0]["delta"].get("content") or ""
-                if delta and ttft is None:
-                    ttft = time.perf_counter() - t0
-                text += delta
-    return ttft or time.perf_counter() - t0, text, usage
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    s = await sse.stream(client, "/v1/chat/completions", body, headers={"X-Session-ID": sid})
+    s.check()
+    return (s.ttft if s.ttft is not None else s.e2e), s.text, s.usage
 
 
 async def run(base: str, n_sessions: int, n_clients: int, turns: int, max_tokens: int):

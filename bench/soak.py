@@ -16,20 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
 import statistics
-import sys
 import time
 from collections import Counter
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.launch import Server  # noqa: E402
-from bench.workload import WORDS  # noqa: E402
+from bench import sse
+from bench.launch import Server
+from bench.workload import WORDS
 
 CANARIES = [f"Canary {i}: list three facts about the number {i * 7}." for i in range(4)]
 MALFORMED = [
@@ -116,13 +113,12 @@ class Soak:
         cut = rng.random() < 0.2
         async with client.stream("POST", path, json=body) as r:
             n = 0
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    n += 1
-                    if line != "data: [DONE]" and "error" in json.loads(line[6:]):
-                        self.status[500] += 1  # an error event inside a 200 stream
-                    if cut and n >= 3:
-                        break
+            async for payload in sse.adata(r):
+                n += 1
+                if payload != sse.DONE and "error" in json.loads(payload):
+                    self.status[500] += 1  # an error event inside a 200 stream
+                if cut and n >= 3:
+                    break
             self.record("stream-cut" if cut else "stream", r.status_code)
 
     async def burst(self, client: httpx.AsyncClient) -> None:

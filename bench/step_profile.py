@@ -13,14 +13,10 @@ session notes for single changes (packed weights, C++ decode, fused ops) come fr
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.workload import chat_prompts  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from bench.workload import chat_prompts
+from engine import LLM, SamplingParams
 
 
 def main() -> None:

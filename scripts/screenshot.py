@@ -5,23 +5,17 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from playwright.sync_api import sync_playwright
 
-from playwright.sync_api import sync_playwright  # noqa: E402
-
-from bench.launch import Server  # noqa: E402
+from bench.launch import ROOT, Server
 
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 
 
 def main() -> None:
-    out = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ui.png"
-    )
+    out = str(ROOT / "docs" / "ui.png")
     with Server([]) as server, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 760})

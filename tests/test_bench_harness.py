@@ -9,14 +9,9 @@ import json
 import pytest
 
 from bench.serve import SCHEMA_VERSION, parser, run
-from tests.server_utils import ServerProcess
+from tests.server_utils import server_fixture
 
-
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    s = ServerProcess(["--model", str(llama_dir), "--num-kv-blocks", "128", "--block-size", "16"])
-    yield s
-    s.stop()
+server = server_fixture(num_kv_blocks=128, block_size=16)
 
 
 @pytest.mark.parametrize("workload", ["random", "shared-prefix", "multi-turn"])

@@ -13,26 +13,15 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import server_fixture
+
+# a short context keeps generated requests (n up to 16, default max_tokens) quick
+server = server_fixture(num_kv_blocks=64, max_model_len=96, max_queue_len=64)
 
 
 @pytest.fixture(scope="module")
-def api_schema(llama_dir):
-    # a short context keeps generated requests (n up to 16, default max_tokens) quick
-    s = ServerProcess(
-        [
-            "--model",
-            str(llama_dir),
-            "--num-kv-blocks",
-            "64",
-            "--max-model-len",
-            "96",
-            "--max-queue-len",
-            "64",
-        ]
-    )
-    yield schemathesis.openapi.from_url(s.base + "/openapi.json")
-    s.stop()
+def api_schema(server):
+    return schemathesis.openapi.from_url(server.base + "/openapi.json")
 
 
 def test_api_conforms_to_its_schema(api_schema) -> None:

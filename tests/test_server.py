@@ -11,33 +11,21 @@ import httpx
 import openai
 import pytest
 
+from bench import sse
 from tests.openai_schema import validate
-from tests.server_utils import ServerProcess
+from tests.server_utils import kvserve_server, server_fixture
 
 KEY = "test-key"
 MAX_LEN = 256
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    s = ServerProcess(
-        [
-            "--model",
-            str(llama_dir),
-            "--num-kv-blocks",
-            "128",
-            "--max-model-len",
-            str(MAX_LEN),
-            "--api-key",
-            KEY,
-            "--allowed-origins",
-            "http://example.com",
-            "--served-model-name",
-            "tiny",
-        ]
-    )
-    yield s
-    s.stop()
+server = server_fixture(
+    num_kv_blocks=128,
+    max_model_len=MAX_LEN,
+    api_key=KEY,
+    allowed_origins="http://example.com",
+    served_model_name="tiny",
+)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +94,6 @@ def test_chat_raw_body_matches_schema(server) -> None:
 
 
 def test_chat_stream_with_usage(server) -> None:
-    chunks = []
     with httpx.stream(
         "POST",
         server.base + "/v1/chat/completions",
@@ -121,9 +108,7 @@ def test_chat_stream_with_usage(server) -> None:
         },
     ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                chunks.append(line[6:])
+        chunks = list(sse.data(r))
     assert chunks[-1] == "[DONE]"
     bodies = [json.loads(c) for c in chunks[:-1]]
     for b in bodies:
@@ -223,7 +208,6 @@ def test_completions_prompt_forms_and_echo(server, client) -> None:
 
 
 def test_completions_stream(server) -> None:
-    chunks = []
     with httpx.stream(
         "POST",
         server.base + "/v1/completions",
@@ -236,7 +220,7 @@ def test_completions_stream(server) -> None:
             "stream_options": {"include_usage": True},
         },
     ) as r:
-        chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        chunks = list(sse.data(r))
     assert chunks[-1] == "[DONE]"
     bodies = [json.loads(c) for c in chunks[:-1]]
     for b in bodies[:-1]:
@@ -430,11 +414,10 @@ def test_disconnects_free_everything(server) -> None:
             json={"messages": HELLO, "max_tokens": 200, "stream": True, "ignore_eos": True},
         ) as r:
             n = 0
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    n += 1
-                    if n >= 3:
-                        return  # leaving the context manager closes the connection
+            async for _ in sse.adata(r):
+                n += 1
+                if n >= 3:
+                    return  # leaving the context manager closes the connection
 
     async def main() -> None:
         async with httpx.AsyncClient(
@@ -473,21 +456,9 @@ def test_metrics_names(server) -> None:
 
 
 def test_queue_full_gets_429(llama_dir) -> None:
-    s = ServerProcess(
-        [
-            "--model",
-            str(llama_dir),
-            "--num-kv-blocks",
-            "64",
-            "--max-num-seqs",
-            "1",
-            "--max-queue-len",
-            "1",
-            "--max-model-len",
-            "512",
-        ]
-    )
-    try:
+    with kvserve_server(
+        llama_dir, num_kv_blocks=64, max_num_seqs=1, max_queue_len=1, max_model_len=512
+    ) as s:
 
         async def main() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=s.base, timeout=120) as c:
@@ -506,8 +477,6 @@ def test_queue_full_gets_429(llama_dir) -> None:
         r429 = next(r for r in asyncio.run(main()) if r.status_code == 429)
         assert r429.headers["retry-after"] == "1"
         validate("ErrorResponse", r429.json())
-    finally:
-        s.stop()
 
 
 def cached_tokens(server, key: str, **body) -> int:
@@ -530,23 +499,10 @@ def test_cache_salt_and_reset_over_http(server) -> None:
 
 
 def test_salt_cache_per_key(llama_dir) -> None:
-    s = ServerProcess(
-        [
-            "--model",
-            str(llama_dir),
-            "--num-kv-blocks",
-            "64",
-            "--api-key",
-            "k1,k2",
-            "--salt-cache-per-key",
-        ]
-    )
-    try:
+    with kvserve_server(llama_dir, num_kv_blocks=64, api_key="k1,k2", salt_cache_per_key=True) as s:
         prompt = list(range(40, 180))
         assert cached_tokens(s, "k1", prompt=prompt) == 0
         assert cached_tokens(s, "k2", prompt=prompt) == 0
         assert cached_tokens(s, "k1", prompt=prompt) == 128
         assert cached_tokens(s, "k2", prompt=prompt) == 128
         assert raw(s, "GET", "/v1/models", key="k3").status_code == 401
-    finally:
-        s.stop()

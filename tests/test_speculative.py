@@ -272,17 +272,18 @@ def test_server_flags_stream_and_metrics(llama_dir, heads, reference) -> None:
     engine's non-speculative tokens (streamed, several tokens per chunk), metrics report it."""
     import httpx
 
-    from tests.server_utils import ServerProcess
+    from bench import sse
+    from tests.server_utils import kvserve_server
 
     ps, _ = reference
-    server = ServerProcess(
-        [
-            "--model", str(llama_dir), "--num-kv-blocks", "256", "--block-size", "4",
-            "--speculative-model", str(heads["identity"]), "--num-speculative-tokens", "3",
-        ]
-    )  # fmt: skip
-    plain = LLM(str(llama_dir), num_kv_blocks=256, block_size=4)
-    try:
+    with kvserve_server(
+        llama_dir,
+        num_kv_blocks=256,
+        block_size=4,
+        speculative_model=heads["identity"],
+        num_speculative_tokens=3,
+    ) as server:
+        plain = LLM(str(llama_dir), num_kv_blocks=256, block_size=4)
         for prompt in ps[:4]:
             expected = plain.generate([prompt], GREEDY)[0].outputs[0].text
             body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -295,14 +296,8 @@ def test_server_flags_stream_and_metrics(llama_dir, heads, reference) -> None:
             with httpx.stream(
                 "POST", server.base + "/v1/completions", json=body | {"stream": True}, timeout=60
             ) as s:
-                chunks = [
-                    json.loads(line[6:])["choices"][0]["text"]
-                    for line in s.iter_lines()
-                    if line.startswith("data: {")
-                ]
+                chunks = [json.loads(p)["choices"][0]["text"] for p in sse.data(s) if p != sse.DONE]
             assert "".join(chunks) == choice["text"]
         metrics = httpx.get(server.base + "/metrics", timeout=10).text
         assert "kvserve:spec_decode_num_draft_tokens_total" in metrics
         assert "kvserve:spec_decode_num_speculative_tokens 3.0" in metrics
-    finally:
-        server.stop()

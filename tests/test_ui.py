@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import server_fixture
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium not installed")
@@ -29,22 +29,7 @@ ARGS = [
 KEY = "ui-key"
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    s = ServerProcess(
-        [
-            "--model",
-            str(llama_dir),
-            "--num-kv-blocks",
-            "64",
-            "--api-key",
-            KEY,
-            "--max-model-len",
-            "4096",
-        ]
-    )
-    yield s
-    s.stop()
+server = server_fixture(num_kv_blocks=64, api_key=KEY, max_model_len=4096)
 
 
 @pytest.fixture(scope="module")
