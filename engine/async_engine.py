@@ -1,9 +1,12 @@
 """The engine loop in its own thread, with an asyncio front.
 
-Requests and aborts enter through a thread-safe inbox; each step's outputs go back to the asyncio
-loop in one `call_soon_threadsafe` batch and are routed to per-request queues. Nothing on the
-asyncio side ever waits on a model forward. If the loop thread dies, every waiting request gets
-the error and `dead` is set so /health can report it.
+`AsyncEngine` is the only door from asyncio to the engine: submit (`open`/`generate`), `stream`,
+`abort`, `call` (a function run on the engine thread between steps), `snapshot` (plain data for
+stats and metrics), and `info`/`tokenizer`, which are immutable. Requests and aborts enter through
+a thread-safe inbox; each step's outputs go back to the asyncio loop in one
+`call_soon_threadsafe` batch and are routed to per-request queues. Nothing on the asyncio side
+ever waits on a model forward. If the loop thread dies, every waiting request and call gets the
+error and `dead` is set so /health can report it.
 """
 
 from __future__ import annotations
@@ -12,16 +15,21 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from engine.builder import EngineInfo
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.request import FinishReason
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.scoring import prompt_logprobs
+from engine.snapshot import EngineSnapshot
+from models.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
 
@@ -38,7 +46,9 @@ class AsyncEngine:
     def __init__(
         self, engine: LLMEngine, on_death: Callable[[BaseException], None] | None = None
     ) -> None:
-        self.engine = engine
+        self._core = engine  # touched only on the engine thread
+        self.info: EngineInfo = engine.info
+        self.tokenizer: Tokenizer | None = engine.tokenizer  # immutable; safe from any thread
         self.on_death = on_death
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -76,7 +86,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self.dead is None:
-            self.engine.shutdown()
+            self._core.shutdown()
 
     @property
     def num_in_flight(self) -> int:
@@ -84,48 +94,63 @@ class AsyncEngine:
 
     # ---- asyncio side ------------------------------------------------------------------------
 
-    def open(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> asyncio.Queue[RequestOutput | BaseException]:
-        """Admit a request now (synchronously, so admission control counts it at once) and
-        return its output queue. The queue is dropped when the request finishes, even if
-        nobody ever reads it."""
+    def submit(
+        self,
+        requests: Sequence[tuple[str, list[int], SamplingParams]],
+        max_in_flight: int | None = None,
+    ) -> asyncio.Queue[RequestOutput | BaseException] | None:
+        """Admit requests (request id, prompt token ids, params) all at once, now, so admission
+        control counts them at once, or none of them (None) if that would put more than
+        `max_in_flight` requests in flight. Their outputs share the returned queue; read it
+        with `stream`. Raises ParamError if a request does not fit the engine."""
         if self.dead is not None:
             raise EngineDeadError(f"engine loop died: {self.dead}")
-        self.engine.validate_prompt(prompt_token_ids, params)
-        if request_id in self._queues:
-            raise ValueError(f"duplicate request id {request_id}")
+        if max_in_flight is not None and len(self._queues) + len(requests) > max_in_flight:
+            return None
+        for request_id, ids, params in requests:
+            self.info.validate(ids, params)
+            if request_id in self._queues:
+                raise ValueError(f"duplicate request id {request_id}")
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = q
-        self._inbox.put(("add", request_id, prompt_token_ids, params))
+        for request_id, ids, params in requests:
+            self._queues[request_id] = q
+            self._inbox.put(("add", request_id, ids, params))
         return q
 
     async def stream(
-        self, request_id: str, q: asyncio.Queue[RequestOutput | BaseException]
+        self,
+        request_ids: Sequence[str],
+        q: asyncio.Queue[RequestOutput | BaseException],
+        timeout_s: float = 0.0,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield deltas until the request finishes. Leaving early (client gone, task cancelled)
-        aborts the request, which frees its blocks at the next step."""
-        finished = False
+        """Yield the requests' deltas, in arrival order, until all have finished. An error for
+        any of them is raised here; past `timeout_s` (0: none) TimeoutError is. Leaving early
+        (an error, the client gone, a cancelled task) aborts the unfinished ones, which frees
+        their blocks at the next step."""
+        pending = set(request_ids)
+        deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
         try:
-            while True:
-                item = await q.get()
+            while pending:
+                if deadline is None:
+                    item = await q.get()
+                else:
+                    item = await asyncio.wait_for(q.get(), deadline - time.monotonic())
                 if isinstance(item, BaseException):
-                    finished = True
                     raise item
-                finished = item.finished
+                if item.finished:
+                    pending.discard(item.request_id)
                 yield item
-                if finished:
-                    return
         finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._inbox.put(("abort", request_id))
+            for request_id in pending:
+                if self._queues.pop(request_id, None) is not None:
+                    self._inbox.put(("abort", request_id))
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        q = self.open(request_id, prompt_token_ids, params)
-        async for out in self.stream(request_id, q):
+        q = self.submit([(request_id, prompt_token_ids, params)])
+        assert q is not None
+        async for out in self.stream([request_id], q):
             yield out
 
     def abort(self, request_id: str) -> None:
@@ -136,10 +161,26 @@ class AsyncEngine:
         self._inbox.put(("abort_all", message))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run fn(engine) on the engine thread between steps (scoring, cache reset, stats)."""
+        """Run fn(engine) on the engine thread between steps (scoring, cache reset, offload)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead}")
         fut: Future[Any] = Future()
         self._inbox.put(("call", fn, fut))
+        if self.dead is not None:  # died between the check and the put: nobody will run it
+            self._fail_pending_calls(EngineDeadError(f"engine loop died: {self.dead}"))
         return await asyncio.wrap_future(fut)
+
+    async def snapshot(self) -> EngineSnapshot:
+        return await self.call(LLMEngine.snapshot)
+
+    async def prompt_logprobs(self, token_ids: list[int], top: int) -> list[TokenLogprobs | None]:
+        return await self.call(lambda e: prompt_logprobs(e, token_ids, top))
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call(LLMEngine.reset_prefix_cache)
+
+    async def offload_prefix(self, token_ids: list[int], cache_salt: str | None) -> int:
+        return await self.call(lambda e: e.offload_prefix(token_ids, cache_salt))
 
     # ---- engine thread -----------------------------------------------------------------------
 
@@ -159,21 +200,20 @@ class AsyncEngine:
         if kind == "add":
             _, request_id, ids, params = msg
             try:
-                self.engine.add_request(request_id, ids, params)
+                self._core.add_request(request_id, ids, params, validated=True)
             except Exception as e:  # invalid after all: fail just this request
                 out.append((request_id, e))
         elif kind == "abort":
-            result = self.engine.abort_request(msg[1])
+            result = self._core.abort_request(msg[1])
             if result is not None:
                 out.append((msg[1], result))
         elif kind == "abort_all":
-            for request_id in list(self.engine.scheduler.requests):
-                self.engine.abort_request(request_id)
+            for request_id in self._core.abort_all():
                 out.append((request_id, EngineShutdownError(msg[1])))
         elif kind == "call":
             _, fn, fut = msg
             try:
-                fut.set_result(fn(self.engine))
+                fut.set_result(fn(self._core))
             except Exception as e:
                 fut.set_exception(e)
 
@@ -181,22 +221,31 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 out: list[tuple[str, RequestOutput | BaseException]] = []
-                if not self.engine.has_unfinished():
+                if not self._core.has_unfinished():
                     self._handle(self._inbox.get(), out)  # idle: block until something arrives
                 while True:
                     try:
                         self._handle(self._inbox.get_nowait(), out)
                     except queue.Empty:
                         break
-                if self.engine.has_unfinished():
-                    out.extend((o.request_id, o) for o in self.engine.step())
+                if self._core.has_unfinished():
+                    out.extend((o.request_id, o) for o in self._core.step())
                 self._post(out)
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
             log.critical("engine loop died:\n%s", traceback.format_exc())
             self.dead = e
             err = EngineDeadError(f"engine loop died: {e!r}")
             self._post([(rid, err) for rid in list(self._queues)])
-            for rid in list(self.engine.scheduler.requests):
-                self.engine.scheduler.finish(rid, FinishReason.ERROR)
+            self._fail_pending_calls(err)
+            self._core.abort_all()
             if self.on_death is not None:
                 self.on_death(e)
+
+    def _fail_pending_calls(self, err: BaseException) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "call":
+                msg[2].set_exception(err)

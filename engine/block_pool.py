@@ -8,12 +8,11 @@ Invariants (checked by tests/test_block_pool.py):
 
 from __future__ import annotations
 
-import hashlib
-import os
-from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from engine.block_hash import BlockKey
 
 
 @dataclass(slots=True)
@@ -25,16 +24,6 @@ class KVBlock:
     parent_hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
     extra: bytes = b""
-
-
-def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
-    """H(parent, tokens, extra): sha256, 256 bits, so collisions are not a practical concern.
-    Measured ~40 ns per token here (bench/hash_cost.py)."""
-    h = hashlib.sha256(parent)
-    h.update(array("q", token_ids).tobytes())
-    if extra:
-        h.update(b"\x00extra\x00" + extra)
-    return h.digest()
 
 
 class BlockPool:
@@ -52,7 +41,6 @@ class BlockPool:
         # blocks registered during the current schedule: their KV is written by this step's
         # forward, so they can be shared whole (attention reads after the write) but not copied
         self.registered_this_step: set[int] = set()
-        self.root_hash = os.urandom(32)  # per-process seed: hashes are not predictable across runs
         self.num_evictions = 0
         # (hash, block id) of cached blocks evicted by allocate(), drained by the KV manager to
         # write them back to the host tier before the step's forward overwrites them
@@ -99,14 +87,9 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache(
-        self,
-        block: KVBlock,
-        block_hash: bytes,
-        parent: bytes | None = None,
-        token_ids: tuple[int, ...] = (),
-        extra: bytes = b"",
-    ) -> None:
+    def cache(self, block: KVBlock, block_hash: bytes, key: BlockKey | None = None) -> None:
+        """Register a block under its hash; with its `key` (parent, tokens, extra keys) it can
+        also be found by `best_partial`."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
@@ -114,9 +97,9 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
         self.registered_this_step.add(block.block_id)
-        if parent is not None:
-            block.parent_hash, block.token_ids, block.extra = parent, token_ids, extra
-            self.children.setdefault(parent, {})[block.block_id] = block
+        if key is not None:
+            block.parent_hash, block.token_ids, block.extra = key.parent, key.token_ids, key.extra
+            self.children.setdefault(key.parent, {})[block.block_id] = block
 
     def _forget(self, block: KVBlock) -> None:
         assert block.block_hash is not None

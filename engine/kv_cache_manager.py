@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool, KVBlock, hash_block
+from engine.block_hash import BlockHasher, extra_keys
+from engine.block_pool import BlockPool, KVBlock
 from engine.host_tier import HostTier
 from engine.request import Request
 
@@ -49,8 +50,11 @@ class KVCacheManager:
         enable_caching: bool = True,
         host: HostTier | None = None,
         copy_block_prefix: BlockPrefixCopier | None = None,
+        hash_root: bytes | None = None,
     ) -> None:
         self.block_size = block_size
+        # hash_root: the disk tier's stored seed, so a warm restart meets its own hashes again
+        self.hasher = BlockHasher(block_size, *([hash_root] if hash_root else []))
         self.copy_block_prefix = copy_block_prefix
         self.pool = BlockPool(num_blocks, enable_caching)
         self.host = host if enable_caching else None
@@ -67,28 +71,17 @@ class KVCacheManager:
     def begin_step(self) -> None:
         self.pool.registered_this_step.clear()
 
-    def _extra(self, request_salt: str | None, index: int) -> bytes:
-        return request_salt.encode() if (index == 0 and request_salt) else b""
-
     def update_block_hashes(self, request: Request) -> None:
         """Extend `request.block_hashes` to cover every full block of its tokens."""
-        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
-        while (len(hashes) + 1) * bs <= len(tokens):
-            i = len(hashes)
-            parent = hashes[-1] if hashes else self.pool.root_hash
-            salt = request.sampling_params.cache_salt
-            extra = salt.encode() if (i == 0 and salt) else b""
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], extra))
+        self.hasher.extend(
+            request.block_hashes, request.all_token_ids, request.sampling_params.cache_salt
+        )
 
-    def hashes_for(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
-        """Block hashes of a token sequence, exactly as a request carrying it would get."""
-        out: list[bytes] = []
-        bs = self.block_size
-        for i in range(len(token_ids) // bs):
-            parent = out[-1] if out else self.pool.root_hash
-            extra = cache_salt.encode() if (i == 0 and cache_salt) else b""
-            out.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra))
-        return out
+    def _cache_block(self, request: Request, block: KVBlock, index: int) -> None:
+        key = self.hasher.key(
+            request.block_hashes, request.all_token_ids, request.sampling_params.cache_salt, index
+        )
+        self.pool.cache(block, key.block_hash, key)
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """Longest cached prefix of the request, in whole blocks, leaving at least the last token
@@ -125,10 +118,10 @@ class KVCacheManager:
         limit = min(bs, request.num_tokens - 1 - j * bs)  # the last token is always recomputed
         if limit <= 0:
             return
-        parent = request.block_hashes[j - 1] if j else self.pool.root_hash
+        parent = self.hasher.parent(request.block_hashes, j)
         tokens = request.all_token_ids[j * bs : j * bs + limit]
         block, n = self.pool.best_partial(
-            parent, tokens, self._extra(request.sampling_params.cache_salt, j)
+            parent, tokens, extra_keys(request.sampling_params.cache_salt, j)
         )
         if block is not None and n > 0:
             hit.partial, hit.partial_len = block, n
@@ -165,12 +158,8 @@ class KVCacheManager:
             assert self.host is not None
             swapped = fresh[: len(hit.host)]
             self.host.load(hit.host, [b.block_id for b in swapped])
-            bs, salt = self.block_size, request.sampling_params.cache_salt
-            for k, (block, block_hash) in enumerate(zip(swapped, hit.host, strict=True)):
-                i = len(hit.device) + k
-                parent = request.block_hashes[i - 1] if i else self.pool.root_hash
-                tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
-                self.pool.cache(block, block_hash, parent, tokens, self._extra(salt, i))
+            for k, block in enumerate(swapped):
+                self._cache_block(request, block, len(hit.device) + k)
         if hit.partial is not None:
             assert self.copy_block_prefix is not None
             target = fresh[len(hit.host)]
@@ -192,11 +181,8 @@ class KVCacheManager:
         table = self.block_tables[request.request_id]
         start = self._num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
-        bs, salt = self.block_size, request.sampling_params.cache_salt
         for i in range(start, end):
-            parent = request.block_hashes[i - 1] if i else self.pool.root_hash
-            tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
-            self.pool.cache(table[i], request.block_hashes[i], parent, tokens, self._extra(salt, i))
+            self._cache_block(request, table[i], i)
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:
@@ -222,7 +208,7 @@ class KVCacheManager:
         if self.host is None:
             return 0
         blocks = []
-        for block_hash in self.hashes_for(token_ids, cache_salt):
+        for block_hash in self.hasher.hashes(token_ids, cache_salt):
             block = self.pool.lookup(block_hash)
             if block is None:
                 break

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -13,7 +13,8 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, GenerationResult
 from engine.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# vLLM's prompt forms: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}
+Prompt = str | list[int] | Mapping[str, Any]
 
 
 class LLM:
@@ -26,11 +27,26 @@ class LLM:
         self._ids = itertools.count()
 
     def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, Mapping):
+            keys = set(prompt) & {"prompt", "prompt_token_ids"}
+            if len(keys) != 1:
+                raise ValueError(
+                    "a dict prompt needs exactly one of 'prompt' (text) or 'prompt_token_ids'; "
+                    f"got keys {sorted(prompt)}"
+                )
+            return self._encode(prompt[keys.pop()])
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt)
-        return list(prompt)
+        if isinstance(prompt, Sequence) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return list(prompt)
+        raise ValueError(
+            "a prompt is a string, a list of token ids, {'prompt': str} or "
+            f"{{'prompt_token_ids': list[int]}}; got {type(prompt).__name__}: {prompt!r:.80}"
+        )
 
     def generate(
         self,
@@ -38,7 +54,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[GenerationResult]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | Mapping) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = (
             list(sampling_params)

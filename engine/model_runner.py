@@ -99,6 +99,13 @@ class ModelRunner:
         return input_ids, positions, meta, logits_rows
 
     @torch.inference_mode()
+    def all_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Float32 logits for every scheduled token (prompt scoring), without sampling."""
+        input_ids, positions, meta, _ = self.prepare(out)
+        hidden = self.model(input_ids, positions, self.backend.plan(meta))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step's forward. Returns the logits [rows, vocab] (float32) of the rows that
         sample, in scheduled order, and every token's hidden state (the draft head's features:

@@ -20,6 +20,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
+    queue_time: float | None = None  # seconds from arrival to first scheduling
 
 
 @dataclass(slots=True)

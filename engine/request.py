@@ -34,17 +34,16 @@ class Request:
     eos_token_ids: frozenset[int]
     max_model_len: int
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # for the queue-time histogram
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
-    num_host_cached_tokens: int = 0  # the part of it swapped in from the host tier
+    num_cached_tokens: int = 0  # prefix-cache hit when first admitted (any tier)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
     block_hashes: list[bytes] = field(default_factory=list)
-    first_token_time: float | None = None
     # Speculation: draft tokens to verify next step (not part of all_token_ids), and for sampled
     # requests their draft distributions q [k, vocab].
     spec_token_ids: list[int] = field(default_factory=list)
@@ -80,21 +79,26 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
-    def check_stop(self) -> bool:
-        """Apply token-level stop rules after a token was appended; sets finish_reason."""
+    def check_stop(self) -> FinishReason | None:
+        """Token-level stop rules after a token was appended: why the request ends, if it does
+        (a stop token is also recorded as `stop_reason`)."""
         params = self.sampling_params
         last = self.all_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
-                self.finish_reason = FinishReason.STOP
-                return True
+                return FinishReason.STOP
             if last in params.stop_token_ids:
-                self.finish_reason, self.stop_reason = FinishReason.STOP, last
-                return True
+                self.stop_reason = last
+                return FinishReason.STOP
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
-            self.finish_reason = FinishReason.LENGTH
-            return True
-        return False
+            return FinishReason.LENGTH
+        return None

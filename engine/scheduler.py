@@ -9,10 +9,14 @@ Running requests go first (FCFS among themselves); when the pool runs dry the mo
 admitted running request is preempted by recompute (its blocks freed, its counter reset, and it
 returns to the head of the waiting queue). Waiting requests are admitted in arrival order while
 budget, `max_num_seqs` and blocks last.
+
+The scheduler owns every request's token list and status: a request finishes only through
+`finish` (token stops in `update`, stop strings found by output processing, aborts, failures).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,6 +64,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # requests that ended since the last schedule(): output processing may still cut them
+        self.finished_this_step: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # ---- queue management --------------------------------------------------------------------
@@ -68,17 +74,37 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
-        """Finish a request from outside the step (abort, stop string): free its blocks now."""
+    def finish(
+        self,
+        request_id: str,
+        reason: FinishReason,
+        stop_reason: int | str | None = None,
+        num_tokens: int | None = None,
+    ) -> Request | None:
+        """The one way a request ends: its blocks are freed now. `num_tokens` cuts its token
+        list there (a stop string matched inside tokens this step emitted: what follows it was
+        never generated, as far as anyone can tell). A request finished earlier in the same
+        step (by a token stop) may still be cut and get the stop string as its reason."""
         request = self.requests.pop(request_id, None)
         if request is None:
-            return None
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status == RequestStatus.WAITING:
-            self.waiting.remove(request)
-        request.status, request.finish_reason = RequestStatus.FINISHED, reason
-        self.kv.free(request)
+            request = self.finished_this_step.get(request_id)
+            if request is None:
+                return None
+        else:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status == RequestStatus.WAITING:
+                self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED
+            self.kv.free(request)
+            self.finished_this_step[request_id] = request
+        request.finish_reason = reason
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        if num_tokens is not None and num_tokens < request.num_tokens:
+            del request.all_token_ids[num_tokens:]
+            # the draft head's catch-up reads the token after each computed position
+            request.num_computed_tokens = min(request.num_computed_tokens, num_tokens - 1)
         return request
 
     def has_unfinished(self) -> bool:
@@ -98,6 +124,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.kv.begin_step()
+        self.finished_this_step.clear()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -136,9 +163,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.kv.record_hit(request, hits)
-            if request.num_cached_tokens < 0:
+            if request.first_scheduled_time is None:  # first admission, not a re-admission
+                request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_hit
-                request.num_host_cached_tokens = len(hits.host) * self.kv.block_size
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -181,8 +208,9 @@ class Scheduler:
                 if j:  # an accepted draft: its KV (computed in this forward) is kept
                     request.num_computed_tokens += 1
                 request.append_token(token)
-                if request.check_stop():
-                    self.finish(request.request_id, request.finish_reason or FinishReason.STOP)
+                reason = request.check_stop()
+                if reason is not None:
+                    self.finish(request.request_id, reason)
                     finished.append(request)
                     break
         return finished

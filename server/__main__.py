@@ -6,61 +6,61 @@ import asyncio
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from server.config import Config, load_config
 
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.builder import EngineInfo
 
-def kv_line(engine) -> str:  # engine: LLMEngine
+
+def kv_line(info: EngineInfo) -> str:
     """KV bytes per token, and what cross-layer sharing saves against one group per layer."""
-    elem = engine.dtype_size
-    spec = engine.spec
-    ours, unshared = spec.kv_bytes_per_token(elem), spec.kv_bytes_per_token_unshared(elem)
-    text = f"{ours} bytes in {len(spec.kv_groups)} KV groups ({spec.num_layers} layers)"
+    ours, unshared = info.kv_bytes_per_token, info.kv_bytes_per_token_unshared
+    text = f"{ours} bytes in {info.num_kv_groups} KV groups ({info.num_layers} layers)"
     if unshared != ours:
         text += f", {unshared / ours:.2f}x fewer than unshared ({unshared} bytes)"
-    if engine.draft is not None:
-        text += f", + {engine.pool_spec.kv_bytes_per_token(elem) - ours} for the draft head"
+    if info.draft_layout is not None:
+        text += f", + {info.draft_kv_bytes_per_token} for the draft head"
     return text
 
 
-def banner(config: Config, engine) -> str:  # engine: LLMEngine
-    spec = engine.spec
+def banner(config: Config, info: EngineInfo) -> str:
+    default_max = config.server.default_max_tokens
     lines = [
         "kvserve ready",
-        f"  model      {engine.model_path}",
-        f"  arch       {spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
-        f"vocab {spec.vocab_size}",
-        f"  dtype      {str(engine.dtype).replace('torch.', '')} on {engine.device}"
+        f"  model      {info.model_path}",
+        f"  arch       {info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}, "
+        f"vocab {info.vocab_size}",
+        f"  dtype      {info.dtype} on {info.device}"
         + (
-            f", + {engine.packed_weight_bytes / 2**20:.0f} MiB oneDNN-packed weight copies"
-            if engine.packed_weight_bytes
+            f", + {info.packed_weight_bytes / 2**20:.0f} MiB oneDNN-packed weight copies"
+            if info.packed_weight_bytes
             else ""
         ),
-        f"  KV cache   {engine.num_blocks} blocks x {engine.block_size} tokens = "
-        f"{engine.num_blocks * engine.block_size} tokens "
-        f"({engine.num_blocks * engine.kv_block_bytes / 2**20:.0f} MiB), "
-        f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}",
-        f"  KV/token   {kv_line(engine)}",
-        f"  attention  {engine.backend_cls.name} on {engine.device_facts.label}"
-        + (
-            " (decode: compiled C++ paged attention)"
-            if getattr(engine.runner.backend, "decode_op", None) is not None
-            else ""
-        ),
-        f"  context    {engine.max_model_len} tokens, max {engine.config.max_num_seqs} seqs, "
-        f"{engine.config.max_num_batched_tokens} tokens/step",
+        f"  KV cache   {info.num_blocks} blocks x {info.block_size} tokens = "
+        f"{info.num_blocks * info.block_size} tokens "
+        f"({info.num_blocks * info.kv_block_bytes / 2**20:.0f} MiB), "
+        f"prefix caching {'on' if info.prefix_caching else 'off'}",
+        f"  KV/token   {kv_line(info)}",
+        f"  attention  {info.attention_backend} on {info.device_label}"
+        + (" (decode: compiled C++ paged attention)" if info.compiled_decode else ""),
+        f"  context    {info.max_model_len} tokens, max {info.max_num_seqs} seqs, "
+        f"{info.max_num_batched_tokens} tokens/step; chat max_tokens default: "
+        + (f"{default_max}" if default_max else "the rest of the context"),
         f"  URL        http://{config.server.host}:{config.server.port}/v1"
         + ("  (API key required)" if config.server.api_key else ""),
     ]
-    if engine.draft is not None:
+    if info.draft_layout is not None:
         lines.insert(
             -1,
-            f"  speculate  {engine.draft.cfg.layout} head, k={engine.config.num_speculative_tokens}"
-            f" (adaptive up to {engine.config.spec_max_verify_rows} verify rows)",
+            f"  speculate  {info.draft_layout} head, k={info.num_speculative_tokens}"
+            f" (adaptive up to {info.spec_max_verify_rows} verify rows)",
         )
-    lines += ["  kernel matrix:", engine.backend_choice.table]
+    lines += ["  kernel matrix:", info.kernel_table]
     return "\n".join(lines)
 
 
@@ -118,15 +118,11 @@ def main(argv: list[str] | None = None) -> None:
         if server is not None and state.loop is not None:
             state.loop.call_soon_threadsafe(setattr, server, "should_exit", True)
 
-    app = build_app(config, on_fatal=on_fatal)
+    def on_ready(engine: AsyncEngine) -> None:
+        print(banner(config, engine.info), flush=True)
+
+    app = build_app(config, on_fatal=on_fatal, on_ready=on_ready)
     state = app.state.kv
-
-    class BannerOnReady(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage() == "model loaded: ready" and state.engine is not None:
-                print(banner(config, state.engine.engine), flush=True)
-
-    logging.getLogger("kvserve.server").addHandler(BannerOnReady())
     print(
         f"kvserve: loading {config.engine.model or 'SmolLM2-135M-Instruct (default)'}; "
         f"listening on http://{config.server.host}:{config.server.port}",

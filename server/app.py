@@ -21,15 +21,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine
 from server.config import Config
-from server.errors import APIError, error_body
+from server.errors import CLIENT_ERRORS, APIError, error_body, to_api_error
 from server.openapi import build_openapi
-from server.plumbing import (
-    UI_DIR,
-    VERSION,
-    ServerState,
-    _wrap,
-    log,
-)
 from server.routes_admin import (
     detokenize,
     get_model,
@@ -46,6 +39,7 @@ from server.routes_admin import (
 )
 from server.routes_chat import chat_completions
 from server.routes_completions import completions
+from server.state import UI_DIR, VERSION, ServerState, log
 
 
 def _public(path: str) -> bool:
@@ -88,8 +82,15 @@ class GuardMiddleware:
 
 
 async def api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, APIError)
-    return exc.response()
+    """Every error a route raises reaches the client through this one map."""
+    api = to_api_error(exc)
+    if api is not None:
+        return api.response()
+    ref = uuid.uuid4().hex[:12]
+    log.exception("request %s failed on %s %s", ref, request.method, request.url.path)
+    return APIError(
+        500, f"internal error processing the request (request id {ref})", code="internal_error"
+    ).response()
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -101,22 +102,15 @@ async def http_error(request: Request, exc: Exception) -> Response:
     )
 
 
-async def server_error(request: Request, exc: Exception) -> Response:
-    ref = uuid.uuid4().hex[:12]
-    log.exception("internal error %s on %s %s", ref, request.method, request.url.path)
-    return JSONResponse(
-        error_body(500, f"internal server error (reference {ref})"), status_code=500
-    )
-
-
 def build_app(
     config: Config,
     engine: AsyncEngine | None = None,
     load: bool = True,
     on_fatal: Callable[[BaseException], None] | None = None,
+    on_ready: Callable[[AsyncEngine], None] | None = None,
 ) -> Starlette:
     """The app. With `engine=None` and `load=True` the engine loads in a background thread at
-    startup while /health answers 503."""
+    startup while /health answers 503; `on_ready` runs once it serves."""
     state = ServerState(config)
 
     @contextlib.asynccontextmanager
@@ -143,6 +137,8 @@ def build_app(
                 def ready() -> None:
                     state.engine = eng
                     log.info("model loaded: ready")
+                    if on_ready is not None:
+                        on_ready(eng)
 
                 # this thread loaded the model and now steps it: one thread for all torch work
                 eng.run_here(loop, on_ready=ready)
@@ -161,17 +157,17 @@ def build_app(
         Route("/health", health),
         Route("/", index),
         Mount("/ui", app=StaticFiles(directory=UI_DIR), name="ui"),
-        Route("/v1/stats", _wrap(stats)),
+        Route("/v1/stats", stats),
         Route("/version", version),
         Route("/openapi.json", openapi),
-        Route("/v1/models", _wrap(list_models)),
-        Route("/v1/models/{model:path}", _wrap(get_model)),
-        Route("/v1/chat/completions", _wrap(chat_completions), methods=["POST"]),
-        Route("/v1/completions", _wrap(completions), methods=["POST"]),
-        Route("/tokenize", _wrap(tokenize), methods=["POST"]),
-        Route("/detokenize", _wrap(detokenize), methods=["POST"]),
+        Route("/v1/models", list_models),
+        Route("/v1/models/{model:path}", get_model),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics),
-        Route("/reset_prefix_cache", _wrap(reset_prefix_cache), methods=["POST"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
     middleware = [
         Middleware(
@@ -191,9 +187,9 @@ def build_app(
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={
-            APIError: api_error,
             HTTPException: http_error,
-            Exception: server_error,
+            **dict.fromkeys(CLIENT_ERRORS, api_error),
+            Exception: api_error,  # a bug: 500 with a reference, logged
         },
     )
     app.state.kv = state

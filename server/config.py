@@ -31,6 +31,8 @@ class ServerConfig:
     max_top_logprobs: int = 20
     max_stop_sequences: int = 16
     max_stop_length: int = 256
+    # chat requests that name no max_tokens: 0 = the rest of the context (vLLM's behaviour)
+    default_max_tokens: int = 0
     log_level: str = "info"
     request_timeout_s: float = 0.0  # abort a request running longer than this; 0 = off
     shutdown_grace_s: float = 30.0  # on SIGTERM, let in-flight requests finish this long
@@ -110,4 +112,6 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
     server = ServerConfig(**{k: v for k, v in values.items() if k in ServerConfig.__slots__})
     engine = EngineConfig(**{k: v for k, v in values.items() if k in EngineConfig.__slots__})
     engine.validate()
+    if server.default_max_tokens < 0:
+        raise SystemExit("default_max_tokens must be >= 0 (0: the rest of the context)")
     return Config(server, engine)

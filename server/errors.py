@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from engine.async_engine import EngineDeadError, EngineShutdownError
+from engine.sampling_params import ParamError
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -49,3 +52,40 @@ def error_body(
             "code": code,
         }
     }
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine; the others carry on."""
+
+
+class RequestTimeout(RuntimeError):
+    """The request ran past `request_timeout_s`; it has been aborted."""
+
+
+def to_api_error(exc: BaseException) -> APIError | None:
+    """The one map from what routes raise to what clients get; None for a bug (a 500 with a
+    reference, logged by the caller)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ParamError):
+        return APIError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, EngineShutdownError):
+        return APIError(503, str(exc), code="shutting_down")
+    if isinstance(exc, RequestTimeout):
+        return APIError(504, str(exc), code="timeout")
+    if isinstance(exc, RequestFailed):
+        return APIError(500, str(exc), code="request_failed")
+    return None
+
+
+# what routes may raise on purpose (each handled where raised, not logged as a crash)
+CLIENT_ERRORS: tuple[type[Exception], ...] = (
+    APIError,
+    ParamError,
+    EngineDeadError,
+    EngineShutdownError,
+    RequestTimeout,
+    RequestFailed,
+)

@@ -1,30 +1,28 @@
-"""Prometheus metrics with `kvserve:` names mirroring vLLM's. Engine counters are read at scrape
-time by a collector (no locking on the hot path); latency histograms are observed per request by
-the HTTP layer."""
+"""Prometheus metrics with `kvserve:` names mirroring vLLM's. Engine counters come from the
+engine's snapshot, taken on the engine thread at scrape time; latency histograms are observed
+per request by the HTTP layer."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.llm_engine import LLMEngine
+from engine.snapshot import EngineSnapshot, SpecSnapshot
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
 class EngineCollector(Collector):
-    def __init__(self, get_engine: Callable[[], LLMEngine | None]) -> None:
-        self.get_engine = get_engine
-        self.on_swap_in: Callable[[float], None] | None = None
+    def __init__(self) -> None:
+        self.snapshot: EngineSnapshot | None = None  # set just before each scrape
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        engine = self.get_engine()
-        if engine is None:
+        snap = self.snapshot
+        if snap is None:
             return
-        sched, kv, stats = engine.scheduler, engine.kv, engine.stats
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"kvserve:{name}", doc, value=value)
@@ -32,33 +30,33 @@ class EngineCollector(Collector):
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(f"kvserve:{name}", doc, value=value)
 
-        yield gauge("num_requests_running", "Requests in the running batch.", sched.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv.pool.usage)
-        yield gauge("kv_cache_num_blocks", "KV blocks in the device pool.", kv.pool.num_blocks)
+        yield gauge("num_requests_running", "Requests in the running batch.", snap.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", snap.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", snap.kv_usage)
+        yield gauge("kv_cache_num_blocks", "KV blocks in the device pool.", snap.num_blocks)
         yield counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            kv.prefix_queries,
+            snap.prefix_cache_queries,
         )
         yield counter(
-            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", snap.prefix_cache_hits
         )
         yield counter(
-            "num_preemptions", "Requests preempted for lack of KV blocks.", sched.num_preemptions
+            "num_preemptions", "Requests preempted for lack of KV blocks.", snap.num_preemptions
         )
-        yield counter("prompt_tokens", "Prompt tokens computed.", stats.prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
-        yield counter("engine_steps", "Engine steps run.", stats.steps)
+        yield counter("prompt_tokens", "Prompt tokens computed.", snap.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", snap.generation_tokens)
+        yield counter("engine_steps", "Engine steps run.", snap.steps)
         cached = CounterMetricFamily(
             "kvserve:cached_tokens", "Prompt tokens served from a cache tier.", labels=["source"]
         )
-        for source, value in kv.hits_by_source.items():
+        for source, value in snap.cached_tokens_by_source.items():
             cached.add_metric([source], value)
         yield cached
-        if engine.proposer is not None:
-            yield from _spec_metrics(engine.proposer, gauge, counter)
-        host = engine.host
+        if snap.spec is not None:
+            yield from _spec_metrics(snap.spec, gauge, counter)
+        host = snap.host
         if host is not None:
             yield gauge("host_kv_used_bytes", "Bytes of KV held in the host tier.", host.used_bytes)
             yield gauge(
@@ -85,17 +83,13 @@ class EngineCollector(Collector):
             yield counter(
                 "host_kv_evictions", "Blocks evicted from the host tier.", host.evicted_blocks
             )
-            if self.on_swap_in is not None:
-                latencies, host.recent_load_latencies = host.recent_load_latencies, []
-                for seconds in latencies:
-                    self.on_swap_in(seconds)
 
 
 class Metrics:
-    def __init__(self, get_engine: Callable[[], LLMEngine | None]) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        collector = EngineCollector(get_engine)
-        self.registry.register(collector)
+        self.collector = EngineCollector()
+        self.registry.register(self.collector)
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(
@@ -112,11 +106,19 @@ class Metrics:
             registry=self.registry,
             buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1),
         )
-        collector.on_swap_in = self.swap_in.observe
+
+    def render(self, snapshot: EngineSnapshot | None) -> bytes:
+        """The exposition text, engine counters as of `snapshot` (None while loading)."""
+        if snapshot is not None and snapshot.host is not None:
+            for seconds in snapshot.host.recent_load_latencies:
+                self.swap_in.observe(seconds)
+        self.collector.snapshot = snapshot
+        return generate_latest(self.registry)
 
 
-def _spec_metrics(proposer, gauge, counter) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    spec = proposer.stats
+def _spec_metrics(
+    spec: SpecSnapshot, gauge: Callable, counter: Callable
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     yield counter("spec_decode_num_drafts", "Verification rounds with drafts.", spec.num_drafts)
     yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens)
     yield counter(
@@ -130,7 +132,7 @@ def _spec_metrics(proposer, gauge, counter) -> Iterator[GaugeMetricFamily | Coun
     yield gauge(
         "spec_decode_num_speculative_tokens",
         "k chosen for the last step by adaptive speculation (0 = off at this batch size).",
-        proposer.current_k,
+        spec.current_k,
     )
     per_pos = CounterMetricFamily(
         "kvserve:spec_decode_num_accepted_tokens_per_pos",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.sampling_params import ParamError, SamplingParams
 
@@ -22,10 +22,32 @@ class TextPart(_Base):
     text: str
 
 
+# roles whose messages must carry content (OpenAI's schema: only the assistant's may be null
+# or absent, when it carries tool calls instead)
+_CONTENT_REQUIRED = ("system", "developer", "user", "tool")
+
+
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatMessage:
+        if self.role in _CONTENT_REQUIRED and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it."""
+        return {
+            "role": self.role,
+            "content": self.text(),
+            **({"name": self.name} if self.name else {}),
+        }
 
     def text(self) -> str:
         if self.content is None:
@@ -64,6 +86,11 @@ class _SamplingFields(_Base):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
 
+    @field_validator("stop", mode="after")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
+        return [stop] if isinstance(stop, str) else list(stop or [])
+
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, seed_offset: int
     ) -> SamplingParams:
@@ -75,7 +102,6 @@ class _SamplingFields(_Base):
                 raise ParamError(
                     "logit_bias", f"logit_bias key {key!r} is not a token id"
                 ) from None
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -87,7 +113,7 @@ class _SamplingFields(_Base):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty or 1.0,
             logit_bias=bias,
-            stop=stop,
+            stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
@@ -120,6 +146,11 @@ class TokenizeRequest(_Base):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+
+class EmptyRequest(_Base):
+    """A POST route that takes no fields (e.g. /reset_prefix_cache): any body must still be
+    well-formed JSON."""
 
 
 class DetokenizeRequest(_Base):

@@ -1,29 +1,27 @@
-"""What the generation routes share: admission, limits, salts and sessions, the fan-out of
-`n` choices, disconnect handling, timing and usage."""
+"""What chat and completions share: salts and sessions, limits, the `n` x prompts choices,
+admission, and one skeleton that runs an admitted request either to its end (collect) or as a
+stream of SSE chunks, with timing, usage, timeouts and disconnects handled once."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine
-from engine.sampling_params import ParamError
-from server.errors import APIError
-from server.generation import (
-    Choice,
-    admit,
-    merged_outputs,
-)
-from server.plumbing import (
-    ServerState,
-    log,
-)
+from engine.outputs import RequestOutput
+from server.errors import APIError, RequestFailed, RequestTimeout, error_body, to_api_error
+from server.generation import Choice, usage_of
+from server.protocol import ErrorResponse
+from server.state import VERSION, ServerState, log
+from server.wire import SSE_DONE, sse
 
 
 def effective_salt(state: ServerState, request: Request, salt: str | None) -> str | None:
@@ -40,11 +38,11 @@ def session_id(request: Request, user: str | None) -> str | None:
     return request.headers.get("x-session-id") or user
 
 
-def check_limits(state: ServerState, body: Any, n_prompts: int = 1) -> None:
+def check_limits(state: ServerState, body: Any) -> None:
     cfg = state.config.server
     if body.n > cfg.max_n:
         raise APIError(400, f"n must be at most {cfg.max_n}", param="n")
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stops = body.stop or []
     if len(stops) > cfg.max_stop_sequences:
         raise APIError(400, f"at most {cfg.max_stop_sequences} stop sequences", param="stop")
     if any(len(s) > cfg.max_stop_length for s in stops):
@@ -53,15 +51,143 @@ def check_limits(state: ServerState, body: Any, n_prompts: int = 1) -> None:
         )
 
 
-def admit_or_429(state: ServerState, choices: list[Choice]) -> None:
-    limit = state.config.engine.max_num_seqs + state.config.server.max_queue_len
-    if not admit(state.ready_engine(), choices, limit):
-        raise APIError(
-            429,
-            "the server is at capacity; retry shortly",
-            code="queue_full",
-            headers={"Retry-After": "1"},
+def make_choices(
+    engine: AsyncEngine,
+    body: Any,
+    prompts: list[list[int]],
+    logprobs: int | None,
+    req_id: str,
+    max_tokens: int | None,
+) -> list[Choice]:
+    """n choices per prompt (validated against the engine once, when submitted)."""
+    choices = []
+    for p_idx, ids in enumerate(prompts):
+        budget = (
+            max_tokens if max_tokens is not None else max(1, engine.info.max_model_len - len(ids))
         )
+        for i in range(body.n):
+            params = body.sampling_params(budget, logprobs, seed_offset=i)
+            index = p_idx * body.n + i
+            choices.append(Choice(index, ids, params, f"{req_id}-{index}"))
+    return choices
+
+
+class ChunkFormat(Protocol):
+    """How one API words its stream: the chunk model, and the choice dicts at each moment."""
+
+    model: type[BaseModel]
+    object: str
+
+    def opening(self, choice: Choice) -> dict | None: ...
+    def delta(self, choice: Choice, out: RequestOutput) -> dict | None: ...
+    def closing(self, choice: Choice, out: RequestOutput) -> dict: ...
+
+
+@dataclass
+class Generation:
+    """One admitted request: its choices on the engine, and the head every body repeats."""
+
+    state: ServerState
+    engine: AsyncEngine
+    choices: list[Choice]
+    n: int
+    head: dict
+    queue: asyncio.Queue
+    on_done: Callable[[list[Choice]], None] | None = None
+
+    @classmethod
+    def admit(
+        cls,
+        state: ServerState,
+        engine: AsyncEngine,
+        choices: list[Choice],
+        n: int,
+        req_id: str,
+        on_done: Callable[[list[Choice]], None] | None = None,
+    ) -> Generation:
+        """Every choice enters the engine now, or the request gets a 429."""
+        limit = state.config.engine.max_num_seqs + state.config.server.max_queue_len
+        q = engine.submit([(c.request_id, c.prompt_ids, c.params) for c in choices], limit)
+        if q is None:
+            raise APIError(
+                429,
+                "the server is at capacity; retry shortly",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        head = {
+            "id": req_id,
+            "created": int(time.time()),
+            "model": state.model_name,
+            "system_fingerprint": f"kvserve-{VERSION}",
+        }
+        return cls(state, engine, choices, n, head, q, on_done)
+
+    async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Every choice's deltas in arrival order, accumulated into its `Choice`."""
+        timeout = self.state.config.server.request_timeout_s
+        by_id = {c.request_id: c for c in self.choices}
+        timing = Timing(self.state)
+        try:
+            async for out in self.engine.stream(list(by_id), self.queue, timeout):
+                choice = by_id[out.request_id]
+                if out.finish_reason == "error":
+                    raise RequestFailed(f"request {choice.request_id} failed: {out.error}")
+                timing.output(out)
+                choice.add(out)
+                yield choice, out
+        except TimeoutError:
+            raise RequestTimeout(f"request exceeded the {timeout:g} s limit") from None
+        usage = usage_of(self.choices, self.n)
+        timing.done(self.head["id"], usage)
+        if self.on_done is not None:
+            self.on_done(self.choices)
+
+    async def collect(self, request: Request, respond: Callable[[dict], Response]) -> Response:
+        """Run every choice to its end; `respond(usage)` builds the body. A client that leaves
+        first aborts them (499, which nobody reads)."""
+
+        async def run() -> Response:
+            async for _ in self.outputs():
+                pass
+            return respond(usage_of(self.choices, self.n))
+
+        return await run_or_disconnect(request, run())
+
+    def stream(self, fmt: ChunkFormat, include_usage: bool) -> StreamingResponse:
+        return StreamingResponse(
+            self._events(fmt, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    async def _events(self, fmt: ChunkFormat, include_usage: bool) -> AsyncIterator[bytes]:
+        base = {**self.head, "object": fmt.object, **({"usage": None} if include_usage else {})}
+
+        def chunk(choice: dict) -> bytes:
+            return sse(fmt.model, {**base, "choices": [choice]})
+
+        for ch in self.choices:
+            opening = fmt.opening(ch)
+            if opening is not None:
+                yield chunk(opening)
+        try:
+            async for ch, out in self.outputs():
+                delta = fmt.delta(ch, out)
+                if delta is not None:
+                    yield chunk(delta)
+                if out.finished:
+                    yield chunk(fmt.closing(ch, out))
+        except Exception as e:  # noqa: BLE001 - headers are sent: report it in the stream
+            if to_api_error(e) is None:
+                log.exception("stream %s failed", self.head["id"])
+            body = error_body(500, f"generation failed: {e}", code="engine_error")
+            yield sse(ErrorResponse, body)
+            yield SSE_DONE
+            return
+        if include_usage:
+            yield sse(fmt.model, {**base, "choices": [], "usage": usage_of(self.choices, self.n)})
+        yield SSE_DONE
 
 
 async def until_disconnected(request: Request) -> None:
@@ -84,29 +210,6 @@ async def run_or_disconnect(request: Request, work: Awaitable[Any]) -> Any:
         watcher.cancel()
 
 
-def make_choices(
-    state: ServerState,
-    body: Any,
-    prompts: list[list[int]],
-    logprobs: int | None,
-    req_id: str,
-    max_tokens: int | None,
-) -> list[Choice]:
-    engine = state.ready_engine().engine
-    choices = []
-    for p_idx, ids in enumerate(prompts):
-        budget = max_tokens if max_tokens is not None else max(1, engine.max_model_len - len(ids))
-        for i in range(body.n):
-            try:
-                params = body.sampling_params(budget, logprobs, seed_offset=i)
-                engine.validate_prompt(ids, params)
-            except ParamError as e:
-                raise APIError(400, str(e), param=e.param, code="invalid_value") from None
-            index = p_idx * body.n + i
-            choices.append(Choice(index, ids, params, f"{req_id}-{index}"))
-    return choices
-
-
 class Timing:
     """Per-request latency observations for the Prometheus histograms and the log line."""
 
@@ -115,8 +218,14 @@ class Timing:
         self.start = time.monotonic()
         self.last: float | None = None
         self.ttft: float | None = None
+        self.queued = False
 
-    def token(self) -> None:
+    def output(self, out: RequestOutput) -> None:
+        if not self.queued and out.queue_time is not None:
+            self.metrics.queue.observe(out.queue_time)
+            self.queued = True
+        if not out.new_token_ids:
+            return
         now = time.monotonic()
         if self.last is None:
             self.ttft = now - self.start
@@ -125,48 +234,15 @@ class Timing:
             self.metrics.itl.observe(now - self.last)
         self.last = now
 
-    def done(self, req_id: str, prompt_tokens: int, cached: int, completion: int) -> None:
+    def done(self, req_id: str, usage: dict) -> None:
         e2e = time.monotonic() - self.start
         self.metrics.e2e.observe(e2e)
         log.info(
             "%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft=%.3fs e2e=%.3fs",
             req_id,
-            prompt_tokens,
-            cached,
-            completion,
+            usage["prompt_tokens"],
+            usage["prompt_tokens_details"]["cached_tokens"],
+            usage["completion_tokens"],
             self.ttft or 0.0,
             e2e,
         )
-
-
-def event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(
-        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
-
-
-async def run_to_end(
-    engine: AsyncEngine,
-    choices: list[Choice],
-    n: int,
-    timing: Timing,
-    req_id: str,
-    timeout_s: float = 0.0,
-) -> tuple[int, int, int]:
-    """Run every choice to completion (non-streaming); returns prompt, completion and cached
-    token counts."""
-    async for _choice, out in merged_outputs(engine, choices, timeout_s):
-        if out.new_token_ids:
-            timing.token()
-    p, c, cached = prompt_usage(choices, n)
-    timing.done(req_id, p, cached, c)
-    return p, c, cached
-
-
-def prompt_usage(choices: list[Choice], n: int) -> tuple[int, int, int]:
-    firsts = choices[::n]
-    return (
-        sum(len(c.prompt_ids) for c in firsts),
-        sum(len(c.token_ids) for c in choices),
-        sum(c.num_cached_tokens for c in firsts),
-    )

@@ -1,4 +1,5 @@
-"""Validate bodies against OpenAI's own schema (../shared/openai-openapi.json). The spec marks
+"""Validate bodies against OpenAI's own schema (tests/data/openai-openapi.json, a copy of the
+published spec; a newer copy beside the checkout is preferred when present). The spec marks
 nullable fields with OpenAPI 3.0's `nullable: true`, which JSON-Schema validators ignore; it is
 rewritten to an explicit `null` alternative first."""
 

@@ -15,6 +15,7 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from server.app import build_app
 from server.config import Config, ServerConfig
 from tests.openai_schema import validate
@@ -26,10 +27,12 @@ MARKER = 399  # a prompt token that makes the injected NaN fault fire
 class InProcessServer:
     def __init__(self, model_dir) -> None:
         self.fatal: list[BaseException] = []
-        self.engine = AsyncEngine.from_config(
+        # the engine itself, for injecting faults; the server sees only the AsyncEngine door
+        self.core = LLMEngine(
             EngineConfig(model=str(model_dir), num_kv_blocks=128, max_model_len=512)
         )
-        config = Config(ServerConfig(), self.engine.engine.config)
+        self.engine = AsyncEngine(self.core)
+        config = Config(ServerConfig(), self.core.config)
         app = build_app(config, engine=self.engine, on_fatal=self.fatal.append)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -56,7 +59,7 @@ def post(base: str, path: str, body: dict) -> httpx.Response:
 
 
 def test_tokenizer_failure_fails_only_that_request(live, monkeypatch) -> None:
-    tok = live.engine.engine.tokenizer
+    tok = live.core.tokenizer
     original = tok.encode
 
     def encode(text: str, add_special_tokens: bool = True) -> list[int]:
@@ -75,7 +78,7 @@ def test_tokenizer_failure_fails_only_that_request(live, monkeypatch) -> None:
 
 
 def test_nan_logits_fail_only_their_request(live, monkeypatch) -> None:
-    runner = live.engine.engine.runner
+    runner = live.core.runner
     original = runner.execute
 
     def execute(out):
@@ -107,7 +110,7 @@ def test_nan_logits_fail_only_their_request(live, monkeypatch) -> None:
     assert "NaN" in results["bad"].json()["error"]["message"]
     assert results["good"].status_code == 200
     assert results["good"].json()["usage"]["completion_tokens"] == 20
-    assert live.engine.engine.kv.pool.num_free_blocks == live.engine.engine.num_blocks
+    assert live.core.kv.pool.num_free_blocks == live.core.num_blocks
     with httpx.stream(
         "POST",
         live.base + "/v1/completions",
@@ -119,7 +122,7 @@ def test_nan_logits_fail_only_their_request(live, monkeypatch) -> None:
 
 
 def test_dead_engine_thread_is_loud(live, monkeypatch) -> None:
-    sched = live.engine.engine.scheduler
+    sched = live.core.scheduler
     original = sched.schedule
     armed = threading.Event()
 

@@ -252,5 +252,5 @@ def test_banner_reports_kv_sharing(tmp_path) -> None:
 
     MODELS["gemma3n-shared"](tmp_path / "m")
     llm = LLM(str(tmp_path / "m"), num_kv_blocks=16, block_size=4)
-    line = kv_line(llm.engine)
+    line = kv_line(llm.engine.info)
     assert "in 2 KV groups (4 layers)" in line and "2.00x fewer than unshared" in line

@@ -301,3 +301,40 @@ def test_server_flags_stream_and_metrics(llama_dir, heads, reference) -> None:
         metrics = httpx.get(server.base + "/metrics", timeout=10).text
         assert "kvserve:spec_decode_num_draft_tokens_total" in metrics
         assert "kvserve:spec_decode_num_speculative_tokens 3.0" in metrics
+
+
+def test_stop_strings_inside_a_verified_chunk(llama_dir, heads, reference, monkeypatch) -> None:
+    """A stop string matched among several accepted tokens ends the request there, before the
+    draft head drafts from tokens that are then dropped: text and tokens equal the run without
+    speculation, and every block comes back."""
+    ps, ref = reference
+    plain = LLM(str(llama_dir), num_kv_blocks=256, block_size=4)
+    tok = plain.tokenizer
+    stops = []
+    for cont in ref:
+        text = tok.decode(cont[6:12], skip_special_tokens=True)
+        stops.append(text[len(text) // 2 :][:3] or "\x00")
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[s]) for s in stops
+    ]
+    want = [(r.outputs[0].text, r.outputs[0].token_ids) for r in plain.generate(ps, params)]
+    llm = spec_llm(llama_dir, heads["random"], 4)
+    proposer = llm.engine.proposer
+    expected = {str(i): ref[i] for i in range(len(ps))}
+    original = proposer._draft_tokens
+
+    def oracle(hidden, reqs, live):  # right drafts: long accepted chunks carry the stop string
+        out = original(hidden, reqs, live)
+        for i in live:
+            r = reqs[i]
+            j = r.num_output_tokens + len(r.spec_token_ids) - 1
+            if j < len(expected[r.request_id]):
+                r.spec_token_ids[-1] = out[i] = expected[r.request_id][j]
+        return out
+
+    monkeypatch.setattr(proposer, "_draft_tokens", oracle)
+    results = llm.generate(ps, params)
+    assert [(r.outputs[0].text, r.outputs[0].token_ids) for r in results] == want
+    assert sum(1 for r in results if r.outputs[0].finish_reason == "stop") > 6
+    assert proposer.stats.mean_acceptance_length > 2.0
+    assert llm.engine.kv.pool.num_free_blocks == 256

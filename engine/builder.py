@@ -1,0 +1,330 @@
+"""Everything an engine is built from, built once from an `EngineConfig`: the model and its
+draft head, the tokenizer, the KV pool's size and layout, the attention backend, the host and
+disk tiers, and the objects that step (KV manager, scheduler, runner, proposer).
+`EngineInfo` is the plain, immutable summary of that build that any thread may read."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.attention import BackendChoice, DeviceFacts, select_backend
+from engine.attention.base import AttentionBackend
+from engine.config import EngineConfig, parse_bytes
+from engine.disk_tier import DiskTier
+from engine.host_tier import HostTier
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner, allocate_kv_caches
+from engine.sampling_params import ParamError, SamplingParams
+from engine.scheduler import Scheduler
+from engine.spec_decode import Proposer
+from models.eagle.head import EagleHead, load_eagle_head
+from models.layers import pack_linears
+from models.llama import LlamaForCausalLM
+from models.loader import default_model_path, load_model
+from models.spec import ModelSpec
+from models.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger("kvserve.engine")
+
+# The self-distilled EAGLE-1 head shipped for the default model (tools/eagle_train.py).
+DEFAULT_DRAFT_HEAD = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "models",
+    "eagle",
+    "heads",
+    "smollm2-135m-instruct",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the engine is, as plain data: the banner, /v1/models, /health and request
+    validation on the asyncio side read this, never the engine's live objects."""
+
+    model_path: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+    device: str
+    packed_weight_bytes: int
+    num_blocks: int
+    block_size: int
+    kv_block_bytes: int
+    prefix_caching: bool
+    kv_bytes_per_token: int  # target model only
+    kv_bytes_per_token_unshared: int  # what one KV group per layer would take
+    num_kv_groups: int
+    draft_kv_bytes_per_token: int
+    attention_backend: str
+    device_label: str
+    compiled_decode: bool  # the C++ paged-decode op serves CPU decode steps
+    kernel_table: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    draft_layout: str | None
+    num_speculative_tokens: int
+    spec_max_verify_rows: int
+    has_host_tier: bool
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """A prompt and its sampling parameters fit this engine, or ParamError says why."""
+        if not prompt_token_ids:
+            raise ParamError("prompt", "prompt must contain at least one token")
+        vocab = self.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ParamError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ParamError(
+                "max_tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({len(prompt_token_ids)} in the messages, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.",
+            )
+        if -(-total // self.block_size) > self.num_blocks:
+            raise ParamError(
+                "max_tokens",
+                f"{total} tokens need more than the {self.num_blocks * self.block_size} tokens of "
+                "KV cache this server has",
+            )
+        for token_id in params.logit_bias:
+            if not 0 <= token_id < vocab:
+                raise ParamError("logit_bias", f"token id {token_id} is outside the vocabulary")
+
+
+@dataclass(slots=True)
+class EngineParts:
+    info: EngineInfo
+    model: LlamaForCausalLM
+    spec: ModelSpec
+    draft: EagleHead | None
+    tokenizer: Tokenizer | None
+    eos_token_ids: frozenset[int]
+    kv_caches: list[torch.Tensor]
+    host: HostTier | None
+    kv: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    proposer: Proposer | None
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    config.validate()
+    model_path = config.model or default_model_path()
+    device, dtype = config.resolved_device(), config.resolved_dtype()
+    dtype_size = torch.empty((), dtype=dtype).element_size()
+    torch.manual_seed(config.seed)
+    model, spec = load_model(model_path, dtype, device)
+    draft = _load_draft_head(config, model, dtype, device)
+    packed_bytes = 0
+    if config.cpu_packed_weights:
+        packed_bytes = pack_linears(model) + (pack_linears(draft) if draft is not None else 0)
+    # The pool and the backend see the draft's layer as one more layer with its own KV group.
+    pool_spec = spec
+    if draft is not None:
+        draft_layer = draft.cfg.layer_spec(kv_group=len(spec.kv_groups))
+        pool_spec = replace(spec, layers=spec.layers + (draft_layer,))
+    tokenizer = _try_tokenizer(model_path)
+    max_model_len = min(
+        config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings
+    )
+    block_size = config.resolved_block_size()
+    kv_block_bytes = pool_spec.kv_bytes_per_token(dtype_size) * block_size
+    num_blocks = _num_blocks(config, device, kv_block_bytes, max_model_len, block_size)
+    facts = DeviceFacts.detect(device)
+    choice: BackendChoice = select_backend(
+        pool_spec,
+        facts,
+        dtype,
+        block_size,
+        config.attention_backend,
+        config.allow_slow_dtype,
+        config.require_fast_kernels,
+    )
+    backend_cls = choice.backend
+    kv_caches = allocate_kv_caches(
+        backend_cls, pool_spec.kv_groups, num_blocks, block_size, dtype, device
+    )
+    host = _host_tier(config, model_path, spec, dtype, block_size, backend_cls, kv_caches, draft)
+    kv = KVCacheManager(
+        num_blocks,
+        block_size,
+        config.enable_prefix_caching,
+        host,
+        _block_prefix_copier(backend_cls, kv_caches),
+        hash_root=host.disk.root_seed if host is not None and host.disk is not None else None,
+    )
+    scheduler = Scheduler(
+        kv,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        preempt_by_swap=config.preemption_mode == "swap" and host is not None,
+        num_lookahead_tokens=config.num_speculative_tokens if draft else 0,
+    )
+    backend = backend_cls(pool_spec, kv_caches, block_size)
+    runner = ModelRunner(model, backend, kv, device, draft.cfg.aux_layers if draft else ())
+    proposer = None
+    if draft is not None:
+        proposer = Proposer(
+            draft,
+            backend,
+            block_size,
+            config.num_speculative_tokens,
+            config.spec_max_verify_rows,
+            device,
+        )
+    eos = spec.eos_token_ids or (
+        [tokenizer.eos_token_id] if tokenizer and tokenizer.eos_token_id is not None else []
+    )
+    info = EngineInfo(
+        model_path=model_path,
+        architecture=spec.architecture,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        vocab_size=spec.vocab_size,
+        dtype=str(dtype).replace("torch.", ""),
+        device=str(device),
+        packed_weight_bytes=packed_bytes,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        kv_block_bytes=kv_block_bytes,
+        prefix_caching=config.enable_prefix_caching,
+        kv_bytes_per_token=spec.kv_bytes_per_token(dtype_size),
+        kv_bytes_per_token_unshared=spec.kv_bytes_per_token_unshared(dtype_size),
+        num_kv_groups=len(spec.kv_groups),
+        draft_kv_bytes_per_token=pool_spec.kv_bytes_per_token(dtype_size)
+        - spec.kv_bytes_per_token(dtype_size),
+        attention_backend=backend_cls.name,
+        device_label=facts.label,
+        compiled_decode=getattr(backend, "decode_op", None) is not None,
+        kernel_table=choice.table,
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        draft_layout=draft.cfg.layout if draft is not None else None,
+        num_speculative_tokens=config.num_speculative_tokens if draft is not None else 0,
+        spec_max_verify_rows=config.spec_max_verify_rows,
+        has_host_tier=host is not None,
+    )
+    return EngineParts(
+        info,
+        model,
+        spec,
+        draft,
+        tokenizer,
+        frozenset(eos),
+        kv_caches,
+        host,
+        kv,
+        scheduler,
+        runner,
+        proposer,
+    )
+
+
+def _load_draft_head(
+    config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+) -> EagleHead | None:
+    if config.num_speculative_tokens <= 0:
+        return None
+    path = config.speculative_model
+    if not path:
+        if config.model:
+            raise ValueError(
+                "num_speculative_tokens > 0 needs speculative_model (a draft head directory) "
+                "for a model other than the default"
+            )
+        path = DEFAULT_DRAFT_HEAD
+    head = load_eagle_head(path, model, dtype, device)
+    log.info(
+        "speculative decoding: %s head from %s, k=%d",
+        head.cfg.layout,
+        path,
+        config.num_speculative_tokens,
+    )
+    return head
+
+
+def _try_tokenizer(model_path: str) -> Tokenizer | None:
+    try:
+        return load_tokenizer(model_path)
+    except FileNotFoundError:
+        log.warning("no tokenizer found at %s: token-id prompts only", model_path)
+        return None
+
+
+def _num_blocks(
+    config: EngineConfig,
+    device: torch.device,
+    block_bytes: int,
+    max_model_len: int,
+    block_size: int,
+) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - total * (1 - config.gpu_memory_utilization)
+    else:
+        budget = parse_bytes(config.kv_cache_memory)
+    # Never more than every sequence at full length could use.
+    ceiling = config.max_num_seqs * -(-max_model_len // block_size)
+    return max(1, min(int(budget // block_bytes), ceiling))
+
+
+def _host_tier(
+    config: EngineConfig,
+    model_path: str,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    block_size: int,
+    backend_cls: type[AttentionBackend],
+    kv_caches: list[torch.Tensor],
+    draft: EagleHead | None,
+) -> HostTier | None:
+    host_bytes = parse_bytes(config.host_bytes)
+    if host_bytes <= 0 or not config.enable_prefix_caching:
+        return None
+    disk = None
+    if config.disk_path:
+        bd = backend_cls.block_dim
+        layout = [(c.shape[:bd] + c.shape[bd + 1 :], c.dtype) for c in kv_caches]
+        fingerprint = json.dumps(
+            {
+                "model": os.path.abspath(model_path),
+                "spec": repr(spec),
+                "dtype": str(dtype),
+                "block_size": block_size,
+                "backend": backend_cls.name,
+                "draft": os.path.abspath(config.speculative_model or "-") if draft else None,
+                "layout": repr(layout),
+                # hashes chain from the disk tier's root seed, so a warm restart reuses it
+            },
+            sort_keys=True,
+        )
+        disk = DiskTier(config.disk_path, fingerprint, layout, parse_bytes(config.disk_bytes))
+    return HostTier(kv_caches, backend_cls.block_dim, host_bytes, disk)
+
+
+def _block_prefix_copier(backend_cls: type[AttentionBackend], kv_caches: list[torch.Tensor]):
+    """copy(src, dst, n): the first n slots of block src into block dst, in every KV group
+    (token-granular prefix reuse of a partially matching cached block)."""
+    bd, sd = backend_cls.block_dim, backend_cls.slot_dim - 1
+
+    def copy(src: int, dst: int, num_tokens: int) -> None:
+        for cache in kv_caches:
+            cache.select(bd, dst).narrow(sd, 0, num_tokens).copy_(
+                cache.select(bd, src).narrow(sd, 0, num_tokens)
+            )
+
+    return copy

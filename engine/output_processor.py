@@ -1,0 +1,97 @@
+"""From sampled tokens to what a caller sees: incremental text, stop strings, and the one
+`RequestOutput` factory. Runs on the engine thread after the scheduler has appended the step's
+tokens and before the draft head proposes, so a stop string ends a request before anything is
+drafted from tokens that will be dropped."""
+
+from __future__ import annotations
+
+import logging
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestOutput
+from engine.request import FinishReason, Request
+from engine.sampler import TokenLogprobs
+from engine.scheduler import Scheduler
+from models.tokenizer import Tokenizer
+
+log = logging.getLogger("kvserve.engine")
+
+
+def request_output(
+    request: Request,
+    tokens: list[int],
+    text: str,
+    logprobs: list[TokenLogprobs] | None = None,
+    error: str | None = None,
+) -> RequestOutput:
+    finished = request.is_finished
+    reason = request.finish_reason
+    return RequestOutput(
+        request.request_id,
+        tokens,
+        text,
+        finished,
+        reason.value if finished and reason is not None else None,
+        request.stop_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        num_output_tokens=request.num_output_tokens,
+        logprobs=logprobs or [],
+        error=error,
+        queue_time=request.queue_time,
+    )
+
+
+class OutputProcessor:
+    """Owns each request's detokenizer (none without a tokenizer: token ids only)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, scheduler: Scheduler) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.num_finished = 0
+
+    def add(self, request: Request) -> None:
+        if self.tokenizer is None:
+            return
+        params = request.sampling_params
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+        )
+
+    def step_output(
+        self, request: Request, tokens: list[int], lps: list[TokenLogprobs | None]
+    ) -> RequestOutput:
+        """The step's delta for a request. Under speculation several tokens arrive at once; a
+        stop string matched inside them cuts the request there (through the scheduler)."""
+        detok = self.detokenizers.get(request.request_id)
+        if detok is not None:
+            for j, token in enumerate(tokens):
+                matched = detok.add([token])
+                if matched is None:
+                    continue
+                kept = j + 1
+                self.scheduler.finish(
+                    request.request_id,
+                    FinishReason.STOP,
+                    matched,
+                    num_tokens=request.num_tokens - (len(tokens) - kept),
+                )
+                tokens, lps = tokens[:kept], lps[:kept]
+                break
+        text = detok.flush(request.is_finished) if detok is not None else ""
+        if request.is_finished:
+            self.detokenizers.pop(request.request_id, None)
+            self.num_finished += 1
+        return request_output(request, tokens, text, [lp for lp in lps if lp is not None])
+
+    def final_output(self, request: Request, error: str | None = None) -> RequestOutput:
+        """The last output of a request ended from outside the step (abort, failure): the text
+        held back so far, unless it failed."""
+        detok = self.detokenizers.pop(request.request_id, None)
+        text = detok.flush(True) if detok is not None and error is None else ""
+        return request_output(request, [], text, error=error)

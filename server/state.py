@@ -1,0 +1,62 @@
+"""The server's state: config, the engine door once it is loaded, metrics, sessions, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from engine.async_engine import AsyncEngine
+from server.config import Config
+from server.errors import APIError
+from server.metrics import Metrics
+from server.sessions import SessionTracker
+
+VERSION = "0.1.0"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+log = logging.getLogger("kvserve.server")
+UI_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui")
+
+
+class ServerState:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.engine: AsyncEngine | None = None
+        self.load_error: BaseException | None = None
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self.sessions = SessionTracker()
+        self.draining = False  # SIGTERM received: finish in-flight work, admit nothing new
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def model_name(self) -> str:
+        if self.config.server.served_model_name:
+            return self.config.server.served_model_name
+        if not self.config.engine.model:
+            return DEFAULT_MODEL_NAME
+        name = os.path.basename(os.path.normpath(self.config.engine.model))
+        return name.removesuffix(".gguf")
+
+    def ready_engine(self) -> AsyncEngine:
+        if self.draining:
+            raise APIError(
+                503,
+                "the server is shutting down",
+                code="shutting_down",
+                headers={"Retry-After": "5"},
+            )
+        if self.engine is None:
+            raise APIError(503, "the model is still loading", code="model_loading")
+        if self.engine.dead is not None:
+            raise APIError(
+                503, "the engine has failed; the server is restarting", code="engine_dead"
+            )
+        return self.engine
+
+    def check_model(self, name: str) -> None:
+        if name and name != self.model_name:
+            raise APIError(
+                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+            )
