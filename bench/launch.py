@@ -40,6 +40,7 @@ class Process:
         wait: bool = True,
         log_name: str | None = None,
         stop_timeout: float = 30.0,
+        cwd: Path = ROOT,
     ) -> None:
         self.name = name
         self.health_path = health_path
@@ -51,7 +52,7 @@ class Process:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             make_cmd(self.port),
-            cwd=ROOT,
+            cwd=cwd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},

@@ -38,7 +38,21 @@ MALFORMED = [
     b"[]",
     b'{"prompt": [99999999]}',
     b'{"messages": "hello"}',
+    # hostile input, round 2: what a JSON encoder would never produce
+    b'{"messages": [{"role": "user", "content": "hi \\ud83d there"}]}',
+    b'{"messages": [{"role": "system", "content": "\\ude00\\ud83d"}, '
+    b'{"role": "user", "content": "a"}], "stream": true}',
+    b'{"prompt": "x\\udfff", "stream": true}',
+    b'{"prompt": "x", "stop": ["\\ud800"]}',
+    b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+    b'{"prompt": "x", "max_tokens": 1' + b"0" * 20_000 + b"}",
+    b'{"prompt": "x", "temperature": NaN}',
+    b'{"messages": [{"role": "user"}]}',
+    b'{"messages": [{"role": "user", "content": "trunc',
+    b'{"prompt": "ok", "max_tokens": 4, "n": "2"}',
+    b'\xff\xfe{"prompt": "x"}',
 ]
+MALFORMED_ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
 
 def rss_kb(pid: int) -> int:
@@ -77,7 +91,7 @@ class Soak:
         roll = rng.random()
         if roll < 0.10:
             r = await client.post(
-                rng.choice(["/v1/completions", "/v1/chat/completions"]),
+                rng.choice(MALFORMED_ROUTES),
                 content=rng.choice(MALFORMED),
                 headers={"Content-Type": "application/json"},
             )

@@ -19,7 +19,7 @@ from engine.llm_engine import LLMEngine
 from server.app import build_app
 from server.config import Config, ServerConfig
 from tests.openai_schema import validate
-from tests.server_utils import ServerProcess, free_port
+from tests.server_utils import ServerProcess, free_port, kvserve_server
 
 MARKER = 399  # a prompt token that makes the injected NaN fault fire
 
@@ -173,18 +173,7 @@ def _stream_in_thread(
 
 
 def test_sigterm_drains_in_flight_and_refuses_new(llama_dir) -> None:
-    s = ServerProcess(
-        [
-            "--model",
-            str(llama_dir),
-            "--num-kv-blocks",
-            "128",
-            "--max-model-len",
-            "4096",
-            "--shutdown-grace-s",
-            "120",
-        ]
-    )
+    s = kvserve_server(llama_dir, num_kv_blocks=128, max_model_len=4096, shutdown_grace_s=120)
     events: list[str] = []
     started = threading.Event()
     t = _stream_in_thread(s, 2000, events, started)
@@ -204,18 +193,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(llama_dir) -> None:
 
 
 def test_sigterm_grace_expiry_aborts_with_error_event(llama_dir) -> None:
-    s = ServerProcess(
-        [
-            "--model",
-            str(llama_dir),
-            "--num-kv-blocks",
-            "128",
-            "--max-model-len",
-            "4096",
-            "--shutdown-grace-s",
-            "0.5",
-        ]
-    )
+    s = kvserve_server(llama_dir, num_kv_blocks=128, max_model_len=4096, shutdown_grace_s=0.5)
     events: list[str] = []
     started = threading.Event()
     t = _stream_in_thread(s, 4000, events, started)
@@ -232,18 +210,7 @@ def test_nan_guard_sanity() -> None:
 
 
 def test_request_timeout_aborts_cleanly(llama_dir) -> None:
-    s = ServerProcess(
-        [
-            "--model",
-            str(llama_dir),
-            "--num-kv-blocks",
-            "128",
-            "--max-model-len",
-            "4096",
-            "--request-timeout-s",
-            "0.5",
-        ]
-    )
+    s = kvserve_server(llama_dir, num_kv_blocks=128, max_model_len=4096, request_timeout_s=0.5)
     try:
         body = {"prompt": "go", "max_tokens": 4000, "ignore_eos": True}
         r = httpx.post(s.base + "/v1/completions", json=body, timeout=60)

@@ -1,0 +1,101 @@
+"""This checkout against another (e.g. `git worktree add /tmp/before HEAD~3`), side by side in
+one run, rounds alternating A B, B A: the batch-1 engine step (each tree's own
+bench/step_profile.py, in-process, no HTTP) and output tok/s of N concurrent streams through
+HTTP (each tree's server on the default model, driven by this tree's bench/serve.py).
+
+    python bench/ab.py --before /tmp/before [--rounds 2] [--concurrency 64]
+
+Prints each round's figures and after/before ratios of the means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import subprocess
+import sys
+from pathlib import Path
+from statistics import mean
+
+from bench import serve
+from bench.launch import ROOT, Process
+
+STEP = re.compile(r"decode step, batch \d+: ([\d.]+) ms")
+
+
+def step_ms(tree: Path, steps: int) -> float:
+    out = subprocess.run(
+        [sys.executable, "bench/step_profile.py", "--batch", "1", "--steps", str(steps)],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    match = STEP.search(out)
+    if match is None:
+        raise RuntimeError(f"no decode-step line from {tree}:\n{out}")
+    return float(match.group(1))
+
+
+def streams_tok_s(tree: Path, concurrency: int, requests: int) -> float:
+    cmd = [sys.executable, "-m", "server", "--log-level", "warning"]
+    with Process(f"ab-{tree.name}", lambda port: [*cmd, "--port", str(port)], cwd=tree) as server:
+        args = serve.parser().parse_args(
+            [
+                "--base-url",
+                server.base,
+                "--concurrency",
+                str(concurrency),
+                "--num-requests",
+                str(requests),
+                "--input-len",
+                "256",
+                "--output-len",
+                "64",
+                "--ignore-eos",
+                "--quiet",
+                "--seed",
+                str(len(tree.name)),
+            ]
+        )
+        summary = asyncio.run(serve.run(args, concurrency))
+    if summary.get("errors"):
+        raise RuntimeError(f"{tree}: {summary['errors']} failed requests")
+    return summary["output_throughput"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", required=True, type=Path, help="the other checkout")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=40)
+    a = ap.parse_args()
+    trees = {"before": a.before.resolve(), "after": ROOT}
+    results: dict[str, dict[str, list[float]]] = {k: {"step": [], "tok_s": []} for k in trees}
+    for r in range(a.rounds):
+        order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
+        for name in order:
+            results[name]["step"].append(step_ms(trees[name], a.steps))
+            results[name]["tok_s"].append(streams_tok_s(trees[name], a.concurrency, a.requests))
+            print(
+                f"round {r + 1} {name:6s}: batch-1 step {results[name]['step'][-1]:.1f} ms, "
+                f"c={a.concurrency} {results[name]['tok_s'][-1]:.1f} output tok/s",
+                flush=True,
+            )
+    b, f = results["before"], results["after"]
+    print("\n| | before | after | after/before |\n|---|---|---|---|")
+    print(
+        f"| batch-1 decode step (ms) | {mean(b['step']):.1f} | {mean(f['step']):.1f} | "
+        f"{mean(f['step']) / mean(b['step']):.3f} |"
+    )
+    print(
+        f"| c={a.concurrency} output tok/s | {mean(b['tok_s']):.1f} | {mean(f['tok_s']):.1f} | "
+        f"{mean(f['tok_s']) / mean(b['tok_s']):.3f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
