@@ -21,10 +21,20 @@ def parse_bytes(value: str | int) -> int:
     return int(number * (1024 if binary else 1000) ** power)
 
 
+def auto_dtype(device: torch.device, capability: tuple[int, int] | None = None) -> torch.dtype:
+    """float32 on CPU; on CUDA bfloat16 from sm80 (Ampere) on, float16 below (Turing and Volta
+    have no bfloat16 tensor cores, and FlashInfer's bf16 kernels need sm80)."""
+    if device.type != "cuda":
+        return torch.float32
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if tuple(capability) >= (8, 0) else torch.float16
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # HF directory or GGUF file; None = SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: float32 on CPU; bfloat16 on CUDA sm80+, float16 below
     device: str = "auto"
     block_size: int | None = None  # None: 64 on CPU (fewer, larger matmuls), 16 on CUDA
     num_kv_blocks: int | None = None  # overrides the size computed from memory
@@ -34,9 +44,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | torch | flashinfer
+    attention_backend: str = "auto"  # auto | flashinfer | xformers | torch
     allow_slow_dtype: bool = False  # serve bf16/fp16 on a CPU without native support anyway
     require_fast_kernels: bool = False  # refuse to start on a slow general attention path
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (always eager)
     seed: int = 0
     host_bytes: str = "0"  # host-memory KV tier size, e.g. "8GiB"; "0" = off
     disk_path: str = ""  # optional disk tier under the host tier; "" = off
@@ -60,7 +71,7 @@ class EngineConfig:
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.float32 if self.resolved_device().type == "cpu" else torch.bfloat16
+            return auto_dtype(self.resolved_device())
         names = {
             "float32": torch.float32,
             "float16": torch.float16,

@@ -5,6 +5,14 @@ Blocks arrive on eviction from the device pool (write-back), on preemption by sw
 idle session is offloaded; a new request whose prefix continues here gets them copied back into
 fresh device blocks instead of recomputing them. Copies are batched per call: one index_select /
 index_copy per KV group. Blocks evicted from here go to the optional disk tier.
+
+Every block crosses between the device and the (pinned) host storage in one copy: saving gathers
+the blocks on the device into one contiguous tensor and copies runs of it straight into
+consecutive storage slots; loading copies runs of consecutive storage slots straight to the
+device and scatters them there. No pageable temporary stands between the two (an `index_select`
+of host storage, or a `.to("cpu")`, would make one, and the DMA would be staged through it). On
+CUDA the copies are asynchronous; `_sync` waits for them before the host itself reads or writes
+the storage (the disk tier, `load_from_disk`).
 """
 
 from __future__ import annotations
@@ -46,6 +54,19 @@ class HostTier:
         self.evicted_blocks = 0
         self.load_seconds = 0.0
         self.recent_load_latencies: list[float] = []  # drained by the metrics exporter
+        self._async = pin  # CUDA <-> pinned copies run asynchronously on the current stream
+        self._pending: torch.cuda.Event | None = None
+
+    def _after_copies(self) -> None:
+        if self._async:
+            self._pending = torch.cuda.Event()
+            self._pending.record()
+
+    def _sync(self) -> None:
+        """Wait for in-flight copies to or from the storage before the host touches it."""
+        if self._pending is not None:
+            self._pending.synchronize()
+            self._pending = None
 
     @property
     def used_bytes(self) -> int:
@@ -78,11 +99,16 @@ class HostTier:
         new = new[: len(slots)]
         if not new:
             return 0
-        src = torch.tensor([b for _, b in new], device=self.device_caches[0].device)
-        dst = torch.tensor(slots)
+        order = sorted(range(len(new)), key=slots.__getitem__)  # storage order: long runs
+        src = torch.tensor([new[i][1] for i in order], device=self.device_caches[0].device)
+        runs = _runs([slots[i] for i in order])
         for cache, store in zip(self.device_caches, self.storage, strict=True):
+            # one gather on the device (a new tensor: the source blocks may be reused at once),
+            # then each run of consecutive slots in one copy into the pinned storage
             blocks = cache.index_select(self.block_dim, src).movedim(self.block_dim, 0)
-            store.index_copy_(0, dst, blocks.to("cpu"))  # blocking: the source may be reused next
+            for start, first, n in runs:
+                store[first : first + n].copy_(blocks[start : start + n], non_blocking=self._async)
+        self._after_copies()
         self.saved_blocks += len(new)
         return len(new)
 
@@ -94,6 +120,7 @@ class HostTier:
                 slot = self.index.pop(victim)
                 self.evicted_blocks += 1
                 if self.disk is not None:
+                    self._sync()
                     self.disk.save(victim, [s[slot] for s in self.storage])
                 return slot
         return None
@@ -103,11 +130,20 @@ class HostTier:
         if not hashes:
             return
         t = time.perf_counter()
-        slots = torch.tensor([self.index[h] for h in hashes])
-        dst = torch.tensor(list(device_blocks), device=self.device_caches[0].device)
+        slots = [self.index[h] for h in hashes]
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        runs = _runs([slots[i] for i in order])
+        device = self.device_caches[0].device
+        dst = torch.tensor([device_blocks[i] for i in order], device=device)
         for cache, store in zip(self.device_caches, self.storage, strict=True):
-            blocks = store.index_select(0, slots).to(cache.device, non_blocking=True)
+            # each run of consecutive slots straight from the pinned storage to the device
+            parts = [
+                store[first : first + n].to(device, non_blocking=self._async)
+                for _, first, n in runs
+            ]
+            blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
             cache.index_copy_(self.block_dim, dst, blocks.movedim(0, self.block_dim))
+        self._after_copies()
         for h in hashes:
             self.index.move_to_end(h)
         self.loaded_blocks += len(hashes)
@@ -126,6 +162,7 @@ class HostTier:
         slot = self._take_slot(set())
         if slot is None:
             return False
+        self._sync()  # an in-flight copy may still read this slot
         for store, t in zip(self.storage, tensors, strict=True):
             store[slot].copy_(t)
         self.index[block_hash] = slot
@@ -135,8 +172,22 @@ class HostTier:
         """Clean shutdown: persist this tier and the device pool's cached blocks to disk."""
         if self.disk is None:
             return 0
+        self._sync()
         for h, slot in self.index.items():
             self.disk.save(h, [s[slot] for s in self.storage])
         for h, block_id in device_pairs:
             self.disk.save(h, [c.select(self.block_dim, block_id) for c in self.device_caches])
         return len(self.index) + len(device_pairs)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted storage slots as runs of consecutive ones: (index into `slots`, first slot,
+    length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs

@@ -76,10 +76,17 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingContext]) 
 
 
 def _apply_top_k_top_p_min_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    truncate: bool = True,
+    use_min_p: bool = True,
 ) -> torch.Tensor:
+    """`truncate` / `use_min_p`: whether any row has top_k/top_p / min_p, known on the host
+    (asking the device tensors would cost a sync each)."""
     vocab = logits.shape[1]
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+    if truncate:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
@@ -90,7 +97,7 @@ def _apply_top_k_top_p_min_p(
         drop[:, 0] = False  # always keep the best token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    if bool((min_p > 0).any()):
+    if use_min_p:
         probs = logits.softmax(-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -125,13 +132,17 @@ def apply_logits_processors(
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, top_k, top_p, min_p, softmax: the distribution a (non-greedy) row draws
     from. Speculative verification applies the same to the target's and the draft's rows."""
-    dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=dev)
+    # one upload for the four per-row settings (float64 holds top_k exactly)
+    table = torch.tensor(
+        [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], dtype=torch.float64
+    ).to(logits.device)
     sub = _apply_top_k_top_p_min_p(
-        logits / temps[:, None],
-        torch.tensor([p.top_k for p in params], device=dev),
-        torch.tensor([p.top_p for p in params], device=dev),
-        torch.tensor([p.min_p for p in params], device=dev),
+        logits / table[:, 0, None].to(logits.dtype),
+        table[:, 1].long(),
+        table[:, 2].to(logits.dtype),
+        table[:, 3].to(logits.dtype),
+        truncate=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        use_min_p=any(p.min_p > 0 for p in params),
     )
     return sub.softmax(-1)
 

@@ -101,9 +101,20 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
         head_dims = {lay.head_dim for lay in spec.layers}
-        self._inv_freq = {
-            d: rope_inv_freq(d, spec.rope_theta, spec.rope_scaling) for d in sorted(head_dims)
-        }
+        with torch.device("cpu"):  # real values even when the model is built on "meta"
+            self._inv_freq = {
+                d: rope_inv_freq(d, spec.rope_theta, spec.rope_scaling) for d in sorted(head_dims)
+            }
+        # per device, moved once (not uploaded on every forward: a host->device copy each step)
+        self._inv_freq_on: dict[torch.device, dict[int, torch.Tensor]] = {}
+
+    def inv_freq(self, device: torch.device) -> dict[int, torch.Tensor]:
+        """The rotary inverse frequencies per head_dim, on `device` (copied there once)."""
+        table = self._inv_freq_on.get(device)
+        if table is None:
+            table = {d: inv.to(device) for d, inv in self._inv_freq.items()}
+            self._inv_freq_on[device] = table
+        return table
 
     @torch.inference_mode()
     def forward(
@@ -117,8 +128,7 @@ class LlamaForCausalLM(nn.Module):
         the inputs of those layers are concatenated after it: [tokens, hidden * (1 + n)]."""
         x = self.embed_tokens(input_ids)
         rope = {
-            d: rope_cos_sin(positions, inv.to(x.device), x.dtype)
-            for d, inv in self._inv_freq.items()
+            d: rope_cos_sin(positions, inv, x.dtype) for d, inv in self.inv_freq(x.device).items()
         }
         residual = None
         captured: dict[int, torch.Tensor] = {}

@@ -58,19 +58,35 @@ def load_spec(path: str) -> ModelSpec:
 def load_model(
     path: str, dtype: torch.dtype, device: torch.device | str
 ) -> tuple[LlamaForCausalLM, ModelSpec]:
+    """The model's parameters are allocated once, on `device` in `dtype`; each checkpoint
+    tensor is cast and copied into its parameter as it is read, so the host never holds more
+    than one tensor (plus a fused weight's parts) beyond the checkpoint itself: no float32 copy
+    of the whole model on the host first (an 8B model would need ~32 GB of host RAM)."""
     spec = load_spec(path)
-    with torch.device("cpu"):
-        model = LlamaForCausalLM(spec)
+    model = empty_model(spec, dtype, device)
     if is_gguf(path):
         from models.gguf_loader import gguf_weights
 
         model.load_weights(gguf_weights(path, spec))
     elif spec.architecture == "OpenELMForCausalLM":
-        model.load_weights(openelm_weights(hf_weights(path)))
+        model.load_weights(openelm_weights(hf_weights(path, dtype)))
     else:
-        model.load_weights(fuse_parts(spec, hf_llama_parts(hf_weights(path))))
-    model = model.to(device=device, dtype=dtype).eval()
-    return model, spec
+        model.load_weights(fuse_parts(spec, hf_llama_parts(hf_weights(path, dtype))))
+    return model.eval(), spec
+
+
+def empty_model(
+    spec: ModelSpec, dtype: torch.dtype, device: torch.device | str
+) -> LlamaForCausalLM:
+    """The model with uninitialised parameters of `dtype` on `device` (built on the meta device:
+    nothing is allocated twice); biases zeroed, since a checkpoint may omit them."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    for name, param in model.named_parameters():
+        if name.endswith(".bias"):
+            param.data.zero_()
+    return model
 
 
 # ---- HF directories -----------------------------------------------------------------------------
@@ -157,8 +173,9 @@ def _eos_ids(root: Path, cfg: dict) -> list[int]:
     return []
 
 
-def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the directory's safetensors files, under its checkpoint name (float32)."""
+def hf_weights(path: str, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the directory's safetensors files, under its checkpoint name, cast to
+    `dtype` one tensor at a time (a bf16 checkpoint served in bf16 is never upcast)."""
     root = Path(path)
     index = root / "model.safetensors.index.json"
     if index.is_file():
@@ -170,7 +187,7 @@ def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for fname in tqdm(files, desc="loading safetensors", unit="file", disable=len(files) < 2):
         with safe_open(str(root / fname), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).float()
+                yield name, f.get_tensor(name).to(dtype)
 
 
 # HF Llama-family names -> the model's. Top level:

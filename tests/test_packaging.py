@@ -53,3 +53,136 @@ def test_env_overrides_file_and_flags_override_env() -> None:
     cfg = load_config(["--port", "9002", "--host-bytes", "1GiB"], env={"KVSERVE_PORT": "9001"})
     assert cfg.server.port == 9002 and cfg.engine.host_bytes == "1GiB"
     assert cfg.engine.block_size is None and cfg.engine.num_kv_blocks is None  # 0 in the file
+
+
+# ---- the GPU image: base, Python, CUDA and torch agree -------------------------------------------
+
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+# Ubuntu release -> its python3 (the base image's only Python without a PPA)
+UBUNTU_PYTHON = {"ubuntu22.04": "3.10", "ubuntu24.04": "3.12"}
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _base_image() -> tuple[str, str, str]:
+    """(CUDA version, flavour, Ubuntu release) of the FROM line."""
+    import re
+
+    m = re.search(r"^FROM nvidia/cuda:(\d+\.\d+)\.\d+-(\w+)-(ubuntu\d+\.\d+)$", DOCKERFILE, re.M)
+    assert m, "the image should build FROM an nvidia/cuda:<cuda>-<flavour>-ubuntu<release> base"
+    return m.group(1), m.group(2), m.group(3)
+
+
+def test_base_image_python_satisfies_requires_python() -> None:
+    from packaging.specifiers import SpecifierSet
+
+    _, _, ubuntu = _base_image()
+    python = UBUNTU_PYTHON[ubuntu]
+    assert SpecifierSet(_pyproject()["project"]["requires-python"]).contains(python + ".0")
+    # the Python installed is the release's own python3, not a python3.X it does not have
+    install = next(line for line in DOCKERFILE.splitlines() if "apt-get install" in line)
+    assert " python3 " in install and "python3." not in install, install
+
+
+def test_image_has_nvcc_for_flashinfers_jit_and_keeps_its_cache() -> None:
+    """flashinfer-python is JIT-only: a devel base (nvcc + headers), with the JIT cache on a
+    volume, unless a prebuilt kernel package of the same version is installed."""
+    _, flavour, _ = _base_image()
+    gpu = _pyproject()["project"]["optional-dependencies"]["gpu"]
+    prebuilt = any(d.startswith("flashinfer-jit-cache") for d in gpu)
+    assert prebuilt or flavour == "devel"
+    assert "FLASHINFER_WORKSPACE_BASE=/cache" in DOCKERFILE and 'VOLUME ["/cache"]' in DOCKERFILE
+
+
+def test_flashinfer_kernel_packages_match_flashinfer_python() -> None:
+    gpu = dict(d.split("==") for d in _pyproject()["project"]["optional-dependencies"]["gpu"])
+    from engine.attention.flashinfer_backend import VERSION
+
+    assert gpu["flashinfer-python"] == VERSION
+    for extra in ("flashinfer-cubin", "flashinfer-jit-cache"):
+        if extra in gpu:
+            assert gpu[extra].split("+")[0] == gpu["flashinfer-python"], (extra, gpu[extra])
+
+
+def test_image_runs_as_non_root_with_dependencies_before_source() -> None:
+    lines = [line.strip() for line in DOCKERFILE.splitlines()]
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    first = {key: next(i for i, line in enumerate(lines) if line.startswith(key)) for key in (
+        "COPY pyproject.toml", "RUN python -c \"import tomllib", "COPY engine", "COPY server",
+    )}  # fmt: skip
+    assert (
+        first["COPY pyproject.toml"]
+        < first['RUN python -c "import tomllib']
+        < min(first["COPY engine"], first["COPY server"])
+    ), "the dependency layer must come before the source"
+    # config.toml is found by the installed server through KVSERVE_CONFIG
+    assert "KVSERVE_CONFIG=/app/config.toml" in DOCKERFILE and "config.toml ./" in DOCKERFILE
+
+
+def _pypi_reachable() -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _pypi_reachable(), reason="PyPI is not reachable")
+def test_image_package_set_resolves_for_its_python_and_platform(tmp_path) -> None:
+    """The image's pip install (the project's dependencies and its `gpu` extra) resolves from
+    PyPI for the image's Python and platform, binary wheels only, without downloading them;
+    and the torch it gets is built for the base image's CUDA."""
+    import json
+
+    cuda, _, ubuntu = _base_image()
+    project = _pyproject()["project"]
+    reqs = tmp_path / "requirements.txt"
+    reqs.write_text("\n".join(project["dependencies"] + project["optional-dependencies"]["gpu"]))
+    platforms = ["manylinux2014_x86_64"] + [f"manylinux_2_{i}_x86_64" for i in range(17, 40)]
+    report = tmp_path / "report.json"
+    cmd = [
+        sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+        "--target", str(tmp_path / "target"), "--python-version", UBUNTU_PYTHON[ubuntu],
+        "--only-binary=:all:", "--report", str(report), "-r", str(reqs),
+    ]  # fmt: skip
+    for platform in platforms:
+        cmd += ["--platform", platform]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and ("NewConnectionError" in r.stderr or "timed out" in r.stderr):
+        pytest.skip("PyPI unreachable during resolution")
+    assert r.returncode == 0, r.stderr[-3000:]
+    import re
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    got = {
+        norm(i["metadata"]["name"]): i["metadata"]["version"]
+        for i in json.loads(report.read_text())["install"]
+    }
+    for dep in project["dependencies"] + project["optional-dependencies"]["gpu"]:
+        name, version = dep.split("==")
+        assert got[norm(name)] == version.split(";")[0].strip(), name
+    assert got["torch"] == "2.13.0"
+    toolkit = got.get("cuda-toolkit") or got.get("nvidia-cuda-runtime")
+    assert toolkit is not None and toolkit.startswith(cuda + "."), (toolkit, cuda)
+    assert "flashinfer-cubin" not in got or got["flashinfer-cubin"] == got["flashinfer-python"]
+
+
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed")
+@pytest.mark.parametrize("script", ["scripts/gpu_check.sh", "scripts/setup.sh"])
+def test_scripts_shellcheck_clean(script) -> None:
+    r = subprocess.run([SHELLCHECK, str(ROOT / script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_enforce_eager_is_a_flag() -> None:
+    assert load_config(["--enforce-eager"], env={}).engine.enforce_eager is True
+    assert load_config([], env={}).engine.enforce_eager is False

@@ -11,9 +11,10 @@ from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, format_matrix
 from engine.attention.torch_backend import TorchBackend
+from engine.attention.xformers_backend import XFormersBackend
 from models.spec import ModelSpec
 
-BACKENDS: list[type[AttentionBackend]] = [FlashInferBackend, TorchBackend]
+BACKENDS: list[type[AttentionBackend]] = [FlashInferBackend, XFormersBackend, TorchBackend]
 SLOW_ONLY = ("dtype",)  # requirements that cost speed, not correctness (waivable)
 
 __all__ = [
@@ -37,10 +38,19 @@ class BackendChoice:
 
 
 def support_matrix(
-    spec: ModelSpec, facts: DeviceFacts, dtype: torch.dtype, block_size: int
+    spec: ModelSpec,
+    facts: DeviceFacts,
+    dtype: torch.dtype,
+    block_size: int,
+    failed: dict[str, str] | None = None,
 ) -> dict[str, Verdict]:
+    """Backend -> verdict; `failed` adds a backend's warm-up failure (its kernels could not
+    build or run here) as the "warm-up" requirement."""
     needs = ModelNeeds.of(spec)
-    return {b.name: b.check(needs, facts, dtype, block_size) for b in BACKENDS}
+    matrix = {b.name: b.check(needs, facts, dtype, block_size) for b in BACKENDS}
+    for name, why in (failed or {}).items():
+        matrix[name]["warm-up"] = why
+    return matrix
 
 
 def _failures(verdict: Verdict) -> list[str]:
@@ -55,10 +65,12 @@ def select_backend(
     forced: str = "auto",
     allow_slow_dtype: bool = False,
     require_fast_kernels: bool = False,
+    failed: dict[str, str] | None = None,
 ) -> BackendChoice:
     """The first backend in priority order that meets every requirement, or the forced one.
-    Raises ValueError with the reasons when nothing (or not the forced backend) can serve."""
-    matrix = support_matrix(spec, facts, dtype, block_size)
+    Raises ValueError with the reasons when nothing (or not the forced backend) can serve.
+    `failed`: backends that failed their warm-up, with the reason (passed over, shown)."""
+    matrix = support_matrix(spec, facts, dtype, block_size, failed)
     if allow_slow_dtype:  # the user accepted the slow dtype: it no longer disqualifies
         matrix = {n: {r: w for r, w in v.items() if r not in SLOW_ONLY} for n, v in matrix.items()}
     by_name = {b.name: b for b in BACKENDS}
@@ -85,7 +97,7 @@ def select_backend(
         passed = [b.name for b in BACKENDS[: BACKENDS.index(chosen)]]
         why = "first in priority order meeting every requirement"
         if passed:
-            why += f" ({', '.join(passed)} passed over)"
+            why += f" ({', '.join(f'{name} passed over' for name in passed)})"
     fast = chosen.is_fast_on(facts)
     table = format_matrix(matrix, chosen.name, why)
     if not fast:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,6 +47,7 @@ class AttentionBackend(ABC):
     name: str = ""
     block_dim: int = 0
     slot_dim: int = 2  # the token-within-block dimension (> block_dim)
+    supports_cuda_graphs: bool = False  # decode steps can be captured (`graph_step`)
 
     @classmethod
     @abstractmethod
@@ -66,7 +68,19 @@ class AttentionBackend(ABC):
         --require-fast-kernels)."""
         return True
 
-    def __init__(self, spec: ModelSpec, kv_caches: list[torch.Tensor], block_size: int) -> None:
+    @classmethod
+    def allocate_workspace(cls, device: torch.device) -> torch.Tensor | None:
+        """Device scratch the backend needs for its whole life, allocated by the builder before
+        it sizes the KV pool from the memory left (None: none)."""
+        return None
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        workspace: torch.Tensor | None = None,
+    ) -> None:
         self.spec = spec
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -74,3 +88,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def plan(self, meta: StepMetadata) -> AttentionStep: ...
+
+    def graph_step(self, batch_size: int, max_pages: int) -> Any:
+        """A decode step over fixed buffers for CUDA graph capture (`supports_cuda_graphs`):
+        `update(meta)` before each replay, then `forward` as any step."""
+        raise NotImplementedError(f"{self.name} does not capture CUDA graphs")

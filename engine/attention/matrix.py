@@ -8,7 +8,7 @@ sm80/sm90 GPUs are tested on a CPU-only machine.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,7 @@ from models.spec import ModelSpec
 
 REQUIREMENTS = (
     "device",
+    "warm-up",
     "compute capability",
     "dtype",
     "head_dim",
@@ -36,6 +37,9 @@ class DeviceFacts:
     capability: tuple[int, int] | None = None  # CUDA (major, minor)
     native_bf16: bool = False  # CPU: AVX512-BF16 or AMX; CUDA: sm80+
     libraries: frozenset[str] = frozenset()  # importable GPU kernel libraries
+    # library -> why its kernels cannot be had here although it imports (e.g. FlashInfer is
+    # JIT-only and there is no nvcc nor a matching prebuilt kernel package)
+    kernel_notes: dict[str, str] = field(default_factory=dict)
 
     @staticmethod
     def detect(device: torch.device) -> DeviceFacts:
@@ -43,7 +47,8 @@ class DeviceFacts:
         if device.type == "cuda":
             cap = torch.cuda.get_device_capability(device)
             name = torch.cuda.get_device_name(device)
-            return DeviceFacts("cuda", name, cap, cap >= (8, 0), libs)
+            notes = {lib: why for lib in libs if (why := kernel_note(lib))}
+            return DeviceFacts("cuda", name, cap, cap >= (8, 0), libs, notes)
         return DeviceFacts("cpu", "cpu", None, _cpu_bf16_is_fast(), libs)
 
     @property
@@ -57,6 +62,50 @@ def _importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def find_nvcc() -> str | None:
+    """nvcc as FlashInfer's JIT looks for it: $CUDA_HOME/bin/nvcc, else on PATH."""
+    import os
+    import shutil
+
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if os.path.isfile("/usr/local/cuda/bin/nvcc") else None
+    )
+
+
+def kernel_note(lib: str) -> str | None:
+    """Why `lib` imports but cannot run its kernels here, or None. Package metadata and the
+    file system only (no import: importing flashinfer takes seconds). The warm-up proves the
+    rest by running them."""
+    if lib == "xformers":
+        if not _importable("triton"):
+            return "the paged decode operator (triton_splitk) needs triton, which is not installed"
+        return None
+    if lib != "flashinfer":
+        return None
+    version = _version("flashinfer-python")
+    jit_cache = _version("flashinfer-jit-cache")
+    if jit_cache is not None and version and jit_cache.split("+")[0] == version:
+        return None  # kernels prebuilt ahead of time
+    if find_nvcc() is not None:
+        return None  # JIT: compiled at first use into FLASHINFER_WORKSPACE_BASE
+    return (
+        f"flashinfer-python {version} ships no kernels (JIT-only) and there is neither nvcc "
+        f"(CUDA_HOME unset, none on PATH) nor flashinfer-jit-cache=={version}"
+    )
 
 
 @functools.cache

@@ -123,7 +123,9 @@ class RangeDecodePlan:
             .transpose(2, 3)
             .reshape(kv_heads, n, group, mb * bs)
         )
-        probs = torch.softmax(seq_scores + self.mask, dim=-1)
+        # softmax in float32 (the mask is float32), probabilities back in the KV dtype: bf16/fp16
+        # scores must not promote the probabilities that multiply bf16/fp16 values
+        probs = torch.softmax(seq_scores.float() + self.mask, dim=-1).to(q.dtype)
         pair_probs = (
             probs.view(kv_heads, n, group, mb, bs)
             .transpose(2, 3)

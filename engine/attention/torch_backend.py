@@ -60,13 +60,19 @@ class TorchAttentionStep(AttentionStep):
         self.backend = backend
         device = backend.kv_caches[0].device
         bs = backend.block_size
-        self.slot_block = (meta.slot_mapping // bs).to(device)
-        self.slot_offset = (meta.slot_mapping % bs).to(device)
+        slots = meta.slot_mapping  # on the device already (model_runner.step_inputs)
+        if slots.device != device:
+            slots = slots.to(device)
+        self.slot_block, self.slot_offset = slots // bs, slots % bs
         window = backend.spec.sliding_window
 
         decode_seqs = [i for i, q in enumerate(meta.query_lens) if q == 1]
         self.all_decode = len(decode_seqs) == meta.num_seqs
-        self.decode_rows = torch.tensor([meta.query_start[i] for i in decode_seqs], device=device)
+        self.decode_rows = (  # only a mixed step picks its decode rows out (an upload)
+            None
+            if self.all_decode or not decode_seqs
+            else torch.tensor([meta.query_start[i] for i in decode_seqs], device=device)
+        )
         self.range_plan: RangeDecodePlan | None = None
         self.decode: list[_DecodeBucket] = []
         self.cpp_decode: tuple[torch.Tensor, torch.Tensor] | None = None  # tables, lengths
@@ -168,8 +174,10 @@ class TorchAttentionStep(AttentionStep):
         keys = cache[0].index_select(1, bucket.pages).view(kv_heads, n, -1, dim)  # [h, n, L, d]
         values = cache[1].index_select(1, bucket.pages).view(kv_heads, n, -1, dim)
         qg = q.view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [h, n, g, d]
-        scores = torch.matmul(qg * scale, keys.transpose(-1, -2)) + bucket.mask  # [h, n, g, L]
-        probs = torch.softmax(scores, dim=-1)
+        scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [h, n, g, L]
+        # softmax in float32 against the float32 mask, probabilities back in the KV dtype (a
+        # bf16/fp16 cache must not meet float32 probabilities in the matmul below)
+        probs = torch.softmax(scores.float() + bucket.mask, dim=-1).to(values.dtype)
         return torch.matmul(probs, values).transpose(0, 1).reshape(n, heads, dim)
 
     def _prefill(
@@ -204,8 +212,14 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     use_range_decode = True  # False forces the gather path (tests compare the two)
 
-    def __init__(self, spec: ModelSpec, kv_caches: list[torch.Tensor], block_size: int) -> None:
-        super().__init__(spec, kv_caches, block_size)
+    def __init__(
+        self,
+        spec: ModelSpec,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        workspace: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(spec, kv_caches, block_size, workspace)
         # Decode rows go to the compiled C++ op where it builds (CPU, float32); None: PyTorch
         # ops (range plan or gather buckets). Tests set it to None to compare the paths.
         self.decode_op = None

@@ -147,7 +147,9 @@ class EagleHead(nn.Module):
         q = qkv[:, : self.q_dim].view(t, cfg.num_heads, cfg.head_dim)
         k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, self.q_dim + self.kv_dim :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        cos, sin = rope_cos_sin(positions, self.inv_freq.to(x.device), x.dtype)
+        if self.inv_freq.device != x.device:  # moved once, not uploaded every draft step
+            self.inv_freq = self.inv_freq.to(x.device)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         o = attn.forward(self.layer_idx, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
         residual = x + self.o_proj(o.reshape(t, self.q_dim))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(residual))
