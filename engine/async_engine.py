@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GrammarSpec, ParamError, SamplingParams
 from engine.scoring import prompt_logprobs
 from engine.snapshot import EngineSnapshot
 from models.tokenizer import Tokenizer
@@ -169,6 +169,15 @@ class AsyncEngine:
         if self.dead is not None:  # died between the check and the put: nobody will run it
             self._fail_pending_calls(EngineDeadError(f"engine loop died: {self.dead}"))
         return await asyncio.wrap_future(fut)
+
+    async def compile_grammar(self, spec: GrammarSpec, param: str) -> None:
+        """Compile (and so validate and cache) a grammar in a worker thread, off both the event
+        loop and the engine thread: ParamError naming `param` if it cannot be compiled. The
+        engine's matcher for the request then finds it in the cache."""
+        structured = self._core.structured  # its compiler is thread-safe; nothing else is read
+        if structured is None:
+            raise ParamError(param, "structured outputs are not available on this server")
+        await asyncio.to_thread(structured.compile, spec, param)
 
     async def snapshot(self) -> EngineSnapshot:
         return await self.call(LLMEngine.snapshot)

@@ -22,6 +22,8 @@ from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.sampling_params import ParamError, SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import Proposer
+from engine.structured_output import StructuredOutputs
+from engine.warmup import warm_up
 from models.eagle.head import EagleHead, load_eagle_head
 from models.layers import pack_linears
 from models.llama import LlamaForCausalLM
@@ -65,6 +67,7 @@ class EngineInfo:
     attention_backend: str
     device_label: str
     compiled_decode: bool  # the C++ paged-decode op serves CPU decode steps
+    cuda_graphs: tuple[int, ...]  # decode batch sizes captured as CUDA graphs (empty: eager)
     kernel_table: str
     max_model_len: int
     max_num_seqs: int
@@ -116,6 +119,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     proposer: Proposer | None
+    structured: StructuredOutputs | None  # None without a tokenizer or xgrammar
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
@@ -140,21 +144,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     block_size = config.resolved_block_size()
     kv_block_bytes = pool_spec.kv_bytes_per_token(dtype_size) * block_size
-    num_blocks = _num_blocks(config, device, kv_block_bytes, max_model_len, block_size)
     facts = DeviceFacts.detect(device)
-    choice: BackendChoice = select_backend(
-        pool_spec,
-        facts,
-        dtype,
-        block_size,
-        config.attention_backend,
-        config.allow_slow_dtype,
-        config.require_fast_kernels,
+    choice, backend, num_blocks, graphs = _choose_and_warm_up(
+        config, model, pool_spec, facts, dtype, device, block_size, kv_block_bytes, max_model_len
     )
     backend_cls = choice.backend
-    kv_caches = allocate_kv_caches(
-        backend_cls, pool_spec.kv_groups, num_blocks, block_size, dtype, device
-    )
+    kv_caches = backend.kv_caches
     host = _host_tier(config, model_path, spec, dtype, block_size, backend_cls, kv_caches, draft)
     kv = KVCacheManager(
         num_blocks,
@@ -171,8 +166,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         preempt_by_swap=config.preemption_mode == "swap" and host is not None,
         num_lookahead_tokens=config.num_speculative_tokens if draft else 0,
     )
-    backend = backend_cls(pool_spec, kv_caches, block_size)
     runner = ModelRunner(model, backend, kv, device, draft.cfg.aux_layers if draft else ())
+    if graphs:
+        runner.capture_cuda_graphs(config.max_num_seqs, max_model_len, scratch_block=num_blocks)
     proposer = None
     if draft is not None:
         proposer = Proposer(
@@ -186,6 +182,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     eos = spec.eos_token_ids or (
         [tokenizer.eos_token_id] if tokenizer and tokenizer.eos_token_id is not None else []
     )
+    structured = _structured_outputs(tokenizer, spec.vocab_size, list(eos))
+    if proposer is not None:
+        proposer.structured = structured
     info = EngineInfo(
         model_path=model_path,
         architecture=spec.architecture,
@@ -207,6 +206,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         attention_backend=backend_cls.name,
         device_label=facts.label,
         compiled_decode=getattr(backend, "decode_op", None) is not None,
+        cuda_graphs=runner.graph_sizes(),
         kernel_table=choice.table,
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
@@ -229,7 +229,76 @@ def build_engine(config: EngineConfig) -> EngineParts:
         scheduler,
         runner,
         proposer,
+        structured,
     )
+
+
+def use_cuda_graphs(
+    config: EngineConfig, device: torch.device, backend_cls: type[AttentionBackend]
+) -> bool:
+    """Decode steps run as CUDA graphs on CUDA, unless --enforce-eager, where the backend can
+    capture them (FlashInfer; the torch and xformers paths plan data-dependent shapes)."""
+    return device.type == "cuda" and not config.enforce_eager and backend_cls.supports_cuda_graphs
+
+
+def _choose_and_warm_up(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    pool_spec: ModelSpec,
+    facts: DeviceFacts,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    kv_block_bytes: int,
+    max_model_len: int,
+) -> tuple[BackendChoice, AttentionBackend, int, bool]:
+    """Pick the attention backend from the kernel matrix, allocate its workspace, size and
+    allocate the KV pool, and warm the backend up (engine/warmup.py). A backend that fails its
+    warm-up is passed over loudly, with the reason in the matrix's "warm-up" row, and the next
+    one is tried; a forced one is a startup error, and so is a slow fallback under
+    --require-fast-kernels. Returns the choice, the backend over its pool, the number of
+    usable blocks and whether decode steps will be captured as CUDA graphs (those reserve one
+    extra block past the pool, where padded rows write)."""
+    failed: dict[str, str] = {}
+    while True:
+        choice = select_backend(
+            pool_spec,
+            facts,
+            dtype,
+            block_size,
+            config.attention_backend,
+            config.allow_slow_dtype,
+            config.require_fast_kernels,
+            failed,
+        )
+        backend_cls = choice.backend
+        graphs = use_cuda_graphs(config, device, backend_cls)
+        # the backend's workspace first: the pool is sized from the memory left after it
+        workspace = backend_cls.allocate_workspace(device)
+        num_blocks = _num_blocks(config, device, kv_block_bytes, max_model_len, block_size)
+        kv_caches = allocate_kv_caches(
+            backend_cls, pool_spec.kv_groups, num_blocks + int(graphs), block_size, dtype, device
+        )
+        backend = backend_cls(pool_spec, kv_caches, block_size, workspace)
+        try:
+            warm_up(model, backend, pool_spec, num_blocks, block_size, device)
+        except Exception as e:  # noqa: BLE001 - any failure disqualifies the backend
+            reason = f"warm-up failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            log.error("attention backend %s %s", backend_cls.name, reason, exc_info=True)
+            if config.attention_backend != "auto":
+                raise ValueError(f"attention backend {backend_cls.name!r} (forced) {reason}") from e
+            failed[backend_cls.name] = reason
+            del backend, kv_caches, workspace
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        if failed:
+            log.warning(
+                "attention: %s passed over after failed warm-ups; serving with %s",
+                ", ".join(failed),
+                backend_cls.name,
+            )
+        return choice, backend, num_blocks, graphs
 
 
 def _load_draft_head(
@@ -253,6 +322,18 @@ def _load_draft_head(
         config.num_speculative_tokens,
     )
     return head
+
+
+def _structured_outputs(
+    tokenizer: Tokenizer | None, vocab_size: int, stop_ids: list[int]
+) -> StructuredOutputs | None:
+    if tokenizer is None:
+        return None
+    try:
+        return StructuredOutputs(tokenizer, vocab_size, stop_ids)
+    except ImportError as e:
+        log.warning("structured outputs off: %s (pip install --no-deps xgrammar)", e)
+        return None
 
 
 def _try_tokenizer(model_path: str) -> Tokenizer | None:

@@ -65,6 +65,22 @@ class LLM:
         )
         order: list[str] = []
         results: dict[str, GenerationResult] = {}
+        try:
+            self._add_all(prompts, params_list, order, results)
+            self._run(order, results, use_tqdm)
+        except BaseException:
+            for rid in order:  # leave nothing behind in the engine for the next call
+                self.engine.abort_request(rid)
+            raise
+        return [results[rid] for rid in order]
+
+    def _add_all(
+        self,
+        prompts: Sequence[Prompt],
+        params_list: list[SamplingParams],
+        order: list[str],
+        results: dict[str, GenerationResult],
+    ) -> None:
         for prompt, params in zip(prompts, params_list, strict=True):
             rid = str(next(self._ids))
             ids = self._encode(prompt)  # type: ignore[arg-type]
@@ -75,6 +91,8 @@ class LLM:
                 ids,
                 [CompletionOutput(0, "", [], None, [] if params.logprobs is not None else None)],
             )
+
+    def _run(self, order: list[str], results: dict[str, GenerationResult], use_tqdm: bool) -> None:
         bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -89,7 +107,6 @@ class LLM:
                     comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
                     bar.update(1)
         bar.close()
-        return [results[rid] for rid in order]
 
     def chat(
         self,

@@ -16,7 +16,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import FinishReason, Request
 from engine.sampler import SamplerOutput, sample
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import ParamError, SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.snapshot import EngineSnapshot, take_snapshot
 from engine.spec_decode import CatchUp, record_acceptance, verify
@@ -41,6 +41,7 @@ class LLMEngine:
         self.eos_token_ids = parts.eos_token_ids
         self.host, self.kv, self.scheduler = parts.host, parts.kv, parts.scheduler
         self.runner, self.proposer = parts.runner, parts.proposer
+        self.structured = parts.structured
         self.outputs = OutputProcessor(parts.tokenizer, parts.scheduler)
         self.stats = EngineStats()
 
@@ -74,8 +75,15 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id}")
         request = Request(
-            request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len
-        )
+            request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len,
+            device=self.runner.device,  # seeded generators draw on the engine's device
+        )  # fmt: skip
+        if params.grammar is not None:
+            if self.structured is None:
+                raise ParamError(
+                    "response_format", "structured outputs are not available on this server"
+                )
+            request.matcher = self.structured.matcher(params.grammar)
         self.scheduler.add(request)
         self.outputs.add(request)
         return request
@@ -129,7 +137,11 @@ class LLMEngine:
             )
             return [self._fail(s.request, "the forward pass failed") for s in out.scheduled]
         outputs: list[RequestOutput] = []
-        results = self._sample(logits, out.scheduled, outputs)
+        try:
+            results = self._sample(logits, out.scheduled, outputs)
+        except Exception:  # a sampling bug must not kill the engine thread: isolate it
+            log.exception("sampling failed; sampling the batch's requests one by one")
+            results = self._sample_isolated(logits, out.scheduled, outputs)
         self.stats.steps += 1
         self.stats.prompt_tokens += sum(
             max(
@@ -144,6 +156,7 @@ class LLMEngine:
         }
         tables = {rid: self.kv.block_ids(rid) for rid in before} if self.proposer else {}
         self.scheduler.update(out, {s.request.request_id: r.token_ids for s, r in results})
+        self._advance_grammars(results, before)
         for item, res in results:
             request = item.request
             tokens = request.all_token_ids[before[request.request_id][1] :]
@@ -174,9 +187,11 @@ class LLMEngine:
         for s in sampling:
             spans.append((row, row + 1 + s.num_spec))
             row += 1 + s.num_spec
-        # a row's sum is NaN/inf iff the row holds a NaN/inf (logits are far below float32's
-        # overflow): one pass over [rows, vocab] instead of isfinite's four
-        finite = torch.isfinite(logits.sum(dim=-1)).tolist() if sampling else []
+        # a row's sum is NaN/+inf iff the row holds a NaN/+inf (logits are far below float32's
+        # overflow): one pass over [rows, vocab] instead of isfinite's four. -inf is a masked
+        # token (a grammar's, when a failed batch is sampled again row by row), not a fault.
+        sums = logits.sum(dim=-1) if sampling else logits.new_empty(0)
+        finite = (~(sums.isnan() | sums.isposinf())).tolist()
         plain, drafted = [], []
         for s, (a, b) in zip(sampling, spans):
             if not all(finite[a:b]):
@@ -186,10 +201,19 @@ class LLMEngine:
                 drafted.append((s, a, b))
             else:
                 plain.append((s, a))
+        constrained = [(s, a) for s, a in plain if s.request.matcher is not None] + [
+            (s, a) for s, a, _ in drafted if s.request.matcher is not None
+        ]
+        if constrained:  # in place (rows of this step's own tensor, made row-contiguous)
+            logits = logits.contiguous()
+            self._mask_grammar_rows(logits, constrained)
         results: list[tuple[ScheduledRequest, SamplerOutput]] = []
         if plain:
-            rows = torch.tensor([a for _, a in plain], device=logits.device)
-            res = sample(logits.index_select(0, rows), [s.request for s, _ in plain])
+            picked, plain_logits = [a for _, a in plain], logits
+            if picked != list(range(logits.shape[0])):  # all rows in order: no gather, no upload
+                rows = torch.tensor(picked, device=logits.device)
+                plain_logits = logits.index_select(0, rows)
+            res = sample(plain_logits, [s.request for s, _ in plain])
             results.extend(
                 (s, SamplerOutput([t], [lp]))
                 for (s, _), t, lp in zip(plain, res.token_ids, res.logprobs)
@@ -202,6 +226,80 @@ class LLMEngine:
                 self.proposer.stats.record(s.num_spec, len(res.token_ids) - 1)
                 record_acceptance(s.request, s.num_spec, len(res.token_ids) - 1)
                 results.append((s, res))
+        return results
+
+    def _mask_grammar_rows(
+        self, logits: torch.Tensor, items: list[tuple[ScheduledRequest, int]]
+    ) -> None:
+        """Constrained rows of `logits` keep only what their grammar allows. items: (scheduled
+        request, its first row). A drafted request's row j is masked at the state after its
+        drafts d_1..d_j (a draft the grammar refuses ends its rows: the verifier rejects it)."""
+        assert self.structured is not None
+        rows, matchers = [], []
+        drafted: list[tuple[ScheduledRequest, int]] = []
+        for s, row in items:
+            if s.num_spec:
+                drafted.append((s, row))
+            else:
+                rows.append(row)
+                matchers.append(s.request.matcher)
+        self.structured.mask_logits(logits, rows, matchers)
+        for s, row in drafted:
+            m = s.request.matcher
+            accepted = 0
+            self.structured.mask_logits(logits, [row], [m])
+            for j, token in enumerate(s.request.spec_token_ids):
+                if m.is_terminated() or not m.accept_token(token):
+                    break
+                accepted += 1
+                if not m.is_terminated():  # past the grammar's end: the verifier stops there
+                    self.structured.mask_logits(logits, [row + j + 1], [m])
+            if accepted:
+                m.rollback(accepted)
+
+    def _advance_grammars(
+        self,
+        results: list[tuple[ScheduledRequest, SamplerOutput]],
+        before: dict[str, tuple[int, int]],
+    ) -> None:
+        """Each constrained request's grammar takes the tokens it emitted this step; a grammar
+        that has reached its end ends the request (even under ignore_eos)."""
+        for s, _ in results:
+            r = s.request
+            if r.matcher is None:
+                continue
+            for token in r.all_token_ids[before[r.request_id][1] :]:
+                if r.matcher.is_terminated():
+                    break
+                if not r.matcher.accept_token(token):
+                    log.error("request %s: grammar refused sampled token %d", r.request_id, token)
+                    break
+            if r.matcher.is_terminated() and not r.is_finished:
+                self.scheduler.finish(r.request_id, FinishReason.STOP)
+
+    def _sample_isolated(
+        self,
+        logits: torch.Tensor,
+        scheduled: list[ScheduledRequest],
+        outputs: list[RequestOutput],
+    ) -> list[tuple[ScheduledRequest, SamplerOutput]]:
+        """`_sample` per request, after the batched call raised: a request whose sampling
+        raises again fails alone; the others keep their tokens."""
+        results: list[tuple[ScheduledRequest, SamplerOutput]] = []
+        row = 0
+        for s in scheduled:
+            if not s.samples:
+                continue
+            n = 1 + s.num_spec
+            if s.request.is_finished:  # failed in the batched call already (non-finite logits)
+                row += n
+                continue
+            try:
+                results.extend(self._sample(logits[row : row + n], [s], outputs))
+            except Exception:
+                log.exception("request %s: sampling failed; failing it", s.request.request_id)
+                outputs.append(self._fail(s.request, "sampling failed"))
+            row += n
         return results
 
     def _propose(

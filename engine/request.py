@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,17 +44,24 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
+    # where the seeded generator lives: the engine's device (a CPU generator cannot draw into
+    # CUDA tensors)
+    device: torch.device | str = "cpu"
     block_hashes: list[bytes] = field(default_factory=list)
     # Speculation: draft tokens to verify next step (not part of all_token_ids), and for sampled
     # requests their draft distributions q [k, vocab].
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
     spec_acceptance: float = 0.7  # running per-draft acceptance rate (adaptive k)
+    # constrained decoding: the grammar's state after this request's output tokens
+    matcher: Any = None  # xgrammar.GrammarMatcher
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+            self.generator = torch.Generator(device=self.device).manual_seed(
+                self.sampling_params.seed
+            )
 
     @property
     def num_spec(self) -> int:

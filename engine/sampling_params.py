@@ -4,12 +4,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 class ParamError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_calls"]
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What an output must match (engine/structured_output.py compiles it). `source`: a JSON
+    schema (JSON text), a regex, a JSON list of choices, an EBNF grammar, or (tool_calls)
+    {"format", "parallel", "tools": [{name, parameters}]} as JSON; empty for json_object."""
+
+    kind: GrammarKind
+    source: str
 
 
 @dataclass(slots=True)
@@ -32,6 +46,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    grammar: GrammarSpec | None = None  # constrained decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

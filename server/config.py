@@ -4,6 +4,7 @@ into one typed object (server settings + `EngineConfig`) that is passed down."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -12,7 +13,23 @@ from typing import Any
 
 from engine.config import EngineConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config.toml"
+# The checkout's config.toml. An installed copy (site-packages) has none beside it: there
+# KVSERVE_CONFIG names the file (the Docker image sets it), else ./config.toml is used if present.
+CHECKOUT_CONFIG = Path(__file__).resolve().parent.parent / "config.toml"
+
+
+def default_config_path(env: dict[str, str] | None = None) -> Path | None:
+    """KVSERVE_CONFIG, else the checkout's config.toml, else ./config.toml; None if none exists
+    (the built-in defaults, which mirror the shipped file, apply)."""
+    env = dict(os.environ) if env is None else env
+    if env.get("KVSERVE_CONFIG"):
+        return Path(env["KVSERVE_CONFIG"])
+    for path in (CHECKOUT_CONFIG, Path.cwd() / "config.toml"):
+        if path.is_file():
+            return path
+    return None
+
+
 _ZERO_IS_NONE = {"num_kv_blocks", "max_model_len", "block_size"}
 _EMPTY_IS_NONE = {"model"}
 
@@ -33,6 +50,8 @@ class ServerConfig:
     max_stop_length: int = 256
     # chat requests that name no max_tokens: 0 = the rest of the context (vLLM's behaviour)
     default_max_tokens: int = 0
+    # tool-call format (vLLM's names: hermes, llama3_json, mistral); auto: from the chat template
+    tool_call_parser: str = "auto"
     log_level: str = "info"
     request_timeout_s: float = 0.0  # abort a request running longer than this; 0 = off
     shutdown_grace_s: float = 30.0  # on SIGTERM, let in-flight requests finish this long
@@ -67,7 +86,10 @@ def _defaults() -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvserve", description="OpenAI-compatible LLM server")
-    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML file of defaults")
+    ap.add_argument(
+        "--config", default=None, help="TOML file of defaults (default: $KVSERVE_CONFIG, else "
+        "the checkout's config.toml, else ./config.toml)"
+    )  # fmt: skip
     for name, default in _defaults().items():
         flag = "--" + name.replace("_", "-")
         if isinstance(default, bool):
@@ -87,8 +109,16 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
     env = dict(os.environ) if env is None else env
     defaults = _defaults()
     values: dict[str, Any] = {}
-    path = Path(args.config)
-    if path.is_file():
+    named = args.config or env.get("KVSERVE_CONFIG")
+    path = Path(named) if named else default_config_path(env)
+    if named and not Path(named).is_file():
+        raise SystemExit(f"config file {named} not found")
+    if path is None:
+        logging.getLogger("kvserve.config").warning(
+            "no config.toml found (KVSERVE_CONFIG unset, none in the checkout or ./): "
+            "using built-in defaults"
+        )
+    elif path.is_file():
         with open(path, "rb") as f:
             for section in tomllib.load(f).values():
                 if isinstance(section, dict):
@@ -112,6 +142,11 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
     server = ServerConfig(**{k: v for k, v in values.items() if k in ServerConfig.__slots__})
     engine = EngineConfig(**{k: v for k, v in values.items() if k in EngineConfig.__slots__})
     engine.validate()
+    if server.tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral"):
+        raise SystemExit(
+            f"tool_call_parser {server.tool_call_parser!r}: choose auto, hermes, llama3_json "
+            "or mistral"
+        )
     if server.default_max_tokens < 0:
         raise SystemExit("default_max_tokens must be >= 0 (0: the rest of the context)")
     return Config(server, engine)

@@ -9,7 +9,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling_params import ParamError, SamplingParams
+from engine.sampling_params import GrammarSpec, ParamError, SamplingParams
+from server.protocol_structured import (
+    AssistantToolCall,
+    ChatTool,
+    FunctionDef,
+    FunctionName,
+    LegacyFunctionCall,
+    StructuredFields,
+    ToolChoice,
+)
 
 
 class _Base(BaseModel):
@@ -17,9 +26,12 @@ class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class TextPart(_Base):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Base):
+    """A content part. Only text reaches a text model; other kinds (image_url, input_audio,
+    file) are refused by the route with a 400 naming the part."""
+
+    type: str
+    text: str | None = None
 
 
 # roles whose messages must carry content (OpenAI's schema: only the assistant's may be null
@@ -28,10 +40,12 @@ _CONTENT_REQUIRED = ("system", "developer", "user", "tool")
 
 
 class ChatMessage(_Base):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    function_call: LegacyFunctionCall | None = None  # legacy assistant turn
 
     @model_validator(mode="after")
     def _role_fields(self) -> ChatMessage:
@@ -39,22 +53,26 @@ class ChatMessage(_Base):
             raise ValueError(f"a {self.role} message needs content")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs tool_call_id")
+        if self.role == "function" and self.name is None:
+            raise ValueError("a function message needs name")
+        if self.role != "assistant" and (self.tool_calls or self.function_call):
+            raise ValueError("only assistant messages carry tool_calls")
         return self
 
-    def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates read it."""
-        return {
-            "role": self.role,
-            "content": self.text(),
-            **({"name": self.name} if self.name else {}),
-        }
+    def non_text_part(self) -> tuple[int, str] | None:
+        """(index, type) of the first part a text model cannot read."""
+        if isinstance(self.content, list):
+            for j, part in enumerate(self.content):
+                if part.type != "text" or part.text is None:
+                    return j, part.type
+        return None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
 
 
 class StreamOptions(_Base):
@@ -66,25 +84,33 @@ class _SamplingFields(_Base):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    n: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     # common extensions (vLLM names)
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
-    min_tokens: int = Field(default=0, ge=0)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool | None = None
     cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _null_is_default(self) -> _SamplingFields:
+        """OpenAI marks these nullable and SDKs send null: null means the default."""
+        for name, default in _NULL_DEFAULTS.items():
+            if name in type(self).model_fields and getattr(self, name) is None:
+                setattr(self, name, default)
+        return self
 
     @field_validator("stop", mode="after")
     @classmethod
@@ -92,7 +118,11 @@ class _SamplingFields(_Base):
         return [stop] if isinstance(stop, str) else list(stop or [])
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, seed_offset: int
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        seed_offset: int,
+        grammar: GrammarSpec | None = None,
     ) -> SamplingParams:
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
@@ -121,29 +151,52 @@ class _SamplingFields(_Base):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             cache_salt=self.cache_salt,
+            grammar=grammar,
         )
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, StructuredFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[FunctionDef] | None = Field(default=None, min_length=1)  # legacy
+    function_call: Literal["none", "auto"] | FunctionName | None = None  # legacy
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, StructuredFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = None
     logprobs: int | None = Field(default=None, ge=0)
     suffix: str | None = None
+
+
+# fields whose null means "the default" (the route reads them as plain values)
+_NULL_DEFAULTS: dict[str, Any] = {
+    "n": 1,
+    "stream": False,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_tokens": 0,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "echo": False,
+    "add_generation_prompt": True,
+    "parallel_tool_calls": True,
+}
 
 
 class TokenizeRequest(_Base):
     model: str = ""
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -195,17 +248,33 @@ class ChoiceLogprobs(_Out):
     refusal: list[TokenLogprob] | None
 
 
+class OutFunctionCall(_Out):
+    name: str
+    arguments: str
+
+
+class OutToolCall(_Out):
+    id: str
+    type: Literal["function"]
+    function: OutFunctionCall
+
+
 class AssistantMessage(_Out):
     role: Literal["assistant"]
     content: str | None
     refusal: str | None
+    tool_calls: list[OutToolCall] | None = None
+    function_call: OutFunctionCall | None = None  # legacy `functions` requests
+
+
+FinishReason = Literal["stop", "length", "tool_calls", "function_call"]
 
 
 class ChatChoice(_Out):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
 
 
 class ChatCompletionResponse(_Out):
@@ -218,16 +287,30 @@ class ChatCompletionResponse(_Out):
     usage: Usage
 
 
+class DeltaFunction(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Out):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction | None = None
+
+
 class ChatDelta(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunction | None = None  # legacy `functions` requests
 
 
 class ChatChunkChoice(_Out):
     index: int
     delta: ChatDelta
     logprobs: ChoiceLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: FinishReason | None
 
 
 class ChatCompletionChunk(_Out):

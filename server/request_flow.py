@@ -17,6 +17,7 @@ from starlette.responses import Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
+from engine.sampling_params import GrammarSpec
 from server.errors import APIError, RequestFailed, RequestTimeout, error_body, to_api_error
 from server.generation import Choice, usage_of
 from server.protocol import ErrorResponse
@@ -58,6 +59,7 @@ def make_choices(
     logprobs: int | None,
     req_id: str,
     max_tokens: int | None,
+    grammar: GrammarSpec | None = None,
 ) -> list[Choice]:
     """n choices per prompt (validated against the engine once, when submitted)."""
     choices = []
@@ -66,7 +68,7 @@ def make_choices(
             max_tokens if max_tokens is not None else max(1, engine.info.max_model_len - len(ids))
         )
         for i in range(body.n):
-            params = body.sampling_params(budget, logprobs, seed_offset=i)
+            params = body.sampling_params(budget, logprobs, seed_offset=i, grammar=grammar)
             index = p_idx * body.n + i
             choices.append(Choice(index, ids, params, f"{req_id}-{index}"))
     return choices

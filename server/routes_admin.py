@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
+from server.chat_prompt import render_prompt
 from server.errors import APIError
 from server.protocol import (
     DetokenizeRequest,
@@ -23,7 +24,6 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.routes_chat import render_chat
 from server.state import UI_DIR, VERSION, ServerState, log
 from server.wire import parse_body, reply
 
@@ -122,7 +122,7 @@ async def tokenize(request: Request) -> Response:
     body, engine = await _tokenizer_body(request, TokenizeRequest)
     assert engine.tokenizer is not None
     if body.messages is not None:
-        ids = render_chat(engine, body.messages, body.add_generation_prompt)
+        ids = render_prompt(engine.tokenizer, body.messages, body.add_generation_prompt, body.tools)
     elif body.prompt is not None:
         ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions, streaming or not."""
+"""POST /v1/chat/completions, streaming or not, with tools and structured outputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from starlette.responses import Response
 
 from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
-from models.chat_template import TemplateError
+from server.chat_prompt import render_prompt
+from server.constraints import ToolPlan, grammar_for, tool_plan
 from server.errors import APIError
 from server.generation import Choice, chat_logprobs, finish_reason
 from server.protocol import (
@@ -25,24 +26,21 @@ from server.request_flow import (
     session_id,
 )
 from server.state import ServerState
+from server.tool_parsers import (
+    PARSERS,
+    ToolCallStream,
+    ToolParser,
+    final_calls,
+    parser_for_template,
+)
 from server.wire import parse_body, reply
 
 
-def render_chat(
-    engine: AsyncEngine, messages: list, add_generation_prompt: bool, **kw
-) -> list[int]:
-    tokenizer = engine.tokenizer
-    if tokenizer is None:
-        raise APIError(400, "this model has no tokenizer; use /v1/completions with token ids")
-    try:
-        text = tokenizer.apply_chat_template(
-            [m.template_dict() for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            **kw,
-        )
-    except (TemplateError, ValueError) as e:
-        raise APIError(400, str(e), param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+def tool_parser(state: ServerState, engine: AsyncEngine) -> ToolParser:
+    name = state.config.server.tool_call_parser
+    if name != "auto":
+        return PARSERS[name]
+    return parser_for_template(engine.tokenizer.chat_template if engine.tokenizer else None)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -61,16 +59,29 @@ async def chat_completions(request: Request) -> Response:
             )
     check_limits(state, body)
     engine = state.ready_engine()
-    ids = render_chat(
-        engine, body.messages, body.add_generation_prompt, **(body.chat_template_kwargs or {})
+    plan = tool_plan(body)
+    parser = tool_parser(state, engine)
+    ids = render_prompt(
+        engine.tokenizer,
+        body.messages,
+        body.add_generation_prompt,
+        plan.tools if plan else None,
+        **(body.chat_template_kwargs or {}),
     )
+    constraint = grammar_for(body, plan, parser.name)
+    grammar = None
+    if constraint is not None:
+        grammar, param = constraint
+        await engine.compile_grammar(grammar, param)
     body.cache_salt = effective_salt(state, request, body.cache_salt)
     session = session_id(request, body.user)
     state.sessions.begin_turn(session, ids)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     req_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens or None
-    choices = make_choices(engine, body, [ids], logprobs, req_id, max_tokens)
+    choices = make_choices(engine, body, [ids], logprobs, req_id, max_tokens, grammar)
+    calls_parser = parser if plan is not None and plan.parses else None
+    legacy = body.functions is not None
 
     def end_turn(choices: list[Choice]) -> None:
         first = choices[0]
@@ -81,41 +92,64 @@ async def chat_completions(request: Request) -> Response:
     gen = Generation.admit(state, engine, choices, body.n, req_id, on_done=end_turn)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return gen.stream(ChatChunks(engine, logprobs is not None), include_usage)
+        fmt = ChatChunks(engine, logprobs is not None, calls_parser, plan, legacy)
+        return gen.stream(fmt, include_usage)
+
+    def message(ch: Choice) -> tuple[dict, str | None]:
+        reason = finish_reason(ch.finish_reason)
+        msg: dict = {"role": "assistant", "content": ch.text, "refusal": None}
+        if calls_parser is None or plan is None:
+            return msg, reason
+        parsed = calls_parser.parse(ch.text)
+        calls = final_calls(parsed)[: None if plan.parallel else 1]
+        if not calls:
+            return msg, reason
+        msg["content"] = parsed.content.strip() or None
+        if legacy:
+            msg["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+            return msg, "function_call" if reason == "stop" else reason
+        msg["tool_calls"] = [c.to_openai() for c in calls]
+        return msg, "tool_calls" if reason == "stop" else reason
 
     def respond(usage: dict) -> Response:
+        out = []
+        for ch in choices:
+            msg, reason = message(ch)
+            lps = chat_logprobs(engine.tokenizer, ch.logprobs) if logprobs is not None else None
+            out.append(
+                {"index": ch.index, "message": msg, "logprobs": lps, "finish_reason": reason}
+            )
         return reply(
             ChatCompletionResponse,
-            {
-                **gen.head,
-                "object": "chat.completion",
-                "choices": [
-                    {
-                        "index": ch.index,
-                        "message": {"role": "assistant", "content": ch.text, "refusal": None},
-                        "logprobs": chat_logprobs(engine.tokenizer, ch.logprobs)
-                        if logprobs is not None
-                        else None,
-                        "finish_reason": finish_reason(ch.finish_reason),
-                    }
-                    for ch in choices
-                ],
-                "usage": usage,
-            },
+            {**gen.head, "object": "chat.completion", "choices": out, "usage": usage},
         )
 
     return await gen.collect(request, respond)
 
 
 class ChatChunks:
+    """Chat stream chunks; with tools, each choice's text goes through a `ToolCallStream` so
+    calls arrive as OpenAI's tool_calls deltas (or legacy function_call deltas)."""
+
     model = ChatCompletionChunk
     object = "chat.completion.chunk"
 
-    def __init__(self, engine: AsyncEngine, logprobs: bool) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        logprobs: bool,
+        parser: ToolParser | None = None,
+        plan: ToolPlan | None = None,
+        legacy: bool = False,
+    ) -> None:
         self.tokenizer = engine.tokenizer
         self.logprobs = logprobs
+        self.parser, self.plan, self.legacy = parser, plan, legacy
+        self.calls: dict[int, ToolCallStream] = {}
 
     def opening(self, choice: Choice) -> dict:
+        if self.parser is not None:
+            self.calls[choice.index] = ToolCallStream(self.parser)
         return {
             "index": choice.index,
             "delta": {"role": "assistant", "content": ""},
@@ -124,20 +158,38 @@ class ChatChunks:
         }
 
     def delta(self, choice: Choice, out: RequestOutput) -> dict | None:
-        if not (out.new_text or out.logprobs):
-            return None
         lp = chat_logprobs(self.tokenizer, out.logprobs) if self.logprobs else None
-        return {
-            "index": choice.index,
-            "delta": {"content": out.new_text},
-            "logprobs": lp,
-            "finish_reason": None,
-        }
+        stream = self.calls.get(choice.index)
+        if stream is None:
+            if not (out.new_text or out.logprobs):
+                return None
+            delta: dict = {"content": out.new_text}
+        else:
+            content, calls = stream.feed(out.new_text, out.finished)
+            if self.plan is not None and not self.plan.parallel:
+                calls = [c for c in calls if c["index"] == 0]
+            delta = {}
+            if content:
+                delta["content"] = content
+            if calls and self.legacy:
+                delta["function_call"] = {
+                    k: v
+                    for c in calls
+                    for k, v in {
+                        "name": c.get("function", {}).get("name"),
+                        "arguments": c.get("function", {}).get("arguments"),
+                    }.items()
+                    if v is not None
+                }
+            elif calls:
+                delta["tool_calls"] = calls
+            if not delta and not out.logprobs:
+                return None
+        return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": None}
 
     def closing(self, choice: Choice, out: RequestOutput) -> dict:
-        return {
-            "index": choice.index,
-            "delta": {},
-            "logprobs": None,
-            "finish_reason": finish_reason(out.finish_reason),
-        }
+        reason = finish_reason(out.finish_reason)
+        stream = self.calls.get(choice.index)
+        if stream is not None and stream.num_calls and reason == "stop":
+            reason = "function_call" if self.legacy else "tool_calls"
+        return {"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": reason}

@@ -9,6 +9,7 @@ from starlette.responses import Response
 
 from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
+from server.constraints import grammar_for
 from server.errors import APIError
 from server.generation import Choice, completion_logprobs, finish_reason
 from server.protocol import CompletionRequest, CompletionResponse
@@ -47,13 +48,20 @@ async def completions(request: Request) -> Response:
     state.check_model(body.model)
     if body.logprobs is not None and body.logprobs > cfg.max_top_logprobs:
         raise APIError(400, f"logprobs must be at most {cfg.max_top_logprobs}", param="logprobs")
+    if body.suffix is not None:
+        raise APIError(400, "suffix is not supported (no fill-in-the-middle)", param="suffix")
     check_limits(state, body)
     engine = state.ready_engine()
     prompts = completion_prompts(engine, body)
+    constraint = grammar_for(body)
+    grammar = None
+    if constraint is not None:
+        grammar, param = constraint
+        await engine.compile_grammar(grammar, param)
     body.cache_salt = effective_salt(state, request, body.cache_salt)
     req_id = f"cmpl-{uuid.uuid4().hex}"
     max_tokens = body.max_tokens or DEFAULT_COMPLETION_TOKENS
-    choices = make_choices(engine, body, prompts, body.logprobs, req_id, max_tokens)
+    choices = make_choices(engine, body, prompts, body.logprobs, req_id, max_tokens, grammar)
     tokenizer = engine.tokenizer
 
     def decode(ids: list[int]) -> str:

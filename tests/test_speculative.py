@@ -173,8 +173,8 @@ def test_oracle_drafts_accept_and_stay_identical(llama_dir, heads, reference, mo
     original = proposer._draft_tokens
     rng = random.Random(0)
 
-    def oracle(hidden, reqs, live):
-        out = original(hidden, reqs, live)
+    def oracle(hidden, reqs, live, *rest):
+        out = original(hidden, reqs, live, *rest)
         for i in live:
             r = reqs[i]
             cont = expected[r.request_id]
@@ -323,8 +323,10 @@ def test_stop_strings_inside_a_verified_chunk(llama_dir, heads, reference, monke
     expected = {str(i): ref[i] for i in range(len(ps))}
     original = proposer._draft_tokens
 
-    def oracle(hidden, reqs, live):  # right drafts: long accepted chunks carry the stop string
-        out = original(hidden, reqs, live)
+    def oracle(
+        hidden, reqs, live, *rest
+    ):  # right drafts: long accepted chunks carry the stop string
+        out = original(hidden, reqs, live, *rest)
         for i in live:
             r = reqs[i]
             j = r.num_output_tokens + len(r.spec_token_ids) - 1

@@ -1,0 +1,258 @@
+"""Tool calls in model output, in the formats models are trained on (vLLM's parser names):
+
+- `hermes` (Hermes, Qwen2/2.5/3, and our fallback for templates without tools):
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, repeated for parallel calls;
+- `llama3_json` (Llama 3.1+): `{"name": ..., "parameters": {...}}`, optionally after
+  `<|python_tag|>`, several separated by `;`;
+- `mistral`: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`.
+
+Each parser reads a whole (or partial, while streaming) output and returns the content around the
+calls and the calls found so far; `ToolCallStream` turns successive parses into OpenAI's delta
+shape (`index`, `id` and `function.name` once, then `arguments` fragments).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(slots=True)
+class ParsedCall:
+    name: str | None  # None until the name is complete
+    arguments: str  # raw JSON text of the arguments seen so far
+    done: bool  # the arguments are a complete JSON value
+
+
+@dataclass(slots=True)
+class Parsed:
+    content: str  # text outside the calls (so far)
+    calls: list[ParsedCall] = field(default_factory=list)
+    in_call: bool = False  # the text ends inside a call (or a marker that may start one)
+
+
+def _partial_prefix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _value_after_key(obj_text: str, keys: tuple[str, ...]) -> tuple[str | None, bool, int]:
+    """In a (possibly partial) JSON object, the raw text of the value of the first key in `keys`
+    present: (text, complete, end offset)."""
+    for key in keys:
+        m = re.search('"' + re.escape(key) + r'"\s*:\s*', obj_text)
+        if m is None:
+            continue
+        start = m.end()
+        try:
+            _, end = _DECODER.raw_decode(obj_text, start)
+            return obj_text[start:end], True, end
+        except json.JSONDecodeError:
+            return _releasable(obj_text[start:]), False, len(obj_text)
+    return None, False, 0
+
+
+def _releasable(partial_value: str) -> str:
+    """Of an incomplete JSON value, the part certain to belong to it: drop a trailing run of
+    closing braces and whitespace (they may close the enclosing object instead)."""
+    end = len(partial_value)
+    while end and partial_value[end - 1] in "} \n\t\r":
+        end -= 1
+    return partial_value[:end]
+
+
+def _name(obj_text: str) -> str | None:
+    m = re.search(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', obj_text)
+    return json.loads(f'"{m.group(1)}"') if m else None
+
+
+def _call_from_object(obj_text: str, args_keys: tuple[str, ...]) -> ParsedCall:
+    args, done, _ = _value_after_key(obj_text, args_keys)
+    return ParsedCall(_name(obj_text), args or "", done)
+
+
+class HermesParser:
+    name = "hermes"
+    start, end = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str) -> Parsed:
+        out = Parsed("")
+        pos = 0
+        while True:
+            i = text.find(self.start, pos)
+            if i < 0:
+                tail = text[pos:]
+                hold = _partial_prefix(tail, self.start)
+                out.content += tail[: len(tail) - hold]
+                out.in_call = hold > 0
+                return out
+            out.content += text[pos:i]
+            body_start = i + len(self.start)
+            j = text.find(self.end, body_start)
+            body = text[body_start : j if j >= 0 else len(text)]
+            call = _call_from_object(body, ("arguments", "parameters"))
+            if j < 0:
+                out.calls.append(call)
+                out.in_call = True
+                return out
+            out.calls.append(call if call.done else ParsedCall(call.name, call.arguments, False))
+            pos = j + len(self.end)
+
+
+class Llama3JsonParser:
+    """Llama 3.1's JSON calls: the whole output is the call(s) when it starts with `{` (or the
+    python tag); otherwise it is content."""
+
+    name = "llama3_json"
+    tag = "<|python_tag|>"
+
+    def parse(self, text: str) -> Parsed:
+        stripped = text.lstrip()
+        if stripped.startswith(self.tag):
+            stripped = stripped[len(self.tag) :].lstrip()
+        if not stripped:
+            return Parsed("", in_call=_partial_prefix(text.lstrip(), self.tag) > 0 or not text)
+        if not stripped.startswith("{"):
+            return Parsed(text)
+        out = Parsed("", in_call=True)
+        pos = 0
+        while pos < len(stripped):
+            try:
+                obj, end = _DECODER.raw_decode(stripped, pos)
+            except json.JSONDecodeError:
+                out.calls.append(_call_from_object(stripped[pos:], ("parameters", "arguments")))
+                return out
+            if not isinstance(obj, dict):
+                return Parsed(text)
+            call = _call_from_object(stripped[pos:end], ("parameters", "arguments"))
+            out.calls.append(call)
+            rest = stripped[end:].lstrip()
+            if rest.startswith(";"):
+                rest = rest[1:].lstrip()
+            pos = len(stripped) - len(rest)
+        out.in_call = False
+        return out
+
+
+class MistralParser:
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+
+    def parse(self, text: str) -> Parsed:
+        i = text.find(self.marker)
+        if i < 0:
+            hold = _partial_prefix(text, self.marker)
+            return Parsed(text[: len(text) - hold], in_call=hold > 0)
+        out = Parsed(text[:i], in_call=True)
+        body = text[i + len(self.marker) :].lstrip()
+        if body.startswith("["):
+            body = body[1:]
+        pos = 0
+        while True:
+            rest = body[pos:].lstrip().lstrip(",").lstrip()
+            pos = len(body) - len(rest)
+            if not rest or rest.startswith("]"):
+                out.in_call = not rest
+                return out
+            try:
+                _, end = _DECODER.raw_decode(body, pos)
+            except json.JSONDecodeError:
+                out.calls.append(_call_from_object(rest, ("arguments",)))
+                return out
+            out.calls.append(_call_from_object(body[pos:end], ("arguments",)))
+            pos = end
+
+
+PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser())}
+ToolParser = HermesParser | Llama3JsonParser | MistralParser
+
+
+def parser_for_template(template: str | None) -> ToolParser:
+    """The format a chat template teaches; hermes for templates that know no tools (our
+    fallback prompt teaches that one)."""
+    source = template or ""
+    if "[TOOL_CALLS]" in source:
+        return PARSERS["mistral"]
+    if "<|python_tag|>" in source or "ipython" in source:
+        return PARSERS["llama3_json"]
+    return PARSERS["hermes"]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def final_calls(parsed: Parsed, ids: list[str] | None = None) -> list[ToolCall]:
+    """The complete calls of a finished output (an incomplete or nameless one is dropped)."""
+    calls = [c for c in parsed.calls if c.done and c.name]
+    ids = ids or []
+    return [
+        ToolCall(ids[i] if i < len(ids) else new_call_id(), c.name or "", c.arguments)
+        for i, c in enumerate(calls)
+    ]
+
+
+class ToolCallStream:
+    """Successive parses of a growing output as OpenAI deltas: content text, and per call its
+    header (index, id, type, name) once the name is known, then arguments fragments."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.content_sent = 0
+        self.ids: list[str] = []
+        self.args_sent: list[int] = []
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
+        self.text += delta
+        parsed = self.parser.parse(self.text)
+        content = parsed.content
+        if finished and parsed.in_call and not any(c.done for c in parsed.calls):
+            content = self.text  # a call that never completed: it was text after all
+        new_content = content[self.content_sent :]
+        self.content_sent = max(self.content_sent, len(content))
+        deltas = []
+        for i, call in enumerate(parsed.calls):
+            if call.name is None:
+                break
+            if i == len(self.ids):
+                self.ids.append(new_call_id())
+                self.args_sent.append(0)
+                deltas.append(
+                    {
+                        "index": i,
+                        "id": self.ids[i],
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
+            fragment = call.arguments[self.args_sent[i] :]
+            if fragment:
+                self.args_sent[i] = len(call.arguments)
+                deltas.append({"index": i, "function": {"arguments": fragment}})
+        return new_content, deltas
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.ids)

@@ -1,0 +1,365 @@
+"""Tools and structured outputs through real clients (the `openai` SDK, LangChain, LiteLLM)
+against the default model: what they promise comes back, and what cannot be honoured is a 400."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+from openai import OpenAI
+from pydantic import BaseModel, Field
+
+from tests.openai_schema import validate
+from tests.server_utils import kvserve_server
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 12}},
+            "required": ["zone"],
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+
+
+class City(BaseModel):
+    name: str = Field(max_length=24)
+    country: str = Field(max_length=24)
+    population: int = Field(ge=0, le=10**9)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    with kvserve_server(
+        smollm2_path,
+        served_model_name="SmolLM2-135M-Instruct",
+        max_model_len=2048,
+        num_kv_blocks=96,
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+
+
+def check_weather_args(arguments: str) -> None:
+    args = json.loads(arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    assert isinstance(args["city"], str) and len(args["city"]) <= 20
+
+
+def test_parse_returns_a_parsed_object(client) -> None:
+    done = client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City,
+        temperature=0,
+        max_tokens=120,
+    )
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City) and done.choices[0].finish_reason == "stop"
+
+
+def test_json_object_and_cut_by_max_tokens(client) -> None:
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": 'Reply with the JSON object {"a": 1}.'}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=60,
+    )
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    cut = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "A long JSON object about a cat."}],
+        response_format={"type": "json_object"},
+        max_tokens=3,
+    )
+    assert cut.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_forced_tool_calls_stream_complete_calls(client, choice) -> None:
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        stream=True,
+        temperature=0.7,
+        seed=3,
+        max_tokens=100,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        validate(
+            "CreateChatCompletionStreamResponse", chunk.model_dump(mode="json", exclude_unset=True)
+        )
+        delta = chunk.choices[0].delta
+        for tc in delta.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+            if tc.id:
+                entry["id"], entry["name"] = tc.id, tc.function.name
+            entry["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and calls
+    for call in calls.values():
+        assert call["id"].startswith("call_") and call["name"] in ("get_weather", "get_time")
+        if call["name"] == "get_weather":
+            check_weather_args(call["arguments"])
+    if choice != "required":
+        assert [c["name"] for c in calls.values()] == ["get_weather"]
+
+
+def test_non_streaming_named_call_and_parallel_off(client) -> None:
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=100,
+    )
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and len(msg.tool_calls) == 1
+    validate("CreateChatCompletionResponse", r.model_dump(mode="json", exclude_unset=True))
+
+
+def test_follow_up_turn_renders_calls_and_results(server, client) -> None:
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"},
+    ]
+    ids = httpx.post(
+        server.base + "/tokenize", json={"messages": history, "tools": [WEATHER]}, timeout=30
+    ).json()["tokens"]
+    text = httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=30).json()[
+        "prompt"
+    ]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<tool_response>\n21 C, sunny\n</tool_response>" in text
+    assert '"name": "get_weather"' in text.split("<tools>\n")[1]  # the fallback's tool list
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=history, tools=[WEATHER], max_tokens=8
+    )
+    assert r.usage.prompt_tokens == len(ids)  # the same rendering reached the model
+
+
+def test_langchain_structured_output_and_tools(server) -> None:
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=server.base + "/v1",
+        api_key="unused",
+        model="SmolLM2-135M-Instruct",
+        temperature=0,
+        max_tokens=100,
+        max_retries=0,
+    )
+    for method in ("json_schema", "function_calling"):
+        city = llm.with_structured_output(City, method=method).invoke("Describe Paris.")
+        assert isinstance(city, City), method
+
+    @tool
+    def get_weather(city: str, unit: str) -> str:
+        """Current weather in a city."""
+        return "sunny"
+
+    msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Rome?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+    assert set(msg.tool_calls[0]["args"]) == {"city", "unit"}
+
+
+def test_litellm_tools_and_json(server) -> None:
+    import litellm
+
+    common = {
+        "model": "openai/SmolLM2-135M-Instruct",
+        "api_base": server.base + "/v1",
+        "api_key": "unused",
+        "temperature": 0,
+        "max_tokens": 100,
+    }
+    r = litellm.completion(messages=ASK, tools=[WEATHER], tool_choice="required", **common)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    check_weather_args(call.function.arguments)
+    r = litellm.completion(
+        messages=[{"role": "user", "content": "Describe Paris."}],
+        response_format=City,
+        **common,
+    )
+    City.model_validate_json(r.choices[0].message.content)
+
+
+def test_structured_outputs_extensions_on_both_routes(server) -> None:
+    url = server.base
+    cases = [
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"guided_choice": ["red", "blue"]}, lambda t: t in ("red", "blue")),
+        ({"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}, lambda t: len(t) == 8),
+        ({"guided_regex": "(ab)+"}, lambda t: set(t) <= {"a", "b"}),
+        ({"guided_json": {"type": "object", "properties": {"a": {"type": "boolean"}},
+                          "required": ["a"]}}, lambda t: isinstance(json.loads(t)["a"], bool)),
+        ({"structured_outputs": {"grammar": 'root ::= "x" ("y" | "z")'}},
+         lambda t: t in ("xy", "xz")),
+    ]  # fmt: skip
+    for extra, ok in cases:
+        chat = httpx.post(
+            url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Answer."}], "max_tokens": 40, **extra},
+            timeout=60,
+        )
+        assert chat.status_code == 200, chat.text
+        assert ok(chat.json()["choices"][0]["message"]["content"]), (extra, chat.text)
+        cmpl = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "Answer:", "max_tokens": 40, **extra},
+            timeout=60,
+        )
+        assert cmpl.status_code == 200, cmpl.text
+        assert ok(cmpl.json()["choices"][0]["text"]), (extra, cmpl.text)
+
+
+def test_what_cannot_be_honoured_is_a_400(server) -> None:
+    def chat(**extra) -> httpx.Response:
+        body = {"messages": ASK, "max_tokens": 4, **extra}
+        return httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60)
+
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
+         "response_format"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+        ({"guided_grammar": "root ::= ("}, "guided_grammar"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "required",
+          "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
+        ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0.type"),
+    ]  # fmt: skip
+    for extra, param in cases:
+        r = chat(**extra)
+        assert r.status_code == 400, (extra, r.text)
+        validate("ErrorResponse", r.json())
+        assert r.json()["error"]["param"] == param, (extra, r.json())
+    image = chat(
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ],
+            }
+        ]
+    )
+    assert image.status_code == 400 and image.json()["error"]["param"] == "messages.0.content.1"
+    assert "text only" in image.json()["error"]["message"]
+    cmpl = httpx.post(
+        server.base + "/v1/completions",
+        json={"prompt": "a", "suffix": "b", "max_tokens": 2},
+        timeout=30,
+    )
+    assert cmpl.status_code == 400 and cmpl.json()["error"]["param"] == "suffix"
+
+
+NULLABLE_CHAT = [
+    "n", "stream", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+    "temperature", "top_p", "seed", "max_tokens", "max_completion_tokens", "logit_bias", "stop",
+    "stream_options", "tools", "tool_choice", "parallel_tool_calls", "response_format", "user",
+]  # fmt: skip
+NULLABLE_COMPLETION = [
+    "n", "stream", "logprobs", "echo", "presence_penalty", "frequency_penalty", "temperature",
+    "top_p", "seed", "max_tokens", "logit_bias", "stop", "suffix", "stream_options",
+]  # fmt: skip
+
+
+def test_nulls_in_every_nullable_field(server) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4}
+    for field in NULLABLE_CHAT:
+        body = {**chat, field: None}
+        if field == "max_completion_tokens":
+            body["max_tokens"] = 4
+        r = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, (field, r.text)
+    everything = {**chat, **dict.fromkeys(NULLABLE_CHAT), "max_tokens": 4}
+    r = httpx.post(server.base + "/v1/chat/completions", json=everything, timeout=60)
+    assert r.status_code == 200, r.text
+    for field in NULLABLE_COMPLETION:
+        body = {"prompt": "hi", "max_tokens": 4, field: None}
+        if field == "max_tokens":
+            body.pop("max_tokens")
+            body[field] = None
+        r = httpx.post(server.base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, (field, r.text)
+
+
+def test_developer_role_maps_to_system(server) -> None:
+    def render(messages: list[dict]) -> str:
+        ids = httpx.post(server.base + "/tokenize", json={"messages": messages}).json()["tokens"]
+        return httpx.post(server.base + "/detokenize", json={"tokens": ids}).json()["prompt"]
+
+    dev = render([{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "hi"}])
+    sys_ = render([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}])
+    assert dev == sys_ and "developer" not in dev and "SmolLM" not in dev
+
+
+def test_legacy_functions_map_onto_tools(client) -> None:
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=ASK,
+        functions=[WEATHER["function"]],
+        function_call={"name": "get_weather"},
+        temperature=0,
+        max_tokens=100,
+    )
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "function_call"
+    assert msg.function_call.name == "get_weather"
+    check_weather_args(msg.function_call.arguments)
