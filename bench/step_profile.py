@@ -3,6 +3,7 @@ prompts, then decode steps of the batch of N, with no HTTP in between.
 
     python bench/step_profile.py --batch 16 [--prompt-len 256] [--profile]
     python bench/step_profile.py --batch 1 --prompt-len 1500 --prefill-only
+    python bench/step_profile.py --batch 16 --dtype bfloat16   # default: --dtype auto
     KVSERVE_NO_CPP=1 python bench/step_profile.py --batch 16   # without the C++ ops
 
 Prints the prefill time and the mean decode step (ms, tokens/s); `--profile` adds
@@ -27,8 +28,12 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--no-packed-weights", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (engine --dtype)")
     a = ap.parse_args()
-    llm = LLM(cpu_packed_weights=not a.no_packed_weights, enable_prefix_caching=False)
+    llm = LLM(
+        cpu_packed_weights=not a.no_packed_weights, enable_prefix_caching=False, dtype=a.dtype
+    )
+    print(f"dtype {llm.engine.info.dtype} ({llm.engine.info.dtype_reason})")
     engine = llm.engine
     n = a.prompt_len
     work = chat_prompts(llm.tokenizer, a.batch, (n, n), (1, 1), seed=3)

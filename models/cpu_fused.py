@@ -1,5 +1,6 @@
 """The fused elementwise ops of models/layers.py (residual add + RMSNorm, SiLU x up) for CPU
-float32, from cpu_fused.cpp beside this file, compiled at first use (see models/cpp_ext.py)."""
+float32 and bfloat16 (computed in float32), from cpu_fused.cpp beside this file, compiled at first
+use (see models/cpp_ext.py)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,9 @@ from models import cpu_fused
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] @ weight [out, in].T (+ bias) -> [rows, out], the fastest form on CPU."""
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        # bf16 (unpacked only with --no-cpu-packed-weights): the (W @ x.T).T form is MKL's
+        # float32 trick; oneDNN's bf16 F.linear measured as fast at 2-64 rows, faster at one
         return F.linear(x, weight, bias)
     # MKL's fast path wants x row-major (so x.t() is a transposed view) and at least two rows.
     rows = x.shape[0]
@@ -35,14 +37,16 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return out.t() if rows > 1 else out[:, :1].t()
 
 
-# From this many rows a oneDNN-packed weight beats MKL's skinny GEMM (see the module docstring).
-PACKED_MIN_ROWS = 3
+# From this many rows a oneDNN-packed weight beats the unpacked path: float32 from 3 rows (MKL's
+# skinny GEMM wins below, see the module docstring); bfloat16 from one row (oneDNN's packed bf16
+# kernel beats F.linear at every row count measured, 1-64).
+PACKED_MIN_ROWS = {torch.float32: 3, torch.bfloat16: 1}
 
 
 def can_pack(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
+        and weight.dtype in PACKED_MIN_ROWS
         and torch.backends.mkldnn.is_available()
     )
 
@@ -52,8 +56,9 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        # A oneDNN blocked copy of `weight` (CPU float32 only; see `pack`), or None.
+        # A oneDNN blocked copy of `weight` (CPU float32 or bfloat16; see `pack`), or None.
         self.packed: torch.Tensor | None = None
+        self.packed_min_rows = 0
 
     def pack(self) -> int:
         """Also hold the weight in oneDNN's blocked layout for matmuls of >= PACKED_MIN_ROWS
@@ -63,10 +68,12 @@ class Linear(nn.Module):
             return 0
         # the batch-size hint picks the blocking; 64 measured best for 4-256 rows here
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+        self.packed_min_rows = PACKED_MIN_ROWS[self.weight.dtype]
         return self.weight.numel() * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS:
+        packed = self.packed is not None and x.dim() == 2 and x.shape[0] >= self.packed_min_rows
+        if packed and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, self.bias, "none", [], ""
             )
@@ -86,9 +93,13 @@ def pack_linears(module: nn.Module) -> int:
     return sum(m.pack() for m in module.modules() if isinstance(m, Linear))
 
 
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _fused_ops(x: torch.Tensor):  # -> the compiled ops, or None
-    """kvserve's C++ ops where they apply: CPU float32, no autograd (they have no backward)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+    """kvserve's C++ ops where they apply: CPU float32 or bfloat16 (computed in float32), no
+    autograd (they have no backward)."""
+    if x.device.type != "cpu" or x.dtype not in _FUSED_DTYPES or x.dim() != 2:
         return None
     if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
         return None
@@ -100,7 +111,8 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + x, RMSNorm(residual + x)); with residual None, (x, RMSNorm(x))."""
     ops = _fused_ops(x)
-    if ops is not None:
+    same = weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+    if ops is not None and same:
         res = residual.contiguous() if residual is not None else None
         return ops.add_rms_norm(x.contiguous(), res, weight, eps)
     total = x if residual is None else residual + x

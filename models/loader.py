@@ -92,6 +92,36 @@ def empty_model(
 # ---- HF directories -----------------------------------------------------------------------------
 
 
+_TORCH_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def checkpoint_dtype(path: str) -> str:
+    """The dtype the checkpoint's weight matrices are stored in: "float32", "float16",
+    "bfloat16", or a GGUF quantization type in lower case ("q4_1", "q8_0"). HF: config.json's
+    `torch_dtype` (`dtype` in newer files), else the first safetensors tensor's; GGUF: the most
+    common type among its 2-D tensors (norms are float32 in every GGUF file)."""
+    if is_gguf(path):
+        from collections import Counter
+
+        from models.gguf_loader import reader
+
+        types = Counter(t.tensor_type.name for t in reader(path).tensors if len(t.shape) >= 2)
+        name = types.most_common(1)[0][0] if types else "F32"
+        return _TORCH_DTYPE_NAMES.get(name, name.lower())
+    root = Path(path)
+    cfg = _read_json(root / "config.json") if (root / "config.json").is_file() else {}
+    value = cfg.get("torch_dtype") or cfg.get("dtype")
+    if isinstance(value, str):
+        return value.replace("torch.", "")
+    for file in sorted(root.glob("*.safetensors")):
+        with open(file, "rb") as f:  # the header: 8-byte length, then JSON
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                return _TORCH_DTYPE_NAMES.get(entry["dtype"], entry["dtype"].lower())
+    return "float32"
+
+
 def _read_json(path: Path) -> dict:
     with open(path) as f:
         return json.load(f)

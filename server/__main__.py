@@ -35,7 +35,7 @@ def banner(config: Config, info: EngineInfo) -> str:
         f"  model      {info.model_path}",
         f"  arch       {info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}, "
         f"vocab {info.vocab_size}",
-        f"  dtype      {info.dtype} on {info.device}"
+        f"  dtype      {info.dtype} on {info.device} ({info.dtype_reason})"
         + (
             f", + {info.packed_weight_bytes / 2**20:.0f} MiB oneDNN-packed weight copies"
             if info.packed_weight_bytes
@@ -69,20 +69,20 @@ def kernels(argv: list[str]) -> int:
     import torch
 
     from engine.attention import DeviceFacts, select_backend
-    from models.loader import default_model_path, load_spec
+    from models.loader import checkpoint_dtype, default_model_path, load_spec
 
     config = load_config(argv).engine
     path = config.model or default_model_path()
     spec = load_spec(path)
     device = config.resolved_device()
     facts = DeviceFacts.detect(device)
-    dtype = config.resolved_dtype()
+    dtype, why = config.dtype_choice(facts, checkpoint_dtype(path))
     elem = torch.empty((), dtype=dtype).element_size()
     print(
         f"model  {path}: {spec.architecture}, {spec.num_layers} layers, KV groups "
         f"{len(spec.kv_groups)}, {spec.kv_bytes_per_token(elem)} KV bytes/token"
     )
-    print(f"device {facts.label}, dtype {str(dtype).replace('torch.', '')}")
+    print(f"device {facts.label}, dtype {str(dtype).replace('torch.', '')} ({why})")
     try:
         choice = select_backend(
             spec, facts, dtype, config.resolved_block_size(), config.attention_backend,

@@ -40,13 +40,26 @@ def reference(q, tables, seq_lens, cache, bs, window):
 
 
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("strategy", ["cpp", "range", "gather"])
-def test_decode_strategies_match_reference(window, strategy) -> None:
+@pytest.mark.parametrize(
+    "strategy, dtype",
+    [
+        ("cpp", torch.float32),
+        ("range", torch.float32),
+        ("gather", torch.float32),
+        ("cpp", torch.bfloat16),
+        ("range", torch.bfloat16),
+    ],
+)
+def test_decode_strategies_match_reference(window, strategy, dtype) -> None:
+    """float32 to 1e-5; bfloat16 (a bf16 cache and queries; the C++ op reads bf16 and
+    accumulates in float32, the PyTorch path takes a float32 softmax) against the float32
+    reference on the same bf16 values, to bf16 output rounding (2**-7 relative, 0.02 abs for
+    outputs up to ~4)."""
     rng = random.Random(0)
     torch.manual_seed(0)
     bs, num_blocks = 4, 64
     spec = make_spec(window)
-    cache = torch.randn(*TorchBackend.kv_cache_shape(num_blocks, bs, 2, 16))
+    cache = torch.randn(*TorchBackend.kv_cache_shape(num_blocks, bs, 2, 16)).to(dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     shared = [free.pop(), free.pop()]  # a prefix two blocks long, used by three sequences
@@ -69,8 +82,12 @@ def test_decode_strategies_match_reference(window, strategy) -> None:
     step = backend.plan(meta)
     assert (step.cpp_decode is not None) == (strategy == "cpp")
     assert (step.range_plan is not None) == (strategy == "range")
-    q = torch.randn(7, 6, 16)
-    k_new, v_new = torch.randn(7, 2, 16), torch.randn(7, 2, 16)
+    q = torch.randn(7, 6, 16).to(dtype)
+    k_new, v_new = torch.randn(7, 2, 16).to(dtype), torch.randn(7, 2, 16).to(dtype)
     out = step.forward(0, q, k_new, v_new)
-    expected = reference(q, tables, seq_lens, cache, bs, window)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    assert out.dtype == dtype
+    expected = reference(q.float(), tables, seq_lens, cache.float(), bs, window)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    else:
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2**-7)

@@ -10,31 +10,40 @@ import torch.nn.functional as F
 from models.layers import PACKED_MIN_ROWS, Linear, can_pack, pack_linears
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_paths_match_f_linear(bias: bool) -> None:
+def test_linear_paths_match_f_linear(bias: bool, dtype: torch.dtype) -> None:
+    """float32 to 1e-4; bfloat16 (packed and unpacked alike round the float32-accumulated
+    product to bf16 once) against float32 arithmetic on the same bf16 inputs to 2 bf16 ulps."""
     torch.manual_seed(0)
     layer = Linear(96, 160, bias=bias)
     layer.weight.data.normal_()
     if bias:
         layer.bias.data.normal_()
+    layer.to(dtype)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 0.1}
+    size = dtype.itemsize
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        b = layer.bias.float() if layer.bias is not None else None
+        return F.linear(x.float(), layer.weight.float(), b).to(dtype)
+
     for packed in (False, True):
         if packed:
-            assert pack_linears(layer) == (160 * 96 * 4 if can_pack(layer.weight) else 0)
-        for rows in (1, 2, PACKED_MIN_ROWS, 8, 65):
-            x = torch.randn(rows, 96)
-            want = F.linear(x, layer.weight, layer.bias)
+            assert pack_linears(layer) == (160 * 96 * size if can_pack(layer.weight) else 0)
+        for rows in (1, 2, PACKED_MIN_ROWS[torch.float32], 8, 65):
+            x = torch.randn(rows, 96).to(dtype)
+            want = reference(x)
             got = layer(x)
-            assert got.shape == want.shape
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert got.shape == want.shape and got.dtype == dtype
+            torch.testing.assert_close(got, want, **tol)
         # a non-contiguous input (a column slice) takes the same paths
-        wide = torch.randn(5, 200)
-        torch.testing.assert_close(
-            layer(wide[:, 10:106]), F.linear(wide[:, 10:106], layer.weight, layer.bias)
-        )
+        wide = torch.randn(5, 200).to(dtype)
+        torch.testing.assert_close(layer(wide[:, 10:106]), reference(wide[:, 10:106]), **tol)
 
 
 def test_packing_skips_what_onednn_cannot_take() -> None:
-    layer = Linear(8, 8).to(torch.bfloat16)
+    layer = Linear(8, 8).to(torch.float16)  # float32 and bfloat16 are packed; float16 is not
     assert layer.pack() == 0 and layer.packed is None
 
 
@@ -58,6 +67,39 @@ def test_fused_ops_match_pytorch(rows: int) -> None:
         gate_up = torch.randn(rows, 2 * 48)
         want = F.silu(gate_up[:, :48]) * gate_up[:, 48:]
         torch.testing.assert_close(silu_mul(gate_up), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_fused_ops_bf16_match_float32_math(rows: int) -> None:
+    """bf16 through the C++ ops (float32 arithmetic, one rounding to bf16 per output): the sum
+    equals bf16(res + x) exactly; the norm and SiLU x up are within one bf16 rounding (2**-8
+    relative, plus the sum's own rounding) of the float32 result on the same bf16 inputs, and
+    closer to it than PyTorch's op-by-op bf16 path is (which rounds after every op)."""
+    from models import cpu_fused
+    from models.layers import add_rms_norm, rms_norm, silu_mul
+
+    assert cpu_fused.load() is not None
+    torch.manual_seed(rows)
+    bf = torch.bfloat16
+    x, res, w = (torch.randn(rows, 96).to(bf), torch.randn(rows, 96).to(bf), torch.randn(96).to(bf))
+    with torch.inference_mode():
+        total, normed = add_rms_norm(x, res, w, 1e-5)
+        assert total.dtype == normed.dtype == bf
+        torch.testing.assert_close(total, res + x, rtol=0, atol=0)
+        want = rms_norm(total.float(), w.float(), 1e-5)
+        torch.testing.assert_close(normed.float(), want, rtol=2**-7, atol=1e-2)
+        torch_bf16 = rms_norm(total, w, 1e-5).float()
+        assert (normed.float() - want).abs().mean() <= (torch_bf16 - want).abs().mean()
+        first, normed = add_rms_norm(x, None, w, 1e-5)
+        assert first is x
+        torch.testing.assert_close(
+            normed.float(), rms_norm(x.float(), w.float(), 1e-5), rtol=2**-7, atol=1e-2
+        )
+        gate_up = torch.randn(rows, 2 * 48).to(bf)
+        g, u = gate_up.float().chunk(2, dim=-1)
+        got = silu_mul(gate_up)
+        assert got.dtype == bf
+        torch.testing.assert_close(got.float(), F.silu(g) * u, rtol=2**-7, atol=1e-2)
     # with autograd on, the PyTorch path runs (the C++ ops have no backward)
     xg = x.clone().requires_grad_()
     total, normed = add_rms_norm(xg, res, w, 1e-5)

@@ -35,7 +35,10 @@ def run_steps(path: str, dtype: torch.dtype, strategy: str, forced: list[list[in
     num_blocks = 64
     caches = allocate_kv_caches(TorchBackend, spec.kv_groups, num_blocks, BLOCK, dtype, "cpu")
     backend = TorchBackend(spec, caches, BLOCK)
-    backend.decode_op = None  # the PyTorch ops (the C++ op is float32-only)
+    if strategy == "cpp":  # the C++ decode op reads float32 and bfloat16 caches
+        assert backend.decode_op is not None
+    else:
+        backend.decode_op = None  # the PyTorch ops
     backend.use_range_decode = strategy == "range"
     per_seq = num_blocks // len(PROMPTS)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(PROMPTS))]
@@ -68,8 +71,17 @@ def run_steps(path: str, dtype: torch.dtype, strategy: str, forced: list[list[in
     return torch.stack(rows), greedy
 
 
-@pytest.mark.parametrize("strategy", ["range", "gather"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "dtype, strategy",
+    [
+        (torch.bfloat16, "cpp"),
+        (torch.bfloat16, "range"),
+        (torch.bfloat16, "gather"),
+        (torch.float16, "range"),
+        (torch.float16, "gather"),
+    ],
+    ids=["bf16-cpp", "bf16-range", "bf16-gather", "fp16-range", "fp16-gather"],
+)
 def test_low_precision_decode_matches_float32(llama_dir, dtype, strategy) -> None:
     ref, greedy = run_steps(str(llama_dir), torch.float32, strategy, None)
     got, got_greedy = run_steps(str(llama_dir), dtype, strategy, greedy)

@@ -13,7 +13,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def smol(smollm2_path) -> LLM:
-    return LLM(smollm2_path, num_kv_blocks=256)
+    # float32 explicitly: `auto` serves this Q4_1 checkpoint in bf16 where the CPU is fast at
+    # it, and these tests compare against transformers in float32 (bf16: test_bf16_cpu.py)
+    return LLM(smollm2_path, num_kv_blocks=256, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,8 @@ def test_shipped_eagle_head_is_lossless_and_accepts(smol: LLM) -> None:
     leaves greedy chat answers unchanged, with drafts actually accepted."""
     from models.eagle.prompts import heldout_prompts
 
-    spec = LLM(num_kv_blocks=256, num_speculative_tokens=4)  # default model + shipped head
+    # default model + shipped head, in `smol`'s float32 (`auto` may pick bf16 on this CPU)
+    spec = LLM(num_kv_blocks=256, num_speculative_tokens=4, dtype="float32")
     assert spec.engine.draft is not None and spec.engine.draft.token_map is not None
     convs = [[{"role": "user", "content": p}] for p in heldout_prompts(3)]
     params = SamplingParams(temperature=0.0, max_tokens=48)

@@ -1,4 +1,6 @@
-// Paged decode attention for CPU float32: torch.ops.kvserve_cpu_decode.paged_decode.
+// Paged decode attention for CPU float32 and bfloat16 (a bf16 KV cache read as bf16, scores,
+// softmax and accumulation in float32, the output rounded to bf16 once):
+// torch.ops.kvserve_cpu_decode.paged_decode.
 // Built at first use by engine/attention/cpu_decode.py; its consumer is the torch backend.
 //
 // Why: a decode step's attention is a few dot products per cached token, but in PyTorch it is a
@@ -14,24 +16,26 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 // One (sequence, KV head) task: G query heads over the sequence's keys [first, len).
 // kD > 0 fixes the head size at compile time, so the dot products unroll and vectorize.
-template <int kD>
-static void attend_one(const float* qs, const float* kbase, const float* vbase,
+// qs is the G query heads in float32; T is the cache's element type.
+template <int kD, typename T>
+static void attend_one(const float* qs, const T* kbase, const T* vbase,
                        const int32_t* table, int64_t first, int64_t len, int64_t BS, int64_t G,
                        int64_t Drt, float sc, float* scores, float* acc, float* os) {
   const int64_t D = kD > 0 ? kD : Drt;
   const int64_t L = len - first;
   for (int64_t t = 0; t < L; ++t) {
     const int64_t pos = first + t;
-    const float* krow = kbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * D;
+    const T* krow = kbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * D;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qs + g * D;
       float dot = 0.f;
 #pragma GCC ivdep
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * krow[d];
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(krow[d]);
       scores[g * L + t] = dot * sc;
     }
   }
@@ -50,50 +54,56 @@ static void attend_one(const float* qs, const float* kbase, const float* vbase,
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
     const int64_t pos = first + t;
-    const float* vrow = vbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * D;
+    const T* vrow = vbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * D;
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * L + t];
       float* a = acc + g * D;
 #pragma GCC ivdep
-      for (int64_t d = 0; d < D; ++d) a[d] += p * vrow[d];
+      for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vrow[d]);
     }
   }
-  std::copy(acc, acc + G * D, os);
+  std::copy(acc, acc + G * D, os);  // os: float32 scratch or the output
 }
 
-// q [n, H, D]; k_cache, v_cache [kv_heads, num_blocks, block_size, D] (contiguous);
-// block_tables [n, max_blocks] int32; seq_lens [n] int32; window 0 = full attention.
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        double scale, int64_t window) {
-  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kFloat, "float32 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
-  TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt);
+template <typename T>
+static void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_tables,
+                              const at::Tensor& seq_lens, float sc, int64_t window,
+                              at::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
-  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D);
   const int64_t G = H / KVH, MB = block_tables.size(1);
-  auto out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  T* op = out.data_ptr<T>();
+  constexpr bool kF32 = std::is_same<T, float>::value;
 
   at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(G * D);
+    std::vector<float> qf(kF32 ? 0 : G * D), of(kF32 ? 0 : G * D);  // bf16: float32 copies
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / KVH, kh = task % KVH;
       const int64_t len = sl[s];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       scores.resize(G * (len - first));
-      const float* qs = qp + (s * H + kh * G) * D;
-      const float* kb = kp + kh * NB * BS * D;
-      const float* vb = vp + kh * NB * BS * D;
-      float* os = op + (s * H + kh * G) * D;
+      const T* qsrc = qp + (s * H + kh * G) * D;
+      T* odst = op + (s * H + kh * G) * D;
+      const float* qs;
+      float* os;
+      if constexpr (kF32) {
+        qs = qsrc;
+        os = odst;
+      } else {
+        for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qsrc[i]);
+        qs = qf.data();
+        os = of.data();
+      }
+      const T* kb = kp + kh * NB * BS * D;
+      const T* vb = vp + kh * NB * BS * D;
       const int32_t* table = bt + s * MB;
       if (D == 64) {
         attend_one<64>(qs, kb, vb, table, first, len, BS, G, D, sc, scores.data(), acc.data(), os);
@@ -102,8 +112,31 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       } else {
         attend_one<0>(qs, kb, vb, table, first, len, BS, G, D, sc, scores.data(), acc.data(), os);
       }
+      if constexpr (!kF32) {
+        for (int64_t i = 0; i < G * D; ++i) odst[i] = static_cast<T>(of[i]);
+      }
     }
   });
+}
+
+// q [n, H, D]; k_cache, v_cache [kv_heads, num_blocks, block_size, D] (contiguous), all float32
+// or all bfloat16; block_tables [n, max_blocks] int32; seq_lens [n] int32; window 0 = full.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        double scale, int64_t window) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt, "q/k/v dtypes differ");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt);
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && k_cache.size(3) == q.size(2));
+  auto out = at::empty_like(q);
+  const float sc = static_cast<float>(scale);
+  if (dt == at::kFloat) {
+    paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, sc, window, out);
+  } else {
+    paged_decode_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, sc, window, out);
+  }
   return out;
 }
 

@@ -1,5 +1,5 @@
-"""The torch backend's paged decode attention for CPU float32, from cpu_decode.cpp beside this
-file, compiled at first use (the build and its fallback: models/cpp_ext.py)."""
+"""The torch backend's paged decode attention for CPU float32 and bfloat16, from cpu_decode.cpp
+beside this file, compiled at first use (the build and its fallback: models/cpp_ext.py)."""
 
 from __future__ import annotations
 

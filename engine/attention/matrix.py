@@ -40,6 +40,9 @@ class DeviceFacts:
     # library -> why its kernels cannot be had here although it imports (e.g. FlashInfer is
     # JIT-only and there is no nvcc nor a matching prebuilt kernel package)
     kernel_notes: dict[str, str] = field(default_factory=dict)
+    # CPU: float32 time / bfloat16 time of a batched matmul, measured at startup (`bf16_probe`);
+    # >= 1 means bf16 is at least as fast, and `--dtype auto` may pick it. 0: not measured.
+    bf16_speedup: float = 0.0
 
     @staticmethod
     def detect(device: torch.device) -> DeviceFacts:
@@ -49,12 +52,16 @@ class DeviceFacts:
             name = torch.cuda.get_device_name(device)
             notes = {lib: why for lib in libs if (why := kernel_note(lib))}
             return DeviceFacts("cuda", name, cap, cap >= (8, 0), libs, notes)
-        return DeviceFacts("cpu", "cpu", None, _cpu_bf16_is_fast(), libs)
+        speedup = bf16_probe()
+        return DeviceFacts("cpu", "cpu", None, speedup >= 0.5, libs, bf16_speedup=speedup)
 
     @property
     def label(self) -> str:
         if self.capability:
             return f"{self.name} (sm{self.capability[0]}{self.capability[1]})"
+        if self.type == "cpu" and self.bf16_speedup:
+            native = "native bf16, " if self.native_bf16 else ""
+            return f"cpu ({native}bf16 matmul {self.bf16_speedup:.2g}x float32)"
         return f"{self.type}{' (native bf16)' if self.native_bf16 else ''}"
 
 
@@ -108,26 +115,42 @@ def kernel_note(lib: str) -> str | None:
     )
 
 
+# The probe's layer: 64 rows (a batched decode step or a prefill chunk) through a hidden x
+# 3*hidden linear layer at SmolLM2's hidden size 576, the batched work where the dtype matters.
+PROBE_ROWS, PROBE_IN, PROBE_OUT = 64, 576, 1728
+
+
 @functools.cache
-def _cpu_bf16_is_fast() -> bool:
-    """Whether bfloat16 matmuls run at least half as fast as float32 here. Measured (~10 ms),
-    not read from CPU flags: an advertised avx512_bf16 does not guarantee torch uses it, and
-    where it does not, bf16 runs tens of times slower than float32. Once per process."""
+def bf16_probe() -> float:
+    """float32 time / bfloat16 time of a PROBE_ROWS x PROBE_IN @ PROBE_IN x PROBE_OUT matmul here
+    (> 1: bf16 is faster). Measured, not read from CPU flags: an advertised avx512_bf16 does not
+    guarantee torch uses it, and where it does not, bf16 runs tens of times slower than float32
+    (Zen 3: ~1 GFLOP/s, ~70 ms a call; Zen 5: ~4x float32). The two dtypes alternate and each
+    keeps its best of 5 (other processes share the cores); a bf16 call slower than 10 float32
+    calls ends it early. Once per process, ~10 ms on a fast CPU."""
     import time
 
     import torch.nn.functional as F
 
-    def best(dtype: torch.dtype) -> float:
-        x, w = torch.randn(64, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
-        F.linear(x, w)
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            F.linear(x, w)
-            times.append(time.perf_counter() - start)
-        return min(times)
+    x, w = torch.randn(PROBE_ROWS, PROBE_IN), torch.randn(PROBE_OUT, PROBE_IN)
+    args = {dt: (x.to(dt), w.to(dt)) for dt in (torch.float32, torch.bfloat16)}
+    best = {dt: float("inf") for dt in args}
 
-    return best(torch.bfloat16) <= 2 * best(torch.float32)
+    def once(dt: torch.dtype) -> float:
+        start = time.perf_counter()
+        F.linear(*args[dt])
+        best[dt] = min(best[dt], time.perf_counter() - start)
+        return best[dt]
+
+    with torch.inference_mode():
+        once(torch.float32)  # warm-up (oneDNN/MKL kernel selection)
+        once(torch.float32)
+        if once(torch.bfloat16) > 10 * best[torch.float32]:
+            return best[torch.float32] / best[torch.bfloat16]
+        for _ in range(5):
+            once(torch.float32)
+            once(torch.bfloat16)
+    return best[torch.float32] / best[torch.bfloat16]
 
 
 @dataclass(frozen=True, slots=True)

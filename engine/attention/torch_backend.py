@@ -28,6 +28,7 @@ from models.spec import ModelSpec
 
 DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
 RANGE_MIN_SEQS = 4  # decode batches at least this large read KV through pool views
+CPP_DECODE_DTYPES = (torch.float32, torch.bfloat16)  # KV dtypes the C++ decode op reads
 
 
 def padded_tables(tables: list[list[int]], dtype: type) -> np.ndarray:
@@ -220,10 +221,11 @@ class TorchBackend(AttentionBackend):
         workspace: torch.Tensor | None = None,
     ) -> None:
         super().__init__(spec, kv_caches, block_size, workspace)
-        # Decode rows go to the compiled C++ op where it builds (CPU, float32); None: PyTorch
-        # ops (range plan or gather buckets). Tests set it to None to compare the paths.
+        # Decode rows go to the compiled C++ op where it builds (CPU, float32 or bfloat16 KV,
+        # float32 arithmetic); None: PyTorch ops (range plan or gather buckets; float16 on
+        # CPU). Tests set it to None to compare the paths.
         self.decode_op = None
-        if kv_caches[0].device.type == "cpu" and kv_caches[0].dtype == torch.float32:
+        if kv_caches[0].device.type == "cpu" and kv_caches[0].dtype in CPP_DECODE_DTYPES:
             ops = cpu_decode.load()
             self.decode_op = ops.paged_decode if ops is not None else None
 
