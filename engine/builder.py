@@ -14,11 +14,13 @@ import torch
 
 from engine.attention import BackendChoice, DeviceFacts, select_backend
 from engine.attention.base import AttentionBackend
+from engine.attention.matrix import dtype_name
 from engine.config import EngineConfig, parse_bytes
 from engine.disk_tier import DiskTier
 from engine.host_tier import HostTier
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, allocate_kv_caches
+from engine.pooling import resolve_pooling
 from engine.sampling_params import ParamError, SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import Proposer
@@ -27,7 +29,7 @@ from engine.warmup import warm_up
 from models.eagle.head import EagleHead, load_eagle_head
 from models.layers import pack_linears
 from models.llama import LlamaForCausalLM
-from models.loader import default_model_path, load_model
+from models.loader import checkpoint_dtype, default_model_path, load_model
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer, load_tokenizer
 
@@ -54,6 +56,7 @@ class EngineInfo:
     hidden_size: int
     vocab_size: int
     dtype: str
+    dtype_reason: str  # why this dtype (explicit, or what `auto` measured and read)
     device: str
     packed_weight_bytes: int
     num_blocks: int
@@ -76,15 +79,20 @@ class EngineInfo:
     num_speculative_tokens: int
     spec_max_verify_rows: int
     has_host_tier: bool
+    pooling: str = "last"  # embedding requests' pooling (engine/pooling.py)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """A prompt and its sampling parameters fit this engine, or ParamError says why."""
+        field = "input" if params.pooling else "prompt"  # embeddings name their input `input`
         if not prompt_token_ids:
-            raise ParamError("prompt", "prompt must contain at least one token")
+            raise ParamError(field, f"{field} must contain at least one token")
         vocab = self.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ParamError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+            raise ParamError(field, f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.pooling:  # prefill only: no output tokens
+            self._validate_length(len(prompt_token_ids))
+            return
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ParamError(
@@ -103,6 +111,20 @@ class EngineInfo:
         for token_id in params.logit_bias:
             if not 0 <= token_id < vocab:
                 raise ParamError("logit_bias", f"token id {token_id} is outside the vocabulary")
+
+    def _validate_length(self, n: int) -> None:
+        if n > self.max_model_len:
+            raise ParamError(
+                "input",
+                f"This model's maximum context length is {self.max_model_len} tokens; an input "
+                f"has {n} tokens. Please reduce the length of the input.",
+            )
+        if -(-n // self.block_size) > self.num_blocks:
+            raise ParamError(
+                "input",
+                f"an input of {n} tokens needs more than the "
+                f"{self.num_blocks * self.block_size} tokens of KV cache this server has",
+            )
 
 
 @dataclass(slots=True)
@@ -125,7 +147,10 @@ class EngineParts:
 def build_engine(config: EngineConfig) -> EngineParts:
     config.validate()
     model_path = config.model or default_model_path()
-    device, dtype = config.resolved_device(), config.resolved_dtype()
+    device = config.resolved_device()
+    facts = DeviceFacts.detect(device)
+    dtype, dtype_reason = config.dtype_choice(facts, checkpoint_dtype(model_path))
+    log.info("dtype %s (%s)", dtype_name(dtype), dtype_reason)
     dtype_size = torch.empty((), dtype=dtype).element_size()
     torch.manual_seed(config.seed)
     model, spec = load_model(model_path, dtype, device)
@@ -144,7 +169,6 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     block_size = config.resolved_block_size()
     kv_block_bytes = pool_spec.kv_bytes_per_token(dtype_size) * block_size
-    facts = DeviceFacts.detect(device)
     choice, backend, num_blocks, graphs = _choose_and_warm_up(
         config, model, pool_spec, facts, dtype, device, block_size, kv_block_bytes, max_model_len
     )
@@ -191,7 +215,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         vocab_size=spec.vocab_size,
-        dtype=str(dtype).replace("torch.", ""),
+        dtype=dtype_name(dtype),
+        dtype_reason=dtype_reason,
         device=str(device),
         packed_weight_bytes=packed_bytes,
         num_blocks=num_blocks,
@@ -207,7 +232,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         device_label=facts.label,
         compiled_decode=getattr(backend, "decode_op", None) is not None,
         cuda_graphs=runner.graph_sizes(),
-        kernel_table=choice.table,
+        kernel_table=f"{choice.table}\n  dtype {dtype_name(dtype)}: {dtype_reason}",
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -215,6 +240,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         num_speculative_tokens=config.num_speculative_tokens if draft is not None else 0,
         spec_max_verify_rows=config.spec_max_verify_rows,
         has_host_tier=host is not None,
+        pooling=resolve_pooling(model_path, config.pooling),
     )
     return EngineParts(
         info,

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.attention.matrix import DeviceFacts
 
 
 def parse_bytes(value: str | int) -> int:
@@ -21,9 +25,20 @@ def parse_bytes(value: str | int) -> int:
     return int(number * (1024 if binary else 1000) ** power)
 
 
+DTYPE_NAMES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
 def auto_dtype(device: torch.device, capability: tuple[int, int] | None = None) -> torch.dtype:
-    """float32 on CPU; on CUDA bfloat16 from sm80 (Ampere) on, float16 below (Turing and Volta
-    have no bfloat16 tensor cores, and FlashInfer's bf16 kernels need sm80)."""
+    """On CUDA bfloat16 from sm80 (Ampere) on, float16 below (Turing and Volta have no bfloat16
+    tensor cores, and FlashInfer's bf16 kernels need sm80). On CPU float32 here: the CPU's
+    choice needs the startup probe and the checkpoint (`choose_dtype`)."""
     if device.type != "cuda":
         return torch.float32
     if capability is None:
@@ -31,10 +46,48 @@ def auto_dtype(device: torch.device, capability: tuple[int, int] | None = None) 
     return torch.bfloat16 if tuple(capability) >= (8, 0) else torch.float16
 
 
+def choose_dtype(
+    requested: str,
+    device: torch.device,
+    facts: DeviceFacts | None = None,
+    checkpoint_dtype: str | None = None,
+) -> tuple[torch.dtype, str]:
+    """The serving dtype and why, for the banner and the kernel matrix.
+
+    An explicit `--dtype` is taken as given. `auto` on CUDA follows the compute capability
+    (`auto_dtype`). `auto` on CPU picks bfloat16 only when both hold: the startup probe measured
+    bf16 matmuls at least as fast as float32 (`facts.bf16_speedup >= 1`; AVX512-BF16/AMX CPUs,
+    ~4x; on AVX2 bf16 is ~50x slower) and the checkpoint is not float32 (16-bit or quantized
+    weights, whose own precision bf16 keeps: vLLM likewise follows the checkpoint's dtype). A
+    float32 checkpoint (the tests' tiny models) is served in float32."""
+    if requested != "auto":
+        if requested not in DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {requested!r}; choose from {sorted(DTYPE_NAMES)}")
+        return DTYPE_NAMES[requested], f"--dtype {requested}"
+    if device.type == "cuda":
+        capability = facts.capability if facts is not None else None
+        dtype = auto_dtype(device, capability)
+        if dtype == torch.bfloat16:
+            return dtype, "auto: CUDA sm80+ (bf16 tensor cores)"
+        return dtype, "auto: CUDA below sm80 has no bf16 tensor cores"
+    if facts is None or not facts.bf16_speedup:
+        return torch.float32, "auto: CPU bf16 speed not measured"
+    speed = f"bf16 matmul {facts.bf16_speedup:.2g}x float32 at startup"
+    if facts.bf16_speedup < 1.0:
+        return torch.float32, f"auto: {speed} (slower)"
+    if checkpoint_dtype is None:
+        return torch.float32, f"auto: {speed}, but the checkpoint's dtype is unknown"
+    if checkpoint_dtype in ("float32", "float64"):
+        return torch.float32, f"auto: the checkpoint is {checkpoint_dtype} ({speed})"
+    return torch.bfloat16, f"auto: {speed}, {checkpoint_dtype} checkpoint"
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # HF directory or GGUF file; None = SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: float32 on CPU; bfloat16 on CUDA sm80+, float16 below
+    # auto: CUDA bfloat16 from sm80, float16 below; CPU bfloat16 where measured fast at startup
+    # and the checkpoint is 16-bit or quantized, else float32 (`choose_dtype`)
+    dtype: str = "auto"
     device: str = "auto"
     block_size: int | None = None  # None: 64 on CPU (fewer, larger matmuls), 16 on CUDA
     num_kv_blocks: int | None = None  # overrides the size computed from memory
@@ -59,6 +112,9 @@ class EngineConfig:
     # CPU float32: also hold oneDNN-packed weight copies (2x weight memory; 1.3-1.8x faster
     # matmuls from 3 rows up, models/layers.py)
     cpu_packed_weights: bool = True
+    # embeddings (/v1/embeddings): last | mean; auto: the checkpoint's sentence-transformers
+    # 1_Pooling/config.json, else last
+    pooling: str = "auto"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -69,20 +125,17 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolved_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return auto_dtype(self.resolved_device())
-        names = {
-            "float32": torch.float32,
-            "float16": torch.float16,
-            "bfloat16": torch.bfloat16,
-            "fp32": torch.float32,
-            "fp16": torch.float16,
-            "bf16": torch.bfloat16,
-        }
-        if self.dtype not in names:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(names)}")
-        return names[self.dtype]
+    def resolved_dtype(
+        self, facts: DeviceFacts | None = None, checkpoint_dtype: str | None = None
+    ) -> torch.dtype:
+        """`choose_dtype`'s dtype; on CPU `auto` without the probe's facts and the checkpoint's
+        dtype is float32."""
+        return self.dtype_choice(facts, checkpoint_dtype)[0]
+
+    def dtype_choice(
+        self, facts: DeviceFacts | None = None, checkpoint_dtype: str | None = None
+    ) -> tuple[torch.dtype, str]:
+        return choose_dtype(self.dtype, self.resolved_device(), facts, checkpoint_dtype)
 
     def resolved_block_size(self) -> int:
         if self.block_size is not None:
@@ -100,5 +153,7 @@ class EngineConfig:
         parse_bytes(self.disk_bytes)
         if self.num_speculative_tokens < 0 or self.spec_max_verify_rows < 1:
             raise ValueError("num_speculative_tokens must be >= 0, spec_max_verify_rows >= 1")
+        if self.pooling not in ("auto", "last", "mean"):
+            raise ValueError("pooling must be auto, last or mean")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")

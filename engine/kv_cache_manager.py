@@ -85,9 +85,12 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """Longest cached prefix of the request, in whole blocks, leaving at least the last token
-        to compute so the request gets logits."""
+        to compute so the request gets logits. Mean-pooling embedding requests take no hits:
+        they need every position's hidden state (engine/pooling.py)."""
         hit = PrefixHit()
         if not self.enable_caching or request.num_computed_tokens > 0:
+            return hit
+        if request.sampling_params.pooling == "mean":
             return hit
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from engine.config import EngineConfig
@@ -107,6 +108,41 @@ class LLM:
                     comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
                     bar.update(1)
         bar.close()
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None
+    ) -> list[torch.Tensor]:
+        """One L2-normalised embedding (float32) per prompt: the pooled final hidden state
+        (engine/pooling.py), batched through the engine like prefills. `pooling`: "last" or
+        "mean"; None: the engine's (`EngineConfig.pooling`, resolved from the checkpoint)."""
+        if isinstance(prompts, str | Mapping) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = SamplingParams(max_tokens=1, pooling=pooling or self.engine.info.pooling)
+        order: list[str] = []
+        vectors: dict[str, torch.Tensor] = {}
+        try:
+            for prompt in prompts:
+                rid = str(next(self._ids))
+                ids = (
+                    self.tokenizer.encode_for_embedding(prompt)
+                    if isinstance(prompt, str) and self.tokenizer is not None
+                    else self._encode(prompt)  # type: ignore[arg-type]
+                )
+                self.engine.add_request(rid, ids, params)
+                order.append(rid)
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.error is not None:
+                        raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                    if out.embedding is not None:
+                        vectors[out.request_id] = out.embedding
+        except BaseException:
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
+        return [vectors[rid] for rid in order]
 
     def chat(
         self,

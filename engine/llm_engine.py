@@ -14,6 +14,7 @@ from engine.builder import EngineInfo, build_engine
 from engine.config import EngineConfig
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.pooling import normalize
 from engine.request import FinishReason, Request
 from engine.sampler import SamplerOutput, sample
 from engine.sampling_params import ParamError, SamplingParams
@@ -137,6 +138,7 @@ class LLMEngine:
             )
             return [self._fail(s.request, "the forward pass failed") for s in out.scheduled]
         outputs: list[RequestOutput] = []
+        pooled = self._pool(hidden, out.scheduled, outputs)
         try:
             results = self._sample(logits, out.scheduled, outputs)
         except Exception:  # a sampling bug must not kill the engine thread: isolate it
@@ -157,6 +159,9 @@ class LLMEngine:
         tables = {rid: self.kv.block_ids(rid) for rid in before} if self.proposer else {}
         self.scheduler.update(out, {s.request.request_id: r.token_ids for s, r in results})
         self._advance_grammars(results, before)
+        for request, embedding in pooled:  # an embedding request ends with its prefill
+            self.scheduler.finish(request.request_id, FinishReason.STOP)
+            outputs.append(self.outputs.pooled_output(request, embedding))
         for item, res in results:
             request = item.request
             tokens = request.all_token_ids[before[request.request_id][1] :]
@@ -173,6 +178,43 @@ class LLMEngine:
             sampled = {s.request.request_id for s, _ in results}
             self._propose(out, hidden, before, tables, failed, sampled)
         return outputs
+
+    def _pool(
+        self,
+        hidden: torch.Tensor,
+        scheduled: list[ScheduledRequest],
+        outputs: list[RequestOutput],
+    ) -> list[tuple[Request, torch.Tensor]]:
+        """Embedding requests (engine/pooling.py): mean pooling adds this chunk's hidden rows to
+        the request's running sum; a chunk that ends the prefill yields the pooled, normalised
+        vector (float32, on the CPU). A non-finite vector fails its request alone."""
+        width = self.model.spec.hidden_size  # the final-normed hidden state (not EAGLE-3's aux)
+        ends: list[tuple[Request, torch.Tensor]] = []
+        row = 0
+        for s in scheduled:
+            r, n = s.request, s.num_new_tokens
+            mode = r.sampling_params.pooling
+            if mode == "mean":
+                chunk = hidden[row : row + n, :width].float().sum(dim=0)
+                r.pooled_sum = chunk if r.pooled_sum is None else r.pooled_sum + chunk
+                if s.pools:
+                    ends.append((r, r.pooled_sum / r.num_prompt_tokens))
+            elif mode == "last" and s.pools:
+                ends.append((r, hidden[row + n - 1, :width]))
+            row += n
+        if not ends:
+            return []
+        vectors = normalize(torch.stack([v for _, v in ends])).cpu()
+        finite = vectors.isfinite().all(dim=-1).tolist()
+        pooled = []
+        for (r, _), vector, ok in zip(ends, vectors, finite):
+            r.pooled_sum = None
+            if ok:
+                pooled.append((r, vector))
+            else:
+                log.error("request %s: non-finite hidden state; failing it", r.request_id)
+                outputs.append(self._fail(r, "the model produced a NaN/inf hidden state"))
+        return pooled
 
     def _sample(
         self,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestOutput
 from engine.request import FinishReason, Request
@@ -23,6 +25,7 @@ def request_output(
     text: str,
     logprobs: list[TokenLogprobs] | None = None,
     error: str | None = None,
+    embedding: torch.Tensor | None = None,
 ) -> RequestOutput:
     finished = request.is_finished
     reason = request.finish_reason
@@ -39,6 +42,7 @@ def request_output(
         logprobs=logprobs or [],
         error=error,
         queue_time=request.queue_time,
+        embedding=embedding,
     )
 
 
@@ -52,8 +56,8 @@ class OutputProcessor:
         self.num_finished = 0
 
     def add(self, request: Request) -> None:
-        if self.tokenizer is None:
-            return
+        if self.tokenizer is None or request.sampling_params.pooling is not None:
+            return  # no text to make (an embedding request returns a vector)
         params = request.sampling_params
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer,
@@ -88,6 +92,11 @@ class OutputProcessor:
             self.detokenizers.pop(request.request_id, None)
             self.num_finished += 1
         return request_output(request, tokens, text, [lp for lp in lps if lp is not None])
+
+    def pooled_output(self, request: Request, embedding: torch.Tensor) -> RequestOutput:
+        """The one output of an embedding request (finished): its pooled vector."""
+        self.num_finished += 1
+        return request_output(request, [], "", embedding=embedding)
 
     def final_output(self, request: Request, error: str | None = None) -> RequestOutput:
         """The last output of a request ended from outside the step (abort, failure): the text

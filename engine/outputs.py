@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.sampler import TokenLogprobs
 
 
@@ -21,6 +23,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
     queue_time: float | None = None  # seconds from arrival to first scheduling
+    # an embedding request's result: the pooled, L2-normalised hidden state (float32, CPU)
+    embedding: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -55,6 +55,8 @@ class Request:
     spec_acceptance: float = 0.7  # running per-draft acceptance rate (adaptive k)
     # constrained decoding: the grammar's state after this request's output tokens
     matcher: Any = None  # xgrammar.GrammarMatcher
+    # mean pooling: float32 sum of the prompt positions' hidden states computed so far
+    pooled_sum: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

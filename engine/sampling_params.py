@@ -47,6 +47,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     grammar: GrammarSpec | None = None  # constrained decoding
+    # "last" | "mean": an embedding request (prefill only; its output is the pooled hidden
+    # state, engine/pooling.py); None: generate
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +68,7 @@ class SamplingParams:
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("pooling", self.pooling in (None, "last", "mean"), "must be last or mean"),
             (
                 "logit_bias",
                 all(-100 <= v <= 100 for v in self.logit_bias.values()),

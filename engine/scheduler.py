@@ -31,10 +31,20 @@ class ScheduledRequest:
     num_spec: int = 0
 
     @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's tokens, so it yields logits."""
+    def reaches_end(self) -> bool:
+        """True when this chunk reaches the end of the request's tokens."""
         r = self.request
         return r.num_computed_tokens + self.num_new_tokens - self.num_spec == r.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk yields logits: it reaches the end of a generating request."""
+        return self.reaches_end and self.request.sampling_params.pooling is None
+
+    @property
+    def pools(self) -> bool:
+        """True when this chunk ends an embedding request's prefill (engine/pooling.py)."""
+        return self.reaches_end and self.request.sampling_params.pooling is not None
 
 
 @dataclass(slots=True)
@@ -187,6 +197,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.spec_token_ids, request.spec_probs = [], None
+        request.pooled_sum = None  # mean pooling sums again from position 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -84,6 +84,20 @@ class Tokenizer:
                 ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_for_embedding(self, text: str) -> list[int]:
+        """`encode`, then what the tokenizer.json post-processor appends after the text, as
+        transformers' `tokenizer(text)` has it: Qwen3-Embedding's post-processor appends
+        <|endoftext|>, the token its last-token pooling reads."""
+        ids = self.encode(text)
+        if self.kind == "sentencepiece":
+            return ids
+        plain = self._backend.encode(text, add_special_tokens=False).ids
+        full = self._backend.encode(text, add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return ids + full[start + len(plain) :]
+        return ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:
             ids = [i for i in ids if i not in self.special_ids]

@@ -39,6 +39,7 @@ from server.routes_admin import (
 )
 from server.routes_chat import chat_completions
 from server.routes_completions import completions
+from server.routes_embeddings import embeddings
 from server.state import UI_DIR, VERSION, ServerState, log
 
 
@@ -164,6 +165,7 @@ def build_app(
         Route("/v1/models/{model:path}", get_model),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics),

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from server import protocol as p
+from server import protocol_embeddings as pe
 
 REF = "#/components/schemas/{model}"
 
@@ -37,6 +38,7 @@ def build_openapi(version: str) -> dict[str, Any]:
     requests = [
         p.ChatCompletionRequest,
         p.CompletionRequest,
+        pe.EmbeddingRequest,
         p.TokenizeRequest,
         p.DetokenizeRequest,
     ]
@@ -44,6 +46,7 @@ def build_openapi(version: str) -> dict[str, Any]:
         p.ChatCompletionResponse,
         p.ChatCompletionChunk,
         p.CompletionResponse,
+        pe.EmbeddingResponse,
         p.ModelList,
         p.ModelCard,
         p.TokenizeResponse,
@@ -114,6 +117,7 @@ def build_openapi(version: str) -> dict[str, Any]:
             "/v1/completions": post(
                 p.CompletionRequest, p.CompletionResponse, "Create a completion", streams=True
             ),
+            "/v1/embeddings": post(pe.EmbeddingRequest, pe.EmbeddingResponse, "Create embeddings"),
             "/v1/models": get(p.ModelList, "List models"),
             "/tokenize": post(p.TokenizeRequest, p.TokenizeResponse, "Tokenize text or messages"),
             "/detokenize": post(p.DetokenizeRequest, p.DetokenizeResponse, "Token ids to text"),

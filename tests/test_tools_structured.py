@@ -55,6 +55,7 @@ class City(BaseModel):
 def server(smollm2_path):
     with kvserve_server(
         smollm2_path,
+        dtype="float32",  # the same model outputs on every CPU (`auto` may pick bf16)
         served_model_name="SmolLM2-135M-Instruct",
         max_model_len=2048,
         num_kv_blocks=96,

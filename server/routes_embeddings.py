@@ -1,0 +1,123 @@
+"""POST /v1/embeddings: each input is an embedding request on the engine (prefill only, batched
+with everything else under the same token budget); its output is the pooled, L2-normalised final
+hidden state (engine/pooling.py). `dimensions` truncates and re-normalises here."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+
+import torch
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.async_engine import AsyncEngine
+from engine.pooling import normalize
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, RequestFailed, RequestTimeout
+from server.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
+from server.request_flow import effective_salt, run_or_disconnect
+from server.state import ServerState, log
+from server.wire import parse_body, reply
+
+MAX_INPUTS = 2048  # OpenAI's limit on the items of one request
+
+
+def embedding_inputs(engine: AsyncEngine, body: EmbeddingRequest) -> list[list[int]]:
+    """Token ids per input; empty inputs, empty strings and token lists are 400s naming
+    `input` (lengths are checked by the engine's validation, also naming `input`)."""
+    items = body.input
+    if isinstance(items, str) or (items and isinstance(items[0], int)):
+        items = [items]  # type: ignore[list-item]
+    if not items:
+        raise APIError(400, "input must not be empty", param="input")
+    if len(items) > MAX_INPUTS:
+        raise APIError(400, f"input holds at most {MAX_INPUTS} items", param="input")
+    out: list[list[int]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            if engine.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer; send token ids", param="input")
+            item = engine.tokenizer.encode_for_embedding(item) if item else []
+        if not item:
+            raise APIError(400, f"input {i} is empty", param="input")
+        out.append(list(item))  # type: ignore[arg-type]
+    return out
+
+
+def encode(vector: torch.Tensor, dimensions: int | None, fmt: str) -> list[float] | str:
+    if dimensions is not None and dimensions < vector.shape[0]:
+        vector = normalize(vector[:dimensions])
+    if fmt == "base64":
+        return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+async def embeddings(request: Request) -> Response:
+    state: ServerState = request.app.state.kv
+    cfg = state.config.server
+    body = await parse_body(request, EmbeddingRequest, cfg.max_body_bytes)
+    state.check_model(body.model)
+    engine = state.ready_engine()
+    hidden = engine.info.hidden_size
+    if body.dimensions is not None and not 1 <= body.dimensions <= hidden:
+        raise APIError(
+            400, f"dimensions must be in [1, {hidden}] for this model", param="dimensions"
+        )
+    inputs = embedding_inputs(engine, body)
+    limit = state.config.engine.max_num_seqs + cfg.max_queue_len
+    if len(inputs) > limit:  # would never be admitted: not a 429 to retry
+        raise APIError(400, f"this server embeds at most {limit} inputs per request", param="input")
+    params = SamplingParams(
+        max_tokens=1,
+        pooling=engine.info.pooling,
+        cache_salt=effective_salt(state, request, None),
+    )
+    req_id = f"embd-{uuid.uuid4().hex}"
+    ids = [f"{req_id}-{i}" for i in range(len(inputs))]
+    q = engine.submit([(rid, p, params) for rid, p in zip(ids, inputs)], limit)
+    if q is None:
+        raise APIError(
+            429,
+            "the server is at capacity; retry shortly",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
+    start = time.monotonic()
+    fmt = body.encoding_format or "float"
+
+    async def run() -> Response:
+        vectors: dict[str, torch.Tensor] = {}
+        timeout = cfg.request_timeout_s
+        try:
+            async for out in engine.stream(ids, q, timeout):
+                if out.embedding is not None:
+                    vectors[out.request_id] = out.embedding
+                elif out.finished:
+                    raise RequestFailed(
+                        f"request {out.request_id} ended without an embedding: "
+                        f"{out.error or out.finish_reason}"
+                    )
+        except TimeoutError:
+            raise RequestTimeout(f"request exceeded the {timeout:g} s limit") from None
+        tokens = sum(len(p) for p in inputs)
+        log.info(
+            "%s inputs=%d prompt_tokens=%d e2e=%.3fs",
+            req_id, len(inputs), tokens, time.monotonic() - start,
+        )  # fmt: skip
+        data = [
+            {
+                "object": "embedding",
+                "embedding": encode(vectors[rid], body.dimensions, fmt),
+                "index": i,
+            }
+            for i, rid in enumerate(ids)
+        ]
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return reply(
+            EmbeddingResponse,
+            {"object": "list", "data": data, "model": state.model_name, "usage": usage},
+        )
+
+    return await run_or_disconnect(request, run())
