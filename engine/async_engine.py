@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from engine.builder import EngineInfo
 from engine.config import EngineConfig
+from engine.engine_info import EngineInfo
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampler import TokenLogprobs

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.builder import EngineInfo, build_engine
+from engine.builder import build_engine
 from engine.config import EngineConfig
+from engine.engine_info import EngineInfo
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.pooling import normalize

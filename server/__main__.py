@@ -14,7 +14,7 @@ from server.config import Config, load_config
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
-    from engine.builder import EngineInfo
+    from engine.engine_info import EngineInfo
 
 
 def kv_line(info: EngineInfo) -> str:
