@@ -17,7 +17,7 @@ from starlette.responses import Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import GrammarSpec
+from engine.sampling_params import GrammarSpec, SamplingParams
 from server.errors import APIError, RequestFailed, RequestTimeout, error_body, to_api_error
 from server.generation import Choice, usage_of
 from server.protocol import ErrorResponse
@@ -108,15 +108,7 @@ class Generation:
         on_done: Callable[[list[Choice]], None] | None = None,
     ) -> Generation:
         """Every choice enters the engine now, or the request gets a 429."""
-        limit = state.config.engine.max_num_seqs + state.config.server.max_queue_len
-        q = engine.submit([(c.request_id, c.prompt_ids, c.params) for c in choices], limit)
-        if q is None:
-            raise APIError(
-                429,
-                "the server is at capacity; retry shortly",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            )
+        q = submit_or_429(state, engine, [(c.request_id, c.prompt_ids, c.params) for c in choices])
         head = {
             "id": req_id,
             "created": int(time.time()),
@@ -190,6 +182,22 @@ class Generation:
         if include_usage:
             yield sse(fmt.model, {**base, "choices": [], "usage": usage_of(self.choices, self.n)})
         yield SSE_DONE
+
+
+def submit_or_429(
+    state: ServerState, engine: AsyncEngine, requests: list[tuple[str, list[int], SamplingParams]]
+) -> asyncio.Queue:
+    """Admit all of a request's engine requests now, or answer 429 (queue full)."""
+    limit = state.config.engine.max_num_seqs + state.config.server.max_queue_len
+    q = engine.submit(requests, limit)
+    if q is None:
+        raise APIError(
+            429,
+            "the server is at capacity; retry shortly",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
+    return q
 
 
 async def until_disconnected(request: Request) -> None:

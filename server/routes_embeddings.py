@@ -17,7 +17,7 @@ from engine.pooling import normalize
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, RequestFailed, RequestTimeout
 from server.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
-from server.request_flow import effective_salt, run_or_disconnect
+from server.request_flow import effective_salt, run_or_disconnect, submit_or_429
 from server.state import ServerState, log
 from server.wire import parse_body, reply
 
@@ -76,14 +76,7 @@ async def embeddings(request: Request) -> Response:
     )
     req_id = f"embd-{uuid.uuid4().hex}"
     ids = [f"{req_id}-{i}" for i in range(len(inputs))]
-    q = engine.submit([(rid, p, params) for rid, p in zip(ids, inputs)], limit)
-    if q is None:
-        raise APIError(
-            429,
-            "the server is at capacity; retry shortly",
-            code="queue_full",
-            headers={"Retry-After": "1"},
-        )
+    q = submit_or_429(state, engine, [(rid, p, params) for rid, p in zip(ids, inputs)])
     start = time.monotonic()
     fmt = body.encoding_format or "float"
 
