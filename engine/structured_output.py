@@ -41,8 +41,10 @@ def _choice_ebnf(choices: list[str]) -> str:
 
 
 def _tool_calls_tag(source: str) -> dict[str, Any]:
-    """Hermes calls, `<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>`, one or more
-    (one unless parallel), the name forced and ARGS following the tool's parameters schema."""
+    """Hermes calls, `<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>`, the name one
+    of the tools' and ARGS following its parameters schema; one unless parallel. "forced": only
+    calls, at least one; "free" (tool_choice auto with strict tools): any text, and whatever
+    follows a `<tool_call>` trigger is such a call."""
     spec = json.loads(source)
     tags = [
         {
@@ -53,16 +55,12 @@ def _tool_calls_tag(source: str) -> dict[str, Any]:
         }
         for t in spec["tools"]
     ]
-    return {
-        "type": "structural_tag",
-        "format": {
-            "type": "tags_with_separator",
-            "tags": tags,
-            "separator": "\n",
-            "at_least_one": True,
-            "stop_after_first": not spec["parallel"],
-        },
-    }
+    if spec.get("mode", "forced") == "free":
+        calls = {"type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": False}
+    else:
+        calls = {"type": "tags_with_separator", "separator": "\n", "at_least_one": True}
+    calls |= {"tags": tags, "stop_after_first": not spec["parallel"]}
+    return {"type": "structural_tag", "format": calls}
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_ids: list[int]) -> xgr.TokenizerInfo:

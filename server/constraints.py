@@ -129,17 +129,20 @@ def _spec(kind: str, value: Any, param: str) -> GrammarSpec:
 
 
 def tool_call_spec(plan: ToolPlan, parser_name: str) -> GrammarSpec:
-    """The calls `required` / a named choice must produce, in the parser's format."""
+    """The calls `required` / a named choice must produce, or (auto with `strict` tools) the
+    shape any call the model chooses to make must have, in the parser's format."""
     if parser_name != "hermes":
+        what = "strict tools" if plan.choice == "auto" else f"tool_choice {plan.choice!r}"
         raise APIError(
             400,
-            f"tool_choice {plan.choice!r} is enforced for the hermes tool-call format only; this "
-            f"model's template uses {parser_name!r}: use tool_choice 'auto'",
-            param="tool_choice",
+            f"{what}: calls can be enforced in the hermes tool-call format only; this model's "
+            f"template uses {parser_name!r}: use tool_choice 'auto' without strict",
+            param="tool_choice" if plan.choice != "auto" else "tools",
         )
     tools = [t for t in plan.tools if plan.name is None or t.function.name == plan.name]
     payload = {
         "format": "hermes",
+        "mode": "free" if plan.choice == "auto" else "forced",
         "parallel": plan.parallel and plan.name is None,
         "tools": [
             {"name": t.function.name, "parameters": t.function.parameters or {"type": "object"}}
@@ -156,6 +159,8 @@ def grammar_for(
     found = _requested(body)
     if plan is not None and plan.choice in ("required", "named"):
         found.append(("tool_choice", tool_call_spec(plan, parser_name)))
+    elif plan is not None and plan.choice == "auto" and any(t.function.strict for t in plan.tools):
+        found.append(("tools", tool_call_spec(plan, parser_name)))  # strict: calls follow schemas
     if not found:
         return None
     if len(found) > 1:

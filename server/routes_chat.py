@@ -166,21 +166,16 @@ class ChatChunks:
             delta: dict = {"content": out.new_text}
         else:
             content, calls = stream.feed(out.new_text, out.finished)
-            if self.plan is not None and not self.plan.parallel:
+            if self.legacy or (self.plan is not None and not self.plan.parallel):
                 calls = [c for c in calls if c["index"] == 0]
             delta = {}
             if content:
                 delta["content"] = content
-            if calls and self.legacy:
-                delta["function_call"] = {
-                    k: v
-                    for c in calls
-                    for k, v in {
-                        "name": c.get("function", {}).get("name"),
-                        "arguments": c.get("function", {}).get("arguments"),
-                    }.items()
-                    if v is not None
-                }
+            if calls and self.legacy:  # the first call only: its name, then arguments
+                function: dict = {}
+                for c in calls:
+                    function.update(c["function"])
+                delta["function_call"] = function
             elif calls:
                 delta["tool_calls"] = calls
             if not delta and not out.logprobs:

@@ -184,3 +184,26 @@ def test_grammar_end_stops_even_under_ignore_eos(llm) -> None:
     )
     out = llm.generate([PROMPTS[0]], params)[0].outputs[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+def test_strict_tools_under_auto_shape_only_the_calls(llm) -> None:
+    """tool_choice auto with strict tools: free text stays free, and whatever follows a
+    `<tool_call>` trigger must be a call to a listed tool with schema-valid arguments."""
+    tool = {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    }
+    source = json.dumps({"format": "hermes", "mode": "free", "parallel": True, "tools": [tool]})
+    spec = GrammarSpec("tool_calls", source)
+
+    def accepts(text: str) -> bool:
+        return llm.engine.structured.matcher(spec).accept_string(text)
+
+    assert accepts("Let me check. ")
+    assert accepts('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}')
+    assert not accepts('<tool_call>\n{"name": "get_time"')
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city": 5')

@@ -28,7 +28,13 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
-from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name
+from engine.attention.matrix import (
+    DeviceFacts,
+    ModelNeeds,
+    Verdict,
+    dtype_name,
+    gpu_library_verdict,
+)
 from models.spec import ModelSpec
 
 HEAD_DIMS = (64, 128, 256)
@@ -180,13 +186,7 @@ class FlashInferBackend(AttentionBackend):
     def check(
         cls, needs: ModelNeeds, facts: DeviceFacts, dtype: torch.dtype, block_size: int
     ) -> Verdict:
-        verdict: Verdict = {}
-        if facts.type != "cuda":
-            verdict["device"] = "needs a CUDA GPU"
-        elif "flashinfer" not in facts.libraries:
-            verdict["device"] = "flashinfer is not installed (pip install .[gpu])"
-        elif facts.kernel_notes.get("flashinfer"):
-            verdict["device"] = facts.kernel_notes["flashinfer"]
+        verdict = gpu_library_verdict(facts, "flashinfer")
         if facts.capability is not None and facts.capability < (7, 5):
             verdict["compute capability"] = f"sm{facts.capability[0]}{facts.capability[1]} < sm75"
         if dtype not in (torch.float16, torch.bfloat16):

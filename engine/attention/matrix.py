@@ -183,6 +183,18 @@ class ModelNeeds:
 Verdict = dict[str, str | None]  # requirement -> reason it fails, or None when met
 
 
+def gpu_library_verdict(facts: DeviceFacts, library: str) -> Verdict:
+    """The "device" verdict of a backend built on a GPU kernel library: a CUDA device, the
+    library installed, and nothing known to stop its kernels from building or loading."""
+    if facts.type != "cuda":
+        return {"device": "needs a CUDA GPU"}
+    if library not in facts.libraries:
+        return {"device": f"{library} is not installed (pip install .[gpu])"}
+    if facts.kernel_notes.get(library):
+        return {"device": facts.kernel_notes[library]}
+    return {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

@@ -26,8 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
-from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name
-from models.spec import ModelSpec
+from engine.attention.matrix import (
+    DeviceFacts,
+    ModelNeeds,
+    Verdict,
+    dtype_name,
+    gpu_library_verdict,
+)
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)
 BLOCK_N = 64  # triton_splitk.FwOp.BLOCK_N: a page must hold whole key blocks
@@ -170,13 +175,7 @@ class XFormersBackend(AttentionBackend):
     def check(
         cls, needs: ModelNeeds, facts: DeviceFacts, dtype: torch.dtype, block_size: int
     ) -> Verdict:
-        verdict: Verdict = {}
-        if facts.type != "cuda":
-            verdict["device"] = "needs a CUDA GPU"
-        elif "xformers" not in facts.libraries:
-            verdict["device"] = "xformers is not installed (pip install .[gpu])"
-        elif facts.kernel_notes.get("xformers"):
-            verdict["device"] = facts.kernel_notes["xformers"]
+        verdict = gpu_library_verdict(facts, "xformers")
         if facts.capability is not None and facts.capability < (8, 0):
             cap = f"sm{facts.capability[0]}{facts.capability[1]}"
             verdict["compute capability"] = f"{cap} < sm80 (Triton split-K paged decode)"
@@ -199,15 +198,6 @@ class XFormersBackend(AttentionBackend):
         if needs.tree_masks:
             verdict["tree masks"] = "custom (tree) masks are not supported"
         return verdict
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        kv_caches: list[torch.Tensor],
-        block_size: int,
-        workspace: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(spec, kv_caches, block_size, workspace)
 
     def plan(self, meta: StepMetadata) -> XFormersStep:
         return XFormersStep(self, meta)
