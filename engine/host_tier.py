@@ -42,8 +42,11 @@ class HostTier:
         )
         self.num_blocks = max(0, capacity_bytes // self.block_bytes)
         pin = bool(device_caches) and device_caches[0].is_cuda
+        # Written once here so the pages are resident from the start: the tier's memory is
+        # reserved at startup (an over-sized --host-bytes fails now, not mid-run), and the
+        # process's RSS stays flat while the tier fills instead of looking like a leak.
         self.storage = [
-            torch.empty((self.num_blocks, *s), dtype=c.dtype, pin_memory=pin)
+            torch.empty((self.num_blocks, *s), dtype=c.dtype, pin_memory=pin).zero_()
             for s, c in zip(shapes, device_caches, strict=True)
         ]
         self.index: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first

@@ -40,6 +40,13 @@ from server.routes_admin import (
 from server.routes_chat import chat_completions
 from server.routes_completions import completions
 from server.routes_embeddings import embeddings
+from server.routes_responses import (
+    cancel_response,
+    create_response,
+    delete_response,
+    list_input_items,
+    retrieve_response,
+)
 from server.state import UI_DIR, VERSION, ServerState, log
 
 
@@ -153,6 +160,8 @@ def build_app(
             offloader.cancel()
         if state.engine is not None:
             state.engine.shutdown()
+        if state.responses is not None:
+            state.responses.close()
 
     routes = [
         Route("/health", health),
@@ -166,6 +175,11 @@ def build_app(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics),

@@ -56,6 +56,11 @@ class ServerConfig:
     request_timeout_s: float = 0.0  # abort a request running longer than this; 0 = off
     shutdown_grace_s: float = 30.0  # on SIGTERM, let in-flight requests finish this long
     idle_seconds: float = 0.0  # offload a session's KV to the host tier after this idle time
+    # stored Responses (store: true): SQLite file ("" = <disk_path>/responses.sqlite3 with a
+    # disk tier, else in memory), bounded by count and age (0 = unbounded)
+    responses_db: str = ""
+    responses_max_stored: int = 10_000
+    responses_max_age_s: float = 30 * 24 * 3600.0
 
 
 @dataclass(slots=True)

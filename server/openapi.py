@@ -8,6 +8,7 @@ from pydantic import BaseModel
 
 from server import protocol as p
 from server import protocol_embeddings as pe
+from server import protocol_responses as pr
 
 REF = "#/components/schemas/{model}"
 
@@ -39,6 +40,7 @@ def build_openapi(version: str) -> dict[str, Any]:
         p.ChatCompletionRequest,
         p.CompletionRequest,
         pe.EmbeddingRequest,
+        pr.ResponsesRequest,
         p.TokenizeRequest,
         p.DetokenizeRequest,
     ]
@@ -47,6 +49,10 @@ def build_openapi(version: str) -> dict[str, Any]:
         p.ChatCompletionChunk,
         p.CompletionResponse,
         pe.EmbeddingResponse,
+        pr.ResponseObject,
+        pr.ResponseEvent,
+        pr.ResponseDeleted,
+        pr.ItemList,
         p.ModelList,
         p.ModelCard,
         p.TokenizeResponse,
@@ -100,6 +106,8 @@ def build_openapi(version: str) -> dict[str, Any]:
             }
         }
 
+    response_id = {"name": "response_id", "in": "path", "required": True,
+                   "schema": {"type": "string"}}  # fmt: skip
     return {
         "openapi": "3.1.0",
         "info": {
@@ -118,6 +126,24 @@ def build_openapi(version: str) -> dict[str, Any]:
                 p.CompletionRequest, p.CompletionResponse, "Create a completion", streams=True
             ),
             "/v1/embeddings": post(pe.EmbeddingRequest, pe.EmbeddingResponse, "Create embeddings"),
+            "/v1/responses": post(
+                pr.ResponsesRequest, pr.ResponseObject, "Create a response", streams=True
+            ),
+            "/v1/responses/{response_id}": {
+                "parameters": [response_id],
+                **get(pr.ResponseObject, "A stored response"),
+                "delete": {
+                    "summary": "Delete a stored response",
+                    "responses": {
+                        "200": {"description": "ok", **_json(pr.ResponseDeleted)},
+                        **api_errors,
+                    },  # fmt: skip
+                },
+            },
+            "/v1/responses/{response_id}/input_items": {
+                "parameters": [response_id],
+                **get(pr.ItemList, "The items a stored response was generated from"),
+            },
             "/v1/models": get(p.ModelList, "List models"),
             "/tokenize": post(p.TokenizeRequest, p.TokenizeResponse, "Tokenize text or messages"),
             "/detokenize": post(p.DetokenizeRequest, p.DetokenizeResponse, "Token ids to text"),

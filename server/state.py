@@ -11,6 +11,7 @@ from engine.async_engine import AsyncEngine
 from server.config import Config
 from server.errors import APIError
 from server.metrics import Metrics
+from server.response_store import ResponseStore
 from server.sessions import SessionTracker
 
 VERSION = "0.1.0"
@@ -27,6 +28,7 @@ class ServerState:
         self.metrics = Metrics()
         self.created = int(time.time())
         self.sessions = SessionTracker()
+        self.responses: ResponseStore | None = None  # opened at first use (routes_responses)
         self.draining = False  # SIGTERM received: finish in-flight work, admit nothing new
         self.loop: asyncio.AbstractEventLoop | None = None
 

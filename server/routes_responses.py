@@ -1,0 +1,419 @@
+"""OpenAI's Responses API: POST /v1/responses (whole or as a stream of Responses events), and
+the stored responses' GET, DELETE, input_items and cancel.
+
+A request is mapped onto a chat-completions request (its items become chat messages; tools,
+`tool_choice` and `text.format` go through the same tool plan and grammar engine), so the
+template, constraints and sampling are chat's own. With `previous_response_id` the stored
+conversation is prepended: the client resends nothing, and since the conversation renders to
+the same tokens as last turn's prompt + output, its KV is found by the prefix cache in the
+device pool, the host tier or the disk tier (`usage.input_tokens_details.cached_tokens`)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from server.chat_prompt import render_prompt
+from server.constraints import grammar_for, tool_plan
+from server.errors import APIError, to_api_error
+from server.generation import Choice, usage_of
+from server.protocol import ChatCompletionRequest
+from server.protocol_responses import (
+    INCLUDE_LOGPROBS,
+    ItemList,
+    ResponseDeleted,
+    ResponseEvent,
+    ResponseObject,
+    ResponsesRequest,
+)
+from server.request_flow import Generation, check_limits, effective_salt, make_choices
+from server.response_store import ResponseStore
+from server.responses_items import OutputItems, chat_messages, input_items, new_id
+from server.routes_chat import tool_parser
+from server.state import ServerState, log
+from server.wire import dump, parse_body, reply
+
+# chat's parameter names as the Responses API spells them, for errors raised by shared code
+_PARAM_NAMES = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+
+
+def owner_of(state: ServerState, request: Request) -> str:
+    """Who may read a stored response: the API key that created it (all callers are one owner
+    when the server has no keys)."""
+    if not state.config.server.api_key:
+        return ""
+    return hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()[:32]
+
+
+def store_of(state: ServerState) -> ResponseStore:
+    if state.responses is None:
+        cfg = state.config.server
+        path = cfg.responses_db
+        if not path and state.config.engine.disk_path:
+            path = f"{state.config.engine.disk_path.rstrip('/')}/responses.sqlite3"
+        state.responses = ResponseStore(path, cfg.responses_max_stored, cfg.responses_max_age_s)
+    return state.responses
+
+
+def refuse_unsupported(body: ResponsesRequest) -> None:
+    def no(param: str, why: str) -> APIError:
+        return APIError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
+
+    if body.background:
+        raise no("background", "background responses are not supported; stream instead")
+    if body.reasoning is not None and (body.reasoning.effort or body.reasoning.summary):
+        raise no("reasoning", "this model does not reason; leave reasoning unset")
+    if body.prompt is not None:
+        raise no("prompt", "stored prompt templates are not supported; send input")
+    if body.conversation is not None:
+        raise no("conversation", "conversations are not supported; use previous_response_id")
+    for i, name in enumerate(body.include or []):
+        if name != INCLUDE_LOGPROBS:
+            raise no(f"include.{i}", f"only {INCLUDE_LOGPROBS!r} can be included here")
+    if body.service_tier not in (None, "auto", "default"):
+        raise no("service_tier", "this server has one tier: auto or default")
+    if body.text is not None and body.text.verbosity not in (None, "medium"):
+        raise no("text.verbosity", "verbosity cannot be steered for this model")
+    for i, tool in enumerate(body.tools or []):
+        if tool.type != "function":
+            raise no(f"tools.{i}.type", f"{tool.type!r} tools are not available; function is")
+        if tool.name is None:
+            raise no(f"tools.{i}.name", "a function tool needs a name")
+    choice = body.tool_choice
+    if not isinstance(choice, str | None) and (choice.type != "function" or not choice.name):
+        raise no("tool_choice", "name a function: {'type': 'function', 'name': ...}")
+    fmt = body.text.format if body.text else None
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+        raise APIError(400, "text.format: json_schema needs a schema", param="text.format.schema")
+    if body.input is None:
+        raise APIError(400, "input is required", param="input")
+
+
+def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    fmt = body.text.format if body.text else None
+    response_format = None
+    if fmt is not None and fmt.type == "json_schema":
+        response_format = {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.name, "schema": fmt.json_schema, "strict": fmt.strict},
+        }
+    elif fmt is not None:
+        response_format = {"type": fmt.type}
+    choice = body.tool_choice
+    data: dict[str, Any] = {
+        "messages": messages,
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "user": body.user,
+        "response_format": response_format,
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "tools": [
+            {
+                "type": "function",
+                "function": t.model_dump(include={"name", "description", "parameters", "strict"}),
+            }
+            for t in body.tools or []
+        ]
+        or None,
+        "tool_choice": (
+            choice
+            if isinstance(choice, str | None)
+            else {"type": "function", "function": {"name": choice.name}}
+        ),
+    }
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as e:
+        raise APIError(400, f"input: {e.errors()[0]['msg']}", param="input") from None
+
+
+def _renamed(e: APIError) -> APIError:
+    if e.param in _PARAM_NAMES:
+        e.param = _PARAM_NAMES[e.param]
+    return e
+
+
+def response_body(
+    resp_id: str,
+    created: int,
+    body: ResponsesRequest,
+    model: str,
+    *,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    error: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    text = {"format": {"type": "text"}}
+    if body.text is not None and body.text.format is not None:
+        text = {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)}
+    choice = body.tool_choice
+    tool_choice = (
+        choice.model_dump() if choice is not None and not isinstance(choice, str) else choice
+    )
+    return {
+        "id": resp_id,
+        "object": "response",
+        "created_at": created,
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "status": status,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "max_tool_calls": body.max_tool_calls,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": None,
+        "safety_identifier": body.safety_identifier,
+        "prompt_cache_key": body.prompt_cache_key,
+        "service_tier": "default",
+        "store": body.store is not False,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "text": text,
+        "tool_choice": tool_choice or "auto",
+        "tools": [t.model_dump(exclude_none=True) | {"strict": t.strict} for t in body.tools or []],
+        "top_logprobs": body.top_logprobs or 0,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "truncation": body.truncation or "disabled",
+        "metadata": body.metadata or {},
+        "background": False,
+        # OpenAI's schema has these as non-null when present
+        **({"usage": usage} if usage is not None else {}),
+        **({"user": body.user} if body.user is not None else {}),
+    }
+
+
+async def create_response(request: Request) -> Response:
+    state: ServerState = request.app.state.kv
+    cfg = state.config.server
+    body = await parse_body(request, ResponsesRequest, cfg.max_body_bytes)
+    state.check_model(body.model)
+    refuse_unsupported(body)
+    store, owner = store_of(state), owner_of(state, request)
+    history: list[dict[str, Any]] = []
+    conversation = None
+    if body.previous_response_id:
+        prev = store.get(owner, body.previous_response_id)
+        if prev is None:
+            raise APIError(
+                404,
+                f"previous response {body.previous_response_id!r} not found",
+                param="previous_response_id",
+                code="response_not_found",
+            )
+        history, conversation = prev.input_items + prev.body["output"], prev.conversation
+    assert body.input is not None
+    items = history + input_items(body.input)
+    engine = state.ready_engine()
+    chat, ids = _render(state, engine, body, items)
+    plan = tool_plan(chat)
+    parser = tool_parser(state, engine)
+    try:
+        constraint = grammar_for(chat, plan, parser.name)
+        grammar = None
+        if constraint is not None:
+            grammar, param = constraint
+            await engine.compile_grammar(grammar, _PARAM_NAMES.get(param, param))
+        check_limits(state, chat)
+    except APIError as e:
+        raise _renamed(e) from None
+    chat.cache_salt = effective_salt(state, request, None)
+    resp_id = new_id("resp")
+    conversation = conversation or resp_id
+    session = f"response:{conversation}"
+    state.sessions.begin_turn(session, ids)
+    with_logprobs = INCLUDE_LOGPROBS in (body.include or []) or bool(body.top_logprobs)
+    logprobs = (body.top_logprobs or 0) if with_logprobs else None
+    max_tokens = body.max_output_tokens or cfg.default_max_tokens or None
+    try:
+        choices = make_choices(engine, chat, [ids], logprobs, resp_id, max_tokens, grammar)
+    except APIError as e:
+        raise _renamed(e) from None
+
+    def end_turn(done: list[Choice]) -> None:
+        first = done[0]
+        state.sessions.end_turn(session, first.prompt_ids + first.token_ids, chat.cache_salt)
+
+    gen = Generation.admit(state, engine, choices, 1, resp_id, on_done=end_turn)
+    created = int(time.time())
+    max_calls = 1 if body.parallel_tool_calls is False else body.max_tool_calls
+    calls_parser = parser if plan is not None and plan.parses else None
+
+    def builder() -> OutputItems:
+        return OutputItems(engine.tokenizer, calls_parser, max_calls, with_logprobs)
+
+    def finish(ch: Choice, output: list[dict[str, Any]]) -> dict[str, Any]:
+        status = "incomplete" if ch.finish_reason == "length" else "completed"
+        usage = responses_usage(usage_of(gen.choices, 1), engine.info.block_size,
+                                engine.info.prefix_caching)  # fmt: skip
+        final = response_body(
+            resp_id, created, body, state.model_name, status=status, output=output, usage=usage
+        )
+        if body.store is not False:
+            store.put(owner, conversation, final, items)
+        return final
+
+    if body.stream:
+        return StreamingResponse(
+            _events(gen, builder(), body, resp_id, created, state.model_name, finish),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    def respond(usage: dict) -> Response:
+        ch = gen.choices[0]
+        status = "incomplete" if ch.finish_reason == "length" else "completed"
+        out = builder()
+        out.feed(ch.text, ch.logprobs, True, status)
+        return reply(ResponseObject, finish(ch, out.items))
+
+    return await gen.collect(request, respond)
+
+
+def _render(
+    state: ServerState, engine: Any, body: ResponsesRequest, items: list[dict[str, Any]]
+) -> tuple[ChatCompletionRequest, list[int]]:
+    """The chat request and its prompt; with `truncation: auto`, the oldest items are dropped
+    until the prompt leaves room for the output."""
+    room = engine.info.max_model_len - (body.max_output_tokens or 1)
+    while True:
+        chat = chat_request(body, chat_messages(items, body.instructions))
+        plan = tool_plan(chat)
+        ids = render_prompt(engine.tokenizer, chat.messages, True, plan.tools if plan else None)
+        if len(ids) <= room or body.truncation != "auto" or len(items) <= 1:
+            return chat, ids
+        items = items[1:]
+        while len(items) > 1 and items[0]["type"] != "message":  # no orphaned call outputs
+            items = items[1:]
+
+
+def responses_usage(usage: dict, block_size: int, prefix_caching: bool) -> dict:
+    prompt = usage["prompt_tokens"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    written = max(0, prompt // block_size * block_size - cached) if prefix_caching else 0
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
+        "output_tokens": usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage["total_tokens"],
+    }
+
+
+async def _events(
+    gen: Generation,
+    out: OutputItems,
+    body: ResponsesRequest,
+    resp_id: str,
+    created: int,
+    model: str,
+    finish: Any,
+) -> AsyncIterator[bytes]:
+    seq = itertools.count()
+
+    def event(kind: str, fields: dict[str, Any]) -> bytes:
+        data = dump(ResponseEvent, {"type": kind, "sequence_number": next(seq), **fields})
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+    def snapshot(status: str, error: dict | None = None) -> dict[str, Any]:
+        return response_body(
+            resp_id, created, body, model, status=status, output=out.items, error=error
+        )
+
+    yield event("response.created", {"response": snapshot("in_progress")})
+    yield event("response.in_progress", {"response": snapshot("in_progress")})
+    try:
+        async for ch, o in gen.outputs():
+            status = "incomplete" if o.finished and ch.finish_reason == "length" else "completed"
+            for kind, fields in out.feed(o.new_text, o.logprobs, o.finished, status):
+                yield event(kind, fields)
+        ch = gen.choices[0]
+        final = finish(ch, out.items)
+    except Exception as e:  # noqa: BLE001 - headers are sent: report it in the stream
+        if to_api_error(e) is None:
+            log.exception("response stream %s failed", resp_id)
+        error = {"code": "server_error", "message": f"generation failed: {e}"}
+        yield event("response.failed", {"response": snapshot("failed", error)})
+        return
+    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+    yield event(kind, {"response": final})
+
+
+async def retrieve_response(request: Request) -> Response:
+    state: ServerState = request.app.state.kv
+    if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+        raise APIError(400, "stream: only background responses can be streamed again",
+                       param="stream")  # fmt: skip
+    stored = _stored(state, request)
+    return reply(ResponseObject, stored.body)
+
+
+async def delete_response(request: Request) -> Response:
+    state: ServerState = request.app.state.kv
+    rid = request.path_params["response_id"]
+    if not store_of(state).delete(owner_of(state, request), rid):
+        raise _missing(rid)
+    return reply(ResponseDeleted, {"id": rid, "object": "response", "deleted": True})
+
+
+async def cancel_response(request: Request) -> Response:
+    state: ServerState = request.app.state.kv
+    _stored(state, request)
+    raise APIError(400, "only background responses can be cancelled", code="not_background")
+
+
+async def list_input_items(request: Request) -> Response:
+    state: ServerState = request.app.state.kv
+    stored = _stored(state, request)
+    q = request.query_params
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise APIError(400, "limit: an integer from 1 to 100", param="limit")
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, "order: asc or desc", param="order")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    after = q.get("after")
+    if after is not None:
+        ids = [it["id"] for it in items]
+        if after not in ids:
+            raise APIError(400, f"after: no item {after!r} in this response", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return reply(
+        ItemList,
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        },
+    )
+
+
+def _stored(state: ServerState, request: Request) -> Any:
+    rid = request.path_params["response_id"]
+    stored = store_of(state).get(owner_of(state, request), rid)
+    if stored is None:
+        raise _missing(rid)
+    return stored
+
+
+def _missing(rid: str) -> APIError:
+    return APIError(404, f"response {rid!r} not found", param="response_id",
+                    code="response_not_found")  # fmt: skip
