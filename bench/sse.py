@@ -32,7 +32,10 @@ async def adata(response: httpx.Response) -> AsyncIterator[str]:
 
 
 def content(chunk: dict) -> str:
-    """The text a chunk adds: chat `delta.content` or completions `text` of its first choice."""
+    """The text a chunk adds: chat `delta.content` or completions `text` of its first choice, or
+    a Responses `response.output_text.delta` event's delta."""
+    if chunk.get("type") == "response.output_text.delta":
+        return chunk["delta"]
     if not chunk.get("choices"):
         return ""
     choice = chunk["choices"][0]
@@ -54,6 +57,7 @@ class Stream:
     text: str = ""
     usage: dict | None = None
     error: str = ""
+    response_id: str = ""  # a Responses stream's response id
 
     def check(self) -> Stream:
         """Raise unless the stream completed."""
@@ -65,7 +69,8 @@ class Stream:
 async def stream(
     client: httpx.AsyncClient, path: str, body: dict, headers: dict[str, str] | None = None
 ) -> Stream:
-    """POST `body` to `path` as a stream (usage included) and read it to the end."""
+    """POST `body` to `path` as a stream (usage included) and read it to the end; /v1/responses
+    streams (Responses events) are read the same way."""
     body = {"stream": True, "stream_options": {"include_usage": True}, **body}
     res = Stream()
     start = time.perf_counter()
@@ -85,6 +90,9 @@ async def stream(
                     return res
                 if chunk.get("usage"):
                     res.usage = chunk["usage"]
+                elif chunk.get("type") in ("response.completed", "response.incomplete"):
+                    res.usage = chunk["response"]["usage"]
+                    res.response_id = chunk["response"]["id"]
                 delta = content(chunk)
                 if delta:
                     now = time.perf_counter()

@@ -13,7 +13,7 @@ class EmbeddingRequest(_Base):
     model: str = ""
     dimensions: int | None = None  # truncate to this many, then re-normalise
     encoding_format: Literal["float", "base64"] | None = None  # null: float
-    user: str | None = None  # accepted (OpenAI's end-user id); not used
+    user: str | None = None  # OpenAI's end-user id: written to the request's log line
 
 
 class Embedding(_Out):

@@ -96,8 +96,9 @@ async def embeddings(request: Request) -> Response:
             raise RequestTimeout(f"request exceeded the {timeout:g} s limit") from None
         tokens = sum(len(p) for p in inputs)
         log.info(
-            "%s inputs=%d prompt_tokens=%d e2e=%.3fs",
+            "%s inputs=%d prompt_tokens=%d e2e=%.3fs%s",
             req_id, len(inputs), tokens, time.monotonic() - start,
+            f" user={body.user!r}" if body.user else "",  # OpenAI's end-user id: attribution
         )  # fmt: skip
         data = [
             {

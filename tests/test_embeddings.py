@@ -180,6 +180,7 @@ def test_raw_body_matches_openai_schema_and_base64(server) -> None:
     validate("CreateEmbeddingResponse", plain)
     assert plain["object"] == "list" and plain["model"] == "llama"
     assert all(d["object"] == "embedding" for d in plain["data"])
+    assert "user='u1'" in server.log()  # the end-user id is attributed in the request's log line
     r = post(server, {**body, "encoding_format": "base64"})
     assert r.status_code == 200, r.text
     for d, p in zip(r.json()["data"], plain["data"]):

@@ -233,3 +233,29 @@ def test_request_timeout_aborts_cleanly(llama_dir) -> None:
         assert ok.status_code == 200
     finally:
         s.stop()
+
+
+def test_a_failed_response_stream_ends_with_response_failed(live, monkeypatch) -> None:
+    """Responses API: a generation that fails mid-stream ends with a schema-valid
+    `response.failed` event, stores nothing and frees its blocks."""
+    runner = live.core.runner
+    original = runner.execute
+
+    def execute(out):
+        logits, hidden = original(out)
+        return torch.full_like(logits, float("nan")), hidden
+
+    monkeypatch.setattr(runner, "execute", execute)
+    body = {"input": "hello", "max_output_tokens": 5, "stream": True}
+    with httpx.stream("POST", live.base + "/v1/responses", json=body, timeout=60) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.failed",
+    ]
+    validate("ResponseFailedEvent", events[-1])
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and "NaN" in failed["error"]["message"]
+    assert httpx.get(f"{live.base}/v1/responses/{failed['id']}").status_code == 404
+    assert live.core.kv.pool.num_free_blocks == live.core.num_blocks

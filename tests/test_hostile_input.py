@@ -33,6 +33,13 @@ BODIES = {
         "user": "u1",
     },
     "/v1/completions": {"prompt": "hello", "max_tokens": 4, "stop": "x", "n": 1, "seed": 3},
+    "/v1/responses": {
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+        "instructions": "be brief",
+        "max_output_tokens": 4,
+        "temperature": 0,
+        "metadata": {"k": "v"},
+    },
     "/tokenize": {"prompt": "hello", "add_special_tokens": True},
     "/detokenize": {"tokens": [5, 6, 7]},
     "/reset_prefix_cache": {},
@@ -75,6 +82,9 @@ def with_lone_surrogate(path: str, field: str, stream: bool = False) -> bytes:
         ("/v1/completions", "stop", False),
         ("/tokenize", "prompt", False),
         ("/v1/chat/completions", "user", False),
+        ("/v1/responses", "instructions", False),
+        ("/v1/responses", "instructions", True),
+        ("/v1/responses", "input", False),
     ],
 )
 def test_lone_surrogate_is_a_400_naming_the_field(server, path, field, stream) -> None:
