@@ -1,10 +1,13 @@
 """The default model's weights in the forms peer servers read, all dequantized from the same GGUF
 so every engine in a comparison computes with the same float32 numbers.
 
-    python bench/export.py --out bench/.peers/models   # writes smollm2-f32.gguf and hf/
+    python bench/export.py --out bench/.peers/models   # writes <stem>.{F32,BF16,Q8_0}.gguf, hf/
 
-- `f32_gguf`: the GGUF with every tensor dequantized to F32 (metadata copied unchanged; llama.cpp's
-  q/k permutation is kept, since llama.cpp reads it) -- for llama.cpp's servers.
+- `gguf_as(..., "F32" | "BF16" | "Q8_0")`: the GGUF with every tensor dequantized to F32, then
+  (BF16, Q8_0) re-encoded by the `gguf` package: matrices in that type, 1-D tensors (norms) F32,
+  as llama.cpp's own converter does (metadata copied; llama.cpp's q/k permutation kept, since
+  llama.cpp reads it) -- for llama.cpp's servers at each precision, and Q8_0 for
+  `--quantization int8` loading a Q8_0 file.
 - `hf_dir`: a transformers checkpoint (safetensors + tokenizer + chat template) -- for vLLM and
   the naive transformers baseline. transformers' own GGUF reader does the conversion.
 """
@@ -18,11 +21,15 @@ from pathlib import Path
 import numpy as np
 
 
-def f32_gguf(src: str, dst: Path) -> Path:
+FILE_TYPES = {"F32": "ALL_F32", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}
+
+
+def gguf_as(src: str, dst: Path, kind: str = "F32") -> Path:
     import gguf
 
     if dst.exists():
         return dst
+    qtype = gguf.GGMLQuantizationType[kind]
     reader = gguf.GGUFReader(src)
     arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(dst) + ".tmp", arch)
@@ -31,7 +38,7 @@ def f32_gguf(src: str, dst: Path) -> Path:
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
         if field.name == "general.file_type":
-            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+            writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[kind]])
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
@@ -39,7 +46,12 @@ def f32_gguf(src: str, dst: Path) -> Path:
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         # the reader gives numpy order (reversed GGML dims); the writer wants the same
-        writer.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
+        data = data.reshape([int(d) for d in reversed(t.shape)])
+        if kind == "F32" or data.ndim < 2:
+            writer.add_tensor(t.name, data)
+        else:
+            encoded = gguf.quants.quantize(data, qtype)
+            writer.add_tensor(t.name, encoded, raw_shape=encoded.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -78,7 +90,8 @@ def main() -> None:
     src = args.model or default_model_path()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f32_gguf(src, out / (Path(src).stem + ".F32.gguf")))
+    for kind in FILE_TYPES:
+        print(gguf_as(src, out / f"{Path(src).stem}.{kind}.gguf", kind))
     print(hf_dir(src, out / "hf"))
 
 

@@ -198,6 +198,10 @@ class Soak:
             "rss_first_third_mb": first / 1024,
             "rss_last_third_mb": last / 1024,
             "rss_growth": last / first - 1,
+            # a leak climbs to the end; allocator warm-up flattens out
+            "rss_timeline_mb": [
+                round(samples[int(i * (len(samples) - 1) / 9)][1] / 1024) for i in range(10)
+            ],
         }
 
 

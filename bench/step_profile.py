@@ -4,6 +4,7 @@ prompts, then decode steps of the batch of N, with no HTTP in between.
     python bench/step_profile.py --batch 16 [--prompt-len 256] [--profile]
     python bench/step_profile.py --batch 1 --prompt-len 1500 --prefill-only
     python bench/step_profile.py --batch 16 --dtype bfloat16   # default: --dtype auto
+    python bench/step_profile.py --batch 16 --quantization int8
     KVSERVE_NO_CPP=1 python bench/step_profile.py --batch 16   # without the C++ ops
 
 Prints the prefill time and the mean decode step (ms, tokens/s); `--profile` adds
@@ -29,11 +30,16 @@ def main() -> None:
     ap.add_argument("--no-packed-weights", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (engine --dtype)")
+    ap.add_argument("--quantization", default="none", help="none | int8 (engine --quantization)")
     a = ap.parse_args()
     llm = LLM(
-        cpu_packed_weights=not a.no_packed_weights, enable_prefix_caching=False, dtype=a.dtype
+        cpu_packed_weights=not a.no_packed_weights,
+        enable_prefix_caching=False,
+        dtype=a.dtype,
+        quantization=a.quantization,
     )
     print(f"dtype {llm.engine.info.dtype} ({llm.engine.info.dtype_reason})")
+    print(llm.engine.info.kernel_table.splitlines()[-1].strip())
     engine = llm.engine
     n = a.prompt_len
     work = chat_prompts(llm.tokenizer, a.batch, (n, n), (1, 1), seed=3)

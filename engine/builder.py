@@ -20,6 +20,7 @@ from engine.config import EngineConfig, parse_bytes
 from engine.disk_tier import DiskTier
 from engine.engine_info import EngineInfo
 from engine.host_tier import HostTier
+from engine.int8_weights import quantize_model
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.pooling import resolve_pooling
@@ -31,6 +32,7 @@ from models.eagle.head import EagleHead, load_eagle_head
 from models.layers import pack_linears
 from models.llama import LlamaForCausalLM
 from models.loader import checkpoint_dtype, default_model_path, load_model
+from models.quant import can_quantize
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer, load_tokenizer
 
@@ -75,6 +77,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     model, spec = load_model(model_path, dtype, device)
     draft = _load_draft_head(config, model, dtype, device)
     packed_bytes = 0
+    weights = f"{dtype_name(dtype)} (the serving dtype)"
+    if config.quantization == "int8" and (why_not := can_quantize(device)) is not None:
+        raise ValueError(f"--quantization int8: {why_not}")
     if config.cpu_packed_weights:
         packed_bytes = pack_linears(model) + (pack_linears(draft) if draft is not None else 0)
     # The pool and the backend see the draft's layer as one more layer with its own KV group.
@@ -93,6 +98,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     backend_cls = choice.backend
     kv_caches = backend.kv_caches
+    if config.quantization == "int8":
+        weights = quantize_model(model, backend, tokenizer, num_blocks, block_size, device)
     host = _host_tier(config, model_path, spec, dtype, block_size, backend_cls, kv_caches, draft)
     kv = KVCacheManager(
         num_blocks,
@@ -151,7 +158,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         device_label=facts.label,
         compiled_decode=getattr(backend, "decode_op", None) is not None,
         cuda_graphs=runner.graph_sizes(),
-        kernel_table=f"{choice.table}\n  dtype {dtype_name(dtype)}: {dtype_reason}",
+        kernel_table=(
+            f"{choice.table}\n  dtype {dtype_name(dtype)}: {dtype_reason}\n  weights: {weights}"
+        ),
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,

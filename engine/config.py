@@ -112,6 +112,9 @@ class EngineConfig:
     # CPU float32: also hold oneDNN-packed weight copies (2x weight memory; 1.3-1.8x faster
     # matmuls from 3 rows up, models/layers.py)
     cpu_packed_weights: bool = True
+    # none | int8: CPU W8A8 dynamic (fbgemm, per-channel weights; models/quant.py); the lm_head
+    # stays in the serving dtype
+    quantization: str = "none"
     # embeddings (/v1/embeddings): last | mean; auto: the checkpoint's sentence-transformers
     # 1_Pooling/config.json, else last
     pooling: str = "auto"
@@ -153,6 +156,8 @@ class EngineConfig:
         parse_bytes(self.disk_bytes)
         if self.num_speculative_tokens < 0 or self.spec_max_verify_rows < 1:
             raise ValueError("num_speculative_tokens must be >= 0, spec_max_verify_rows >= 1")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError("quantization must be none or int8")
         if self.pooling not in ("auto", "last", "mean"):
             raise ValueError("pooling must be auto, last or mean")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -13,6 +13,7 @@ layers of weights (424 MB, out of cache) here: 1 row 27.5 ms (x @ W_t, the old l
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,17 +55,20 @@ def can_pack(weight: torch.Tensor) -> bool:
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features = in_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         # A oneDNN blocked copy of `weight` (CPU float32 or bfloat16; see `pack`), or None.
         self.packed: torch.Tensor | None = None
         self.packed_min_rows = 0
+        # int8 weights (`models/quant.py`, --quantization int8): then `weight` is empty
+        self.int8: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def pack(self) -> int:
         """Also hold the weight in oneDNN's blocked layout for matmuls of >= PACKED_MIN_ROWS
         rows. Call after the weights are final (a later weight change is not seen). Returns
         the bytes added."""
-        if not can_pack(self.weight):
+        if self.int8 is not None or not can_pack(self.weight):
             return 0
         # the batch-size hint picks the blocking; 64 measured best for 4-256 rows here
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
@@ -72,6 +76,8 @@ class Linear(nn.Module):
         return self.weight.numel() * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8(x)
         packed = self.packed is not None and x.dim() == 2 and x.shape[0] >= self.packed_min_rows
         if packed and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(

@@ -1,0 +1,119 @@
+"""int8 weights on CPU (`--quantization int8`, models/quant.py): the fbgemm W8A8 layer against
+float32 arithmetic, the probe that picks activation range, whole-model logits against the float32
+engine on the same weights, a Q8_0 GGUF loaded straight into it, and the kernel-matrix row."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.scoring import score_prompt
+from models.layers import Linear
+from models.quant import can_quantize, int8_weight, needs_reduce_range, quantize_linears
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_int8_layer_matches_float_within_quantization_error() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g) * 0.05
+    b = torch.randn(96, generator=g) * 0.1
+    for rows in (1, 3, 17, 64):
+        x = torch.randn(rows, 64, generator=g)
+        ref = x @ w.t() + b
+        got = int8_weight(w, b, needs_reduce_range())(x)
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        err = (got - ref).norm() / ref.norm()
+        assert err < 0.02, (rows, err)
+        got_bf16 = int8_weight(w, b, needs_reduce_range())(x.bfloat16())
+        assert got_bf16.dtype == torch.bfloat16
+        assert ((got_bf16.float() - ref).norm() / ref.norm()) < 0.03
+
+
+def test_the_probe_keeps_products_exact() -> None:
+    """Whatever the probe chose, the product it probes (built to saturate int16 pair sums)
+    comes out right; full range is kept only where it is exact."""
+    x = torch.full((4, 256), 8.0)
+    x[:, 0] = -8.0
+    w = torch.ones(16, 256)
+    got = int8_weight(w, None, needs_reduce_range())(x)
+    assert torch.allclose(got, x @ w.t(), rtol=0.02, atol=1.0)
+
+
+def test_quantize_linears_skips_the_head_and_drops_float_weights() -> None:
+    model = torch.nn.Module()
+    model.up = Linear(32, 64)
+    model.lm_head = Linear(32, 100)
+    for m in (model.up, model.lm_head):
+        m.weight.data.normal_()
+    quantize_linears(model)
+    assert model.up.int8 is not None and model.up.weight.numel() == 0
+    assert model.up.pack() == 0  # nothing left to pack
+    assert model.lm_head.int8 is None and model.lm_head.weight.numel() == 3200
+    assert model.up(torch.randn(5, 32)).shape == (5, 64)
+
+
+def test_cuda_is_refused_with_a_reason() -> None:
+    assert can_quantize(torch.device("cpu")) is None
+    assert "CPU path" in can_quantize(torch.device("cuda"))
+
+
+def _last_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
+    return torch.stack([score_prompt(llm.engine, p)[-1] for p in prompts])
+
+
+def test_engine_logits_and_greedy_against_float32(llama_dir) -> None:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 19, 40)]
+    ref = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32")
+    q = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", quantization="int8")
+    assert "int8 W8A8" in q.engine.info.kernel_table
+    a, b = _last_logits(ref, prompts), _last_logits(q, prompts)
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    assert cos.min() > 0.99, cos
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = q.generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert q.engine.kv.pool.num_free_blocks == q.engine.num_blocks
+
+
+def test_a_q8_0_gguf_loads_into_int8(smollm2_path, tmp_path) -> None:
+    sys.path.insert(0, str(ROOT))
+    from bench.export import gguf_as
+
+    q8 = gguf_as(smollm2_path, tmp_path / "m.Q8_0.gguf", "Q8_0")
+    ref = LLM(smollm2_path, num_kv_blocks=16, dtype="float32")
+    q = LLM(str(q8), num_kv_blocks=16, dtype="float32", quantization="int8")
+    prompt = ref.tokenizer.encode("The capital of France is")
+    a, b = _last_logits(ref, [prompt]), _last_logits(q, [prompt])
+    assert torch.nn.functional.cosine_similarity(a, b).item() > 0.95
+    assert a.argmax() == b.argmax()  # " Paris"
+
+
+@pytest.mark.parametrize("bad", ["int4", "fp8"])
+def test_unknown_quantization_is_refused(llama_dir, bad) -> None:
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(str(llama_dir), quantization=bad)
+
+
+def test_smoothing_leaves_the_float_model_unchanged(llama_dir) -> None:
+    """SmoothQuant's folding is exact in float: any positive per-channel factors, folded into
+    the norms and the up rows, give the same logits (packed weight copies are refreshed)."""
+    from models.quant import smooth
+
+    llm = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32")
+    prompt = list(range(5, 40))
+    before = score_prompt(llm.engine, prompt)
+    model = llm.engine.runner.model
+    g = torch.Generator().manual_seed(2)
+    ranges = {}
+    for layer in model.layers:
+        for linear in (layer.qkv_proj, layer.gate_up_proj, layer.down_proj):
+            ranges[linear] = torch.rand(linear.in_features, generator=g) * 10 + 0.1
+    smooth(model, ranges)
+    after = score_prompt(llm.engine, prompt)
+    assert (after - before).abs().max() < 1e-3 * before.abs().max()
