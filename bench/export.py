@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 FILE_TYPES = {"F32": "ALL_F32", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}
 
 
