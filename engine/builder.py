@@ -115,6 +115,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         config.max_num_batched_tokens,
         preempt_by_swap=config.preemption_mode == "swap" and host is not None,
         num_lookahead_tokens=config.num_speculative_tokens if draft else 0,
+        short_prefill_tokens=config.short_prefill_tokens,
     )
     runner = ModelRunner(model, backend, kv, device, draft.cfg.aux_layers if draft else ())
     if graphs:

@@ -95,6 +95,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90  # fraction of device memory for weights + KV on CUDA
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    # a waiting request whose uncached remainder is at most this many tokens is scheduled
+    # before running requests' long prefill chunks (prefix hits get their TTFT); 0 = FCFS
+    short_prefill_tokens: int = 512
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | flashinfer | xformers | torch
@@ -148,6 +151,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.block_size is not None and self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError("block_size must be a power of two up to 128")
+        if self.short_prefill_tokens < 0:
+            raise ValueError("short_prefill_tokens must be >= 0 (0: first come, first served)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.preemption_mode not in ("swap", "recompute"):

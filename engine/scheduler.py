@@ -10,6 +10,12 @@ admitted running request is preempted by recompute (its blocks freed, its counte
 returns to the head of the waiting queue). Waiting requests are admitted in arrival order while
 budget, `max_num_seqs` and blocks last.
 
+Short prefills first (`short_prefill_tokens` > 0): a step is ordered decodes, then waiting
+requests whose uncached remainder is at most that many tokens (a newcomer that hits the prefix
+cache needs only its suffix), then running requests' long prefill chunks, then the rest of the
+waiting queue. A prefix hit's TTFT then no longer waits behind other requests' long prompts; the
+long prefills lose only the tokens the short ones take from one step's budget.
+
 The scheduler owns every request's token list and status: a request finishes only through
 `finish` (token stops in `update`, stop strings found by output processing, aborts, failures).
 """
@@ -65,8 +71,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         preempt_by_swap: bool = False,
         num_lookahead_tokens: int = 0,
+        short_prefill_tokens: int = 0,
     ) -> None:
         self.kv = kv
+        self.short_prefill_tokens = short_prefill_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
         self.preempt_by_swap = preempt_by_swap
         self.max_num_seqs = max_num_seqs
@@ -136,10 +144,29 @@ class Scheduler:
         self.kv.begin_step()
         self.finished_this_step.clear()
 
+        preempted_now: set[str] = set()
+        if self.short_prefill_tokens <= 0:
+            budget = self._schedule_running(out, budget, prefills=True)
+        else:
+            budget = self._schedule_running(out, budget, prefills=False)
+            preempted_now = set(out.preempted)
+            budget = self._admit(out, budget, preempted_now, self.short_prefill_tokens)
+            budget = self._schedule_running(out, budget, prefills=True)
+        preempted_now = set(out.preempted)
+        self._admit(out, budget, preempted_now, None)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefills: bool) -> int:
+        """Schedule running requests not scheduled yet this step: all of them, or (prefills
+        False) only those at their end (decodes, verification). Returns the budget left."""
+        done = {id(s.request) for s in out.scheduled}
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             remaining = request.num_tokens - request.num_computed_tokens
+            if id(request) in done or (not prefills and remaining > 1):
+                i += 1
+                continue
             n = min(remaining, budget)
             num_spec = 0
             if remaining == 1 and request.spec_token_ids:
@@ -159,14 +186,23 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(request, n, num_spec))
                 budget -= n
                 i += 1
+        return budget
 
-        preempted_now = set(out.preempted)
+    def _admit(
+        self, out: SchedulerOutput, budget: int, preempted_now: set[str], at_most: int | None
+    ) -> int:
+        """Admit waiting requests in arrival order; with `at_most`, only those whose uncached
+        remainder fits in it (the others keep their places). Returns the budget left."""
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.request_id in preempted_now:
                 break  # don't re-admit a victim in the step that evicted it
             hits = self.kv.get_computed_blocks(request)
             num_hit = hits.num_tokens(self.kv.block_size)
+            if at_most is not None and request.num_tokens - num_hit > at_most:
+                skipped.append(self.waiting.popleft())
+                continue
             n = min(request.num_tokens - num_hit, budget)
             lookahead = self._lookahead(request, num_hit, n)
             if not self.kv.allocate_slots(request, n + lookahead, hits):
@@ -181,7 +217,8 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, n))
             budget -= n
-        return out
+        self.waiting.extendleft(reversed(skipped))
+        return budget
 
     def _lookahead(self, request: Request, start: int, n: int) -> int:
         """Slots for the draft head's chain when this chunk reaches the request's end."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 
@@ -82,3 +83,43 @@ def test_seeded_sampling_reproducible_across_batches(llama_dir) -> None:
         temperature=0.9, top_p=0.9, top_k=50, max_tokens=16, seed=99, ignore_eos=True
     )
     assert llm.generate([prompts[0]], other)[0].outputs[0].token_ids != alone
+
+
+@pytest.mark.parametrize("short_prefill_tokens", [64, 0])
+def test_a_prefix_hit_goes_before_long_prefill_chunks(llama_dir, short_prefill_tokens) -> None:
+    """With short prefills first, a newcomer whose prompt is cached but for a short suffix gets
+    its first token while another request's long prompt is still being prefilled in chunks;
+    with the policy off (0) it waits its turn behind those chunks. Outputs are unchanged."""
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, 500, (96,), generator=g).tolist()
+    long_prompt = torch.randint(3, 500, (600,), generator=g).tolist()
+    short_prompt = shared + [300, 301, 302]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm = LLM(
+        str(llama_dir),
+        num_kv_blocks=128,
+        block_size=16,
+        max_num_batched_tokens=64,
+        short_prefill_tokens=short_prefill_tokens,
+    )
+    llm.generate([shared + [200]], params)  # the shared prefix enters the cache
+    engine = llm.engine
+    engine.add_request("long", long_prompt, params)
+    engine.step()  # the long prompt's first chunk
+    engine.add_request("short", short_prompt, params)
+    first_token: dict[str, int] = {}
+    outputs: dict[str, list[int]] = {"long": [], "short": []}
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+            if out.new_token_ids:
+                first_token.setdefault(out.request_id, steps)
+    if short_prefill_tokens:
+        assert first_token["short"] <= 2 < first_token["long"], first_token
+    else:
+        assert first_token["short"] >= first_token["long"], first_token  # FCFS: behind it
+    alone = LLM(str(llama_dir), num_kv_blocks=128, block_size=16)
+    for rid, prompt in (("long", long_prompt), ("short", short_prompt)):
+        assert outputs[rid] == alone.generate([prompt], params)[0].outputs[0].token_ids
