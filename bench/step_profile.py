@@ -31,12 +31,14 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (engine --dtype)")
     ap.add_argument("--quantization", default="none", help="none | int8 (engine --quantization)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16")
     a = ap.parse_args()
     llm = LLM(
         cpu_packed_weights=not a.no_packed_weights,
         enable_prefix_caching=False,
         dtype=a.dtype,
         quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
     print(f"dtype {llm.engine.info.dtype} ({llm.engine.info.dtype_reason})")
     print(llm.engine.info.kernel_table.splitlines()[-1].strip())

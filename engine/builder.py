@@ -16,7 +16,7 @@ import torch
 from engine.attention import BackendChoice, DeviceFacts, select_backend
 from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
-from engine.config import EngineConfig, parse_bytes
+from engine.config import DTYPE_NAMES, EngineConfig, parse_bytes
 from engine.disk_tier import DiskTier
 from engine.engine_info import EngineInfo
 from engine.host_tier import HostTier
@@ -72,7 +72,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     facts = DeviceFacts.detect(device)
     dtype, dtype_reason = config.dtype_choice(facts, checkpoint_dtype(model_path))
     log.info("dtype %s (%s)", dtype_name(dtype), dtype_reason)
-    dtype_size = torch.empty((), dtype=dtype).element_size()
+    kv_dtype, kv_reason = kv_cache_dtype(config, dtype, device)
+    dtype_size = torch.empty((), dtype=kv_dtype).element_size()  # KV bytes per element
     torch.manual_seed(config.seed)
     model, spec = load_model(model_path, dtype, device)
     draft = _load_draft_head(config, model, dtype, device)
@@ -94,7 +95,16 @@ def build_engine(config: EngineConfig) -> EngineParts:
     block_size = config.resolved_block_size()
     kv_block_bytes = pool_spec.kv_bytes_per_token(dtype_size) * block_size
     choice, backend, num_blocks, graphs = _choose_and_warm_up(
-        config, model, pool_spec, facts, dtype, device, block_size, kv_block_bytes, max_model_len
+        config,
+        model,
+        pool_spec,
+        facts,
+        dtype,
+        device,
+        block_size,
+        kv_block_bytes,
+        max_model_len,
+        kv_dtype,
     )
     backend_cls = choice.backend
     kv_caches = backend.kv_caches
@@ -161,6 +171,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         cuda_graphs=runner.graph_sizes(),
         kernel_table=(
             f"{choice.table}\n  dtype {dtype_name(dtype)}: {dtype_reason}\n  weights: {weights}"
+            f"\n  kv cache: {kv_reason}"
         ),
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
@@ -196,6 +207,32 @@ def use_cuda_graphs(
     return device.type == "cuda" and not config.enforce_eager and backend_cls.supports_cuda_graphs
 
 
+def kv_cache_dtype(
+    config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.dtype, str]:
+    """The KV cache's dtype and why: the serving dtype, or bfloat16 under a float32 model on CPU
+    (half the bytes per token: twice the tokens in the same pool and tiers; the C++ decode op
+    and the torch paths read it into float32 arithmetic)."""
+    requested = config.kv_cache_dtype
+    if requested == "auto" or DTYPE_NAMES.get(requested) == dtype:
+        return dtype, f"{dtype_name(dtype)} (the serving dtype)"
+    if requested in ("fp8", "int8"):
+        raise ValueError(
+            f"--kv-cache-dtype {requested}: quantized KV (per-block scales) is not available "
+            "yet; bfloat16 halves a float32 cache"
+        )
+    if requested != "bfloat16" or dtype != torch.float32:
+        raise ValueError(
+            f"--kv-cache-dtype {requested} under {dtype_name(dtype)} weights: a cache narrower "
+            "than the model is bfloat16 under float32"
+        )
+    if device.type != "cpu":
+        raise ValueError(
+            "--kv-cache-dtype bfloat16 under float32 is a CPU path; on CUDA serve bf16"
+        )
+    return torch.bfloat16, "bfloat16 under float32 activations (half the bytes of float32 KV)"
+
+
 def _choose_and_warm_up(
     config: EngineConfig,
     model: LlamaForCausalLM,
@@ -206,6 +243,7 @@ def _choose_and_warm_up(
     block_size: int,
     kv_block_bytes: int,
     max_model_len: int,
+    kv_dtype: torch.dtype,
 ) -> tuple[BackendChoice, AttentionBackend, int, bool]:
     """Pick the attention backend from the kernel matrix, allocate its workspace, size and
     allocate the KV pool, and warm the backend up (engine/warmup.py). A backend that fails its
@@ -232,7 +270,12 @@ def _choose_and_warm_up(
         workspace = backend_cls.allocate_workspace(device)
         num_blocks = _num_blocks(config, device, kv_block_bytes, max_model_len, block_size)
         kv_caches = allocate_kv_caches(
-            backend_cls, pool_spec.kv_groups, num_blocks + int(graphs), block_size, dtype, device
+            backend_cls,
+            pool_spec.kv_groups,
+            num_blocks + int(graphs),
+            block_size,
+            kv_dtype,
+            device,
         )
         backend = backend_cls(pool_spec, kv_caches, block_size, workspace)
         try:

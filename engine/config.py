@@ -118,6 +118,8 @@ class EngineConfig:
     # none | int8: CPU W8A8 dynamic (fbgemm, per-channel weights; models/quant.py); the lm_head
     # stays in the serving dtype
     quantization: str = "none"
+    # auto: the serving dtype; bfloat16: half a float32 model's KV bytes (CPU); fp8/int8 refused
+    kv_cache_dtype: str = "auto"
     # embeddings (/v1/embeddings): last | mean; auto: the checkpoint's sentence-transformers
     # 1_Pooling/config.json, else last
     pooling: str = "auto"
@@ -161,6 +163,8 @@ class EngineConfig:
         parse_bytes(self.disk_bytes)
         if self.num_speculative_tokens < 0 or self.spec_max_verify_rows < 1:
             raise ValueError("num_speculative_tokens must be >= 0, spec_max_verify_rows >= 1")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "float32", "fp8", "int8"):
+            raise ValueError("kv_cache_dtype must be auto, bfloat16, float32, fp8 or int8")
         if self.quantization not in ("none", "int8"):
             raise ValueError("quantization must be none or int8")
         if self.pooling not in ("auto", "last", "mean"):

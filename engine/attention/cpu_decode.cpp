@@ -65,7 +65,9 @@ static void attend_one(const float* qs, const T* kbase, const T* vbase,
   std::copy(acc, acc + G * D, os);  // os: float32 scratch or the output
 }
 
-template <typename T>
+// T: the queries' and output's element type; C: the cache's (a bf16 cache may serve float32
+// queries: --kv-cache-dtype bfloat16 under a float32 model).
+template <typename T, typename C>
 static void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& block_tables,
                               const at::Tensor& seq_lens, float sc, int64_t window,
@@ -74,8 +76,8 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   const int64_t G = H / KVH, MB = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
@@ -102,8 +104,8 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache,
         qs = qf.data();
         os = of.data();
       }
-      const T* kb = kp + kh * NB * BS * D;
-      const T* vb = vp + kh * NB * BS * D;
+      const C* kb = kp + kh * NB * BS * D;
+      const C* vb = vp + kh * NB * BS * D;
       const int32_t* table = bt + s * MB;
       if (D == 64) {
         attend_one<64>(qs, kb, vb, table, first, len, BS, G, D, sc, scores.data(), acc.data(), os);
@@ -119,23 +121,30 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache,
   });
 }
 
-// q [n, H, D]; k_cache, v_cache [kv_heads, num_blocks, block_size, D] (contiguous), all float32
-// or all bfloat16; block_tables [n, max_blocks] int32; seq_lens [n] int32; window 0 = full.
+// q [n, H, D]; k_cache, v_cache [kv_heads, num_blocks, block_size, D] (contiguous); q float32
+// or bfloat16, the caches the same or bfloat16; block_tables [n, max_blocks] int32; seq_lens
+// [n] int32; window 0 = full.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         double scale, int64_t window) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16 only");
-  TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt, "q/k/v dtypes differ");
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == ct, "k/v cache dtypes differ");
+  TORCH_CHECK(ct == dt || ct == at::kBFloat16, "the cache is q's dtype or bfloat16");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt);
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && k_cache.size(3) == q.size(2));
   auto out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
-  if (dt == at::kFloat) {
-    paged_decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, sc, window, out);
+  if (dt == at::kFloat && ct == at::kFloat) {
+    paged_decode_impl<float, float>(q, k_cache, v_cache, block_tables, seq_lens, sc, window, out);
+  } else if (dt == at::kFloat) {
+    paged_decode_impl<float, at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, sc,
+                                           window, out);
   } else {
-    paged_decode_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, sc, window, out);
+    paged_decode_impl<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens,
+                                                  sc, window, out);
   }
   return out;
 }

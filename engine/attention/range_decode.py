@@ -99,6 +99,7 @@ class RangeDecodePlan:
         group = heads // kv_heads
         num_pairs = self.slot_of_pair.numel()
         keys, values = cache[0][:, self.lo : self.hi], cache[1][:, self.lo : self.hi]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache under float32
         # queries per sequence, plus a zero row for blocks nobody in the batch owns
         qg = torch.zeros(kv_heads, n + 1, group, dim, dtype=q.dtype, device=q.device)
         qg[:, :n] = (q * scale).view(n, kv_heads, group, dim).transpose(0, 1)
@@ -111,7 +112,7 @@ class RangeDecodePlan:
         )
         pair_scores[:, self.unique_pairs] = range_scores.index_select(1, self.unique_rel)
         if self.shared_pairs.numel():
-            k_shared = cache[0].index_select(1, self.shared_blocks)  # [h, s, bs, d]
+            k_shared = cache[0].index_select(1, self.shared_blocks).to(q.dtype)  # [h, s, bs, d]
             q_shared = qg.index_select(1, self.shared_seqs)  # [h, s, g, d]
             pair_scores[:, self.shared_pairs] = torch.matmul(q_shared, k_shared.transpose(-1, -2))
 

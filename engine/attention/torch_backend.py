@@ -136,8 +136,9 @@ class TorchAttentionStep(AttentionStep):
         backend = self.backend
         cache = backend.kv_caches[backend.layer_group[layer_idx]]
         if k is not None and v is not None:  # None: a layer reading a shared KV group
-            cache[0][:, self.slot_block, self.slot_offset] = k.transpose(0, 1)
-            cache[1][:, self.slot_block, self.slot_offset] = v.transpose(0, 1)
+            kd = cache.dtype  # a bf16 cache under a float32 model stores the rounded values
+            cache[0][:, self.slot_block, self.slot_offset] = k.transpose(0, 1).to(kd)
+            cache[1][:, self.slot_block, self.slot_offset] = v.transpose(0, 1).to(kd)
         scale = 1.0 / math.sqrt(q.shape[-1])
         if self.cpp_decode is not None:
             assert self.backend.decode_op is not None
@@ -174,6 +175,7 @@ class TorchAttentionStep(AttentionStep):
         kv_heads = cache.shape[1]
         keys = cache[0].index_select(1, bucket.pages).view(kv_heads, n, -1, dim)  # [h, n, L, d]
         values = cache[1].index_select(1, bucket.pages).view(kv_heads, n, -1, dim)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache under float32
         qg = q.view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [h, n, g, d]
         scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [h, n, g, L]
         # softmax in float32 against the float32 mask, probabilities back in the KV dtype (a
@@ -193,6 +195,7 @@ class TorchAttentionStep(AttentionStep):
             kv_heads, dim = cache.shape[1], cache.shape[-1]
             keys = cache[0].index_select(1, p.pages).view(kv_heads, -1, dim)[:, : p.seq_len]
             values = cache[1].index_select(1, p.pages).view(kv_heads, -1, dim)[:, : p.seq_len]
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache under float32
         else:
             keys, values = fresh[0].transpose(0, 1), fresh[1].transpose(0, 1)
         # 4-D (a batch of one): torch's CPU flash-attention kernel takes only 4-D inputs; 3-D
