@@ -209,6 +209,11 @@ def run_soak(
     model: str | None, seconds: float, clients: int, max_tokens: int, extra: list[str]
 ) -> dict:
     args = [
+        # float32: the canaries compare exact greedy outputs, which only float32 keeps whatever
+        # a prompt is chunked and batched with (in bf16 a near-tie can flip between chunkings:
+        # a numeric property, not the cross-request corruption the canaries are there to catch)
+        "--dtype",
+        "float32",
         "--num-kv-blocks",
         "48",
         "--host-bytes",

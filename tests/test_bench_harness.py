@@ -123,7 +123,7 @@ def test_compare_against_the_naive_peer(llama_dir, tmp_path) -> None:
             *("--concurrency", "1,2", "--input-len", "24", "--output-len", "6"),
             *("--min-requests", "2", "--ttft-lens", "40", "--ttft-requests", "1"),
             *("--app-requests", "8", "--app-output-len", "4", "--prefix-words", "40"),
-            *("--rounds", "2", "--out", str(tmp_path / "c.json")),
+            *("--rounds", "2", "--out", str(tmp_path / "c.json"), "--precision", "float32"),
             *("--plot", str(tmp_path / "c.png")),
         ]
     )

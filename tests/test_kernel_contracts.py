@@ -161,6 +161,7 @@ def test_flashinfer_workspace_is_zeroed_and_allocated_before_the_pool(monkeypatc
         builder._choose_and_warm_up(
             builder.EngineConfig(attention_backend="flashinfer", num_kv_blocks=8),
             None, two_geometry_spec(), SM90, torch.bfloat16, torch.device("cpu"), 16, 1024, 64,
+            torch.bfloat16,
         )  # fmt: skip
     assert order == ["ws", "pool"]
 
