@@ -23,7 +23,6 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine_info import EngineInfo
-from engine.heap import HeapTrimmer
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampler import TokenLogprobs
@@ -56,7 +55,6 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._heap = HeapTrimmer()  # RSS follows what is in use (engine/heap.py)
         self.dead: BaseException | None = None
 
     @classmethod
@@ -242,7 +240,6 @@ class AsyncEngine:
                 if self._core.has_unfinished():
                     out.extend((o.request_id, o) for o in self._core.step())
                 self._post(out)
-                self._heap.maybe_trim()
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
             log.critical("engine loop died:\n%s", traceback.format_exc())
             self.dead = e
