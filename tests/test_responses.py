@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 
 import httpx
 import pytest
@@ -391,3 +392,49 @@ def test_a_conversation_continues_after_a_restart_from_the_disk_tier(llama_dir, 
         line for line in metrics.splitlines() if "disk" in line and not line.startswith("#")
     ]
     assert any(float(line.split()[-1]) > 0 for line in disk_hits), disk_hits
+
+
+def test_the_store_is_bounded_by_count_and_age(tmp_path) -> None:
+    from server.response_store import ResponseStore
+
+    store = ResponseStore(str(tmp_path / "r.sqlite3"), max_responses=3, max_age_s=3600)
+    for i in range(5):
+        store.put("", "conv", {"id": f"resp_{i}", "output": []}, [])
+    assert len(store) == 3 and store.get("", "resp_0") is None and store.get("", "resp_4")
+    assert store.get("other-key", "resp_4") is None  # owners are kept apart
+    aged = ResponseStore(str(tmp_path / "a.sqlite3"), max_responses=0, max_age_s=1e-9)
+    aged.put("", "conv", {"id": "resp_old", "output": []}, [])
+    assert aged.get("", "resp_old") is None  # past its age: gone for readers, then deleted
+    aged.put("", "conv", {"id": "resp_new", "output": []}, [])
+    assert len(aged) <= 1
+
+
+def test_an_idle_stored_conversation_is_offloaded(llama_dir) -> None:
+    """A conversation kept by the Responses API is a session like any other: once idle its KV
+    moves to the host tier, and the next turn finds it there."""
+    story = " ".join(f"line {i} of the tale." for i in range(30))
+    with (
+        kvserve_server(
+            llama_dir, num_kv_blocks=64, block_size=16, host_bytes="16MiB", idle_seconds=0.5
+        ) as s,
+        httpx.Client(base_url=s.base, timeout=60) as c,
+    ):
+        first = c.post("/v1/responses", json={"input": story, "max_output_tokens": 4}).json()
+
+        def offloaded() -> float:
+            metrics = c.get("/metrics").text
+            line = next(
+                x for x in metrics.splitlines() if x.startswith("kvserve:host_kv_offload_blocks")
+            )
+            return float(line.split()[-1])
+
+        for _ in range(50):
+            if offloaded() > 0:
+                break
+            time.sleep(0.2)
+        assert offloaded() >= first["usage"]["input_tokens"] // 16
+        r = c.post(
+            "/v1/responses",
+            json={"input": "Go on.", "previous_response_id": first["id"], "max_output_tokens": 4},
+        ).json()
+        assert r["usage"]["input_tokens_details"]["cached_tokens"] >= 16
