@@ -172,38 +172,47 @@ class OutputItems:
             return []
         return chat_logprobs(self.tokenizer, entries)["content"]
 
-    def _index(self) -> int:
-        return len(self.items) - 1
+    def _at(self, item: dict[str, Any]) -> dict[str, Any]:
+        """Where an item's events point: its place in the output and its id."""
+        return {"output_index": self.items.index(item), "item_id": item["id"]}
+
+    def _open(self, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """Close the open item, start `item`, and announce it."""
+        events = self._close("completed")
+        self.open = item
+        self.items.append(item)
+        added = {"output_index": len(self.items) - 1, "item": _copy(item)}
+        return [*events, ("response.output_item.added", added)]
 
     def _text(self, delta: str, lps: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
         events = []
         if self.open is None or self.open["type"] != "message":
-            events += self._close("completed")
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            self.open = {
+            message = {
                 "type": "message",
                 "id": new_id("msg"),
                 "status": "in_progress",
                 "role": "assistant",
                 "content": [],
             }
-            self.items.append(self.open)
-            events.append(("response.output_item.added", {"item": _copy(self.open)}))
-            self.open["content"].append(part)
-            events.append(("response.content_part.added", {"part": dict(part)}))
+            events += self._open(message)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            message["content"].append(part)
+            at = {**self._at(message), "content_index": 0}
+            events.append(("response.content_part.added", {**at, "part": dict(part)}))
+        assert self.open is not None
         part = self.open["content"][0]
         part["text"] += delta
         part["logprobs"] += lps
         if delta or lps:
-            events.append(("response.output_text.delta", {"delta": delta, "logprobs": lps}))
-        return [(kind, {**self._where(kind), **fields}) for kind, fields in events]
+            at = {**self._at(self.open), "content_index": 0}
+            events.append(("response.output_text.delta", {**at, "delta": delta, "logprobs": lps}))
+        return events
 
     def _call(self, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         events = []
         function = delta["function"]
         if "name" in function:  # a new call: its header
-            events += self._close("completed")
-            self.open = {
+            call = {
                 "type": "function_call",
                 "id": new_id("fc"),
                 "call_id": delta["id"],
@@ -211,31 +220,21 @@ class OutputItems:
                 "arguments": "",
                 "status": "in_progress",
             }
-            self.items.append(self.open)
-            self.call_items[delta["index"]] = self.open
-            events.append(("response.output_item.added", {"item": _copy(self.open)}))
-        events = [(kind, {**self._where(kind), **fields}) for kind, fields in events]
+            events += self._open(call)
+            self.call_items[delta["index"]] = call
         fragment = function.get("arguments", "")
         if fragment:
             item = self.call_items[delta["index"]]
             item["arguments"] += fragment
-            where = {"output_index": self.items.index(item), "item_id": item["id"]}
-            events.append(("response.function_call_arguments.delta", {**where, "delta": fragment}))
+            at = self._at(item)
+            events.append(("response.function_call_arguments.delta", {**at, "delta": fragment}))
         return events
-
-    def _where(self, kind: str) -> dict[str, Any]:
-        where: dict[str, Any] = {"output_index": self._index()}
-        if kind != "response.output_item.added" and self.open is not None:
-            where["item_id"] = self.open["id"]
-        if kind.startswith(("response.content_part", "response.output_text")):
-            where["content_index"] = 0
-        return where
 
     def _close(self, status: str) -> list[tuple[str, dict[str, Any]]]:
         item, self.open = self.open, None
         if item is None:
             return []
-        where = {"output_index": self.items.index(item), "item_id": item["id"]}
+        where = self._at(item)
         events: list[tuple[str, dict[str, Any]]] = []
         if item["type"] == "message":
             part = item["content"][0]

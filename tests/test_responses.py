@@ -93,7 +93,35 @@ def events(server, body: dict) -> list[dict]:
                 validate(EVENT_SCHEMAS[ev["type"]], ev)
                 out.append(ev)
     assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    check_item_ids(out)
     return out
+
+
+def check_item_ids(evs: list[dict]) -> None:
+    """Every event that names an item names the one at its output index."""
+    ids: dict[int, str] = {}
+    for e in evs:
+        if e["type"] == "response.output_item.added":
+            ids[e["output_index"]] = e["item"]["id"]
+        if "item_id" in e:
+            assert e["item_id"] == ids[e["output_index"]], e
+        if "item" in e:
+            assert e["item"]["id"] == ids[e["output_index"]], e
+
+
+def test_text_after_a_call_keeps_each_event_on_its_item() -> None:
+    from server.responses_items import OutputItems
+    from server.tool_parsers import PARSERS
+
+    out = OutputItems(None, PARSERS["hermes"], None, False)
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\nthen some text'
+    evs = []
+    for i in range(0, len(text), 7):  # streamed in small pieces
+        evs += [{"type": k, **f} for k, f in out.feed(text[i : i + 7], [], False)]
+    evs += [{"type": k, **f} for k, f in out.feed("", [], True)]
+    check_item_ids(evs)
+    assert [it["type"] for it in out.items] == ["function_call", "message"]
+    assert [it["status"] for it in out.items] == ["completed", "completed"]
 
 
 def test_create_whole_and_streamed_agree(server, client) -> None:
