@@ -25,14 +25,18 @@ from server.state import VERSION, ServerState, log
 from server.wire import SSE_DONE, sse
 
 
+def api_key_tag(request: Request) -> str:
+    """A short hash of the caller's Authorization header: who a request came from, without
+    keeping the key."""
+    return hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()[:16]
+
+
 def effective_salt(state: ServerState, request: Request, salt: str | None) -> str | None:
     """With salt_cache_per_key, the caller's API key enters the cache salt, so tenants holding
     different keys never share KV blocks (and cannot probe each other's prompts by timing)."""
     if not state.config.server.salt_cache_per_key:
         return salt
-    auth = request.headers.get("authorization", "")
-    key_tag = hashlib.sha256(auth.encode()).hexdigest()[:16]
-    return f"key:{key_tag}|{salt or ''}"
+    return f"key:{api_key_tag(request)}|{salt or ''}"
 
 
 def session_id(request: Request, user: str | None) -> str | None:

@@ -10,7 +10,6 @@ device pool, the host tier or the disk tier (`usage.input_tokens_details.cached_
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -20,8 +19,9 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from engine.async_engine import AsyncEngine
 from server.chat_prompt import render_prompt
-from server.constraints import grammar_for, tool_plan
+from server.constraints import ToolPlan, grammar_for, tool_plan
 from server.errors import APIError, to_api_error
 from server.generation import Choice, usage_of
 from server.protocol import ChatCompletionRequest
@@ -33,7 +33,13 @@ from server.protocol_responses import (
     ResponseObject,
     ResponsesRequest,
 )
-from server.request_flow import Generation, check_limits, effective_salt, make_choices
+from server.request_flow import (
+    Generation,
+    api_key_tag,
+    check_limits,
+    effective_salt,
+    make_choices,
+)
 from server.response_store import ResponseStore
 from server.responses_items import OutputItems, chat_messages, input_items, new_id
 from server.routes_chat import tool_parser
@@ -47,9 +53,7 @@ _PARAM_NAMES = {"response_format": "text.format", "max_completion_tokens": "max_
 def owner_of(state: ServerState, request: Request) -> str:
     """Who may read a stored response: the API key that created it (all callers are one owner
     when the server has no keys)."""
-    if not state.config.server.api_key:
-        return ""
-    return hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()[:32]
+    return api_key_tag(request) if state.config.server.api_key else ""
 
 
 def store_of(state: ServerState) -> ResponseStore:
@@ -135,6 +139,11 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
         raise APIError(400, f"input: {e.errors()[0]['msg']}", param="input") from None
 
 
+def _status(finish_reason: str | None) -> str:
+    """A response's (and its last item's) status from how generation ended."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
 def _renamed(e: APIError) -> APIError:
     if e.param in _PARAM_NAMES:
         e.param = _PARAM_NAMES[e.param]
@@ -216,8 +225,7 @@ async def create_response(request: Request) -> Response:
     assert body.input is not None
     items = history + input_items(body.input)
     engine = state.ready_engine()
-    chat, ids = _render(state, engine, body, items)
-    plan = tool_plan(chat)
+    chat, plan, ids = _render(engine, body, items)
     parser = tool_parser(state, engine)
     try:
         constraint = grammar_for(chat, plan, parser.name)
@@ -254,11 +262,16 @@ async def create_response(request: Request) -> Response:
         return OutputItems(engine.tokenizer, calls_parser, max_calls, with_logprobs)
 
     def finish(ch: Choice, output: list[dict[str, Any]]) -> dict[str, Any]:
-        status = "incomplete" if ch.finish_reason == "length" else "completed"
         usage = responses_usage(usage_of(gen.choices, 1), engine.info.block_size,
                                 engine.info.prefix_caching)  # fmt: skip
         final = response_body(
-            resp_id, created, body, state.model_name, status=status, output=output, usage=usage
+            resp_id,
+            created,
+            body,
+            state.model_name,
+            status=_status(ch.finish_reason),
+            output=output,
+            usage=usage,
         )
         if body.store is not False:
             store.put(owner, conversation, final, items)
@@ -273,26 +286,25 @@ async def create_response(request: Request) -> Response:
 
     def respond(usage: dict) -> Response:
         ch = gen.choices[0]
-        status = "incomplete" if ch.finish_reason == "length" else "completed"
         out = builder()
-        out.feed(ch.text, ch.logprobs, True, status)
+        out.feed(ch.text, ch.logprobs, True, _status(ch.finish_reason))
         return reply(ResponseObject, finish(ch, out.items))
 
     return await gen.collect(request, respond)
 
 
 def _render(
-    state: ServerState, engine: Any, body: ResponsesRequest, items: list[dict[str, Any]]
-) -> tuple[ChatCompletionRequest, list[int]]:
-    """The chat request and its prompt; with `truncation: auto`, the oldest items are dropped
-    until the prompt leaves room for the output."""
+    engine: AsyncEngine, body: ResponsesRequest, items: list[dict[str, Any]]
+) -> tuple[ChatCompletionRequest, ToolPlan | None, list[int]]:
+    """The chat request, its tool plan and its prompt; with `truncation: auto`, the oldest items
+    are dropped until the prompt leaves room for the output."""
     room = engine.info.max_model_len - (body.max_output_tokens or 1)
     while True:
         chat = chat_request(body, chat_messages(items, body.instructions))
         plan = tool_plan(chat)
         ids = render_prompt(engine.tokenizer, chat.messages, True, plan.tools if plan else None)
         if len(ids) <= room or body.truncation != "auto" or len(items) <= 1:
-            return chat, ids
+            return chat, plan, ids
         items = items[1:]
         while len(items) > 1 and items[0]["type"] != "message":  # no orphaned call outputs
             items = items[1:]
@@ -335,8 +347,9 @@ async def _events(
     yield event("response.in_progress", {"response": snapshot("in_progress")})
     try:
         async for ch, o in gen.outputs():
-            status = "incomplete" if o.finished and ch.finish_reason == "length" else "completed"
-            for kind, fields in out.feed(o.new_text, o.logprobs, o.finished, status):
+            for kind, fields in out.feed(
+                o.new_text, o.logprobs, o.finished, _status(ch.finish_reason)
+            ):
                 yield event(kind, fields)
         ch = gen.choices[0]
         final = finish(ch, out.items)
