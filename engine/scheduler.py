@@ -144,16 +144,11 @@ class Scheduler:
         self.kv.begin_step()
         self.finished_this_step.clear()
 
-        preempted_now: set[str] = set()
-        if self.short_prefill_tokens <= 0:
-            budget = self._schedule_running(out, budget, prefills=True)
-        else:
+        if self.short_prefill_tokens > 0:
             budget = self._schedule_running(out, budget, prefills=False)
-            preempted_now = set(out.preempted)
-            budget = self._admit(out, budget, preempted_now, self.short_prefill_tokens)
-            budget = self._schedule_running(out, budget, prefills=True)
-        preempted_now = set(out.preempted)
-        self._admit(out, budget, preempted_now, None)
+            budget = self._admit(out, budget, self.short_prefill_tokens)
+        budget = self._schedule_running(out, budget, prefills=True)
+        self._admit(out, budget, None)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefills: bool) -> int:
@@ -188,11 +183,10 @@ class Scheduler:
                 i += 1
         return budget
 
-    def _admit(
-        self, out: SchedulerOutput, budget: int, preempted_now: set[str], at_most: int | None
-    ) -> int:
+    def _admit(self, out: SchedulerOutput, budget: int, at_most: int | None) -> int:
         """Admit waiting requests in arrival order; with `at_most`, only those whose uncached
         remainder fits in it (the others keep their places). Returns the budget left."""
+        preempted_now = set(out.preempted)
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]

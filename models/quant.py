@@ -140,9 +140,7 @@ def smooth(model: nn.Module, ranges: dict[Linear, torch.Tensor], alpha: float = 
         layer.gate_up_proj.weight.data[n:].div_(s.to(down.weight.dtype)[:, None])
         down.weight.data.mul_(s.to(down.weight.dtype))
         for linear in (layer.qkv_proj, layer.gate_up_proj, down):
-            if linear.packed is not None:  # the packed copy holds the weight before smoothing
-                linear.packed = None
-                linear.pack()
+            linear.packed = None  # a packed copy holds the weight before smoothing
 
 
 def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:

@@ -102,7 +102,7 @@ def test_unknown_quantization_is_refused(llama_dir, bad) -> None:
 
 def test_smoothing_leaves_the_float_model_unchanged(llama_dir) -> None:
     """SmoothQuant's folding is exact in float: any positive per-channel factors, folded into
-    the norms and the up rows, give the same logits (packed weight copies are refreshed)."""
+    the norms and the up rows, give the same logits (stale packed weight copies are dropped)."""
     from models.quant import smooth
 
     llm = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32")
