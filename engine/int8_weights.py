@@ -10,6 +10,7 @@ import logging
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.attention.matrix import dtype_name
 from engine.model_runner import step_metadata
 from models.llama import LlamaForCausalLM
 from models.quant import CALIBRATION, input_ranges, needs_reduce_range, quantize_linears, smooth
@@ -45,7 +46,7 @@ def quantize_model(
     smooth(model, input_ranges(model, run, prompts), alpha)
     int8_bytes = quantize_linears(model)
     bits = 7 if needs_reduce_range() else 8
-    dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    dtype = dtype_name(model.lm_head.weight.dtype)
     described = (
         f"int8 W8A8 dynamic (fbgemm, per-channel weights, SmoothQuant alpha {alpha} on "
         f"{sum(map(len, prompts))} calibration tokens; {int8_bytes / 2**20:.0f} MiB; {bits}-bit "

@@ -27,8 +27,6 @@ from torch import nn
 
 from models.layers import Linear
 
-QUANTIZATIONS = ("none", "int8")
-
 
 @dataclass(frozen=True, slots=True)
 class Int8Weight:
