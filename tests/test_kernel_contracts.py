@@ -52,19 +52,25 @@ def torch_layout(fi_cache: torch.Tensor) -> torch.Tensor:
     return fi_cache.permute(1, 3, 0, 2, 4).contiguous()
 
 
+def step_meta(tables: list[list[int]], bs: int, items: list[tuple[int, int, int]]) -> StepMetadata:
+    """One step's metadata for (sequence, first position, number of tokens) items over the
+    given block tables."""
+    qs, ql, cl, sl, tb, slots, row = [], [], [], [], [], [], 0
+    for seq, start, n in items:
+        qs.append(row), ql.append(n), cl.append(start), sl.append(start + n)
+        tb.append(tables[seq])
+        slots += [tables[seq][p // bs] * bs + p % bs for p in range(start, start + n)]
+        row += n
+    return StepMetadata(qs, ql, cl, sl, tb, torch.tensor(slots))
+
+
 def steps(bs: int) -> list[StepMetadata]:
     """A prefill step (three sequences, no context), a mixed step (a chunk with context, two
     decodes) and two decode-only steps; block tables shuffled."""
     tables = [[7, 3, 11, 0], [5, 9, 1, 14], [2, 13, 6, 10]]
 
     def meta(items: list[tuple[int, int, int]]) -> StepMetadata:
-        qs, ql, cl, sl, tb, slots, row = [], [], [], [], [], [], 0
-        for seq, start, n in items:
-            qs.append(row), ql.append(n), cl.append(start), sl.append(start + n)
-            tb.append(tables[seq])
-            slots += [tables[seq][p // bs] * bs + p % bs for p in range(start, start + n)]
-            row += n
-        return StepMetadata(qs, ql, cl, sl, tb, torch.tensor(slots))
+        return step_meta(tables, bs, items)
 
     return [
         meta([(0, 0, 9), (1, 0, 17), (2, 0, 5)]),
@@ -388,14 +394,8 @@ def test_xformers_backend_against_the_real_paged_mask_and_operator(monkeypatch) 
     xf, ref = XFormersBackend(spec, xf_caches, bs), TorchBackend(spec, ref_caches, bs)
     tables = [[7, 3, 11], [5, 9, 1], [2, 10, 6]]
 
-    def meta(items):
-        qs, ql, cl, sl, tb, slots, row = [], [], [], [], [], [], 0
-        for seq, start, n in items:
-            qs.append(row), ql.append(n), cl.append(start), sl.append(start + n)
-            tb.append(tables[seq])
-            slots += [tables[seq][p // bs] * bs + p % bs for p in range(start, start + n)]
-            row += n
-        return StepMetadata(qs, ql, cl, sl, tb, torch.tensor(slots))
+    def meta(items: list[tuple[int, int, int]]) -> StepMetadata:
+        return step_meta(tables, bs, items)
 
     plan = [
         meta([(0, 0, 70), (1, 0, 130), (2, 0, 5)]),  # prefill: SDPA
