@@ -63,6 +63,7 @@ class ResponseStore:
         input_items: list[dict[str, Any]],
     ) -> None:
         with self._lock:
+            self._db.execute("BEGIN")  # the row and the pruning: one commit, not three
             self._db.execute(
                 "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
                 (
@@ -83,6 +84,7 @@ class ResponseStore:
                     "ORDER BY created_at DESC LIMIT -1 OFFSET ?)",
                     (self.max_responses,),
                 )
+            self._db.execute("COMMIT")
 
     def get(self, owner: str, response_id: str) -> StoredResponse | None:
         with self._lock:
