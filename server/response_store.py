@@ -41,7 +41,7 @@ class ResponseStore:
         self.max_responses = max_responses
         self.max_age_s = max_age_s
         # one connection, used from the event loop (and tests): a lock keeps it honest
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(self.path, check_same_thread=False)
         self._lock = threading.Lock()
         with self._lock:
             if self.path != ":memory:":
@@ -62,19 +62,10 @@ class ResponseStore:
         body: dict[str, Any],
         input_items: list[dict[str, Any]],
     ) -> None:
-        with self._lock:
-            self._db.execute("BEGIN")  # the row and the pruning: one commit, not three
-            self._db.execute(
-                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
-                (
-                    body["id"],
-                    owner,
-                    conversation,
-                    time.time(),
-                    json.dumps(body),
-                    json.dumps(input_items),
-                ),
-            )
+        row = (body["id"], owner, conversation, time.time(), json.dumps(body),
+               json.dumps(input_items))  # fmt: skip
+        with self._lock, self._db:  # the row and the pruning it triggers: one commit
+            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
             self._db.execute(
                 "DELETE FROM responses WHERE created_at < ?", (self._oldest_allowed(),)
             )
@@ -84,7 +75,6 @@ class ResponseStore:
                     "ORDER BY created_at DESC LIMIT -1 OFFSET ?)",
                     (self.max_responses,),
                 )
-            self._db.execute("COMMIT")
 
     def get(self, owner: str, response_id: str) -> StoredResponse | None:
         with self._lock:
@@ -98,7 +88,7 @@ class ResponseStore:
         return StoredResponse(response_id, row[0], json.loads(row[1]), json.loads(row[2]))
 
     def delete(self, owner: str, response_id: str) -> bool:
-        with self._lock:
+        with self._lock, self._db:  # commits
             cur = self._db.execute(
                 "DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
             )
