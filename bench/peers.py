@@ -58,7 +58,7 @@ def catalog(
 ) -> Catalog:
     models = peers_dir / "models"
     how = PRECISIONS[precision]
-    f32 = models / f"{Path(gguf).stem}.{how['gguf']}.gguf"
+    llama_gguf = models / f"{Path(gguf).stem}.{how['gguf']}.gguf"  # at this precision
     hf = models / "hf"
     available: list[Peer] = [Peer("kvserve", kvserve_cmd(["--model", gguf, *how["kvserve"]]))]
     missing: dict[str, str] = {}
@@ -70,12 +70,12 @@ def catalog(
         return not absent
 
     server = peers_dir / "llama.cpp" / "build" / "bin" / "llama-server"
-    if need("llama-server", server, f32):
+    if need("llama-server", server, llama_gguf):
         available.append(
             Peer(
                 "llama-server",
                 lambda port: (
-                    [str(server), "-m", str(f32), "-t", str(threads)]
+                    [str(server), "-m", str(llama_gguf), "-t", str(threads)]
                     + ["-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-webui"]
                     + ["--host", "127.0.0.1", "--port", str(port)]
                 ),
