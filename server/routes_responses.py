@@ -72,7 +72,8 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
 
     if body.background:
         raise no("background", "background responses are not supported; stream instead")
-    if body.reasoning is not None and (body.reasoning.effort or body.reasoning.summary):
+    r = body.reasoning
+    if r is not None and (r.effort or r.summary or r.generate_summary):
         raise no("reasoning", "this model does not reason; leave reasoning unset")
     if body.prompt is not None:
         raise no("prompt", "stored prompt templates are not supported; send input")

@@ -318,6 +318,7 @@ def test_what_cannot_be_honoured_is_a_400_and_stores_nothing(server) -> None:
     bad = [
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"generate_summary": "auto"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include.0"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"tool_choice": "required"}, "tool_choice"),
