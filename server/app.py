@@ -23,6 +23,7 @@ from engine.async_engine import AsyncEngine
 from server.config import Config
 from server.errors import CLIENT_ERRORS, APIError, error_body, to_api_error
 from server.openapi import build_openapi
+from server.response_store import ResponseStore
 from server.routes_admin import (
     detokenize,
     get_model,
@@ -125,6 +126,13 @@ def build_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         state.loop = loop
+        cfg = config.server
+        state.responses = ResponseStore.for_server(
+            cfg.responses_db,
+            config.engine.disk_path,
+            cfg.responses_max_stored,
+            cfg.responses_max_age_s,
+        )
         if engine is not None:
             engine.on_death = engine.on_death or on_fatal
             engine.start(loop)

@@ -12,6 +12,7 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 SCHEMA = """
@@ -47,6 +48,18 @@ class ResponseStore:
             if self.path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(SCHEMA)
+
+    @classmethod
+    def for_server(
+        cls, responses_db: str, disk_path: str, max_responses: int, max_age_s: float
+    ) -> ResponseStore:
+        """The server's store: `responses_db`, else beside the disk KV tier, else in memory."""
+        path = responses_db
+        if not path and disk_path:
+            path = f"{disk_path.rstrip('/')}/responses.sqlite3"
+        if path:  # the disk tier makes its directory later, when the engine loads
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return cls(path, max_responses, max_age_s)
 
     def close(self) -> None:
         with self._lock:

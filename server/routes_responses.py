@@ -57,12 +57,7 @@ def owner_of(state: ServerState, request: Request) -> str:
 
 
 def store_of(state: ServerState) -> ResponseStore:
-    if state.responses is None:
-        cfg = state.config.server
-        path = cfg.responses_db
-        if not path and state.config.engine.disk_path:
-            path = f"{state.config.engine.disk_path.rstrip('/')}/responses.sqlite3"
-        state.responses = ResponseStore(path, cfg.responses_max_stored, cfg.responses_max_age_s)
+    assert state.responses is not None, "opened by the app's lifespan"
     return state.responses
 
 

@@ -28,7 +28,7 @@ class ServerState:
         self.metrics = Metrics()
         self.created = int(time.time())
         self.sessions = SessionTracker()
-        self.responses: ResponseStore | None = None  # opened at first use (routes_responses)
+        self.responses: ResponseStore | None = None  # opened by the app's lifespan
         self.draining = False  # SIGTERM received: finish in-flight work, admit nothing new
         self.loop: asyncio.AbstractEventLoop | None = None
 
