@@ -28,9 +28,9 @@ class InputItem(_Base):
     """One item of `input`: a message (`type` may be omitted), a function call the model made
     earlier, or a function call's output."""
 
-    type: Literal["message", "function_call", "function_call_output", "item_reference"] | str = (
-        "message"
-    )
+    # message, function_call, function_call_output; any other kind is a 400 naming it
+    # (responses_items.input_items), not a validation error about the union
+    type: str = "message"
     id: str | None = None
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputPart] | None = None
