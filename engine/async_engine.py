@@ -188,6 +188,23 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         return await self.call(LLMEngine.reset_prefix_cache)
 
+    async def export_prefix(
+        self, token_ids: list[int], cache_salt: str | None
+    ) -> list[tuple[bytes, bytes]]:
+        return await self.call(lambda core: core.export_prefix(token_ids, cache_salt))
+
+    async def import_blocks(self, blocks: list[tuple[bytes, bytes]]) -> int:
+        return await self.call(lambda core: core.import_blocks(blocks))
+
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        """The prefix-cache hashes of a sequence's full blocks (the hasher is immutable: its
+        root is fixed at startup, so this is safe off the engine thread)."""
+        return self._core.kv.hasher.hashes(token_ids, cache_salt)
+
+    def num_cached_prefix(self, hashes: list[bytes]) -> int:
+        """Leading blocks already on this instance (a racy read; see KVCacheManager)."""
+        return self._core.kv.num_cached_prefix(hashes)
+
     async def offload_prefix(self, token_ids: list[int], cache_salt: str | None) -> int:
         return await self.call(lambda e: e.offload_prefix(token_ids, cache_salt))
 

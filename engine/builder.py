@@ -22,6 +22,7 @@ from engine.engine_info import EngineInfo
 from engine.host_tier import HostTier
 from engine.int8_weights import quantize_model
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_identity import hash_root_from_seed, kv_namespace
 from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.pooling import resolve_pooling
 from engine.scheduler import Scheduler
@@ -111,13 +112,17 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if config.quantization == "int8":
         weights = quantize_model(model, backend, tokenizer, num_blocks, block_size, device)
     host = _host_tier(config, model_path, spec, dtype, block_size, backend_cls, kv_caches, draft)
+    if config.kv_hash_seed:
+        hash_root = hash_root_from_seed(config.kv_hash_seed)
+    else:
+        hash_root = host.disk.root_seed if host is not None and host.disk is not None else None
     kv = KVCacheManager(
         num_blocks,
         block_size,
         config.enable_prefix_caching,
         host,
         _block_prefix_copier(backend_cls, kv_caches),
-        hash_root=host.disk.root_seed if host is not None and host.disk is not None else None,
+        hash_root=hash_root,
     )
     scheduler = Scheduler(
         kv,
@@ -181,6 +186,19 @@ def build_engine(config: EngineConfig) -> EngineParts:
         spec_max_verify_rows=config.spec_max_verify_rows,
         has_host_tier=host is not None,
         pooling=resolve_pooling(model_path, config.pooling),
+        kv_namespace=kv_namespace(
+            model_path,
+            spec=repr(spec),
+            dtype=str(dtype),
+            quantization=config.quantization,
+            block_size=block_size,
+            backend=backend_cls.name,
+            # a different head of the same layout only lowers acceptance (verification is
+            # lossless), so the head's layout is enough here
+            draft=draft.cfg.layout if draft is not None else None,
+            block_layout=repr(_block_layout(backend_cls, kv_caches)),
+        ),
+        host_block_bytes=host.block_bytes if host is not None else 0,
     )
     return EngineParts(
         info,
@@ -376,8 +394,7 @@ def _host_tier(
         return None
     disk = None
     if config.disk_path:
-        bd = backend_cls.block_dim
-        layout = [(c.shape[:bd] + c.shape[bd + 1 :], c.dtype) for c in kv_caches]
+        layout = _block_layout(backend_cls, kv_caches)
         fingerprint = json.dumps(
             {
                 "model": os.path.abspath(model_path),
@@ -393,6 +410,14 @@ def _host_tier(
         )
         disk = DiskTier(config.disk_path, fingerprint, layout, parse_bytes(config.disk_bytes))
     return HostTier(kv_caches, backend_cls.block_dim, host_bytes, disk)
+
+
+def _block_layout(
+    backend_cls: type[AttentionBackend], kv_caches: list[torch.Tensor]
+) -> list[tuple[torch.Size, torch.dtype]]:
+    """One block's shape and dtype in each KV group (the pool's size left out)."""
+    bd = backend_cls.block_dim
+    return [(c.shape[:bd] + c.shape[bd + 1 :], c.dtype) for c in kv_caches]
 
 
 def _block_prefix_copier(backend_cls: type[AttentionBackend], kv_caches: list[torch.Tensor]):

@@ -109,6 +109,10 @@ class EngineConfig:
     disk_path: str = ""  # optional disk tier under the host tier; "" = off
     disk_bytes: str = "20GiB"
     preemption_mode: str = "swap"  # "swap" (full blocks to the host tier) or "recompute"
+    # every instance sharing a remote KV store (prefill/decode, replicas) sets the same seed,
+    # so the same prefix has the same block hashes everywhere; "" = a random root per process
+    # (or the disk tier's stored one)
+    kv_hash_seed: str = ""
     speculative_model: str = ""  # EAGLE draft head dir; "" = the shipped head (default model)
     num_speculative_tokens: int = 0  # k draft tokens per step; 0 = speculation off
     spec_max_verify_rows: int = 8  # adaptive k: batch x (1 + k) stays within this many rows

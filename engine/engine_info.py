@@ -44,6 +44,9 @@ class EngineInfo:
     spec_max_verify_rows: int
     has_host_tier: bool
     pooling: str = "last"  # embedding requests' pooling (engine/pooling.py)
+    # the remote store's key namespace for this instance's blocks (engine/kv_identity.py)
+    kv_namespace: bytes = b""
+    host_block_bytes: int = 0  # one block's bytes across KV groups (a remote store value)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """A prompt and its sampling parameters fit this engine, or ParamError says why."""

@@ -52,6 +52,9 @@ class HostTier:
         self.index: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
         self.free_slots = list(range(self.num_blocks - 1, -1, -1))
         self.disk = disk
+        # blocks imported from the remote store and not yet copied to the device: a hit on one
+        # is counted as a remote-tier hit
+        self.remote: set[bytes] = set()
         self.saved_blocks = 0
         self.loaded_blocks = 0
         self.evicted_blocks = 0
@@ -149,6 +152,7 @@ class HostTier:
         self._after_copies()
         for h in hashes:
             self.index.move_to_end(h)
+        self.remote.difference_update(hashes)
         self.loaded_blocks += len(hashes)
         elapsed = time.perf_counter() - t
         self.load_seconds += elapsed
@@ -169,6 +173,54 @@ class HostTier:
         for store, t in zip(self.storage, tensors, strict=True):
             store[slot].copy_(t)
         self.index[block_hash] = slot
+        return True
+
+    def device_payloads(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Device blocks as raw bytes, each block's KV groups one after another: the remote
+        store's value format (`insert_payload` reads it back)."""
+        if not block_ids:
+            return []
+        idx = torch.tensor(list(block_ids), device=self.device_caches[0].device)
+        parts = [
+            cache.index_select(self.block_dim, idx)
+            .movedim(self.block_dim, 0)
+            .contiguous()
+            .cpu()
+            .view(torch.uint8)
+            .reshape(len(block_ids), -1)
+            for cache in self.device_caches
+        ]
+        rows = torch.cat(parts, dim=1).numpy()
+        return [row.tobytes() for row in rows]
+
+    def payload(self, block_hash: bytes) -> bytes | None:
+        """A block held here, in `device_payloads`' format."""
+        slot = self.index.get(block_hash)
+        if slot is None:
+            return None
+        self._sync()
+        return b"".join(s[slot].view(torch.uint8).numpy().tobytes() for s in self.storage)
+
+    def insert_payload(self, block_hash: bytes, payload: bytes, protect: set[bytes]) -> bool:
+        """Store a block received from the remote store (see `device_payloads`); a request
+        that continues it then loads it like any host hit. False if it cannot be stored."""
+        if len(payload) != self.block_bytes or self.num_blocks == 0:
+            return False
+        if block_hash in self.index:
+            self.index.move_to_end(block_hash)
+            return True
+        slot = self._take_slot(protect)
+        if slot is None:
+            return False
+        self._sync()  # an in-flight copy may still read this slot
+        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        offset = 0
+        for store in self.storage:
+            dst = store[slot].view(torch.uint8).reshape(-1)
+            dst.copy_(src[offset : offset + dst.numel()])
+            offset += dst.numel()
+        self.index[block_hash] = slot
+        self.remote.add(block_hash)
         return True
 
     def flush_to_disk(self, device_pairs: Sequence[tuple[bytes, int]] = ()) -> int:

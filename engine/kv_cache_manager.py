@@ -27,6 +27,7 @@ class PrefixHit:
     device: list[KVBlock] = field(default_factory=list)
     host: list[bytes] = field(default_factory=list)  # hashes continuing the chain on the host
     num_disk: int = 0  # of the host hits, how many were just read from the disk tier
+    num_remote: int = 0  # of the host hits, how many came from the remote store
     # a cached block whose first `partial_len` tokens continue the prefix (then it diverges)
     partial: KVBlock | None = None
     partial_len: int = 0
@@ -62,7 +63,7 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found, any tier
-        self.hits_by_source = {"device": 0, "host": 0, "disk": 0}
+        self.hits_by_source = {"device": 0, "host": 0, "disk": 0, "remote": 0}
 
     @property
     def enable_caching(self) -> bool:
@@ -104,6 +105,7 @@ class KVCacheManager:
             for block_hash in hashes[len(hit.device) :]:
                 if self.host.contains(block_hash):
                     hit.host.append(block_hash)
+                    hit.num_remote += block_hash in self.host.remote
                 elif self.host.load_from_disk(block_hash):
                     hit.host.append(block_hash)
                     hit.num_disk += 1
@@ -135,7 +137,8 @@ class KVCacheManager:
         self.prefix_queries += request.num_tokens
         self.prefix_hits += hit.num_tokens(bs)
         self.hits_by_source["device"] += len(hit.device) * bs + hit.partial_len
-        self.hits_by_source["host"] += (len(hit.host) - hit.num_disk) * bs
+        self.hits_by_source["host"] += (len(hit.host) - hit.num_disk - hit.num_remote) * bs
+        self.hits_by_source["remote"] += hit.num_remote * bs
         self.hits_by_source["disk"] += hit.num_disk * bs
 
     def allocate_slots(
@@ -224,6 +227,57 @@ class KVCacheManager:
                 self.pool.uncache(b)
                 moved += 1
         return moved
+
+    def export_prefix(
+        self, token_ids: list[int], cache_salt: str | None
+    ) -> list[tuple[bytes, bytes]]:
+        """(hash, bytes) of the leading run of a sequence's full blocks that the device pool or
+        the host tier holds: what a prefill instance publishes to the remote store."""
+        if self.host is None:
+            return []
+        found: list[tuple[bytes, KVBlock | None]] = []
+        for block_hash in self.hasher.hashes(token_ids, cache_salt):
+            block = self.pool.lookup(block_hash)
+            if block is None and not self.host.contains(block_hash):
+                break
+            found.append((block_hash, block))
+        on_device = [b.block_id for _, b in found if b is not None]
+        device_bytes = iter(self.host.device_payloads(on_device))
+        out = []
+        for block_hash, block in found:
+            payload = next(device_bytes) if block is not None else self.host.payload(block_hash)
+            if payload is None:
+                break
+            out.append((block_hash, payload))
+        return out
+
+    def import_blocks(self, blocks: list[tuple[bytes, bytes]]) -> int:
+        """Blocks received from the remote store into the host tier (a request's lookup then
+        finds them there); returns how many were stored."""
+        if self.host is None:
+            return 0
+        protect = {h for h, _ in blocks}
+        stored = 0
+        for block_hash, payload in blocks:
+            if not self.host.insert_payload(block_hash, payload, protect):
+                break
+            stored += 1
+        return stored
+
+    def num_cached_prefix(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of `hashes` the device pool or the host tier holds.
+
+        Read from the event loop's side without the engine thread: dict membership is atomic
+        under the GIL, and a stale answer only costs a fetch that was not needed, or a block
+        computed that could have been fetched (never a wrong result)."""
+        n = 0
+        for block_hash in hashes:
+            if block_hash not in self.pool.cached and not (
+                self.host is not None and block_hash in self.host.index
+            ):
+                break
+            n += 1
+        return n
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request_id, [])]

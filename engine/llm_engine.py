@@ -113,6 +113,16 @@ class LLMEngine:
         """Move an idle session's cached blocks to the host tier; returns blocks moved."""
         return self.kv.offload_prefix(token_ids, cache_salt)
 
+    def export_prefix(
+        self, token_ids: list[int], cache_salt: str | None = None
+    ) -> list[tuple[bytes, bytes]]:
+        """A sequence's cached full blocks as (hash, bytes), for the remote store."""
+        return self.kv.export_prefix(token_ids, cache_salt)
+
+    def import_blocks(self, blocks: list[tuple[bytes, bytes]]) -> int:
+        """Blocks fetched from the remote store into the host tier; returns how many."""
+        return self.kv.import_blocks(blocks)
+
     def snapshot(self) -> EngineSnapshot:
         return take_snapshot(self)
 

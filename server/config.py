@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, parse_bytes
 
 # The checkout's config.toml. An installed copy (site-packages) has none beside it: there
 # KVSERVE_CONFIG names the file (the Docker image sets it), else ./config.toml is used if present.
@@ -61,6 +61,10 @@ class ServerConfig:
     responses_db: str = ""
     responses_max_stored: int = 10_000
     responses_max_age_s: float = 30 * 24 * 3600.0
+    # prefill/decode disaggregation (server/kv_transfer.py): both | prefill | decode
+    role: str = "both"
+    kv_store_url: str = ""  # redis://HOST:PORT[/DB] (Redis or Valkey); "" = no remote tier
+    kv_store_ttl_s: int = 3600  # published blocks expire after this long; 0 = never
 
 
 @dataclass(slots=True)
@@ -152,6 +156,16 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
             f"tool_call_parser {server.tool_call_parser!r}: choose auto, hermes, llama3_json "
             "or mistral"
         )
+    if server.role not in ("both", "prefill", "decode"):
+        raise SystemExit(f"role {server.role!r}: choose both, prefill or decode")
+    if server.role != "both" and not server.kv_store_url:
+        raise SystemExit(f"role {server.role} hands KV over through a store: set kv_store_url")
+    if server.kv_store_url:
+        if not engine.enable_prefix_caching:
+            raise SystemExit("kv_store_url needs enable_prefix_caching (blocks are keyed by hash)")
+        if parse_bytes(engine.host_bytes) == 0:
+            # received blocks land in the host tier before a request's lookup meets them
+            engine.host_bytes = "1GiB"
     if server.default_max_tokens < 0:
         raise SystemExit("default_max_tokens must be >= 0 (0: the rest of the context)")
     return Config(server, engine)

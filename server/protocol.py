@@ -103,6 +103,8 @@ class _SamplingFields(_Base):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     cache_salt: str | None = None
+    # prefill/decode disaggregation (vLLM's field; server/kv_transfer.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _null_is_default(self) -> _SamplingFields:
@@ -285,6 +287,7 @@ class ChatCompletionResponse(_Out):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer
 
 
 class DeltaFunction(_Out):
@@ -347,6 +350,7 @@ class CompletionResponse(_Out):
     system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer
 
 
 class ModelCard(_Out):

@@ -100,6 +100,8 @@ class Generation:
     head: dict
     queue: asyncio.Queue
     on_done: Callable[[list[Choice]], None] | None = None
+    # a prefill instance's last act: publish the prompts' KV; returns `kv_transfer_params`
+    publish: Callable[[], Awaitable[dict]] | None = None
 
     @classmethod
     def admit(
@@ -110,6 +112,7 @@ class Generation:
         n: int,
         req_id: str,
         on_done: Callable[[list[Choice]], None] | None = None,
+        publish: Callable[[], Awaitable[dict]] | None = None,
     ) -> Generation:
         """Every choice enters the engine now, or the request gets a 429."""
         q = submit_or_429(state, engine, [(c.request_id, c.prompt_ids, c.params) for c in choices])
@@ -119,7 +122,7 @@ class Generation:
             "model": state.model_name,
             "system_fingerprint": f"kvserve-{VERSION}",
         }
-        return cls(state, engine, choices, n, head, q, on_done)
+        return cls(state, engine, choices, n, head, q, on_done, publish)
 
     async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Every choice's deltas in arrival order, accumulated into its `Choice`."""
@@ -148,6 +151,8 @@ class Generation:
         async def run() -> Response:
             async for _ in self.outputs():
                 pass
+            if self.publish is not None:
+                self.head["kv_transfer_params"] = await self.publish()
             return respond(usage_of(self.choices, self.n))
 
         return await run_or_disconnect(request, run())
@@ -183,9 +188,36 @@ class Generation:
             yield sse(ErrorResponse, body)
             yield SSE_DONE
             return
+        if self.publish is not None:  # a stream has no place for the params: publish only
+            await self.publish()
         if include_usage:
             yield sse(fmt.model, {**base, "choices": [], "usage": usage_of(self.choices, self.n)})
         yield SSE_DONE
+
+
+async def kv_handover(
+    state: ServerState,
+    engine: AsyncEngine,
+    prompts: list[list[int]],
+    cache_salt: str | None,
+    params: dict | None,
+) -> Callable[[], Awaitable[dict]] | None:
+    """Disaggregation around one request (server/kv_transfer.py): a decode instance fetches the
+    prompts' published KV now, before admission; a prefill instance gets back the publishing
+    step to run once the prompts are computed."""
+    transfer = state.kv_transfer
+    transfer.check(params)
+    if transfer.fetches(params):
+        for ids in prompts:
+            await transfer.fetch(engine, ids, cache_salt, params if len(prompts) == 1 else None)
+    if not transfer.publishes(params):
+        return None
+
+    async def publish() -> dict:
+        answers = [await transfer.publish(engine, ids, cache_salt) for ids in prompts]
+        return answers[0]
+
+    return publish
 
 
 def submit_or_429(

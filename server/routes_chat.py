@@ -22,6 +22,7 @@ from server.request_flow import (
     Generation,
     check_limits,
     effective_salt,
+    kv_handover,
     make_choices,
     session_id,
 )
@@ -89,7 +90,10 @@ async def chat_completions(request: Request) -> Response:
             session, first.prompt_ids + first.token_ids, first.params.cache_salt
         )
 
-    gen = Generation.admit(state, engine, choices, body.n, req_id, on_done=end_turn)
+    publish = await kv_handover(state, engine, [ids], body.cache_salt, body.kv_transfer_params)
+    gen = Generation.admit(
+        state, engine, choices, body.n, req_id, on_done=end_turn, publish=publish
+    )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ChatChunks(engine, logprobs is not None, calls_parser, plan, legacy)

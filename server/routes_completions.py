@@ -13,7 +13,13 @@ from server.constraints import grammar_for
 from server.errors import APIError
 from server.generation import Choice, completion_logprobs, finish_reason
 from server.protocol import CompletionRequest, CompletionResponse
-from server.request_flow import Generation, check_limits, effective_salt, make_choices
+from server.request_flow import (
+    Generation,
+    check_limits,
+    effective_salt,
+    kv_handover,
+    make_choices,
+)
 from server.state import ServerState
 from server.wire import parse_body, reply
 
@@ -73,7 +79,8 @@ async def completions(request: Request) -> Response:
         for i, ids in enumerate(prompts):
             entries = await engine.prompt_logprobs(ids, body.logprobs)
             echo_lps[i] = completion_logprobs(tokenizer, entries, ids, 0)
-    gen = Generation.admit(state, engine, choices, body.n, req_id)
+    publish = await kv_handover(state, engine, prompts, body.cache_salt, body.kv_transfer_params)
+    gen = Generation.admit(state, engine, choices, body.n, req_id, publish=publish)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return gen.stream(CompletionChunks(engine, body, prompt_texts), include_usage)

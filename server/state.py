@@ -10,6 +10,7 @@ import time
 from engine.async_engine import AsyncEngine
 from server.config import Config
 from server.errors import APIError
+from server.kv_transfer import KVTransfer
 from server.metrics import Metrics
 from server.response_store import ResponseStore
 from server.sessions import SessionTracker
@@ -29,6 +30,8 @@ class ServerState:
         self.created = int(time.time())
         self.sessions = SessionTracker()
         self.responses: ResponseStore | None = None  # opened by the app's lifespan
+        cfg = config.server
+        self.kv_transfer = KVTransfer(cfg.role, cfg.kv_store_url, cfg.kv_store_ttl_s, self.metrics)
         self.draining = False  # SIGTERM received: finish in-flight work, admit nothing new
         self.loop: asyncio.AbstractEventLoop | None = None
 
