@@ -186,7 +186,13 @@ def main() -> None:
         store_args = ["--kv-store-url", store.url, *seed]
         with (
             kvserve_on("colocated", "0,1", 2, common) as both,
-            kvserve_on("prefill", "0", 1, [*common, "--role", "prefill", *store_args]) as p,
+            # smaller prefill chunks: a short prompt waits at most one chunk behind a long one
+            kvserve_on(
+                "prefill",
+                "0",
+                1,
+                [*common, "--role", "prefill", "--max-num-batched-tokens", "256", *store_args],
+            ) as p,
             kvserve_on("decode", "1", 1, [*common, "--role", "decode", *store_args]) as d,
             RouterProcess.pd([p.base], d.base) as router,
         ):

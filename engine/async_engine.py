@@ -188,11 +188,6 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         return await self.call(LLMEngine.reset_prefix_cache)
 
-    async def export_prefix(
-        self, token_ids: list[int], cache_salt: str | None
-    ) -> list[tuple[bytes, bytes]]:
-        return await self.call(lambda core: core.export_prefix(token_ids, cache_salt))
-
     async def import_blocks(self, blocks: list[tuple[bytes, bytes]]) -> int:
         return await self.call(lambda core: core.import_blocks(blocks))
 

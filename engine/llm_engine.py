@@ -113,12 +113,6 @@ class LLMEngine:
         """Move an idle session's cached blocks to the host tier; returns blocks moved."""
         return self.kv.offload_prefix(token_ids, cache_salt)
 
-    def export_prefix(
-        self, token_ids: list[int], cache_salt: str | None = None
-    ) -> list[tuple[bytes, bytes]]:
-        """A sequence's cached full blocks as (hash, bytes), for the remote store."""
-        return self.kv.export_prefix(token_ids, cache_salt)
-
     def import_blocks(self, blocks: list[tuple[bytes, bytes]]) -> int:
         """Blocks fetched from the remote store into the host tier; returns how many."""
         return self.kv.import_blocks(blocks)
@@ -178,9 +172,14 @@ class LLMEngine:
             tokens = request.all_token_ids[before[request.request_id][1] :]
             self.stats.generation_tokens += len(tokens)
             try:
-                outputs.append(
-                    self.outputs.step_output(request, tokens, res.logprobs[: len(tokens)])
-                )
+                output = self.outputs.step_output(request, tokens, res.logprobs[: len(tokens)])
+                if output.finished and request.sampling_params.export_kv:
+                    # its blocks were freed this step but stay cached: nothing evicts them
+                    # before the next allocation
+                    output.kv_blocks = self.kv.export_prefix(
+                        request.prompt_token_ids, request.sampling_params.cache_salt
+                    )
+                outputs.append(output)
             except Exception:
                 log.exception("request %s: output processing failed", request.request_id)
                 outputs.append(self._fail(request, "detokenization failed"))

@@ -25,6 +25,9 @@ class RequestOutput:
     queue_time: float | None = None  # seconds from arrival to first scheduling
     # an embedding request's result: the pooled, L2-normalised hidden state (float32, CPU)
     embedding: torch.Tensor | None = None
+    # a finished request with `export_kv`: its prompt's cached full blocks as (hash, bytes),
+    # taken in the step that finished it (no later call has to wait for the engine thread)
+    kv_blocks: list[tuple[bytes, bytes]] | None = None
 
 
 @dataclass(slots=True)

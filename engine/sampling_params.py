@@ -50,6 +50,9 @@ class SamplingParams:
     # "last" | "mean": an embedding request (prefill only; its output is the pooled hidden
     # state, engine/pooling.py); None: generate
     pooling: str | None = None
+    # disaggregation: when the request finishes, hand its prompt's full KV blocks back with
+    # its last output (`RequestOutput.kv_blocks`), for the remote store
+    export_kv: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

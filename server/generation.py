@@ -25,6 +25,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    kv_blocks: list[tuple[bytes, bytes]] | None = None  # exported at its end (disaggregation)
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
@@ -33,6 +34,7 @@ class Choice:
         self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+            self.kv_blocks = out.kv_blocks
 
 
 def finish_reason(reason: str | None) -> str | None:

@@ -142,14 +142,14 @@ class KVTransfer:
     # ---- prefill side -------------------------------------------------------------------------
 
     async def publish(
-        self, engine: AsyncEngine, prompt_ids: list[int], cache_salt: str | None
+        self, engine: AsyncEngine, blocks: list[tuple[bytes, bytes]]
     ) -> dict[str, Any]:
-        """Put the prompt's computed full blocks in the store; the params the decode instance
-        gets (through the router) say how many and which chain they end."""
+        """Put a finished prompt's full blocks (exported by the engine in the step that ended
+        it) in the store; the params the decode instance gets (through the router) say how
+        many and which chain they end."""
         store = self.store(engine)
         assert store is not None
         t = time.monotonic()
-        blocks = await engine.export_prefix(prompt_ids, cache_salt)
         try:
             await asyncio.to_thread(store.put, blocks)
         except KVStoreError as e:

@@ -198,23 +198,27 @@ class Generation:
 async def kv_handover(
     state: ServerState,
     engine: AsyncEngine,
-    prompts: list[list[int]],
-    cache_salt: str | None,
+    choices: list[Choice],
+    n: int,
     params: dict | None,
 ) -> Callable[[], Awaitable[dict]] | None:
     """Disaggregation around one request (server/kv_transfer.py): a decode instance fetches the
-    prompts' published KV now, before admission; a prefill instance gets back the publishing
-    step to run once the prompts are computed."""
+    prompts' published KV now, before admission; a prefill instance marks each prompt's first
+    choice to hand its blocks back when it ends, and gets the publishing step to run then."""
     transfer = state.kv_transfer
     transfer.check(params)
+    firsts = choices[::n]  # one choice per prompt
     if transfer.fetches(params):
-        for ids in prompts:
-            await transfer.fetch(engine, ids, cache_salt, params if len(prompts) == 1 else None)
+        for c in firsts:
+            sent = params if len(firsts) == 1 else None
+            await transfer.fetch(engine, c.prompt_ids, c.params.cache_salt, sent)
     if not transfer.publishes(params):
         return None
+    for c in firsts:
+        c.params.export_kv = True
 
     async def publish() -> dict:
-        answers = [await transfer.publish(engine, ids, cache_salt) for ids in prompts]
+        answers = [await transfer.publish(engine, c.kv_blocks or []) for c in firsts]
         return answers[0]
 
     return publish

@@ -90,7 +90,7 @@ async def chat_completions(request: Request) -> Response:
             session, first.prompt_ids + first.token_ids, first.params.cache_salt
         )
 
-    publish = await kv_handover(state, engine, [ids], body.cache_salt, body.kv_transfer_params)
+    publish = await kv_handover(state, engine, choices, body.n, body.kv_transfer_params)
     gen = Generation.admit(
         state, engine, choices, body.n, req_id, on_done=end_turn, publish=publish
     )

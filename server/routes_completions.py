@@ -79,7 +79,7 @@ async def completions(request: Request) -> Response:
         for i, ids in enumerate(prompts):
             entries = await engine.prompt_logprobs(ids, body.logprobs)
             echo_lps[i] = completion_logprobs(tokenizer, entries, ids, 0)
-    publish = await kv_handover(state, engine, prompts, body.cache_salt, body.kv_transfer_params)
+    publish = await kv_handover(state, engine, choices, body.n, body.kv_transfer_params)
     gen = Generation.admit(state, engine, choices, body.n, req_id, publish=publish)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
