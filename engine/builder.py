@@ -26,10 +26,12 @@ from engine.kv_identity import hash_root_from_seed, kv_namespace
 from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.pooling import resolve_pooling
 from engine.scheduler import Scheduler
+from engine.spec_cost import measure as measure_spec_cost
 from engine.spec_decode import Proposer
 from engine.structured_output import StructuredOutputs
 from engine.warmup import warm_up
 from models.eagle.head import EagleHead, load_eagle_head
+from models.eagle.shipped import shipped_head_for
 from models.layers import pack_linears
 from models.llama import LlamaForCausalLM
 from models.loader import checkpoint_dtype, default_model_path, load_model
@@ -38,15 +40,6 @@ from models.spec import ModelSpec
 from models.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("kvserve.engine")
-
-# The self-distilled EAGLE-1 head shipped for the default model (tools/eagle_train.py).
-DEFAULT_DRAFT_HEAD = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    "models",
-    "eagle",
-    "heads",
-    "smollm2-135m-instruct",
-)
 
 
 @dataclass(slots=True)
@@ -145,6 +138,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
             config.spec_max_verify_rows,
             device,
         )
+        if config.spec_cost_model:
+            proposer.cost = measure_spec_cost(model, draft, backend, num_blocks, block_size, device)
+            log.info("speculation step costs (rows: target/draft): %s", proposer.cost.table())
     eos = spec.eos_token_ids or (
         [tokenizer.eos_token_id] if tokenizer and tokenizer.eos_token_id is not None else []
     )
@@ -182,8 +178,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         draft_layout=draft.cfg.layout if draft is not None else None,
+        draft_source=draft.source if draft is not None else "",
         num_speculative_tokens=config.num_speculative_tokens if draft is not None else 0,
         spec_max_verify_rows=config.spec_max_verify_rows,
+        spec_cost=proposer.cost.table() if proposer is not None and proposer.cost else "",
         has_host_tier=host is not None,
         pooling=resolve_pooling(model_path, config.pooling),
         kv_namespace=kv_namespace(
@@ -324,17 +322,19 @@ def _load_draft_head(
         return None
     path = config.speculative_model
     if not path:
-        if config.model:
+        # the model, not the flag, decides: a shipped head trained for these very weights
+        path = shipped_head_for(model.embed_tokens.weight)
+        if path is None:
             raise ValueError(
-                "num_speculative_tokens > 0 needs speculative_model (a draft head directory) "
-                "for a model other than the default"
+                "num_speculative_tokens > 0 needs speculative_model (a draft head directory): "
+                "no shipped head was trained for this model (its weights match none)"
             )
-        path = DEFAULT_DRAFT_HEAD
     head = load_eagle_head(path, model, dtype, device)
+    head.source = path if config.speculative_model else f"{path} (shipped; matched by weights)"
     log.info(
         "speculative decoding: %s head from %s, k=%d",
         head.cfg.layout,
-        path,
+        head.source,
         config.num_speculative_tokens,
     )
     return head

@@ -40,8 +40,10 @@ class EngineInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     draft_layout: str | None
+    draft_source: str  # the head's directory, and whether it was the shipped one
     num_speculative_tokens: int
     spec_max_verify_rows: int
+    spec_cost: str  # measured verify/draft step costs (adaptive k), "" when not measured
     has_host_tier: bool
     pooling: str = "last"  # embedding requests' pooling (engine/pooling.py)
     # the remote store's key namespace for this instance's blocks (engine/kv_identity.py)

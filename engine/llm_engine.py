@@ -375,7 +375,9 @@ class LLMEngine:
                 # only a chunk that sampled proposes: it alone got lookahead slots
                 items.append(CatchUp(r, start, hidden[row : row + kept], r.request_id in sampled))
             row += s.num_new_tokens
-        k = self.proposer.choose_k(sum(1 for i in items if i.propose and not i.request.is_finished))
+        proposing = [i.request for i in items if i.propose and not i.request.is_finished]
+        acceptance = sum(r.spec_acceptance for r in proposing) / max(1, len(proposing))
+        k = self.proposer.choose_k(len(proposing), acceptance)
         whole_step = len(items) == len(out.scheduled) and all(
             i.features.shape[0] == s.num_new_tokens for i, s in zip(items, out.scheduled)
         )

@@ -37,6 +37,7 @@ from engine.sampler import (
     token_logprobs,
 )
 from engine.sampling_params import SamplingParams
+from engine.spec_cost import SpecCostModel
 from models.eagle.head import EagleHead
 
 if TYPE_CHECKING:
@@ -191,11 +192,19 @@ class Proposer:
         self.stats = SpecStats()
         # constrained requests draft inside their grammar (set by the builder)
         self.structured: StructuredOutputs | None = None
+        self.cost: SpecCostModel | None = None  # measured by the builder (engine/spec_cost.py)
 
-    def choose_k(self, num_decoding: int) -> int:
+    def choose_k(self, num_decoding: int, acceptance: float = 0.7) -> int:
+        """k for this step's `num_decoding` proposing requests, whose per-draft acceptance
+        averages `acceptance`: by the measured cost model, else the row cap alone."""
         if num_decoding <= 0:
             return self.k
-        self.current_k = max(0, min(self.k, self.max_verify_rows // num_decoding - 1))
+        if self.cost is not None:
+            self.current_k = self.cost.best_k(
+                num_decoding, acceptance, self.k, self.max_verify_rows
+            )
+        else:
+            self.current_k = max(0, min(self.k, self.max_verify_rows // num_decoding - 1))
         return self.current_k
 
     @torch.inference_mode()

@@ -66,7 +66,8 @@ def banner(config: Config, info: EngineInfo) -> str:
         lines.insert(
             -1,
             f"  speculate  {info.draft_layout} head, k={info.num_speculative_tokens}"
-            f" (adaptive up to {info.spec_max_verify_rows} verify rows)",
+            f" (adaptive up to {info.spec_max_verify_rows} verify rows): {info.draft_source}"
+            + (f"\n  step costs {info.spec_cost}" if info.spec_cost else ""),
         )
     lines += ["  kernel matrix:", info.kernel_table]
     return "\n".join(lines)

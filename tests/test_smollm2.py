@@ -69,17 +69,32 @@ def test_gguf_tokenizer_matches_transformers(smol: LLM, hf_gguf, text: str) -> N
     assert smol.tokenizer.decode(ids, skip_special_tokens=False) == tok.decode(ids)
 
 
-def test_shipped_eagle_head_is_lossless_and_accepts(smol: LLM) -> None:
-    """The head shipped for the default model loads as the default draft (no path given) and
-    leaves greedy chat answers unchanged, with drafts actually accepted."""
+def test_shipped_eagle_head_is_lossless_and_accepts(smol: LLM, smollm2_path) -> None:
+    """The head shipped for the default model loads as the default draft (no head path given;
+    the model named by its own path, recognised by its weights) and leaves greedy chat answers
+    unchanged, with drafts actually accepted."""
     from models.eagle.prompts import heldout_prompts
 
-    # default model + shipped head, in `smol`'s float32 (`auto` may pick bf16 on this CPU)
-    spec = LLM(num_kv_blocks=256, num_speculative_tokens=4, dtype="float32")
+    # the default model + shipped head, in `smol`'s float32 (`auto` may pick bf16 on this CPU)
+    spec = LLM(smollm2_path, num_kv_blocks=256, num_speculative_tokens=4, dtype="float32")
     assert spec.engine.draft is not None and spec.engine.draft.token_map is not None
+    assert "shipped; matched by weights" in spec.engine.info.draft_source
     convs = [[{"role": "user", "content": p}] for p in heldout_prompts(3)]
     params = SamplingParams(temperature=0.0, max_tokens=48)
     want = [r.outputs[0].token_ids for r in smol.chat(convs, params)]
     assert [r.outputs[0].token_ids for r in spec.chat(convs, params)] == want
     stats = spec.engine.proposer.stats
     assert stats.num_accepted_tokens > 0.1 * stats.num_draft_tokens  # a random head: ~0
+
+
+def test_shipped_head_recognises_its_model_by_weights(smol: LLM) -> None:
+    """Other precisions of the same checkpoint match; a fine-tune-sized change does not."""
+    from models.eagle.shipped import shipped_head_for
+
+    emb = smol.engine.model.embed_tokens.weight
+    assert shipped_head_for(emb) is not None
+    assert shipped_head_for(emb.to(torch.bfloat16)) is not None
+    assert shipped_head_for(emb.to(torch.float16)) is not None
+    gen = torch.Generator().manual_seed(0)
+    assert shipped_head_for(emb + 0.01 * torch.randn(emb.shape, generator=gen)) is None
+    assert shipped_head_for(emb[:, :-64]) is None  # another shape

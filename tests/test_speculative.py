@@ -123,7 +123,8 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-PIN_K = {"spec_max_verify_rows": 1 << 16}  # adaptive k never shrinks k at these batch sizes
+# adaptive k never shrinks k at these batch sizes
+PIN_K = {"spec_max_verify_rows": 1 << 16, "spec_cost_model": False}
 
 
 def spec_llm(model: Path, head: Path, k: int, **kw) -> LLM:
@@ -282,6 +283,7 @@ def test_server_flags_stream_and_metrics(llama_dir, heads, reference) -> None:
         block_size=4,
         speculative_model=heads["identity"],
         num_speculative_tokens=3,
+        no_spec_cost_model=True,  # k pinned at 3 (the cost model would pick it by timing)
     ) as server:
         plain = LLM(str(llama_dir), num_kv_blocks=256, block_size=4)
         for prompt in ps[:4]:
@@ -340,3 +342,37 @@ def test_stop_strings_inside_a_verified_chunk(llama_dir, heads, reference, monke
     assert sum(1 for r in results if r.outputs[0].finish_reason == "stop") > 6
     assert proposer.stats.mean_acceptance_length > 2.0
     assert llm.engine.kv.pool.num_free_blocks == 256
+
+
+def test_no_shipped_head_for_another_model_is_refused(llama_dir) -> None:
+    """Without speculative_model, a head is used only if one was trained for these weights."""
+    with pytest.raises(ValueError, match="no shipped head was trained for this model"):
+        LLM(str(llama_dir), num_kv_blocks=64, num_speculative_tokens=2)
+
+
+def test_cost_model_picks_k_by_measured_costs() -> None:
+    """Memory-bound verification (5 rows cost 1 row's time) makes k = 4 pay at batch 1; at
+    batch 16 every extra row costs its full price, and drafts that are rarely accepted cost
+    more than they return."""
+    from engine.spec_cost import SpecCostModel
+
+    rows = (1, 2, 4, 8, 16, 32, 64)
+    model = SpecCostModel(rows, tuple(0.010 * max(1, r / 8) for r in rows), (0.001,) * len(rows))
+    assert model.best_k(1, 0.7, 4, 64) == 4
+    assert model.best_k(16, 0.7, 4, 64) == 0
+    assert model.best_k(1, 0.05, 4, 64) == 0
+    assert model.best_k(4, 0.7, 4, 8) == 1  # the row cap still bounds it
+    assert model.target(128) == pytest.approx(0.160)  # extrapolated past the last measurement
+
+
+def test_step_costs_are_measured_at_startup(llama_dir, heads) -> None:
+    llm = LLM(
+        str(llama_dir), speculative_model=str(heads["identity"]), num_speculative_tokens=3,
+        num_kv_blocks=256, block_size=16,
+    )  # fmt: skip
+    cost = llm.engine.proposer.cost
+    assert cost is not None and cost.rows[0] == 1 and len(cost.rows) >= 4
+    assert all(t > 0 for t in cost.target_s + cost.draft_s)
+    assert llm.engine.info.spec_cost == cost.table()
+    out = llm.generate([[5, 6, 7, 8]], GREEDY)[0].outputs[0].token_ids
+    assert len(out) == GREEDY.max_tokens

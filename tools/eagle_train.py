@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from models.eagle.head import EagleConfig, EagleHead, load_eagle_head
 from models.eagle.prompts import train_prompts
+from models.eagle.shipped import write_probe
 from models.llama import LlamaForCausalLM
 
 
@@ -271,6 +273,8 @@ def save_head(head: EagleHead, model: LlamaForCausalLM, out: str) -> None:
     }
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+    # the target it was trained for, recognised by its weights (models/eagle/shipped.py)
+    write_probe(out, model.embed_tokens.weight)
 
 
 def main() -> None:
@@ -278,6 +282,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/kvserve-eagle", help="cache for data and features")
+    ap.add_argument("--data", default="", help="DIR/data.pt from tools.eagle_data")
     ap.add_argument("--num-prompts", type=int, default=800)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--sampled-share", type=float, default=0.3)
@@ -296,7 +301,10 @@ def main() -> None:
     llm = LLM(args.model, max_num_seqs=64, max_num_batched_tokens=2048)
     model = llm.engine.model
     data_path = os.path.join(args.work, f"data-{args.num_prompts}-{args.max_tokens}.pt")
-    if os.path.exists(data_path):
+    if args.data:  # tools.eagle_data's sequences
+        data_path = args.data
+        seqs = torch.load(data_path)
+    elif os.path.exists(data_path):
         seqs = torch.load(data_path)
     else:
         prompts = train_prompts(args.num_prompts, args.seed)
@@ -307,7 +315,8 @@ def main() -> None:
     print(f"{len(seqs)} sequences, {sum(len(s) for s, _ in seqs)} tokens")
     if args.stage == "data":
         return
-    feat_path = data_path.replace(".pt", f"-{len(seqs)}-features.pt")
+    tag = hashlib.sha256(os.path.abspath(data_path).encode()).hexdigest()[:8]
+    feat_path = os.path.join(args.work, f"features-{tag}-{len(seqs)}.pt")
     if os.path.exists(feat_path):
         feats = torch.load(feat_path)
     else:

@@ -86,6 +86,7 @@ class EagleHead(nn.Module):
     def __init__(self, cfg: EagleConfig, target: LlamaForCausalLM, layer_idx: int) -> None:
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
+        self.source = ""  # where it was loaded from (the banner says which head serves)
         h = cfg.hidden_size
         eagle3 = cfg.layout == "eagle3"
         self.fc = Linear((3 if eagle3 else 2) * h, h, bias=cfg.fc_bias)
