@@ -5,9 +5,9 @@ For each batch size, runs without and with speculation alternately (`--rounds` t
 a shared machine hits both) and prints output tokens/s for both, their ratio, and the mean
 acceptance length (tokens per verification round) and per-position acceptance.
 
-    python bench/speculative.py                  # batch 1 and 8, k = 4, adaptive as served
+    python bench/speculative.py                  # batch 1 and 8, k <= 4, adaptive as served
     python bench/speculative.py --k 2 --batch-sizes 1
-    python bench/speculative.py --max-verify-rows 1000   # k pinned at every batch size
+    python bench/speculative.py --pin-k          # k pinned at every batch size
 """
 
 from __future__ import annotations
@@ -36,8 +36,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--speculative-model", default="")
     ap.add_argument(
-        "--max-verify-rows", type=int, default=8, help="adaptive k (the server default); "
-        "a large value pins k at every batch size"
+        "--max-verify-rows", type=int, default=64, help="the cap on batch x (1 + k) (the "
+        "server default)"
+    )  # fmt: skip
+    ap.add_argument(
+        "--pin-k", action="store_true", help="k drafts at every batch size: no cost model, "
+        "no row cap (measures the head's acceptance at k)"
     )  # fmt: skip
     args = ap.parse_args()
     convs = [[{"role": "user", "content": p}] for p in heldout_prompts(args.num_prompts)]
@@ -46,7 +50,8 @@ def main() -> None:
     spec = LLM(
         speculative_model=args.speculative_model,
         num_speculative_tokens=args.k,
-        spec_max_verify_rows=args.max_verify_rows,
+        spec_max_verify_rows=1 << 16 if args.pin_k else args.max_verify_rows,
+        spec_cost_model=not args.pin_k,
     )
     base.chat(convs[0], SamplingParams(max_tokens=4))  # warm-up
     spec.chat(convs[0], SamplingParams(max_tokens=4))

@@ -108,50 +108,45 @@ class Metrics:
         )
 
         # prefill/decode disaggregation (server/kv_transfer.py), per request
+        reg = self.registry
+        short = (1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3)
         self.kv_received_tokens = Histogram(
             "kvserve:kv_transfer_received_tokens",
             "Prompt tokens whose KV a request received from the remote store.",
-            registry=self.registry,
+            registry=reg,
             buckets=(0, 64, 256, 1024, 4096, 16384),
         )
         self.kv_received_bytes = Histogram(
             "kvserve:kv_transfer_received_bytes",
             "KV bytes a request received from the remote store.",
-            registry=self.registry,
+            registry=reg,
             buckets=(0, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28, 1 << 30),
         )
         self.kv_receive_seconds = Histogram(
             "kvserve:kv_transfer_receive_seconds",
             "Time to fetch a request's KV from the remote store into the host tier.",
-            registry=self.registry,
-            buckets=(1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3),
+            registry=reg,
+            buckets=short,
         )
-        self.kv_store_misses = Counter(
-            "kvserve:kv_transfer_store_misses",
-            "Blocks a request expected from the remote store that it did not get.",
-            registry=self.registry,
+        self.kv_publish_seconds = Histogram(
+            "kvserve:kv_transfer_publish_seconds",
+            "Time to publish a request's prompt KV to the remote store.",
+            registry=reg,
+            buckets=short,
+        )
+        self.kv_store_misses, self.kv_published_blocks, self.kv_publish_failures = (
+            Counter(f"kvserve:kv_transfer_{name}", doc, registry=reg)
+            for name, doc in (
+                ("store_misses", "Blocks a request expected from the remote store but missed."),
+                ("published_blocks", "Blocks published to the remote store."),
+                ("publish_failures", "Requests whose KV could not be published (store failed)."),
+            )
         )
         self.kv_fallbacks = Counter(
             "kvserve:kv_transfer_fallbacks",
             "Requests that computed prompt KV themselves instead of receiving it.",
             ["reason"],
-            registry=self.registry,
-        )
-        self.kv_published_blocks = Counter(
-            "kvserve:kv_transfer_published_blocks",
-            "Blocks published to the remote store.",
-            registry=self.registry,
-        )
-        self.kv_publish_seconds = Histogram(
-            "kvserve:kv_transfer_publish_seconds",
-            "Time to publish a request's prompt KV to the remote store.",
-            registry=self.registry,
-            buckets=(1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3),
-        )
-        self.kv_publish_failures = Counter(
-            "kvserve:kv_transfer_publish_failures",
-            "Requests whose KV could not be published (the store failed).",
-            registry=self.registry,
+            registry=reg,
         )
 
     def render(self, snapshot: EngineSnapshot | None) -> bytes:

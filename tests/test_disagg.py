@@ -176,13 +176,14 @@ def test_store_killed_requests_still_finish(cluster) -> None:
     """Last in this module: it stops the store. Both instances fall back (the prefill one
     cannot publish, the decode one cannot fetch) and every request finishes with the same
     text as the colocated instance."""
-    router, d, p, both = cluster["router"], cluster["decode"], cluster["prefill2"], cluster["both"]
+    router, d, both = cluster["router"], cluster["decode"], cluster["both"]
+    alive = [cluster[k] for k in ("prefill", "prefill2") if cluster[k].proc.poll() is None]
     cluster["store"].stop()
     ids = prompt_ids(130, seed=5)
     out = complete(router.base, ids)
     assert out["choices"][0]["text"] == complete(both.base, ids)["choices"][0]["text"]
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert metric(p.base, "kvserve:kv_transfer_publish_failures_total") >= 1
+    assert sum(metric(p.base, "kvserve:kv_transfer_publish_failures_total") for p in alive) >= 1
     assert metric(d.base, "kvserve:kv_transfer_fallbacks_total", '{reason="not_published"}') >= 1
     # asked directly (no params), the decode instance tries the store, fails, computes
     out = complete(d.base, prompt_ids(110, seed=6))

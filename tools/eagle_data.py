@@ -26,6 +26,7 @@ import torch
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from models.eagle.prompts import HELDOUT_SUBJECTS, SUBJECTS, train_prompts
+from tools.eagle_train import generate_data
 
 FORMATS = [
     "a numbered list",
@@ -60,7 +61,7 @@ def clean_question(text: str) -> str | None:
     return line
 
 
-def write_questions(llm: LLM, per_pair: int, seed: int) -> list[str]:
+def write_questions(llm: LLM, per_pair: int) -> list[str]:
     pairs = [(s, f) for s in SUBJECTS for f in FORMATS for _ in range(per_pair)]
     convs = [[{"role": "user", "content": question_prompt(s, f)}] for s, f in pairs]
     # unseeded rows sample in one batched draw (per-request generators draw row by row); the
@@ -75,21 +76,6 @@ def write_questions(llm: LLM, per_pair: int, seed: int) -> list[str]:
             seen.add(q.lower())
             out.append(q)
     return out
-
-
-def answer(
-    llm: LLM, questions: list[str], max_tokens: int, sampled_share: float, seed: int
-) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    params = [
-        SamplingParams(max_tokens=max_tokens, temperature=0.8)
-        if rng.random() < sampled_share
-        else SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        for _ in range(len(questions))
-    ]
-    convs = [[{"role": "user", "content": q}] for q in questions]
-    results = llm.chat(convs, params, use_tqdm=True)  # type: ignore[arg-type]
-    return [(r.prompt_token_ids + r.outputs[0].token_ids, len(r.prompt_token_ids)) for r in results]
 
 
 def main() -> None:
@@ -108,11 +94,11 @@ def main() -> None:
         args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, seed=args.seed
     )
     start = time.monotonic()
-    questions = write_questions(llm, args.questions_per_pair, args.seed)
+    questions = write_questions(llm, args.questions_per_pair)
     questions += train_prompts(10_000, args.seed)  # every template x training subject
     random.Random(args.seed).shuffle(questions)
     asked = time.monotonic()
-    seqs = answer(llm, questions, args.max_tokens, args.sampled_share, args.seed)
+    seqs = generate_data(llm, questions, args.max_tokens, args.sampled_share, args.seed)
     seconds = time.monotonic() - start
     answer_tokens = sum(len(ids) - first for ids, first in seqs)
     torch.save(seqs, out / "data.pt")
