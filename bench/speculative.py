@@ -36,9 +36,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--speculative-model", default="")
     ap.add_argument(
-        "--max-verify-rows", type=int, default=64, help="the cap on batch x (1 + k) (the "
-        "server default)"
+        "--max-verify-rows", type=int, default=8, help="adaptive k: batch x (1 + k) within "
+        "this (the server default)"
     )  # fmt: skip
+    ap.add_argument("--cost-model", action="store_true", help="adaptive k by measured costs")
     ap.add_argument(
         "--pin-k", action="store_true", help="k drafts at every batch size: no cost model, "
         "no row cap (measures the head's acceptance at k)"
@@ -51,7 +52,7 @@ def main() -> None:
         speculative_model=args.speculative_model,
         num_speculative_tokens=args.k,
         spec_max_verify_rows=1 << 16 if args.pin_k else args.max_verify_rows,
-        spec_cost_model=not args.pin_k,
+        spec_cost_model=args.cost_model and not args.pin_k,
     )
     base.chat(convs[0], SamplingParams(max_tokens=4))  # warm-up
     spec.chat(convs[0], SamplingParams(max_tokens=4))

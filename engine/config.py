@@ -115,10 +115,12 @@ class EngineConfig:
     kv_hash_seed: str = ""
     speculative_model: str = ""  # EAGLE draft head dir; "" = the shipped head (default model)
     num_speculative_tokens: int = 0  # k draft tokens per step; 0 = speculation off
-    # adaptive k: the k with the most expected tokens per second, from verify and draft step
-    # costs measured at startup (engine/spec_cost.py); batch x (1 + k) never exceeds the cap
-    spec_cost_model: bool = True
-    spec_max_verify_rows: int = 64
+    # adaptive k: batch x (1 + k) stays within spec_max_verify_rows; with spec_cost_model, the
+    # k with the most expected tokens per second from verify and draft step costs measured at
+    # startup (engine/spec_cost.py), within that cap. Off by default: it does not yet count
+    # the speculative step's per-request overheads and lost to the row rule at batch 8 here
+    spec_cost_model: bool = False
+    spec_max_verify_rows: int = 8
     # CPU float32: also hold oneDNN-packed weight copies (2x weight memory; 1.3-1.8x faster
     # matmuls from 3 rows up, models/layers.py)
     cpu_packed_weights: bool = True

@@ -65,18 +65,26 @@ class SpecCostModel:
         )
 
 
-def _timed(fn, repeats: int, device: torch.device) -> float:
-    fn()  # first call: allocations, lazy packing
-    best = float("inf")
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_times(steps: list, repeats: int, device: torch.device) -> list[float]:
+    """The median time of each step, the steps interleaved round by round so that a burst of
+    load on a shared machine lands on all of them alike (and a noisy startup cannot make
+    verification look dearer than it is)."""
+    for step in steps:  # first calls: allocations, lazy packing
+        step()
+    times: list[list[float]] = [[] for _ in steps]
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t)
-    return best
+        for i, step in enumerate(steps):
+            _sync(device)
+            t = time.perf_counter()
+            step()
+            _sync(device)
+            times[i].append(time.perf_counter() - t)
+    return [sorted(ts)[len(ts) // 2] for ts in times]
 
 
 @torch.inference_mode()
@@ -89,7 +97,7 @@ def measure(
     device: torch.device,
     rows: tuple[int, ...] = MEASURED_ROWS,
     context: int = 128,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> SpecCostModel:
     """Time target and draft steps on scratch blocks at startup (no request owns any block yet;
     the KV written there is never read as anyone's)."""
@@ -99,14 +107,16 @@ def measure(
         return -(-(context + r) // block_size) <= num_blocks and r * need <= num_blocks
 
     rows = tuple(r for r in rows if fits(r)) or (1,)
-    target_s = [
-        _timed(_target_step(model, backend, r, context, block_size, device), repeats, device)
-        for r in rows
-    ]
-    draft_s = [
-        _timed(_draft_step(model, head, backend, r, context, block_size, device), repeats, device)
-        for r in rows
-    ]
+    target_s = _median_times(
+        [_target_step(model, backend, r, context, block_size, device) for r in rows],
+        repeats,
+        device,
+    )
+    draft_s = _median_times(
+        [_draft_step(model, head, backend, r, context, block_size, device) for r in rows],
+        repeats,
+        device,
+    )
     return SpecCostModel(rows, tuple(target_s), tuple(draft_s))
 
 

@@ -368,7 +368,7 @@ def test_cost_model_picks_k_by_measured_costs() -> None:
 def test_step_costs_are_measured_at_startup(llama_dir, heads) -> None:
     llm = LLM(
         str(llama_dir), speculative_model=str(heads["identity"]), num_speculative_tokens=3,
-        num_kv_blocks=256, block_size=16,
+        num_kv_blocks=256, block_size=16, spec_cost_model=True,
     )  # fmt: skip
     cost = llm.engine.proposer.cost
     assert cost is not None and cost.rows[0] == 1 and len(cost.rows) >= 4
