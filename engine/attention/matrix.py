@@ -126,8 +126,8 @@ def bf16_probe() -> float:
     (> 1: bf16 is faster). Measured, not read from CPU flags: an advertised avx512_bf16 does not
     guarantee torch uses it, and where it does not, bf16 runs tens of times slower than float32
     (Zen 3: ~1 GFLOP/s, ~70 ms a call; Zen 5: ~4x float32). The two dtypes alternate and each
-    keeps its best of 5 (other processes share the cores); a bf16 call slower than 10 float32
-    calls ends it early. Once per process, ~10 ms on a fast CPU."""
+    keeps its best of 5 (other processes share the cores); a warm bf16 call slower than 10
+    float32 calls ends it early. Once per process, ~10 ms on a fast CPU."""
     import time
 
     import torch.nn.functional as F
@@ -145,6 +145,9 @@ def bf16_probe() -> float:
     with torch.inference_mode():
         once(torch.float32)  # warm-up (oneDNN/MKL kernel selection)
         once(torch.float32)
+        # bf16's first call builds its kernel (it measured 36x float32 once on a Zen 5 that
+        # runs bf16 4x faster, and `auto` served float32): judge the second
+        once(torch.bfloat16)
         if once(torch.bfloat16) > 10 * best[torch.float32]:
             return best[torch.float32] / best[torch.bfloat16]
         for _ in range(5):
