@@ -164,9 +164,14 @@ class HostTier:
         if self.disk is None or self.num_blocks == 0:
             return False
         tensors = self.disk.load(block_hash)
-        if tensors is None:
-            return False
-        slot = self._take_slot(set())
+        return tensors is not None and self._store_block(block_hash, tensors, set())
+
+    def _store_block(
+        self, block_hash: bytes, tensors: Sequence[torch.Tensor], protect: set[bytes]
+    ) -> bool:
+        """A block arriving from below (disk tier, remote store), one tensor per KV group,
+        into a free or evicted slot; False if every slot is protected."""
+        slot = self._take_slot(protect)
         if slot is None:
             return False
         self._sync()  # an in-flight copy may still read this slot
@@ -209,17 +214,14 @@ class HostTier:
         if block_hash in self.index:
             self.index.move_to_end(block_hash)
             return True
-        slot = self._take_slot(protect)
-        if slot is None:
-            return False
-        self._sync()  # an in-flight copy may still read this slot
         src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        offset = 0
+        tensors, offset = [], 0
         for store in self.storage:
-            dst = store[slot].view(torch.uint8).reshape(-1)
-            dst.copy_(src[offset : offset + dst.numel()])
-            offset += dst.numel()
-        self.index[block_hash] = slot
+            n = store[0].numel() * store.element_size()
+            tensors.append(src[offset : offset + n].view(store.dtype).reshape(store.shape[1:]))
+            offset += n
+        if not self._store_block(block_hash, tensors, protect):
+            return False
         self.remote.add(block_hash)
         return True
 

@@ -228,15 +228,14 @@ class KVCacheManager:
                 moved += 1
         return moved
 
-    def export_prefix(
-        self, token_ids: list[int], cache_salt: str | None
-    ) -> list[tuple[bytes, bytes]]:
-        """(hash, bytes) of the leading run of a sequence's full blocks that the device pool or
-        the host tier holds: what a prefill instance publishes to the remote store."""
+    def export_prompt(self, request: Request) -> list[tuple[bytes, bytes]]:
+        """(hash, bytes) of the leading run of a request's full prompt blocks that the device
+        pool or the host tier holds: what a prefill instance publishes to the remote store."""
         if self.host is None:
             return []
+        self.update_block_hashes(request)
         found: list[tuple[bytes, KVBlock | None]] = []
-        for block_hash in self.hasher.hashes(token_ids, cache_salt):
+        for block_hash in request.block_hashes[: request.num_prompt_tokens // self.block_size]:
             block = self.pool.lookup(block_hash)
             if block is None and not self.host.contains(block_hash):
                 break
@@ -272,8 +271,8 @@ class KVCacheManager:
         computed that could have been fetched (never a wrong result)."""
         n = 0
         for block_hash in hashes:
-            if block_hash not in self.pool.cached and not (
-                self.host is not None and block_hash in self.host.index
+            if self.pool.lookup(block_hash) is None and not (
+                self.host is not None and self.host.contains(block_hash)
             ):
                 break
             n += 1

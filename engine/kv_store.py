@@ -4,7 +4,7 @@ Prefill instances put the blocks they computed; decode instances get the run of 
 blocks that the store holds and compute the rest. Keys are namespaced by a fingerprint of
 everything that shapes a block's bytes (model weights, dtype, layout, block size), so instances
 of another model or configuration sharing the server never read each other's blocks. Values are
-the block's raw bytes (`engine/kv_payload.py`); a value of the wrong length is a miss.
+the block's raw bytes (`HostTier.device_payloads`); a value of the wrong length is a miss.
 
 Every failure (server down, timeout, eviction) is a miss or a failed put, never an error for
 the request: the caller computes what it could not get. Thread-safe (redis-py's connection pool);
@@ -13,13 +13,10 @@ called from worker threads, never from the engine thread or the event loop.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
 import redis
-
-log = logging.getLogger("kvserve.kv_store")
 
 
 class KVStoreError(RuntimeError):
@@ -47,12 +44,6 @@ class RedisBlockStore:
 
     def key(self, block_hash: bytes) -> bytes:
         return b"kvserve:" + self.namespace + b":" + block_hash
-
-    def ping(self) -> bool:
-        try:
-            return bool(self.client.ping())
-        except redis.RedisError:
-            return False
 
     def put(self, blocks: Sequence[tuple[bytes, bytes]]) -> None:
         """Store (hash, payload) pairs, one pipelined round trip. Raises KVStoreError."""

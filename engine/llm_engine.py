@@ -176,9 +176,7 @@ class LLMEngine:
                 if output.finished and request.sampling_params.export_kv:
                     # its blocks were freed this step but stay cached: nothing evicts them
                     # before the next allocation
-                    output.kv_blocks = self.kv.export_prefix(
-                        request.prompt_token_ids, request.sampling_params.cache_salt
-                    )
+                    output.kv_blocks = self.kv.export_prompt(request)
                 outputs.append(output)
             except Exception:
                 log.exception("request %s: output processing failed", request.request_id)

@@ -11,7 +11,7 @@ another hash root) it computes itself. Slower, never lost.
 
 Roles: `prefill` publishes every request's prompt; `decode` fetches for every request;
 `both` does either when `kv_transfer_params` asks. The store's I/O runs in worker threads;
-the engine is touched only through its door (`export_prefix`, `import_blocks`).
+the engine is touched only through its door (a request's `export_kv` flag, `import_blocks`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from server.errors import APIError
 from server.metrics import Metrics
 
 log = logging.getLogger("kvserve.kv_transfer")
-ROLES = ("both", "prefill", "decode")
 
 
 class KVTransfer:
