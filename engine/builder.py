@@ -32,7 +32,7 @@ from engine.structured_output import StructuredOutputs
 from engine.warmup import warm_up
 from models.eagle.head import EagleHead, load_eagle_head
 from models.eagle.shipped import shipped_head_for
-from models.layers import pack_linears
+from models.layers import onednn_pack_refusal, pack_linears
 from models.llama import LlamaForCausalLM
 from models.loader import checkpoint_dtype, default_model_path, load_model
 from models.quant import can_quantize
@@ -77,6 +77,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         raise ValueError(f"--quantization int8: {why_not}")
     if config.cpu_packed_weights:
         packed_bytes = pack_linears(model) + (pack_linears(draft) if draft is not None else 0)
+        if device.type == "cpu" and (refusal := onednn_pack_refusal(dtype)) is not None:
+            log.warning("no oneDNN-packed weights for %s here: %s", dtype_name(dtype), refusal)
+            weights += f"; unpacked: oneDNN refuses packed {dtype_name(dtype)} here ({refusal})"
     # The pool and the backend see the draft's layer as one more layer with its own KV group.
     pool_spec = spec
     if draft is not None:

@@ -63,7 +63,12 @@ def choose_dtype(
     if requested != "auto":
         if requested not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {requested!r}; choose from {sorted(DTYPE_NAMES)}")
-        return DTYPE_NAMES[requested], f"--dtype {requested}"
+        dtype = DTYPE_NAMES[requested]
+        why = f"--dtype {requested}"
+        slow = device.type == "cpu" and dtype != torch.float32 and facts is not None
+        if slow and 0 < facts.bf16_speedup < 1:  # type: ignore[union-attr]
+            why += f"; slow here: bf16 matmul {facts.bf16_speedup:.2g}x float32 at startup"  # type: ignore[union-attr]
+        return dtype, why
     if device.type == "cuda":
         capability = facts.capability if facts is not None else None
         dtype = auto_dtype(device, capability)

@@ -1,7 +1,15 @@
 """`--quantization int8` at startup: smooth the float model on calibration text (SmoothQuant,
 so per-tensor activation quantization keeps its accuracy), then give its linear layers int8
 weights (models/quant.py). Runs after the attention backend's warm-up, through the same plan +
-forward, writing KV only into blocks no request owns yet."""
+forward, writing KV only into blocks no request owns yet.
+
+The result is measured before it serves: the float and int8 models' logits over held-out text
+(`HELD_OUT`, none of it calibration) give top-1 agreement and mean cosine, printed in the kernel
+matrix. Below `WARN_TOP1` the banner warns (bf16, a format users accept, agrees with float32 on
+~97% of SmolLM2's positions; 0.9 is the bar the bf16 tests hold it to); below `REFUSE_TOP1` the
+server refuses to start: more than a third of next tokens changed is another model, and no user
+asked for that. On a CPU without VNNI, fbgemm's activations drop to 7 bits and agreement falls
+(Zen 3 and `FBGEMM_ENABLE_INSTRUCTIONS=AVX2`), which is what this makes visible."""
 
 from __future__ import annotations
 
@@ -17,6 +25,23 @@ from models.quant import CALIBRATION, input_ranges, needs_reduce_range, quantize
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.int8")
+
+# Held-out text for the accuracy check: none of it is in CALIBRATION.
+HELD_OUT = [
+    "The mitochondria is the part of the cell that produces most of its chemical energy.",
+    "for i in range(10):\n    total += values[i] * weights[i]\nprint(total / len(values))",
+    "In 1969, Neil Armstrong became the first person to walk on the surface of the Moon.",
+    "Dear team, the meeting moves to Thursday at 3 pm; please bring the budget figures.",
+]
+WARN_TOP1 = 0.90
+REFUSE_TOP1 = 0.67
+
+
+def agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """(top-1 agreement, mean cosine) of two [positions, vocab] logit tensors."""
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    cosine = torch.nn.functional.cosine_similarity(ref, got, dim=-1).mean().item()
+    return top1, cosine
 
 
 @torch.inference_mode()
@@ -38,19 +63,44 @@ def quantize_model(
         vocab = model.spec.vocab_size
         prompts = [torch.randint(0, vocab, (min(64, limit),), generator=g).tolist()] * 4
 
-    def run(ids: list[int]) -> None:
+    if tokenizer is not None:
+        held_out = [tokenizer.encode(t, add_special_tokens=False)[:limit] for t in HELD_OUT]
+    else:
+        g = torch.Generator().manual_seed(1)
+        held_out = [
+            torch.randint(0, model.spec.vocab_size, (min(48, limit),), generator=g).tolist()
+        ]
+
+    def run(ids: list[int]) -> torch.Tensor:
         table = list(range(-(-len(ids) // block_size)))
         positions, meta = step_metadata([(table, 0, len(ids))], block_size, device)
-        model(torch.tensor(ids, device=device), positions, backend.plan(meta))
+        return model(torch.tensor(ids, device=device), positions, backend.plan(meta))
+
+    def logits() -> torch.Tensor:
+        return torch.cat([model.compute_logits(run(ids)) for ids in held_out])
 
     smooth(model, input_ranges(model, run, prompts), alpha)
+    reference = logits()  # smoothing computes the same function: this is the float model
     int8_bytes = quantize_linears(model)
+    top1, cosine = agreement(reference, logits())
     bits = 7 if needs_reduce_range() else 8
     dtype = dtype_name(model.lm_head.weight.dtype)
+    accuracy = (
+        f"vs the unquantized model on {len(reference)} held-out positions: "
+        f"top-1 agreement {top1:.2f}, logit cosine {cosine:.3f}"
+    )
+    if top1 < REFUSE_TOP1:
+        raise ValueError(
+            f"--quantization int8 is too inaccurate on this CPU ({accuracy}, {bits}-bit "
+            f"activations; below {REFUSE_TOP1}): serve the float model instead"
+        )
     described = (
         f"int8 W8A8 dynamic (fbgemm, per-channel weights, SmoothQuant alpha {alpha} on "
         f"{sum(map(len, prompts))} calibration tokens; {int8_bytes / 2**20:.0f} MiB; {bits}-bit "
-        f"activations by probe; lm_head {dtype})"
+        f"activations by probe; lm_head {dtype}); {accuracy}"
     )
+    if top1 < WARN_TOP1:
+        described += f" -- WARNING: below {WARN_TOP1}, answers will differ visibly"
+        log.warning("int8 weights are inaccurate here: %s", accuracy)
     log.info("weights: %s", described)
     return described

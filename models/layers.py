@@ -12,6 +12,7 @@ layers of weights (424 MB, out of cache) here: 1 row 27.5 ms (x @ W_t, the old l
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -44,12 +45,31 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 PACKED_MIN_ROWS = {torch.float32: 3, torch.bfloat16: 1}
 
 
+@functools.cache
+def onednn_pack_refusal(dtype: torch.dtype) -> str | None:
+    """None when oneDNN packs and multiplies a `dtype` weight here, else its reason.
+
+    Asked of oneDNN with a tiny weight, never read from the dtype or CPU flags: its bf16 reorder
+    needs AVX512BW/VL/DQ or AVX-NE-CONVERT and raises on an AVX2-only CPU (Zen 3), and
+    `ONEDNN_MAX_CPU_ISA` lowers what it will use below what the CPU has."""
+    if dtype not in PACKED_MIN_ROWS:
+        return f"oneDNN-packed weights are float32/bfloat16 only, not {dtype}"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN"
+    w, x = torch.ones(16, 16, dtype=dtype), torch.ones(2, 16, dtype=dtype)
+    try:
+        with torch.inference_mode():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError as e:
+        return str(e).strip().splitlines()[0]
+    if not torch.equal(y.float(), torch.full((2, 16), 16.0)):
+        return "oneDNN's packed matmul gave a wrong product in the startup check"
+    return None
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in PACKED_MIN_ROWS
-        and torch.backends.mkldnn.is_available()
-    )
+    return weight.device.type == "cpu" and onednn_pack_refusal(weight.dtype) is None
 
 
 class Linear(nn.Module):

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         us, rather than hang with /health at 503."""
         nonlocal exit_code
         exit_code = 1
-        logging.getLogger("kvserve.server").critical("fatal: %s; shutting down", error)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        logging.getLogger("kvserve.server").critical("fatal: %s; shutting down", first_line)
         if server is not None and state.loop is not None:
             state.loop.call_soon_threadsafe(setattr, server, "should_exit", True)
 

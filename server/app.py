@@ -144,7 +144,10 @@ def build_app(
                     eng = AsyncEngine.from_config(config.engine)
                     eng.on_death = on_fatal
                 except BaseException as e:  # noqa: BLE001
-                    log.exception("model failed to load")
+                    if isinstance(e, ValueError):  # a refusal with its reasons: no traceback
+                        log.error("cannot serve this configuration: %s", e)
+                    else:
+                        log.exception("model failed to load")
                     state.load_error = e
                     if on_fatal is not None:
                         on_fatal(e)

@@ -20,7 +20,10 @@ from engine.attention import DeviceFacts
 from engine.attention.torch_backend import TorchBackend
 from engine.config import choose_dtype
 from engine.model_runner import allocate_kv_caches, step_metadata
+from models.layers import onednn_pack_refusal
 from models.loader import checkpoint_dtype, load_model
+
+pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
 
 CPU = torch.device("cpu")
 FAST = DeviceFacts("cpu", "cpu", None, native_bf16=True, bf16_speedup=3.9)  # Zen 5
@@ -95,7 +98,11 @@ def test_auto_engine_follows_probe_and_checkpoint(llama_dir, monkeypatch) -> Non
     info = llm.engine.info
     assert info.dtype == "bfloat16" and "bf16 matmul 3.9x float32" in info.dtype_reason
     assert info.compiled_decode  # the C++ decode op reads the bf16 cache
-    assert info.packed_weight_bytes * 2 == f32_packed  # oneDNN bf16 copies, half the bytes
+    if onednn_pack_refusal(torch.bfloat16) is None:
+        assert info.packed_weight_bytes * 2 == f32_packed  # oneDNN bf16 copies, half the bytes
+    else:  # an AVX2-only CPU (or ONEDNN_MAX_CPU_ISA=AVX2): unpacked, and the matrix says why
+        assert info.packed_weight_bytes == 0
+        assert "unpacked: oneDNN refuses packed bfloat16 here" in info.kernel_table
     assert "dtype bfloat16: auto: bf16 matmul" in info.kernel_table
     assert "(auto: bf16 matmul 3.9x float32" in banner(load_config([], env={}), info)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

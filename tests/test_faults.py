@@ -173,17 +173,21 @@ def _stream_in_thread(
 
 
 def test_sigterm_drains_in_flight_and_refuses_new(llama_dir) -> None:
-    s = kvserve_server(llama_dir, num_kv_blocks=128, max_model_len=4096, shutdown_grace_s=120)
+    # The grace is far beyond the request (2,000 tokens: ~3 s here) and the test waits on the
+    # server's state, not the clock, so a machine shared with other work cannot fail it.
+    s = kvserve_server(llama_dir, num_kv_blocks=128, max_model_len=4096, shutdown_grace_s=900)
     events: list[str] = []
     started = threading.Event()
     t = _stream_in_thread(s, 2000, events, started)
     assert started.wait(60)
     s.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.1)
+    deadline = time.monotonic() + 60
+    while httpx.get(s.base + "/health").json()["status"] != "draining":
+        assert time.monotonic() < deadline, "SIGTERM never started the drain"
+        time.sleep(0.02)
     late = httpx.post(s.base + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert late.status_code == 503
-    assert httpx.get(s.base + "/health").json()["status"] == "draining"
-    t.join(timeout=120)
+    t.join(timeout=900)
     assert s.proc.wait(timeout=60) == 0
     assert events[-1] == "[DONE]"
     finals = [json.loads(e) for e in events[:-1]]
@@ -210,7 +214,9 @@ def test_nan_guard_sanity() -> None:
 
 
 def test_request_timeout_aborts_cleanly(llama_dir) -> None:
-    s = kvserve_server(llama_dir, num_kv_blocks=128, max_model_len=4096, request_timeout_s=0.5)
+    # 1 s: a 4,000-token request needs ~4 s here (it would have to run 4x faster to finish), a
+    # 2-token one ~2 ms (the machine would have to stall it 500x to time it out).
+    s = kvserve_server(llama_dir, num_kv_blocks=128, max_model_len=4096, request_timeout_s=1.0)
     try:
         body = {"prompt": "go", "max_tokens": 4000, "ignore_eos": True}
         r = httpx.post(s.base + "/v1/completions", json=body, timeout=60)

@@ -29,6 +29,8 @@ from models.spec import ModelSpec, uniform_layers
 from tests import flashinfer_fake
 from tests.flashinfer_fake import Calls
 
+pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
+
 SM90 = DeviceFacts("cuda", "H100", (9, 0), True, frozenset({"flashinfer", "xformers"}))
 needs_real_flashinfer = pytest.mark.skipif(
     flashinfer_fake.real_flashinfer is None, reason="flashinfer-python does not import here"

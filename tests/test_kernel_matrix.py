@@ -14,6 +14,8 @@ from engine.attention import DeviceFacts, select_backend
 from models.spec import ModelSpec, uniform_layers
 from tests.server_utils import ROOT
 
+pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
+
 CPU = DeviceFacts("cpu", "cpu", None, native_bf16=False)
 SM80 = DeviceFacts("cuda", "A100", (8, 0), True, frozenset({"flashinfer"}))
 SM90 = DeviceFacts("cuda", "H100", (9, 0), True, frozenset({"flashinfer"}))

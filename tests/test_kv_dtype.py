@@ -10,6 +10,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.scoring import score_prompt
 
+pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
+
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(20, 90)), [300] * 3 + list(range(100, 140))]
 
 

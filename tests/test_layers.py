@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from models.layers import PACKED_MIN_ROWS, Linear, can_pack, pack_linears
 
+pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])

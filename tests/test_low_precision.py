@@ -21,6 +21,8 @@ from engine.attention.torch_backend import TorchBackend
 from engine.model_runner import allocate_kv_caches, step_metadata
 from models.loader import load_model
 
+pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
+
 TOLERANCE = {torch.bfloat16: 0.05, torch.float16: 0.01}
 PROMPTS = [[5, 17, 99, 3, 250, 44, 8], list(range(10, 50)), [7] * 20, [300, 301, 302], [9, 8]]
 BLOCK = 4

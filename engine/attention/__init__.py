@@ -88,7 +88,9 @@ def select_backend(
     else:
         clean = [b for b in BACKENDS if not _failures(matrix[b.name])]
         if not clean:
-            reasons = {n: _failures(v) for n, v in matrix.items()}
+            # backends that could run on this device first: their reasons are the ones to act on
+            order = sorted(matrix, key=lambda n: matrix[n].get("device") is not None)
+            reasons = "; ".join(f"{n}: {', '.join(_failures(matrix[n]))}" for n in order)
             raise ValueError(
                 f"no attention backend can serve this model on {facts.label}: {reasons}\n"
                 + format_matrix(matrix, "none", "refused")

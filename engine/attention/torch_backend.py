@@ -247,9 +247,14 @@ class TorchBackend(AttentionBackend):
     ) -> Verdict:
         verdict: Verdict = {}
         if facts.type == "cpu" and dtype != torch.float32 and not facts.native_bf16:
+            speed = (
+                f"measured {facts.bf16_speedup:.2g}x float32's matmul speed at startup"
+                if facts.bf16_speedup
+                else "tens of times slower than float32"
+            )
             verdict["dtype"] = (
-                f"{dtype_name(dtype)} on a CPU without native bf16/fp16 is ~50x slower than "
-                "float32 (use --dtype float32, or --allow-slow-dtype)"
+                f"{dtype_name(dtype)} on a CPU without native bf16/fp16: {speed} "
+                "(use --dtype float32, or --allow-slow-dtype to serve it anyway)"
             )
         if needs.uneven_gqa:
             verdict["GQA group size"] = "query heads not a multiple of KV heads"
