@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--no-packed-weights", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (engine --dtype)")
-    ap.add_argument("--quantization", default="none", help="none | int8 (engine --quantization)")
+    ap.add_argument("--quantization", default="auto", help="auto | none | int8 (--quantization)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16")
     a = ap.parse_args()
     llm = LLM(

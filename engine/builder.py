@@ -30,8 +30,10 @@ from engine.spec_cost import measure as measure_spec_cost
 from engine.spec_decode import Proposer
 from engine.structured_output import StructuredOutputs
 from engine.warmup import warm_up
+from models import gguf_linear
 from models.eagle.head import EagleHead, load_eagle_head
 from models.eagle.shipped import shipped_head_for
+from models.gguf_loader import gguf_blocks
 from models.layers import onednn_pack_refusal, pack_linears
 from models.llama import LlamaForCausalLM
 from models.loader import checkpoint_dtype, default_model_path, load_model
@@ -75,11 +77,20 @@ def build_engine(config: EngineConfig) -> EngineParts:
     weights = f"{dtype_name(dtype)} (the serving dtype)"
     if config.quantization == "int8" and (why_not := can_quantize(device)) is not None:
         raise ValueError(f"--quantization int8: {why_not}")
+    gguf_note = ""
+    if config.quantization == "auto":
+        gguf_note = _serve_gguf_blocks(model, model_path, spec, device)
     if config.cpu_packed_weights:
         packed_bytes = pack_linears(model) + (pack_linears(draft) if draft is not None else 0)
         if device.type == "cpu" and (refusal := onednn_pack_refusal(dtype)) is not None:
             log.warning("no oneDNN-packed weights for %s here: %s", dtype_name(dtype), refusal)
             weights += f"; unpacked: oneDNN refuses packed {dtype_name(dtype)} here ({refusal})"
+    if gguf_note.startswith("GGUF blocks as stored"):  # measured with the dense copies in place
+        crossover = gguf_linear.measure_crossover(model, dtype)
+        log.info("GGUF block kernel against the dense path: %s", crossover)
+        gguf_note += f"; {crossover}"
+    if gguf_note:
+        weights = f"{gguf_note}; other weights {weights}"
     # The pool and the backend see the draft's layer as one more layer with its own KV group.
     pool_spec = spec
     if draft is not None:
@@ -224,6 +235,28 @@ def use_cuda_graphs(
     """Decode steps run as CUDA graphs on CUDA, unless --enforce-eager, where the backend can
     capture them (FlashInfer; the torch and xformers paths plan data-dependent shapes)."""
     return device.type == "cuda" and not config.enforce_eager and backend_cls.supports_cuda_graphs
+
+
+def _serve_gguf_blocks(
+    model: LlamaForCausalLM, model_path: str, spec: ModelSpec, device: torch.device
+) -> str:
+    """`--quantization auto` on a GGUF: its Q4_0/Q4_1/Q8_0 matrices served as stored (CPU, with
+    the C++ kernel built). Returns what was done for the kernel matrix's weights line."""
+    if not model_path.endswith(".gguf"):
+        return ""
+    if device.type != "cpu":
+        return "GGUF blocks dequantized (the block kernel is a CPU path)"
+    if gguf_linear.load() is None:
+        return "GGUF blocks dequantized (the C++ block kernel could not be built)"
+    blocks = gguf_blocks(model_path, spec, gguf_linear.FORMATS)
+    if spec.tie_word_embeddings and "embed_tokens.weight" in blocks:
+        # the head multiplies by the embedding's blocks; lookups keep the dense embedding
+        blocks["lm_head.weight"] = blocks.pop("embed_tokens.weight")
+    held = gguf_linear.attach(model, blocks)
+    if not held:
+        return ""
+    stored = ", ".join(f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in sorted(held.items()))
+    return f"GGUF blocks as stored ({stored}): block kernel for few rows, dense GEMM above"
 
 
 def kv_cache_dtype(

@@ -129,9 +129,10 @@ class EngineConfig:
     # CPU float32: also hold oneDNN-packed weight copies (2x weight memory; 1.3-1.8x faster
     # matmuls from 3 rows up, models/layers.py)
     cpu_packed_weights: bool = True
-    # none | int8: CPU W8A8 dynamic (fbgemm, per-channel weights; models/quant.py); the lm_head
-    # stays in the serving dtype
-    quantization: str = "none"
+    # auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices are served as stored on CPU (models/gguf_linear.py),
+    # anything else in the serving dtype; none: everything dequantized to the serving dtype;
+    # int8: CPU W8A8 dynamic (fbgemm, per-channel weights; models/quant.py), lm_head unquantized
+    quantization: str = "auto"
     # auto: the serving dtype; bfloat16: half a float32 model's KV bytes (CPU); fp8/int8 refused
     kv_cache_dtype: str = "auto"
     # embeddings (/v1/embeddings): last | mean; auto: the checkpoint's sentence-transformers
@@ -179,8 +180,8 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens must be >= 0, spec_max_verify_rows >= 1")
         if self.kv_cache_dtype not in ("auto", "bfloat16", "float32", "fp8", "int8"):
             raise ValueError("kv_cache_dtype must be auto, bfloat16, float32, fp8 or int8")
-        if self.quantization not in ("none", "int8"):
-            raise ValueError("quantization must be none or int8")
+        if self.quantization not in ("auto", "none", "int8"):
+            raise ValueError("quantization must be auto, none or int8")
         if self.pooling not in ("auto", "last", "mean"):
             raise ValueError("pooling must be auto, last or mean")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

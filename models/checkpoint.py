@@ -31,11 +31,14 @@ def to_tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
 
 
-def fuse_parts(spec: ModelSpec, tensors: Iterable[Part]) -> Iterator[tuple[str, torch.Tensor]]:
+def fuse_parts(
+    spec: ModelSpec, tensors: Iterable[Part], complete: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, part, tensor) -> (name, tensor): a tensor without a part passes through; the parts
     of a fused parameter wait until all have arrived, then go out concatenated in row order. A
     layer that reads another layer's KV has no k/v rows: its k and v parts, if saved, are
-    dropped. Raises if a fused parameter got some of its parts but not all."""
+    dropped. Raises if a fused parameter got some of its parts but not all (unless not
+    `complete`: then such a parameter is left out)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, part, tensor in tensors:
         if part is None:
@@ -53,7 +56,7 @@ def fuse_parts(spec: ModelSpec, tensors: Iterable[Part]) -> Iterator[tuple[str, 
     missing = [
         f"{n} ({p})" for n, got in pending.items() for p in _parts_of(spec, n) if p not in got
     ]
-    if missing:
+    if missing and complete:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
 
 

@@ -24,7 +24,11 @@ import torch
 
 log = logging.getLogger("kvserve.ops")
 
-CFLAGS = ["-O3", "-march=native", "-ffast-math"]
+# -fopenmp: at::parallel_for is a header template; compiled without OpenMP it runs its whole range
+# on the calling thread. Linking with it adds libgomp.so.1, the soname torch has already loaded
+# from torch/lib, so the ops share torch's thread team.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 class CppOps:
@@ -85,6 +89,7 @@ class CppOps:
                 name=self.name,
                 sources=[str(self.source)],
                 extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
                 build_directory=build_dir,
                 is_python_module=False,
                 verbose=False,

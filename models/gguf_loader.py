@@ -4,7 +4,7 @@ models for its rotary layout; we undo that so the HF-style (rotate-half) decoder
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import lru_cache
 
 import numpy as np
@@ -121,6 +121,42 @@ def _model_name(name: str) -> tuple[str, str | None] | None:
 def gguf_weights(path: str, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """The file's tensors, dequantized to float32, under the model's parameter names."""
     return fuse_parts(spec, _gguf_parts(path, spec))
+
+
+def gguf_blocks(
+    path: str, spec: ModelSpec, formats: Iterable[str]
+) -> dict[str, tuple[str, torch.Tensor]]:
+    """The 2-D weights stored in one of `formats` ("Q4_1", ...) as their raw ggml blocks: the
+    model's parameter name -> (format, uint8 [rows, bytes per row]), q/k rows un-permuted and
+    fused parameters joined like the float tensors. A fused parameter whose parts differ in
+    format is left out (it is served dense)."""
+    wanted = {GGMLQuantizationType[f] for f in formats}
+    kinds: dict[str, set[str]] = {}
+
+    def raw_parts() -> Iterator[Part]:
+        for t in reader(path).tensors:
+            named = _model_name(t.name)
+            if named is None or len(t.shape) != 2:
+                continue
+            kinds.setdefault(named[0], set()).add(t.tensor_type.name)
+            if t.tensor_type in wanted:
+                rows = np.asarray(t.data).reshape(int(t.shape[1]), -1)
+                yield named[0], named[1], _unpermuted(spec, named[1], rows)
+
+    fused = dict(fuse_parts(spec, raw_parts(), complete=False))
+    return {
+        name: (next(iter(kinds[name])), data.contiguous())
+        for name, data in fused.items()
+        if len(kinds[name]) == 1
+    }
+
+
+def _unpermuted(spec: ModelSpec, part: str | None, rows: np.ndarray) -> torch.Tensor:
+    """A tensor's rows (float or raw blocks) with llama.cpp's q/k permutation undone."""
+    if spec.extra.get("gguf_arch") == "llama" and part in ("q", "k"):
+        layer = spec.layers[0]
+        rows = _unpermute(rows, layer.num_heads if part == "q" else layer.num_kv_heads)
+    return torch.from_numpy(np.array(rows, order="C", copy=True))
 
 
 def _gguf_parts(path: str, spec: ModelSpec) -> Iterator[Part]:

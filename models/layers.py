@@ -81,14 +81,19 @@ class Linear(nn.Module):
         # A oneDNN blocked copy of `weight` (CPU float32 or bfloat16; see `pack`), or None.
         self.packed: torch.Tensor | None = None
         self.packed_min_rows = 0
-        # int8 weights (`models/quant.py`, --quantization int8): then `weight` is empty
-        self.int8: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # the weight in another format, which multiplies x itself: int8 W8A8 (models/quant.py,
+        # --quantization int8) or a GGUF file's blocks (models/gguf_linear.py); then `weight`
+        # is empty
+        self.quant: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def pack(self) -> int:
         """Also hold the weight in oneDNN's blocked layout for matmuls of >= PACKED_MIN_ROWS
         rows. Call after the weights are final (a later weight change is not seen). Returns
         the bytes added."""
-        if self.int8 is not None or not can_pack(self.weight):
+        if self.quant is not None:  # a GGUF weight packs its own dense copy; int8 has none
+            pack = getattr(self.quant, "pack", None)
+            return pack() if pack is not None else 0
+        if not can_pack(self.weight):
             return 0
         # the batch-size hint picks the blocking; 64 measured best for 4-256 rows here
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
@@ -96,8 +101,8 @@ class Linear(nn.Module):
         return self.weight.numel() * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None:
-            return self.int8(x)
+        if self.quant is not None:
+            return self.quant(x)
         packed = self.packed is not None and x.dim() == 2 and x.shape[0] >= self.packed_min_rows
         if packed and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(

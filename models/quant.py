@@ -149,8 +149,8 @@ def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> 
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or name.split(".")[-1] in skip:
             continue
-        module.int8 = int8_weight(module.weight, module.bias, reduce_range)
+        module.quant = int8_weight(module.weight, module.bias, reduce_range)
         module.packed = None
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
-        total += module.int8.out_features * module.in_features
+        total += module.quant.out_features * module.in_features
     return total

@@ -108,7 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["kernels"]:
         sys.exit(kernels(args[1:]))
-    config = load_config(args)
+    try:
+        config = load_config(args)
+    except ValueError as e:  # a bad setting: its reason in one line, as argparse does
+        sys.exit(f"kvserve: error: {e}")
     logging.basicConfig(
         level=config.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

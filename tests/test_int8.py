@@ -55,9 +55,9 @@ def test_quantize_linears_skips_the_head_and_drops_float_weights() -> None:
     for m in (model.up, model.lm_head):
         m.weight.data.normal_()
     quantize_linears(model)
-    assert model.up.int8 is not None and model.up.weight.numel() == 0
+    assert model.up.quant is not None and model.up.weight.numel() == 0
     assert model.up.pack() == 0  # nothing left to pack
-    assert model.lm_head.int8 is None and model.lm_head.weight.numel() == 3200
+    assert model.lm_head.quant is None and model.lm_head.weight.numel() == 3200
     assert model.up(torch.randn(5, 32)).shape == (5, 64)
 
 

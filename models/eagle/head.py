@@ -117,7 +117,9 @@ class EagleHead(nn.Module):
     def set_token_map(self, token_map: torch.Tensor | None) -> None:
         self.token_map = token_map
         if token_map is not None and self.lm_head is None:
-            weight = self._target_lm_head[0].weight
+            target = self._target_lm_head[0]  # its weight may be held as GGUF blocks
+            weight = target.weight if target.quant is None else target.quant.dense(torch.float32)
+            weight = weight.to(self.embed.weight.dtype)
             self.vocab_weight = weight.index_select(0, token_map.to(weight.device)).contiguous()
 
     def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -163,10 +165,9 @@ class EagleHead(nn.Module):
             hidden = rms_norm(hidden, self.norm.weight, self.norm.eps)
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        weight = self.vocab_weight
-        if weight is None:
-            weight = self._target_lm_head[0].weight
-        return cpu_linear(hidden, weight, None).float()
+        if self.vocab_weight is None:
+            return self._target_lm_head[0](hidden).float()
+        return cpu_linear(hidden, self.vocab_weight, None).float()
 
 
 def _read_weights(path: str) -> dict[str, torch.Tensor]:

@@ -1,0 +1,158 @@
+"""A GGUF checkpoint's quantized matrices served as the file stores them (Q4_0, Q4_1, Q8_0):
+`GGUFWeight` is a linear layer's weight as ggml blocks, multiplied by gguf_linear.cpp's kernel
+for few rows (decode: the time is the weights' bytes, 4-6x fewer than float32) and dequantized
+into a dense matrix for many (prefill: a dense GEMM wins once the dequantization is spread over
+enough rows). Where the two meet is measured at startup on this CPU (`measure_crossover`), never
+assumed. Activations stay in the serving dtype; the kernel computes in float32, so its product is
+the dequantized float32 model's up to summation order."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.cpp_ext import CppOps
+from models.layers import Linear, can_pack, cpu_linear
+
+_OPS = CppOps("kvserve_gguf", Path(__file__).with_name("gguf_linear.cpp"))
+
+# ggml's type ids, as gguf.GGMLQuantizationType numbers them, and bytes per block of 32
+FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# Row counts the startup probe compares the two paths at (a decode batch's sizes)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def load() -> Any:
+    """The compiled ops (`.linear`, `.dequantize`), or None where they cannot be built."""
+    return _OPS.load()
+
+
+@dataclass(slots=True)
+class GGUFWeight:
+    """One linear layer's weight as ggml blocks: `blocks` uint8 [out_features, bytes per row]."""
+
+    format: str
+    blocks: torch.Tensor
+    in_features: int
+    out_features: int
+    dtype: torch.dtype  # the serving dtype: activations in and out, and the dense copy's
+    bias: torch.Tensor | None = None
+    # at most this many rows take the block kernel; more take the dense path
+    kernel_max_rows: int = 8
+    # oneDNN-packed dense copy for many rows (`pack`, --cpu-packed-weights); without it each
+    # dense call dequantizes the blocks first
+    packed: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight [out, in] in `dtype`."""
+        w = load().dequantize(self.blocks, FORMATS[self.format], self.in_features)
+        return w if dtype == torch.float32 else w.to(dtype)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        y = load().linear(x.float(), self.blocks, FORMATS[self.format])
+        if self.bias is not None:
+            y += self.bias.float()
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def pack(self) -> int:
+        """Hold a oneDNN-packed dense copy in the serving dtype for the dense path, where oneDNN
+        packs that dtype here. Returns its bytes."""
+        if not can_pack(torch.empty(0, dtype=self.dtype)):
+            return 0
+        dense = self.dense(self.dtype)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, 64)
+        return dense.numel() * dense.element_size()
+
+    def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.packed is not None and x.dtype == self.dtype:
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.packed, bias, "none", [], ""
+            )
+        w = self.dense(x.dtype)
+        if x.dtype == torch.float32:
+            return cpu_linear(x, w, bias)
+        return F.linear(x, w, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.kernel_max_rows:
+            return self.kernel(x)
+        return self.dense_matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+
+def attach(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """Serve every `Linear` whose weight has blocks (by parameter name) from them; its dense
+    weight is dropped (a tied embedding keeps its own). Returns bytes of blocks per format."""
+    held: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or f"{name}.weight" not in blocks:
+            continue
+        fmt, data = blocks[f"{name}.weight"]
+        out_features, in_features = module.weight.shape
+        if data.shape[0] != out_features or data.shape[1] * 32 != in_features * BLOCK_BYTES[fmt]:
+            raise ValueError(f"{name}: {fmt} blocks {tuple(data.shape)} do not fit its weight")
+        bias = None if module.bias is None else module.bias.detach().float()
+        module.quant = GGUFWeight(
+            fmt, data.contiguous(), in_features, out_features, module.weight.dtype, bias
+        )
+        module.packed = None
+        module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+        held[fmt] = held.get(fmt, 0) + data.numel()
+    return held
+
+
+def _best_time(weights: list[GGUFWeight], path: str, rows: int, repeats: int = 3) -> float:
+    """Best time of one pass over `weights` in order through `path` ("kernel" or
+    "dense_matmul") at `rows` rows: a forward's stream of weights, mostly out of cache."""
+    xs = {w.in_features: torch.randn(rows, w.in_features).to(w.dtype) for w in weights}
+    calls = [(getattr(w, path), xs[w.in_features]) for w in weights]
+    best = float("inf")
+    for i in range(repeats + 1):  # the first pass allocates and warms the kernels
+        start = time.perf_counter()
+        for fn, x in calls:
+            fn(x)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
+def measure_crossover(model: nn.Module, dtype: torch.dtype) -> str:
+    """Time the block kernel against the dense path (the packed copy, or dequantize + GEMM) at
+    ROW_BUCKETS, over all the decoder's GGUF weights in forward order and over the lm_head
+    apart (a different shape and format, with its own crossover), and give each group the
+    largest bucket up to which the kernel never lost as its `kernel_max_rows` (0: always
+    dense). Returns the choices and their times, for the banner."""
+    groups: dict[str, list[GGUFWeight]] = {}
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "quant", None), GGUFWeight):
+            group = "lm_head" if name.endswith("lm_head") else "decoder layers"
+            groups.setdefault(group, []).append(module.quant)
+    lines = []
+    for group, weights in groups.items():
+        limit, seen = 0, []
+        for rows in ROW_BUCKETS:
+            kernel = _best_time(weights, "kernel", rows)
+            dense = _best_time(weights, "dense_matmul", rows)
+            seen.append(f"{rows}: {kernel * 1e3:.1f}/{dense * 1e3:.1f}")
+            if kernel > dense:
+                break
+            limit = rows
+        for w in weights:
+            w.kernel_max_rows = limit
+        lines.append(
+            f"{group} ({len(weights)} weights): kernel up to {limit} rows "
+            f"(ms kernel/dense by rows {', '.join(seen)})"
+        )
+    return "; ".join(lines)

@@ -1,0 +1,109 @@
+"""A GGUF's quantized matrices served as stored (issue #28, models/gguf_linear.py): the C++ block
+kernel and dequantizer against the `gguf` package's own dequantization, for Q4_0, Q4_1 and Q8_0
+and every row-group path of the kernel; and the shipped SmolLM2 Q4_1 file served that way
+against the same file dequantized to float32 (the same weights: the logits agree to float32
+rounding, and greedy text is identical)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from engine import LLM, SamplingParams
+from engine.scoring import score_prompt
+from models import gguf_linear
+from models.gguf_linear import FORMATS, GGUFWeight
+
+pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
+
+OPS = gguf_linear.load()
+needs_ops = pytest.mark.skipif(OPS is None, reason="kvserve's C++ ops cannot be built here")
+
+
+def blocks_of(fmt: str, out_features: int, in_features: int, seed: int = 0):
+    """(raw ggml blocks as a uint8 tensor, the gguf package's float32 dequantization)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)
+    w[:, :32] += 0.5  # blocks with a non-zero mean: Q4_1's minimum matters
+    qtype = GGMLQuantizationType[fmt]
+    raw = quantize(w, qtype)
+    ref = dequantize(raw, qtype).reshape(out_features, in_features).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(ref)
+
+
+@needs_ops
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_dequantize_is_the_gguf_packages(fmt) -> None:
+    raw, ref = blocks_of(fmt, 40, 96)
+    assert torch.equal(OPS.dequantize(raw, FORMATS[fmt], 96), ref)
+
+
+@needs_ops
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])
+def test_kernel_matches_the_dequantized_product(fmt, rows) -> None:
+    raw, ref = blocks_of(fmt, 72, 160, seed=rows)
+    x = torch.randn(rows, 160)
+    got = OPS.linear(x, raw, FORMATS[fmt])
+    want = x @ ref.T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_takes_kernel_or_dense_path_by_rows_with_bias(dtype) -> None:
+    raw, ref = blocks_of("Q4_1", 48, 64)
+    bias = torch.randn(48)
+    w = GGUFWeight("Q4_1", raw, 64, 48, dtype, bias, kernel_max_rows=4)
+    for packed in (False, True):
+        if packed and not w.pack():
+            continue  # oneDNN does not pack this dtype here: the dequantizing path serves
+        for rows in (1, 4, 5, 33):  # kernel, kernel, dense, dense
+            x = torch.randn(rows, 64).to(dtype)
+            got = w(x)
+            want = torch.nn.functional.linear(x.float(), ref, bias)
+            assert got.dtype == dtype and got.shape == (rows, 48)
+            tol = 1e-4 if dtype == torch.float32 else 0.05
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def smol_pair(smollm2_path):
+    """The shipped Q4_1 file served as stored and dequantized, both float32."""
+    native = LLM(smollm2_path, num_kv_blocks=16, dtype="float32", quantization="auto")
+    dense = LLM(smollm2_path, num_kv_blocks=16, dtype="float32", quantization="none")
+    return native, dense
+
+
+@needs_ops
+def test_shipped_q4_1_is_served_as_stored(smol_pair) -> None:
+    native, dense = smol_pair
+    table = native.engine.info.kernel_table
+    assert "GGUF blocks as stored (Q4_1 " in table and "Q8_0 " in table  # lm_head: Q8_0 embedding
+    assert "kernel up to" in table  # the measured crossover
+    assert "GGUF blocks" not in dense.engine.info.kernel_table
+    model = native.engine.runner.model
+    assert model.layers[0].qkv_proj.weight.numel() == 0  # no float copy held
+    assert isinstance(model.lm_head.quant, GGUFWeight) and model.lm_head.quant.format == "Q8_0"
+
+
+@needs_ops
+def test_shipped_q4_1_agrees_with_its_float32_dequantization(smol_pair) -> None:
+    native, dense = smol_pair
+    tok = native.tokenizer
+    prompts = [
+        tok.encode("The mitochondria is the part of the cell that"),
+        tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return"),
+    ]
+    for p in prompts:  # every position: prefill takes the dense path, logits the same weights
+        a, b = score_prompt(dense.engine, p), score_prompt(native.engine, p)
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+        assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.9999
+    params = SamplingParams(temperature=0, max_tokens=24)
+    msgs = [[{"role": "user", "content": "What is the capital of France?"}]]
+    assert (
+        native.chat(msgs, params)[0].outputs[0].text == dense.chat(msgs, params)[0].outputs[0].text
+    )
