@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -24,10 +25,17 @@ from bench.launch import ROOT, Process
 STEP = re.compile(r"decode step, batch \d+: ([\d.]+) ms")
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """Each tree builds its C++ ops in its own directory: sharing one, torch would rebuild the
+    ops at every switch between trees (their sources or flags differ)."""
+    return {**os.environ, "TORCH_EXTENSIONS_DIR": f"/tmp/kvserve-ab-ext-{tree.name}"}
+
+
 def step_ms(tree: Path, steps: int) -> float:
     out = subprocess.run(
         [sys.executable, "bench/step_profile.py", "--batch", "1", "--steps", str(steps)],
         cwd=tree,
+        env=tree_env(tree),
         capture_output=True,
         text=True,
         check=True,
@@ -40,7 +48,8 @@ def step_ms(tree: Path, steps: int) -> float:
 
 def streams_tok_s(tree: Path, concurrency: int, requests: int) -> float:
     cmd = [sys.executable, "-m", "server", "--log-level", "warning"]
-    with Process(f"ab-{tree.name}", lambda port: [*cmd, "--port", str(port)], cwd=tree) as server:
+    launch = lambda port: [*cmd, "--port", str(port)]  # noqa: E731
+    with Process(f"ab-{tree.name}", launch, tree_env(tree), cwd=tree) as server:
         args = serve.parser().parse_args(
             [
                 "--base-url",

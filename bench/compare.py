@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--precision",
         choices=sorted(peers.PRECISIONS),
         default="default",
-        help="default: what each server picks here (bf16 where fast); float32; int8 (Q8_0)",
+        help="default: the shipped GGUF as each server serves it (llama.cpp: that Q4_1 file); "
+        "bf16; float32; int8 (Q8_0)",
     )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)

@@ -39,11 +39,22 @@ class Catalog:
 
 
 # what each server runs at each precision of a comparison: "default" is what a user would get
-# on this machine (kvserve's --dtype auto; vLLM's CPU build with a bf16 checkpoint: bf16;
-# llama.cpp: the BF16 GGUF), "int8" pairs kvserve's int8 weights with llama.cpp's Q8_0
+# on this machine from the shipped file (kvserve's defaults, which serve its Q4_1 blocks as
+# stored; llama.cpp on that very file, gguf None; vLLM's CPU build, which cannot read it, on a
+# bf16 checkpoint); "bf16" pairs kvserve's bf16 with llama.cpp's BF16 GGUF; "int8" kvserve's
+# int8 weights with llama.cpp's Q8_0
 PRECISIONS = {
-    "default": {"kvserve": [], "gguf": "BF16", "vllm": "bfloat16"},
-    "float32": {"kvserve": ["--dtype", "float32"], "gguf": "F32", "vllm": "float32"},
+    "default": {"kvserve": [], "gguf": None, "vllm": "bfloat16"},
+    "bf16": {
+        "kvserve": ["--dtype", "bfloat16", "--quantization", "none"],
+        "gguf": "BF16",
+        "vllm": "bfloat16",
+    },
+    "float32": {
+        "kvserve": ["--dtype", "float32", "--quantization", "none"],
+        "gguf": "F32",
+        "vllm": "float32",
+    },
     "int8": {"kvserve": ["--quantization", "int8"], "gguf": "Q8_0", "vllm": None},
 }
 
@@ -58,7 +69,9 @@ def catalog(
 ) -> Catalog:
     models = peers_dir / "models"
     how = PRECISIONS[precision]
-    llama_gguf = models / f"{Path(gguf).stem}.{how['gguf']}.gguf"  # at this precision
+    llama_gguf = (
+        Path(gguf) if how["gguf"] is None else models / f"{Path(gguf).stem}.{how['gguf']}.gguf"
+    )
     hf = models / "hf"
     available: list[Peer] = [Peer("kvserve", kvserve_cmd(["--model", gguf, *how["kvserve"]]))]
     missing: dict[str, str] = {}

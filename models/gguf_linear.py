@@ -44,7 +44,9 @@ class GGUFWeight:
     out_features: int
     dtype: torch.dtype  # the serving dtype: activations in and out, and the dense copy's
     bias: torch.Tensor | None = None
-    # at most this many rows take the block kernel; more take the dense path
+    # rows <= q8_max_rows: the block kernel on int8-rounded activations (llama.cpp's numerics);
+    # <= kernel_max_rows: the block kernel on float32 activations (exact); more: the dense path
+    q8_max_rows: int = 0
     kernel_max_rows: int = 8
     # oneDNN-packed dense copy for many rows (`pack`, --cpu-packed-weights); without it each
     # dense call dequantizes the blocks first
@@ -60,7 +62,13 @@ class GGUFWeight:
         return w if dtype == torch.float32 else w.to(dtype)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        y = load().linear(x.float(), self.blocks, FORMATS[self.format])
+        return self._kernel(x, load().linear)
+
+    def kernel_q8(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, load().linear_q8)
+
+    def _kernel(self, x: torch.Tensor, op) -> torch.Tensor:
+        y = op(x.float(), self.blocks, FORMATS[self.format])
         if self.bias is not None:
             y += self.bias.float()
         return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -87,7 +95,7 @@ class GGUFWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.kernel_max_rows:
-            return self.kernel(x)
+            return self.kernel_q8(x) if x.shape[0] <= self.q8_max_rows else self.kernel(x)
         return self.dense_matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
@@ -127,13 +135,19 @@ def _best_time(weights: list[GGUFWeight], path: str, rows: int, repeats: int = 3
     return best
 
 
+# int8-rounded activations cost accuracy (~0.5% relative error per product): they must beat
+# the exact paths by this factor to be chosen
+Q8_MARGIN = 1.1
+
+
 @torch.inference_mode()
 def measure_crossover(model: nn.Module, dtype: torch.dtype) -> str:
-    """Time the block kernel against the dense path (the packed copy, or dequantize + GEMM) at
-    ROW_BUCKETS, over all the decoder's GGUF weights in forward order and over the lm_head
-    apart (a different shape and format, with its own crossover), and give each group the
-    largest bucket up to which the kernel never lost as its `kernel_max_rows` (0: always
-    dense). Returns the choices and their times, for the banner."""
+    """Time the three paths at ROW_BUCKETS, over all the decoder's GGUF weights in forward order
+    and over the lm_head apart (another shape and format, its own crossover): the block kernel on
+    int8-rounded activations, on float32 activations, and the dense path (the packed copy, or
+    dequantize + GEMM). Each group takes, bucket by bucket from one row, the fastest (int8
+    activations only by Q8_MARGIN), until the dense path wins; its weights' `q8_max_rows` and
+    `kernel_max_rows` are set from that. Returns the choices and times, for the banner."""
     groups: dict[str, list[GGUFWeight]] = {}
     for name, module in model.named_modules():
         if isinstance(getattr(module, "quant", None), GGUFWeight):
@@ -141,18 +155,24 @@ def measure_crossover(model: nn.Module, dtype: torch.dtype) -> str:
             groups.setdefault(group, []).append(module.quant)
     lines = []
     for group, weights in groups.items():
-        limit, seen = 0, []
+        q8_limit = kernel_limit = 0
+        seen = []
         for rows in ROW_BUCKETS:
-            kernel = _best_time(weights, "kernel", rows)
-            dense = _best_time(weights, "dense_matmul", rows)
-            seen.append(f"{rows}: {kernel * 1e3:.1f}/{dense * 1e3:.1f}")
-            if kernel > dense:
+            q8, exact, dense = (
+                _best_time(weights, path, rows) for path in ("kernel_q8", "kernel", "dense_matmul")
+            )
+            seen.append(f"{rows}: {q8 * 1e3:.1f}/{exact * 1e3:.1f}/{dense * 1e3:.1f}")
+            if q8 * Q8_MARGIN < min(exact, dense) and q8_limit == kernel_limit:
+                q8_limit = kernel_limit = rows
+            elif exact <= dense:
+                kernel_limit = rows
+            else:
                 break
-            limit = rows
         for w in weights:
-            w.kernel_max_rows = limit
+            w.q8_max_rows, w.kernel_max_rows = q8_limit, kernel_limit
         lines.append(
-            f"{group} ({len(weights)} weights): kernel up to {limit} rows "
-            f"(ms kernel/dense by rows {', '.join(seen)})"
+            f"{group} ({len(weights)} weights): int8-activation kernel up to {q8_limit} rows, "
+            f"float kernel up to {kernel_limit}, dense above (ms int8/float/dense by rows "
+            f"{', '.join(seen)})"
         )
     return "; ".join(lines)
