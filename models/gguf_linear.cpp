@@ -300,10 +300,12 @@ void check_blocks(const at::Tensor& blocks, int64_t fmt, int64_t k) {
 
 }  // namespace
 
-// x [m, k] float32 @ the blocks' [n, k] weights, transposed -> [m, n] float32.
+// x [m, k] @ the blocks' [n, k] weights, transposed -> [m, n], computed in float32; x and y
+// float32 or bfloat16.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t fmt) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x: float32 [rows, in_features]");
-  const at::Tensor xc = x.contiguous();
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2,
+              "x: float32 or bfloat16 [rows, in_features]");
+  const at::Tensor xc = x.to(at::kFloat).contiguous();  // bf16 in: converted here, not in Python
   const int64_t m = xc.size(0), k = xc.size(1), n = blocks.size(0);
   check_blocks(blocks, fmt, k);
   at::Tensor y = at::empty({m, n}, xc.options());
@@ -317,7 +319,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t fm
     case kQ80: linear_impl<kQ80>(xp, m, k, bp, rb, yp, n); break;
     default: TORCH_CHECK(false, "unsupported GGUF block format ", fmt);
   }
-  return y;
+  return y.to(x.scalar_type());
 }
 
 // As `linear`, with the activations rounded to int8 per block of 32 first (llama.cpp's
@@ -326,8 +328,9 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t
 #ifndef KVSERVE_GGUF_Q8
   return gguf_linear(x, blocks, fmt);
 #else
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x: float32 [rows, in_features]");
-  const at::Tensor xc = x.contiguous();
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2,
+              "x: float32 or bfloat16 [rows, in_features]");
+  const at::Tensor xc = x.to(at::kFloat).contiguous();  // bf16 in: converted here, not in Python
   const int64_t m = xc.size(0), k = xc.size(1), n = blocks.size(0), nb = k / 32;
   check_blocks(blocks, fmt, k);
   std::vector<int8_t> qx(m * k);
@@ -357,7 +360,7 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t
     case kQ80: q8_linear_impl<kQ80>(qx.data(), dx.data(), sx.data(), m, k, bp, rb, yp, n); break;
     default: TORCH_CHECK(false, "unsupported GGUF block format ", fmt);
   }
-  return y;
+  return y.to(x.scalar_type());
 #endif
 }
 

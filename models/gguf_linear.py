@@ -68,10 +68,8 @@ class GGUFWeight:
         return self._kernel(x, load().linear_q8)
 
     def _kernel(self, x: torch.Tensor, op) -> torch.Tensor:
-        y = op(x.float(), self.blocks, FORMATS[self.format])
-        if self.bias is not None:
-            y += self.bias.float()
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        y = op(x, self.blocks, FORMATS[self.format])  # in x's dtype, computed in float32
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def pack(self) -> int:
         """Hold a oneDNN-packed dense copy in the serving dtype for the dense path, where oneDNN

@@ -53,6 +53,28 @@ def test_kernel_matches_the_dequantized_product(fmt, rows) -> None:
 
 
 @needs_ops
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
+def test_int8_activation_kernel_is_within_activation_rounding(fmt, rows) -> None:
+    """Activations rounded to int8 per block of 32 (llama.cpp's scheme): each activation moves
+    by at most half its block's step (max|x| / 254), so each output by at most the sum over
+    blocks of that step times the block's |w|. A wrong code, sign or minimum term breaks it."""
+    raw, ref = blocks_of(fmt, 72, 160, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype).float()
+        got = OPS.linear_q8(x.to(dtype), raw, FORMATS[fmt])
+        assert got.dtype == dtype
+        want = xd @ ref.T
+        half_step = xd.reshape(rows, -1, 32).abs().amax(-1) / 254  # [rows, blocks]
+        w_abs = ref.abs().reshape(72, -1, 32).sum(-1)  # [out, blocks]
+        bound = half_step @ w_abs.T + 1e-4 + (2**-8 * want.abs() if dtype != torch.float32 else 0)
+        assert ((got.float() - want).abs() <= bound * 1.01).all()
+    zero = OPS.linear_q8(torch.zeros(rows, 160), raw, FORMATS[fmt])
+    assert torch.equal(zero, torch.zeros(rows, 72))  # an all-zero block has scale 0
+
+
+@needs_ops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_takes_kernel_or_dense_path_by_rows_with_bias(dtype) -> None:
     raw, ref = blocks_of("Q4_1", 48, 64)
@@ -102,8 +124,46 @@ def test_shipped_q4_1_agrees_with_its_float32_dequantization(smol_pair) -> None:
         a, b = score_prompt(dense.engine, p), score_prompt(native.engine, p)
         assert (a.argmax(-1) == b.argmax(-1)).all()
         assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.9999
-    params = SamplingParams(temperature=0, max_tokens=24)
-    msgs = [[{"role": "user", "content": "What is the capital of France?"}]]
-    assert (
-        native.chat(msgs, params)[0].outputs[0].text == dense.chat(msgs, params)[0].outputs[0].text
-    )
+    # decode rows through the exact block kernel: the dense model's greedy text
+    weights = [m.quant for m in native.engine.runner.model.modules() if hasattr(m, "quant")]
+    weights = [w for w in weights if isinstance(w, GGUFWeight)]
+    saved = [(w.q8_max_rows, w.kernel_max_rows) for w in weights]
+    for w in weights:
+        w.q8_max_rows, w.kernel_max_rows = 0, 8
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24)
+        msgs = [[{"role": "user", "content": "What is the capital of France?"}]]
+        got = native.chat(msgs, params)[0].outputs[0].text
+        assert got == dense.chat(msgs, params)[0].outputs[0].text
+    finally:
+        for w, (q8, kernel) in zip(weights, saved):
+            w.q8_max_rows, w.kernel_max_rows = q8, kernel
+
+
+@needs_ops
+def test_int8_activation_head_tracks_the_float_head(smol_pair) -> None:
+    """The lm_head on int8-rounded activations, one decode row at a time, against the dense head
+    over every position of held-out text."""
+    native, _ = smol_pair
+    tok = native.tokenizer
+    ids = tok.encode("In 1969, Neil Armstrong became the first person to walk on the Moon.")
+    hidden = _final_hidden(native, ids)
+    head = native.engine.runner.model.lm_head.quant
+    q8 = torch.cat([head.kernel_q8(h[None]) for h in hidden]).float()
+    exact = torch.cat([head.kernel(h[None]) for h in hidden]).float()
+    ref = torch.nn.functional.linear(hidden.float(), head.dense(torch.float32))
+    torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-3)
+    assert torch.nn.functional.cosine_similarity(q8, ref, dim=-1).min() > 0.999
+    assert (q8.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def _final_hidden(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """The model's final hidden rows (after the norm) for a prompt, one prefill."""
+    from engine.model_runner import step_metadata
+
+    runner = llm.engine.runner
+    bs = llm.engine.block_size
+    table = list(range(-(-len(ids) // bs)))
+    positions, meta = step_metadata([(table, 0, len(ids))], bs, runner.device)
+    with torch.inference_mode():
+        return runner.model(torch.tensor(ids), positions, runner.backend.plan(meta))
