@@ -20,9 +20,9 @@ from engine.config import DTYPE_NAMES, EngineConfig, parse_bytes
 from engine.disk_tier import DiskTier
 from engine.engine_info import EngineInfo
 from engine.host_tier import HostTier
-from engine.int8_weights import quantize_model
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_identity import hash_root_from_seed, kv_namespace
+from engine.load_quantization import WEIGHT_ONLY, quantize_model, quantize_weight_only
 from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.pooling import resolve_pooling
 from engine.scheduler import Scheduler
@@ -77,6 +77,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
     weights = f"{dtype_name(dtype)} (the serving dtype)"
     if config.quantization == "int8" and (why_not := can_quantize(device)) is not None:
         raise ValueError(f"--quantization int8: {why_not}")
+    if config.quantization in WEIGHT_ONLY and (device.type != "cpu" or gguf_linear.load() is None):
+        raise ValueError(
+            f"--quantization {config.quantization}: the block kernel is a CPU path and needs "
+            "kvserve's C++ ops (a compiler); serve the float model instead"
+        )
     gguf_note = ""
     if config.quantization == "auto":
         gguf_note = _serve_gguf_blocks(model, model_path, spec, device)
@@ -118,6 +123,17 @@ def build_engine(config: EngineConfig) -> EngineParts:
     kv_caches = backend.kv_caches
     if config.quantization == "int8":
         weights = quantize_model(model, backend, tokenizer, num_blocks, block_size, device)
+    elif config.quantization in WEIGHT_ONLY:
+        weights = quantize_weight_only(
+            model,
+            config.quantization,
+            backend,
+            tokenizer,
+            num_blocks,
+            block_size,
+            device,
+            config.cpu_packed_weights,
+        )
     host = _host_tier(config, model_path, spec, dtype, block_size, backend_cls, kv_caches, draft)
     if config.kv_hash_seed:
         hash_root = hash_root_from_seed(config.kv_hash_seed)

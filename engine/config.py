@@ -131,7 +131,9 @@ class EngineConfig:
     cpu_packed_weights: bool = True
     # auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices are served as stored on CPU (models/gguf_linear.py),
     # anything else in the serving dtype; none: everything dequantized to the serving dtype;
-    # int8: CPU W8A8 dynamic (fbgemm, per-channel weights; models/quant.py), lm_head unquantized
+    # int8: CPU W8A8 dynamic (fbgemm, per-channel weights; models/quant.py), lm_head unquantized;
+    # int4 | int8wo: weight-only, rounded at load to ggml Q4_1 | Q8_0 blocks (lm_head Q8_0) and
+    # served by the GGUF block kernel (CPU; engine/load_quantization.py)
     quantization: str = "auto"
     # auto: the serving dtype; bfloat16: half a float32 model's KV bytes (CPU); fp8/int8 refused
     kv_cache_dtype: str = "auto"
@@ -180,8 +182,8 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens must be >= 0, spec_max_verify_rows >= 1")
         if self.kv_cache_dtype not in ("auto", "bfloat16", "float32", "fp8", "int8"):
             raise ValueError("kv_cache_dtype must be auto, bfloat16, float32, fp8 or int8")
-        if self.quantization not in ("auto", "none", "int8"):
-            raise ValueError("quantization must be auto, none or int8")
+        if self.quantization not in ("auto", "none", "int8", "int4", "int8wo"):
+            raise ValueError("quantization must be auto, none, int8, int4 or int8wo")
         if self.pooling not in ("auto", "last", "mean"):
             raise ValueError("pooling must be auto, last or mean")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -118,6 +118,26 @@ def attach(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> dic
     return held
 
 
+def quantize_to_blocks(
+    model: nn.Module, fmt: str, head_fmt: str = "Q8_0"
+) -> dict[str, tuple[str, torch.Tensor]]:
+    """Every float `Linear` weight whose rows are whole blocks of 32, rounded to ggml blocks of
+    `fmt` (the lm_head to `head_fmt`) with the `gguf` package's quantizer, by parameter name (for
+    `attach`)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    blocks = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or module.quant is not None or module.in_features % 32:
+            continue
+        kind = head_fmt if name.endswith("lm_head") else fmt
+        weight = module.weight.detach().float().numpy()
+        raw = quantize(weight, GGMLQuantizationType[kind])
+        blocks[f"{name}.weight"] = (kind, torch.from_numpy(raw))
+    return blocks
+
+
 def _best_time(weights: list[GGUFWeight], path: str, rows: int, repeats: int = 3) -> float:
     """Best time of one pass over `weights` in order through `path` ("kernel" or
     "dense_matmul") at `rows` rows: a forward's stream of weights, mostly out of cache."""

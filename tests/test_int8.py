@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.int8_weights import WARN_TOP1
+from engine.load_quantization import WARN_TOP1
 from engine.scoring import score_prompt
 from models.layers import Linear
 from models.quant import can_quantize, int8_weight, needs_reduce_range, quantize_linears
@@ -104,9 +104,11 @@ def test_a_q8_0_gguf_loads_into_int8(smollm2_path, tmp_path) -> None:
 
 
 def test_startup_accuracy_check_refuses_below_its_floor(llama_dir, monkeypatch) -> None:
-    import engine.int8_weights as int8_weights
+    import engine.load_quantization as load_quantization
 
-    monkeypatch.setattr(int8_weights, "REFUSE_TOP1", 1.01)  # nothing quantized agrees that well
+    monkeypatch.setattr(
+        load_quantization, "REFUSE_TOP1", 1.01
+    )  # nothing quantized agrees that well
     with pytest.raises(ValueError, match="too inaccurate on this CPU"):
         LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", quantization="int8")
 
