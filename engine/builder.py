@@ -91,7 +91,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             log.warning("no oneDNN-packed weights for %s here: %s", dtype_name(dtype), refusal)
             weights += f"; unpacked: oneDNN refuses packed {dtype_name(dtype)} here ({refusal})"
     if gguf_note.startswith("GGUF blocks as stored"):  # measured with the dense copies in place
-        crossover = gguf_linear.measure_crossover(model, dtype)
+        crossover = gguf_linear.measure_crossover(model, dtype, config.gguf_int8_activations)
         log.info("GGUF block kernel against the dense path: %s", crossover)
         gguf_note += f"; {crossover}"
     if gguf_note:
@@ -133,6 +133,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             block_size,
             device,
             config.cpu_packed_weights,
+            config.gguf_int8_activations,
         )
     host = _host_tier(config, model_path, spec, dtype, block_size, backend_cls, kv_caches, draft)
     if config.kv_hash_seed:

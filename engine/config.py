@@ -135,6 +135,9 @@ class EngineConfig:
     # int4 | int8wo: weight-only, rounded at load to ggml Q4_1 | Q8_0 blocks (lm_head Q8_0) and
     # served by the GGUF block kernel (CPU; engine/load_quantization.py)
     quantization: str = "auto"
+    # GGUF block kernel: also consider rounding activations to int8 per block of 32 (llama.cpp's
+    # numerics; ~0.5% error per product, which flips near-tied tokens) where it measures faster
+    gguf_int8_activations: bool = False
     # auto: the serving dtype; bfloat16: half a float32 model's KV bytes (CPU); fp8/int8 refused
     kv_cache_dtype: str = "auto"
     # embeddings (/v1/embeddings): last | mean; auto: the checkpoint's sentence-transformers

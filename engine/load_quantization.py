@@ -156,6 +156,7 @@ def quantize_weight_only(
     block_size: int,
     device: torch.device,
     pack: bool,
+    int8_activations: bool = False,
 ) -> str:
     """Round every float linear weight to ggml blocks, measure the result on held-out text,
     and describe it for the kernel matrix."""
@@ -173,7 +174,8 @@ def quantize_weight_only(
             if isinstance(getattr(module, "quant", None), gguf_linear.GGUFWeight):
                 module.quant.pack()
     accuracy = judge(method, reference, logits(), f"{fmt} weights")
-    crossover = gguf_linear.measure_crossover(model, model.embed_tokens.weight.dtype)
+    dtype = model.embed_tokens.weight.dtype
+    crossover = gguf_linear.measure_crossover(model, dtype, int8_activations)
     stored = ", ".join(f"{f} {size / 2**20:.0f} MiB" for f, size in sorted(held.items()))
     described = (
         f"weight-only {method}: ggml blocks rounded at load ({stored}; lm_head Q8_0); {accuracy}; "

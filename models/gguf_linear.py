@@ -159,12 +159,14 @@ Q8_MARGIN = 1.1
 
 
 @torch.inference_mode()
-def measure_crossover(model: nn.Module, dtype: torch.dtype) -> str:
+def measure_crossover(model: nn.Module, dtype: torch.dtype, int8_activations: bool = False) -> str:
     """Time the three paths at ROW_BUCKETS, over all the decoder's GGUF weights in forward order
     and over the lm_head apart (another shape and format, its own crossover): the block kernel on
     int8-rounded activations, on float32 activations, and the dense path (the packed copy, or
     dequantize + GEMM). Each group takes, bucket by bucket from one row, the fastest (int8
-    activations only by Q8_MARGIN), until the dense path wins; its weights' `q8_max_rows` and
+    activations only with `int8_activations` and by Q8_MARGIN: they round activations the way
+    llama.cpp does, and flip near-tied tokens), until the dense path wins; its weights'
+    `q8_max_rows` and
     `kernel_max_rows` are set from that. Returns the choices and times, for the banner."""
     groups: dict[str, list[GGUFWeight]] = {}
     for name, module in model.named_modules():
@@ -180,7 +182,8 @@ def measure_crossover(model: nn.Module, dtype: torch.dtype) -> str:
                 _best_time(weights, path, rows) for path in ("kernel_q8", "kernel", "dense_matmul")
             )
             seen.append(f"{rows}: {q8 * 1e3:.1f}/{exact * 1e3:.1f}/{dense * 1e3:.1f}")
-            if q8 * Q8_MARGIN < min(exact, dense) and q8_limit == kernel_limit:
+            faster = q8 * Q8_MARGIN < min(exact, dense)
+            if int8_activations and faster and q8_limit == kernel_limit:
                 q8_limit = kernel_limit = rows
             elif exact <= dense:
                 kernel_limit = rows

@@ -65,6 +65,11 @@ class DecoderLayer(nn.Module):
         residual, h = add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
         qkv = self.qkv_proj(h)
         t, lay = x.shape[0], self.layer
+        fused = None
+        if self.q_norm is None and self.writes_kv and hasattr(attn, "rope_decode"):
+            fused = attn.rope_decode(self.idx, qkv, cos, sin, lay.num_heads)
+        if fused is not None:  # a decode step: rotary, KV write and attention in one op
+            return self._mlp(self.o_proj(fused.reshape(t, self.q_dim)), residual)
         k = v = None
         if self.writes_kv:
             v = qkv[:, self.q_dim + self.kv_dim :].view(t, lay.num_kv_heads, lay.head_dim)
@@ -86,7 +91,9 @@ class DecoderLayer(nn.Module):
                     k = self.k_norm(k)
                 k = apply_rope(k, cos, sin)
         o = attn.forward(self.idx, q, k, v)
-        x = self.o_proj(o.reshape(t, self.q_dim))
+        return self._mlp(self.o_proj(o.reshape(t, self.q_dim)), residual)
+
+    def _mlp(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         residual, h = add_rms_norm(x, residual, self.post_attention_layernorm.weight, self.eps)
         return self.down_proj(silu_mul(self.gate_up_proj(h))), residual
 

@@ -110,6 +110,9 @@ def test_shipped_q4_1_is_served_as_stored(smol_pair) -> None:
     model = native.engine.runner.model
     assert model.layers[0].qkv_proj.weight.numel() == 0  # no float copy held
     assert isinstance(model.lm_head.quant, GGUFWeight) and model.lm_head.quant.format == "Q8_0"
+    # int8-rounded activations only on request (--gguf-int8-activations): exact by default
+    blocks = [m.quant for m in model.modules() if isinstance(getattr(m, "quant", None), GGUFWeight)]
+    assert blocks and all(w.q8_max_rows == 0 for w in blocks)
 
 
 @needs_ops

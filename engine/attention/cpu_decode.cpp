@@ -149,8 +149,83 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// One decode step's attention for one layer from its fused qkv projection: rotary on q and k
+// (rotate-half, HF layout), k and v written into their cache slots, then `paged_decode`. In
+// PyTorch that is ~15 small ops per layer (slices, the rotation's muls and cat, two indexed
+// writes, casts); at batch 1 their dispatch costs more than the arithmetic.
+// qkv [n, (H + 2 KVH) * D] (q heads, then k, then v); cos, sin [n, D / 2] in qkv's dtype;
+// kv_cache [2, KVH, num_blocks, block_size, D]; slot_block, slot_offset [n] int64.
+at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                             const at::Tensor& kv_cache, const at::Tensor& slot_block,
+                             const at::Tensor& slot_offset, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, int64_t num_heads, double scale,
+                             int64_t window) {
+  const auto dt = qkv.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_cache.is_contiguous());
+  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous());
+  TORCH_CHECK(slot_block.scalar_type() == at::kLong && slot_offset.scalar_type() == at::kLong);
+  const int64_t n = qkv.size(0), H = num_heads, KVH = kv_cache.size(1), D = kv_cache.size(4);
+  const int64_t NB = kv_cache.size(2), BS = kv_cache.size(3), half = D / 2;
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && cos.numel() == n * half);
+  const auto ct = kv_cache.scalar_type();
+  TORCH_CHECK(ct == dt || ct == at::kBFloat16, "the cache is qkv's dtype or bfloat16");
+  at::Tensor q = at::empty({n, H, D}, qkv.options());
+  at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
+  const int64_t* sb = slot_block.data_ptr<int64_t>();
+  const int64_t* so = slot_offset.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt, "rope_write_decode", [&] {
+    using T = scalar_t;
+    const T* src = qkv.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    T* qp = q.data_ptr<T>();
+    auto write = [&](auto* kc, auto* vc) {
+      using C = std::remove_pointer_t<decltype(kc)>;
+      at::parallel_for(0, n * (H + KVH), 8, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t i = task / (H + KVH), h = task % (H + KVH);
+          const T* x = src + i * (H + 2 * KVH) * D + h * D;
+          const T* c = cp + i * half;
+          const T* s = sp + i * half;
+          auto rotate = [&](auto* out) {
+            using O = std::remove_pointer_t<decltype(out)>;
+            for (int64_t d = 0; d < half; ++d) {
+              const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
+              const float cf = static_cast<float>(c[d]), sf = static_cast<float>(s[d]);
+              out[d] = static_cast<O>(x1 * cf - x2 * sf);
+              out[d + half] = static_cast<O>(x2 * cf + x1 * sf);
+            }
+          };
+          if (h < H) {
+            rotate(qp + (i * H + h) * D);
+          } else {
+            const int64_t kh = h - H;
+            const int64_t slot = (kh * NB + sb[i]) * BS + so[i];
+            rotate(kc + slot * D);
+            const T* v = src + i * (H + 2 * KVH) * D + (H + KVH + kh) * D;
+            C* vd = vc + slot * D;
+            for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<C>(static_cast<float>(v[d]));
+          }
+        }
+      });
+    };
+    if (ct == at::kBFloat16) {
+      write(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+    } else {
+      write(k_cache.data_ptr<T>(), v_cache.data_ptr<T>());
+    }
+  });
+  return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+}
+
 TORCH_LIBRARY(kvserve_cpu_decode, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, int window) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+  m.def("rope_write_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
+        "Tensor slot_block, Tensor slot_offset, Tensor block_tables, Tensor seq_lens, "
+        "int num_heads, float scale, int window) -> Tensor");
+  m.impl("rope_write_decode", c10::DispatchKey::CPU, TORCH_FN(rope_write_decode));
 }

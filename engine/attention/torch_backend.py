@@ -130,6 +130,34 @@ class TorchAttentionStep(AttentionStep):
                 )
             )
 
+    def rope_decode(
+        self,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor | None:
+        backend = self.backend
+        if not self.all_decode or self.cpp_decode is None or backend.decode_op is None:
+            return None  # (tests turn the C++ decode off by clearing decode_op)
+        if backend.rope_decode_op is None or qkv.dtype != cos.dtype:
+            return None
+        tables, lens = self.cpp_decode
+        return backend.rope_decode_op(
+            qkv.contiguous(),
+            cos,
+            sin,
+            backend.kv_caches[backend.layer_group[layer_idx]],
+            self.slot_block,
+            self.slot_offset,
+            tables,
+            lens,
+            num_heads,
+            1.0 / math.sqrt(cos.shape[-1] * 2),
+            backend.spec.sliding_window or 0,
+        )
+
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
@@ -228,9 +256,11 @@ class TorchBackend(AttentionBackend):
         # float32 arithmetic); None: PyTorch ops (range plan or gather buckets; float16 on
         # CPU). Tests set it to None to compare the paths.
         self.decode_op = None
+        self.rope_decode_op = None  # the same op with rotary and the KV write fused in front
         if kv_caches[0].device.type == "cpu" and kv_caches[0].dtype in CPP_DECODE_DTYPES:
             ops = cpu_decode.load()
-            self.decode_op = ops.paged_decode if ops is not None else None
+            if ops is not None:
+                self.decode_op, self.rope_decode_op = ops.paged_decode, ops.rope_write_decode
 
     @classmethod
     def kv_cache_shape(
