@@ -28,8 +28,22 @@ for item in "${what[@]}"; do
     llama-server)
         sdist
         src="$PEERS/llama_cpp_python-$LCP_VERSION/vendor/llama.cpp"
+        # -march=native, except where the CPU advertises AMX: this llama.cpp's AMX kernels die
+        # with SIGILL (tilezero) on such a VM (seen on a Sapphire Rapids KVM guest), so there
+        # every other ISA extension the CPU has is named instead
+        isa=(-DGGML_NATIVE=ON)
+        if grep -qw amx_tile /proc/cpuinfo; then
+            isa=(-DGGML_NATIVE=OFF)
+            for f in avx avx2 bmi2 fma f16c avx_vnni avx512f:AVX512 avx512_vbmi avx512_vnni \
+                avx512_bf16; do
+                flag=${f%%:*}
+                name=${f#*:}
+                [ "$name" = "$f" ] && name=$(echo "$flag" | tr '[:lower:]' '[:upper:]')
+                grep -qw "$flag" /proc/cpuinfo && isa+=("-DGGML_$name=ON")
+            done
+        fi
         # the prebuilt web UI would be downloaded at configure time: off
-        cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release "${isa[@]}" \
             -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
             -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
         cmake --build "$src/build" --target llama-server -j "$(nproc)"

@@ -1,11 +1,13 @@
 """kvserve's C++ ops: `.cpp` files beside the module that uses them, compiled at first use.
 
 Each source registers its ops with `TORCH_LIBRARY(<name>, m)` and is built as the extension
-`<name>` by `torch.utils.cpp_extension.load` (g++ and ninja; ~1 min once per source, then cached
-under TORCH_EXTENSIONS_DIR). Where it cannot build (no compiler, or KVSERVE_NO_CPP=1), `load()`
-returns None and callers keep their pure-PyTorch paths; tests compare the two.
+`<name>` by `torch.utils.cpp_extension.load` for this CPU (`target_arch`; g++ and ninja; ~1 min
+once per source, then cached under TORCH_EXTENSIONS_DIR). Where it cannot build (no compiler, or
+KVSERVE_NO_CPP=1), `load()` returns None and callers keep their pure-PyTorch paths; tests
+compare the two.
 
-Consumers: models/cpu_fused.py (fused elementwise ops for models/layers.py) and
+Consumers: models/cpu_fused.py (fused elementwise ops for models/layers.py),
+models/gguf_linear.py (GGUF block matmuls) and
 engine/attention/cpu_decode.py (paged decode attention for the torch backend). The build logic
 lives here, in models/, because models must not import the engine.
 """
@@ -27,8 +29,14 @@ log = logging.getLogger("kvserve.ops")
 # -fopenmp: at::parallel_for is a header template; compiled without OpenMP it runs its whole range
 # on the calling thread. Linking with it adds libgomp.so.1, the soname torch has already loaded
 # from torch/lib, so the ops share torch's thread team.
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+
+
+def target_arch() -> str:
+    """The -march the ops are built for: this CPU, or KVSERVE_CPP_MARCH (e.g. x86-64-v3, AVX2
+    without AVX-512: how scripts/test.sh builds them to run the AVX2 paths on any CPU)."""
+    return os.environ.get("KVSERVE_CPP_MARCH", "native")
 
 
 class CppOps:
@@ -61,6 +69,15 @@ class CppOps:
                 )
             return self._ops
 
+    def build_dir(self) -> str:
+        """Where this source builds for `target_arch()`."""
+        arch = target_arch()
+        return os.path.join(
+            os.environ.get("TORCH_EXTENSIONS_DIR")
+            or os.path.expanduser("~/.cache/torch_extensions"),
+            self.name if arch == "native" else f"{self.name}-{arch}",
+        )
+
     def _build(self) -> None:
         from torch.utils.cpp_extension import load
 
@@ -69,11 +86,7 @@ class CppOps:
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
-        build_dir = os.path.join(
-            os.environ.get("TORCH_EXTENSIONS_DIR")
-            or os.path.expanduser("~/.cache/torch_extensions"),
-            self.name,
-        )
+        build_dir = self.build_dir()
         os.makedirs(build_dir, exist_ok=True)
         # torch guards a build with a plain `lock` file that a process killed mid-build leaves
         # behind, and every later start then waits on it forever. An flock is released by the
@@ -88,7 +101,7 @@ class CppOps:
             load(
                 name=self.name,
                 sources=[str(self.source)],
-                extra_cflags=CFLAGS,
+                extra_cflags=[*CFLAGS, f"-march={target_arch()}"],
                 extra_ldflags=LDFLAGS,
                 build_directory=build_dir,
                 is_python_module=False,

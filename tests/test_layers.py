@@ -120,15 +120,14 @@ def test_a_stale_build_lock_does_not_hang_startup(module: str, ext: str) -> None
     """A process killed while compiling the C++ ops leaves torch's `lock` file behind; the next
     start must not wait on it forever (it did: a killed first start hung every later one)."""
     import importlib
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     ops = importlib.import_module(module)
     assert ops.load() is not None  # built (or found) by this process
-    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
-    lock = Path(base) / ext / "lock"
+    lock = Path(ops._OPS.build_dir()) / "lock"
+    assert Path(lock.parent).name.startswith(ext)
     lock.write_text("")  # what a build killed mid-way leaves
     code = f"import {module} as ops; assert ops.load() is not None"
     root = Path(__file__).resolve().parent.parent
