@@ -291,6 +291,33 @@ void q8_linear_impl(const int8_t* qx, const float* dx, const float* sx, int64_t 
 }
 #endif
 
+// Activations and outputs in float32 or bfloat16 without ATen conversions (each is a dispatch and
+// an allocation, per linear layer, per step): bf16 rows are widened into `buf`, and a bf16 output
+// is computed into a float32 scratch and narrowed once.
+const float* float_rows(const at::Tensor& x, std::vector<float>& buf) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+  buf.resize(x.numel());
+  for (int64_t i = 0; i < x.numel(); ++i) buf[i] = static_cast<float>(src[i]);
+  return buf.data();
+}
+
+struct Output {
+  at::Tensor y;
+  std::vector<float> scratch;
+  Output(const at::Tensor& x, int64_t m, int64_t n) : y(at::empty({m, n}, x.options())) {
+    if (y.scalar_type() != at::kFloat) scratch.resize(m * n);
+  }
+  float* data() { return scratch.empty() ? y.data_ptr<float>() : scratch.data(); }
+  at::Tensor finish() {
+    if (!scratch.empty()) {
+      at::BFloat16* dst = y.data_ptr<at::BFloat16>();
+      for (size_t i = 0; i < scratch.size(); ++i) dst[i] = static_cast<at::BFloat16>(scratch[i]);
+    }
+    return y;
+  }
+};
+
 void check_blocks(const at::Tensor& blocks, int64_t fmt, int64_t k) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "blocks: a contiguous uint8 [out_features, bytes per row] tensor");
@@ -305,13 +332,14 @@ void check_blocks(const at::Tensor& blocks, int64_t fmt, int64_t k) {
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t fmt) {
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2,
               "x: float32 or bfloat16 [rows, in_features]");
-  const at::Tensor xc = x.to(at::kFloat).contiguous();  // bf16 in: converted here, not in Python
+  const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1), n = blocks.size(0);
   check_blocks(blocks, fmt, k);
-  at::Tensor y = at::empty({m, n}, xc.options());
-  const float* xp = xc.data_ptr<float>();
+  std::vector<float> xbuf;
+  const float* xp = float_rows(xc, xbuf);
+  Output out(xc, m, n);
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
+  float* yp = out.data();
   const int64_t rb = blocks.size(1);
   switch (fmt) {
     case kQ40: linear_impl<kQ40>(xp, m, k, bp, rb, yp, n); break;
@@ -319,7 +347,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t fm
     case kQ80: linear_impl<kQ80>(xp, m, k, bp, rb, yp, n); break;
     default: TORCH_CHECK(false, "unsupported GGUF block format ", fmt);
   }
-  return y.to(x.scalar_type());
+  return out.finish();
 }
 
 // As `linear`, with the activations rounded to int8 per block of 32 first (llama.cpp's
@@ -330,12 +358,13 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t
 #else
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2,
               "x: float32 or bfloat16 [rows, in_features]");
-  const at::Tensor xc = x.to(at::kFloat).contiguous();  // bf16 in: converted here, not in Python
+  const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1), n = blocks.size(0), nb = k / 32;
   check_blocks(blocks, fmt, k);
   std::vector<int8_t> qx(m * k);
   std::vector<float> dx(m * nb), sx(m * nb);
-  const float* xp = xc.data_ptr<float>();
+  std::vector<float> xbuf;
+  const float* xp = float_rows(xc, xbuf);
   for (int64_t i = 0; i < m * nb; ++i) {
     const float* xb = xp + i * 32;
     float amax = 0.f;
@@ -350,9 +379,9 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t
     dx[i] = d;
     sx[i] = d * static_cast<float>(sum);
   }
-  at::Tensor y = at::empty({m, n}, xc.options());
+  Output out(xc, m, n);
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
+  float* yp = out.data();
   const int64_t rb = blocks.size(1);
   switch (fmt) {
     case kQ40: q8_linear_impl<kQ40>(qx.data(), dx.data(), sx.data(), m, k, bp, rb, yp, n); break;
@@ -360,7 +389,7 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t
     case kQ80: q8_linear_impl<kQ80>(qx.data(), dx.data(), sx.data(), m, k, bp, rb, yp, n); break;
     default: TORCH_CHECK(false, "unsupported GGUF block format ", fmt);
   }
-  return y.to(x.scalar_type());
+  return out.finish();
 #endif
 }
 
