@@ -54,6 +54,21 @@ def test_kernel_matches_the_dequantized_product(fmt, rows) -> None:
 
 @needs_ops
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_kernel_on_bf16_activations_is_the_bf16_product(fmt, rows) -> None:
+    """bf16 activations: the float32 product of the same bf16 values, then one bf16 rounding of
+    the output."""
+    raw, ref = blocks_of(fmt, 72, 160, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = OPS.linear(x, raw, FORMATS[fmt])
+    want = x.float() @ ref.T
+    assert got.dtype == torch.bfloat16
+    # one bf16 rounding (2^-8 relative) plus float32 sums in another order
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
+
+
+@needs_ops
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
 def test_int8_activation_kernel_is_within_activation_rounding(fmt, rows) -> None:
     """Activations rounded to int8 per block of 32 (llama.cpp's scheme): each activation moves
