@@ -90,7 +90,7 @@ class TorchAttentionStep(AttentionStep):
                 window,
                 device,
             )
-        if decode_seqs and self.range_plan is None:
+        if decode_seqs and self.range_plan is None and self.cpp_decode is None:
             self._plan_buckets(meta, sorted(decode_seqs, key=lambda i: meta.seq_lens[i]), device)
 
         self.prefills: list[_Prefill] = []
