@@ -227,3 +227,24 @@ def test_int4_at_load_serves_smollm2(smollm2_path) -> None:
     # (the chat question has a near-tie at its first token: "The" 25.33 vs "L" 25.24 in float32)
     out = q.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4))
     assert "Paris" in out[0].outputs[0].text
+
+
+@needs_ops
+def test_int8_activations_are_considered_only_on_request(smollm2_path) -> None:
+    """--gguf-int8-activations: the probe times the int8-activation kernel too, and each group's
+    weights take the limit the banner reports."""
+    import re
+
+    llm = LLM(smollm2_path, num_kv_blocks=16, dtype="float32", gguf_int8_activations=True)
+    table = llm.engine.info.kernel_table
+    assert "float/dense/int8-activation" in table
+    limits = dict(
+        re.findall(
+            r"(decoder layers|lm_head) \(\d+ weights\): block kernel up to "
+            r"\d+ rows \(int8 activations up to (\d+)\)",
+            table,
+        )
+    )
+    model = llm.engine.runner.model
+    assert int(limits["lm_head"]) == model.lm_head.quant.q8_max_rows
+    assert int(limits["decoder layers"]) == model.layers[0].qkv_proj.quant.q8_max_rows
