@@ -34,7 +34,7 @@ from models import gguf_linear
 from models.eagle.head import EagleHead, load_eagle_head
 from models.eagle.shipped import shipped_head_for
 from models.gguf_loader import gguf_blocks
-from models.layers import onednn_pack_refusal, pack_linears
+from models.layers import measure_packed_rows, onednn_pack_refusal, pack_linears
 from models.llama import LlamaForCausalLM
 from models.loader import checkpoint_dtype, default_model_path, load_model
 from models.quant import can_quantize
@@ -90,6 +90,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         if device.type == "cpu" and (refusal := onednn_pack_refusal(dtype)) is not None:
             log.warning("no oneDNN-packed weights for %s here: %s", dtype_name(dtype), refusal)
             weights += f"; unpacked: oneDNN refuses packed {dtype_name(dtype)} here ({refusal})"
+        elif device.type == "cpu" and (rows := measure_packed_rows(model)):
+            log.info("linear layers: %s", rows)
+            weights += f"; {rows}"
     if gguf_note.startswith("GGUF blocks as stored"):  # measured with the dense copies in place
         crossover = gguf_linear.measure_crossover(model, dtype, config.gguf_int8_activations)
         log.info("GGUF block kernel against the dense path: %s", crossover)

@@ -8,7 +8,6 @@ the dequantized float32 model's up to summation order."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.cpp_ext import CppOps
-from models.layers import Linear, can_pack, cpu_linear
+from models.layers import Linear, best_pass_time, can_pack, cpu_linear
 
 _OPS = CppOps("kvserve_gguf", Path(__file__).with_name("gguf_linear.cpp"))
 
@@ -138,19 +137,11 @@ def quantize_to_blocks(
     return blocks
 
 
-def _best_time(weights: list[GGUFWeight], path: str, rows: int, repeats: int = 3) -> float:
-    """Best time of one pass over `weights` in order through `path` ("kernel" or
-    "dense_matmul") at `rows` rows: a forward's stream of weights, mostly out of cache."""
+def _best_time(weights: list[GGUFWeight], path: str, rows: int) -> float:
+    """One pass over `weights` in forward order through `path` ("kernel", "kernel_q8" or
+    "dense_matmul") at `rows` rows (`best_pass_time`)."""
     xs = {w.in_features: torch.randn(rows, w.in_features).to(w.dtype) for w in weights}
-    calls = [(getattr(w, path), xs[w.in_features]) for w in weights]
-    best = float("inf")
-    for i in range(repeats + 1):  # the first pass allocates and warms the kernels
-        start = time.perf_counter()
-        for fn, x in calls:
-            fn(x)
-        if i:
-            best = min(best, time.perf_counter() - start)
-    return best
+    return best_pass_time([(getattr(w, path), xs[w.in_features]) for w in weights])
 
 
 # int8-rounded activations cost accuracy (~0.5% relative error per product): they must beat

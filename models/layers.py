@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -39,9 +40,10 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return out.t() if rows > 1 else out[:, :1].t()
 
 
-# From this many rows a oneDNN-packed weight beats the unpacked path: float32 from 3 rows (MKL's
-# skinny GEMM wins below, see the module docstring); bfloat16 from one row (oneDNN's packed bf16
-# kernel beats F.linear at every row count measured, 1-64).
+# From this many rows a oneDNN-packed weight beats the unpacked path, until `measure_packed_rows`
+# measures it on the CPU at hand (the engine does at startup). These defaults are a Zen 5's:
+# float32 from 3 rows (MKL's skinny GEMM won below), bfloat16 from one row; a Sapphire Rapids
+# measured float32 packed 2x faster at one row.
 PACKED_MIN_ROWS = {torch.float32: 3, torch.bfloat16: 1}
 
 
@@ -105,9 +107,15 @@ class Linear(nn.Module):
             return self.quant(x)
         packed = self.packed is not None and x.dim() == 2 and x.shape[0] >= self.packed_min_rows
         if packed and x.dtype == self.weight.dtype:
-            return torch.ops.mkldnn._linear_pointwise(
-                x.contiguous(), self.packed, self.bias, "none", [], ""
-            )
+            return self.packed_forward(x)
+        return self.plain_forward(x)
+
+    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.packed, self.bias, "none", [], ""
+        )
+
+    def plain_forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear(x, self.weight, self.bias)
 
     def load_rows(self, start: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -122,6 +130,45 @@ class Linear(nn.Module):
 def pack_linears(module: nn.Module) -> int:
     """`Linear.pack` every linear layer under `module` (each weight once, tied ones too)."""
     return sum(m.pack() for m in module.modules() if isinstance(m, Linear))
+
+
+def best_pass_time(calls: list[tuple[Callable, torch.Tensor]], repeats: int = 3) -> float:
+    """Best time of one pass through `calls` (fn, x) in order: a forward's stream of weights,
+    mostly out of cache. The first pass allocates and warms the kernels, and is not counted."""
+    best = float("inf")
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        for fn, x in calls:
+            fn(x)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+PACKED_ROW_BUCKETS = (1, 2, 3, 4, 8)
+
+
+@torch.inference_mode()
+def measure_packed_rows(module: nn.Module) -> str:
+    """From how many rows the oneDNN-packed copies beat the plain matmul, measured here over all
+    packed linear layers under `module` in forward order (PACKED_MIN_ROWS was measured on a
+    Zen 5): the first of PACKED_ROW_BUCKETS where the packed pass is as fast, set on every packed
+    layer. Returns the choice and times for the banner ("" when nothing is packed)."""
+    layers = [m for m in module.modules() if isinstance(m, Linear) and m.packed is not None]
+    if not layers:
+        return ""
+    seen, chosen = [], PACKED_ROW_BUCKETS[-1] + 1
+    for rows in PACKED_ROW_BUCKETS:
+        xs = {m.in_features: torch.randn(rows, m.in_features).to(m.weight.dtype) for m in layers}
+        plain = best_pass_time([(m.plain_forward, xs[m.in_features]) for m in layers])
+        packed = best_pass_time([(m.packed_forward, xs[m.in_features]) for m in layers])
+        seen.append(f"{rows}: {plain * 1e3:.1f}/{packed * 1e3:.1f}")
+        if packed <= plain:
+            chosen = rows
+            break
+    for m in layers:
+        m.packed_min_rows = chosen
+    return f"oneDNN-packed from {chosen} rows (ms plain/packed by rows {', '.join(seen)})"
 
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)

@@ -133,3 +133,23 @@ def test_a_stale_build_lock_does_not_hang_startup(module: str, ext: str) -> None
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", code], cwd=root, timeout=180, check=True)
     assert not lock.exists()
+
+
+def test_packed_rows_are_measured_here_and_set_on_every_packed_layer() -> None:
+    from models.layers import PACKED_ROW_BUCKETS, measure_packed_rows
+
+    stack = torch.nn.Sequential(*(Linear(256, 512) for _ in range(4)))
+    for layer in stack:
+        layer.weight.data.normal_()
+    if not pack_linears(stack):
+        pytest.skip("oneDNN packs no float32 weight here")
+    line = measure_packed_rows(stack)
+    chosen = {layer.packed_min_rows for layer in stack}
+    assert len(chosen) == 1
+    (rows,) = chosen
+    assert rows in PACKED_ROW_BUCKETS or rows == PACKED_ROW_BUCKETS[-1] + 1
+    assert line.startswith(f"oneDNN-packed from {rows} rows (ms plain/packed by rows 1: ")
+    x = torch.randn(rows, 256)
+    with torch.inference_mode():
+        torch.testing.assert_close(stack[0](x), stack[0].plain_forward(x), rtol=1e-4, atol=1e-4)
+    assert measure_packed_rows(torch.nn.Sequential(Linear(8, 8))) == ""  # nothing packed
