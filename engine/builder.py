@@ -22,7 +22,12 @@ from engine.engine_info import EngineInfo
 from engine.host_tier import HostTier
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_identity import hash_root_from_seed, kv_namespace
-from engine.load_quantization import WEIGHT_ONLY, quantize_model, quantize_weight_only
+from engine.load_quantization import (
+    WEIGHT_ONLY,
+    quantize_model,
+    quantize_weight_only,
+    serve_gguf_blocks,
+)
 from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.pooling import resolve_pooling
 from engine.scheduler import Scheduler
@@ -33,7 +38,6 @@ from engine.warmup import warm_up
 from models import gguf_linear
 from models.eagle.head import EagleHead, load_eagle_head
 from models.eagle.shipped import shipped_head_for
-from models.gguf_loader import gguf_blocks
 from models.layers import measure_packed_rows, onednn_pack_refusal, pack_linears
 from models.llama import LlamaForCausalLM
 from models.loader import checkpoint_dtype, default_model_path, load_model
@@ -84,7 +88,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         )
     gguf_note = ""
     if config.quantization == "auto":
-        gguf_note = _serve_gguf_blocks(model, model_path, spec, device)
+        gguf_note = serve_gguf_blocks(model, model_path, spec, device)
     if config.cpu_packed_weights:
         packed_bytes = pack_linears(model) + (pack_linears(draft) if draft is not None else 0)
         if device.type == "cpu" and (refusal := onednn_pack_refusal(dtype)) is not None:
@@ -255,28 +259,6 @@ def use_cuda_graphs(
     """Decode steps run as CUDA graphs on CUDA, unless --enforce-eager, where the backend can
     capture them (FlashInfer; the torch and xformers paths plan data-dependent shapes)."""
     return device.type == "cuda" and not config.enforce_eager and backend_cls.supports_cuda_graphs
-
-
-def _serve_gguf_blocks(
-    model: LlamaForCausalLM, model_path: str, spec: ModelSpec, device: torch.device
-) -> str:
-    """`--quantization auto` on a GGUF: its Q4_0/Q4_1/Q8_0 matrices served as stored (CPU, with
-    the C++ kernel built). Returns what was done for the kernel matrix's weights line."""
-    if not model_path.endswith(".gguf"):
-        return ""
-    if device.type != "cpu":
-        return "GGUF blocks dequantized (the block kernel is a CPU path)"
-    if gguf_linear.load() is None:
-        return "GGUF blocks dequantized (the C++ block kernel could not be built)"
-    blocks = gguf_blocks(model_path, spec, gguf_linear.FORMATS)
-    if spec.tie_word_embeddings and "embed_tokens.weight" in blocks:
-        # the head multiplies by the embedding's blocks; lookups keep the dense embedding
-        blocks["lm_head.weight"] = blocks.pop("embed_tokens.weight")
-    held = gguf_linear.attach(model, blocks)
-    if not held:
-        return ""
-    stored = ", ".join(f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in sorted(held.items()))
-    return f"GGUF blocks as stored ({stored}): block kernel for few rows, dense GEMM above"
 
 
 def kv_cache_dtype(

@@ -1,5 +1,6 @@
-"""Weights quantized at load, measured before they serve. Both run after the attention
-backend's warm-up, through the same plan + forward, writing KV only into blocks no request owns.
+"""Weights at load: a GGUF's blocks served as stored (`serve_gguf_blocks`, before packing), and
+weights quantized at load and measured before they serve (after the attention backend's warm-up,
+through the same plan + forward, writing KV only into blocks no request owns).
 
 `--quantization int4 | int8wo`: every linear layer's weight rounded to ggml blocks (Q4_1, Q8_0;
 the lm_head Q8_0) and served by the GGUF block kernel (models/gguf_linear.py), activations at the
@@ -26,8 +27,10 @@ from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.model_runner import step_metadata
 from models import gguf_linear
+from models.gguf_loader import gguf_blocks
 from models.llama import LlamaForCausalLM
 from models.quant import CALIBRATION, input_ranges, needs_reduce_range, quantize_linears, smooth
+from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.int8")
@@ -183,3 +186,25 @@ def quantize_weight_only(
     )
     log.info("weights: %s", described)
     return described
+
+
+def serve_gguf_blocks(
+    model: LlamaForCausalLM, model_path: str, spec: ModelSpec, device: torch.device
+) -> str:
+    """`--quantization auto` on a GGUF: its Q4_0/Q4_1/Q8_0 matrices served as stored (CPU, with
+    the C++ kernel built). Returns what was done for the kernel matrix's weights line."""
+    if not model_path.endswith(".gguf"):
+        return ""
+    if device.type != "cpu":
+        return "GGUF blocks dequantized (the block kernel is a CPU path)"
+    if gguf_linear.load() is None:
+        return "GGUF blocks dequantized (the C++ block kernel could not be built)"
+    blocks = gguf_blocks(model_path, spec, gguf_linear.FORMATS)
+    if spec.tie_word_embeddings and "embed_tokens.weight" in blocks:
+        # the head multiplies by the embedding's blocks; lookups keep the dense embedding
+        blocks["lm_head.weight"] = blocks.pop("embed_tokens.weight")
+    held = gguf_linear.attach(model, blocks)
+    if not held:
+        return ""
+    stored = ", ".join(f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in sorted(held.items()))
+    return f"GGUF blocks as stored ({stored}): block kernel for few rows, dense GEMM above"
