@@ -86,9 +86,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
             f"--quantization {config.quantization}: the block kernel is a CPU path and needs "
             "kvserve's C++ ops (a compiler); serve the float model instead"
         )
-    gguf_note = ""
+    gguf_note, gguf_served = "", False
     if config.quantization == "auto":
-        gguf_note = serve_gguf_blocks(model, model_path, spec, device)
+        gguf_note, gguf_served = serve_gguf_blocks(model, model_path, spec, device)
     if config.cpu_packed_weights:
         packed_bytes = pack_linears(model) + (pack_linears(draft) if draft is not None else 0)
         if device.type == "cpu" and (refusal := onednn_pack_refusal(dtype)) is not None:
@@ -97,7 +97,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         elif device.type == "cpu" and (rows := measure_packed_rows(model)):
             log.info("linear layers: %s", rows)
             weights += f"; {rows}"
-    if gguf_note.startswith("GGUF blocks as stored"):  # measured with the dense copies in place
+    if gguf_served:  # measured with the dense copies in place
         crossover = gguf_linear.measure_crossover(model, dtype, config.gguf_int8_activations)
         log.info("GGUF block kernel against the dense path: %s", crossover)
         gguf_note += f"; {crossover}"

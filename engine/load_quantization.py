@@ -190,21 +190,22 @@ def quantize_weight_only(
 
 def serve_gguf_blocks(
     model: LlamaForCausalLM, model_path: str, spec: ModelSpec, device: torch.device
-) -> str:
+) -> tuple[str, bool]:
     """`--quantization auto` on a GGUF: its Q4_0/Q4_1/Q8_0 matrices served as stored (CPU, with
-    the C++ kernel built). Returns what was done for the kernel matrix's weights line."""
+    the C++ kernel built). Returns what was done, for the kernel matrix's weights line, and
+    whether any weight now takes the block kernel (its crossover is then to be measured)."""
     if not model_path.endswith(".gguf"):
-        return ""
+        return "", False
     if device.type != "cpu":
-        return "GGUF blocks dequantized (the block kernel is a CPU path)"
+        return "GGUF blocks dequantized (the block kernel is a CPU path)", False
     if gguf_linear.load() is None:
-        return "GGUF blocks dequantized (the C++ block kernel could not be built)"
+        return "GGUF blocks dequantized (the C++ block kernel could not be built)", False
     blocks = gguf_blocks(model_path, spec, gguf_linear.FORMATS)
     if spec.tie_word_embeddings and "embed_tokens.weight" in blocks:
         # the head multiplies by the embedding's blocks; lookups keep the dense embedding
         blocks["lm_head.weight"] = blocks.pop("embed_tokens.weight")
     held = gguf_linear.attach(model, blocks)
     if not held:
-        return ""
+        return "", False
     stored = ", ".join(f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in sorted(held.items()))
-    return f"GGUF blocks as stored ({stored}): block kernel for few rows, dense GEMM above"
+    return f"GGUF blocks as stored ({stored}): block kernel for few rows, dense GEMM above", True

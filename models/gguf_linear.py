@@ -13,11 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.cpp_ext import CppOps
-from models.layers import Linear, best_pass_time, can_pack, cpu_linear
+from models.layers import (
+    Linear,
+    best_pass_time,
+    can_pack,
+    cpu_linear,
+    onednn_linear,
+    onednn_pack,
+)
 
 _OPS = CppOps("kvserve_gguf", Path(__file__).with_name("gguf_linear.cpp"))
 
@@ -51,10 +57,6 @@ class GGUFWeight:
     # dense call dequantizes the blocks first
     packed: torch.Tensor | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.numel()
-
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight [out, in] in `dtype`."""
         w = load().dequantize(self.blocks, FORMATS[self.format], self.in_features)
@@ -76,19 +78,14 @@ class GGUFWeight:
         if not can_pack(torch.empty(0, dtype=self.dtype)):
             return 0
         dense = self.dense(self.dtype)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, 64)
+        self.packed = onednn_pack(dense)
         return dense.numel() * dense.element_size()
 
     def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.packed is not None and x.dtype == self.dtype:
-            return torch.ops.mkldnn._linear_pointwise(
-                x.contiguous(), self.packed, bias, "none", [], ""
-            )
-        w = self.dense(x.dtype)
-        if x.dtype == torch.float32:
-            return cpu_linear(x, w, bias)
-        return F.linear(x, w, bias)
+            return onednn_linear(x, self.packed, bias)
+        return cpu_linear(x, self.dense(x.dtype), bias)  # F.linear for bf16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.kernel_max_rows:

@@ -61,8 +61,7 @@ def onednn_pack_refusal(dtype: torch.dtype) -> str | None:
     w, x = torch.ones(16, 16, dtype=dtype), torch.ones(2, 16, dtype=dtype)
     try:
         with torch.inference_mode():
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-            y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            y = onednn_linear(x, onednn_pack(w), None)
     except RuntimeError as e:
         return str(e).strip().splitlines()[0]
     if not torch.equal(y.float(), torch.full((2, 16), 16.0)):
@@ -72,6 +71,17 @@ def onednn_pack_refusal(dtype: torch.dtype) -> str | None:
 
 def can_pack(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and onednn_pack_refusal(weight.dtype) is None
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] in oneDNN's blocked layout (the batch-size hint picks the blocking;
+    64 measured best for 4-256 rows)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ a weight packed by `onednn_pack` (+ bias)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 class Linear(nn.Module):
@@ -97,8 +107,7 @@ class Linear(nn.Module):
             return pack() if pack is not None else 0
         if not can_pack(self.weight):
             return 0
-        # the batch-size hint picks the blocking; 64 measured best for 4-256 rows here
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+        self.packed = onednn_pack(self.weight.detach())
         self.packed_min_rows = PACKED_MIN_ROWS[self.weight.dtype]
         return self.weight.numel() * self.weight.element_size()
 
@@ -111,9 +120,7 @@ class Linear(nn.Module):
         return self.plain_forward(x)
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), self.packed, self.bias, "none", [], ""
-        )
+        return onednn_linear(x, self.packed, self.bias)
 
     def plain_forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear(x, self.weight, self.bias)
