@@ -1,6 +1,6 @@
 """Constrained decoding's cost, in-process on the default model (no HTTP), side by side in one
 run: N concurrent requests all free vs half constrained by a JSON schema, output tok/s and the
-ratio; the grammar mask time per engine step (fill + apply) and grammar compile time p50/p99
+ratio; the grammar mask time per engine step (the bitmask fill) and grammar compile time p50/p99
 over typical schemas; and EAGLE acceptance with and without a schema (batch 1).
 
     python bench/structured.py [--batch 64] [--tokens 64] [--rounds 2]
@@ -44,15 +44,17 @@ COMPILE_SCHEMAS = [
 class MaskTimer:
     def __init__(self, llm: LLM) -> None:
         self.times: list[float] = []
-        engine = llm.engine
-        original = engine._mask_grammar_rows
+        structured = llm.engine.structured
+        assert structured is not None, "this model has no structured outputs"
+        original = structured.step_mask
 
-        def timed(logits, items):
+        def timed(scheduled):
             t = time.perf_counter()
-            original(logits, items)
+            mask = original(scheduled)
             self.times.append(time.perf_counter() - t)
+            return mask
 
-        engine._mask_grammar_rows = timed  # type: ignore[method-assign]
+        structured.step_mask = timed  # type: ignore[method-assign]
 
 
 def run(llm: LLM, prompts: list[list[int]], constrained: int, tokens: int) -> tuple[float, int]:

@@ -1,5 +1,6 @@
 """The synchronous engine: adds, aborts and steps requests. One step is
-schedule -> execute -> sample -> update -> output -> propose. Building lives in
+schedule -> execute (forward, pool, sample: engine/model_runner.py) -> update -> outputs ->
+propose. Building lives in
 `engine/builder.py`, text and stop strings in `engine/output_processor.py`. Single-threaded by
 design; `AsyncEngine` drives it from its own thread."""
 
@@ -8,20 +9,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
-
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.engine_info import EngineInfo
+from engine.kv_cache_manager import KVCacheManager
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.pooling import normalize
 from engine.request import FinishReason, Request
-from engine.sampler import SamplerOutput, sample
+from engine.runner_output import RunnerOutput
 from engine.sampling_params import ParamError, SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.scheduler import SchedulerOutput
 from engine.snapshot import EngineSnapshot, take_snapshot
-from engine.spec_decode import CatchUp, record_acceptance, verify
+from engine.spec_decode import CatchUp, record_acceptance
 
 log = logging.getLogger("kvserve.engine")
 
@@ -44,7 +43,7 @@ class LLMEngine:
         self.host, self.kv, self.scheduler = parts.host, parts.kv, parts.scheduler
         self.runner, self.proposer = parts.runner, parts.proposer
         self.structured = parts.structured
-        self.outputs = OutputProcessor(parts.tokenizer, parts.scheduler)
+        self.outputs = OutputProcessor(parts.tokenizer, parts.scheduler, parts.kv.export_prompt)
         self.stats = EngineStats()
 
     @property
@@ -129,258 +128,116 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One batch. A failure that belongs to one request (non-finite logits, detokenizer
-        error) fails that request only; a failed forward fails the requests of that batch; the
-        engine keeps serving. Failures in scheduling itself are engine bugs and propagate."""
-        out = self.scheduler.schedule()
-        if not out.scheduled:
+        """One batch: schedule -> execute -> update -> outputs -> propose. A failure that
+        belongs to one request (non-finite logits, detokenizer error) fails that request only;
+        a failed forward fails the requests of that batch; the engine keeps serving. Failures
+        in scheduling itself are engine bugs and propagate."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
             return []
-        try:
-            logits, hidden = self.runner.execute(out)
-        except Exception:
-            log.exception(
-                "forward pass failed; failing the %d requests of this batch", len(out.scheduled)
-            )
-            return [self._fail(s.request, "the forward pass failed") for s in out.scheduled]
-        outputs: list[RequestOutput] = []
-        pooled = self._pool(hidden, out.scheduled, outputs)
-        try:
-            results = self._sample(logits, out.scheduled, outputs)
-        except Exception:  # a sampling bug must not kill the engine thread: isolate it
-            log.exception("sampling failed; sampling the batch's requests one by one")
-            results = self._sample_isolated(logits, out.scheduled, outputs)
+        start = StepStart.of(scheduled, self.kv if self.proposer is not None else None)
+        grammar = self.structured.step_mask(scheduled.scheduled) if self.structured else None
+        ran = self.runner.execute(scheduled, grammar)
+        outputs = self._update(scheduled, ran, start)
+        outputs += self._outputs(ran, start)
+        if self.proposer is not None and ran.hidden is not None:
+            self._propose(scheduled, ran, start, outputs)
+        return outputs
+
+    def _update(
+        self, scheduled: SchedulerOutput, ran: RunnerOutput, start: StepStart
+    ) -> list[RequestOutput]:
+        """The step's results enter the requests: failures end theirs (their outputs are
+        returned), tokens are appended (the scheduler), grammars advance, embeddings end."""
+        failed = [self._fail(request, why) for request, why in ran.failed]
         self.stats.steps += 1
         self.stats.prompt_tokens += sum(
-            max(
-                0,
-                min(s.request.num_prompt_tokens - s.request.num_computed_tokens, s.num_new_tokens),
-            )
-            for s in out.scheduled
-        )
-        before = {
-            s.request.request_id: (s.request.num_computed_tokens, s.request.num_tokens)
-            for s in out.scheduled
-        }
-        tables = {rid: self.kv.block_ids(rid) for rid in before} if self.proposer else {}
-        self.scheduler.update(out, {s.request.request_id: r.token_ids for s, r in results})
-        self._advance_grammars(results, before)
-        for request, embedding in pooled:  # an embedding request ends with its prefill
+            max(0, min(s.request.num_prompt_tokens - s.request.num_computed_tokens,
+                       s.num_new_tokens))
+            for s in scheduled.scheduled
+        )  # fmt: skip
+        self.scheduler.update(scheduled, ran.token_ids())
+        if self.structured is not None:
+            emitted = [(s, start.new_tokens(s.request)) for s, _ in ran.sampled]
+            for request in self.structured.advance(emitted):
+                self.scheduler.finish(request.request_id, FinishReason.STOP)
+        for request, _ in ran.pooled:  # an embedding request ends with its prefill
             self.scheduler.finish(request.request_id, FinishReason.STOP)
-            outputs.append(self.outputs.pooled_output(request, embedding))
-        for item, res in results:
-            request = item.request
-            tokens = request.all_token_ids[before[request.request_id][1] :]
+        return failed
+
+    def _outputs(self, ran: RunnerOutput, start: StepStart) -> list[RequestOutput]:
+        outputs = [self.outputs.pooled_output(r, vector) for r, vector in ran.pooled]
+        for s, res in ran.sampled:
+            request = s.request
+            tokens = start.new_tokens(request)
             self.stats.generation_tokens += len(tokens)
             try:
-                output = self.outputs.step_output(request, tokens, res.logprobs[: len(tokens)])
-                if output.finished and request.sampling_params.export_kv:
-                    # its blocks were freed this step but stay cached: nothing evicts them
-                    # before the next allocation
-                    output.kv_blocks = self.kv.export_prompt(request)
-                outputs.append(output)
+                outputs.append(
+                    self.outputs.step_output(request, tokens, res.logprobs[: len(tokens)])
+                )
             except Exception:
                 log.exception("request %s: output processing failed", request.request_id)
                 outputs.append(self._fail(request, "detokenization failed"))
-        if self.proposer is not None:
-            failed = {o.request_id for o in outputs if o.error is not None}
-            sampled = {s.request.request_id for s, _ in results}
-            self._propose(out, hidden, before, tables, failed, sampled)
         return outputs
-
-    def _pool(
-        self,
-        hidden: torch.Tensor,
-        scheduled: list[ScheduledRequest],
-        outputs: list[RequestOutput],
-    ) -> list[tuple[Request, torch.Tensor]]:
-        """Embedding requests (engine/pooling.py): mean pooling adds this chunk's hidden rows to
-        the request's running sum; a chunk that ends the prefill yields the pooled, normalised
-        vector (float32, on the CPU). A non-finite vector fails its request alone."""
-        width = self.model.spec.hidden_size  # the final-normed hidden state (not EAGLE-3's aux)
-        ends: list[tuple[Request, torch.Tensor]] = []
-        row = 0
-        for s in scheduled:
-            r, n = s.request, s.num_new_tokens
-            mode = r.sampling_params.pooling
-            if mode == "mean":
-                chunk = hidden[row : row + n, :width].float().sum(dim=0)
-                r.pooled_sum = chunk if r.pooled_sum is None else r.pooled_sum + chunk
-                if s.pools:
-                    ends.append((r, r.pooled_sum / r.num_prompt_tokens))
-            elif mode == "last" and s.pools:
-                ends.append((r, hidden[row + n - 1, :width]))
-            row += n
-        if not ends:
-            return []
-        vectors = normalize(torch.stack([v for _, v in ends])).cpu()
-        finite = vectors.isfinite().all(dim=-1).tolist()
-        pooled = []
-        for (r, _), vector, ok in zip(ends, vectors, finite):
-            r.pooled_sum = None
-            if ok:
-                pooled.append((r, vector))
-            else:
-                log.error("request %s: non-finite hidden state; failing it", r.request_id)
-                outputs.append(self._fail(r, "the model produced a NaN/inf hidden state"))
-        return pooled
-
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        scheduled: list[ScheduledRequest],
-        outputs: list[RequestOutput],
-    ) -> list[tuple[ScheduledRequest, SamplerOutput]]:
-        """Sample plain rows, verify drafted ones; requests with non-finite logits fail alone
-        (their failure outputs go to `outputs`)."""
-        sampling = [s for s in scheduled if s.samples]
-        spans, row = [], 0
-        for s in sampling:
-            spans.append((row, row + 1 + s.num_spec))
-            row += 1 + s.num_spec
-        # a row's sum is NaN/+inf iff the row holds a NaN/+inf (logits are far below float32's
-        # overflow): one pass over [rows, vocab] instead of isfinite's four. -inf is a masked
-        # token (a grammar's, when a failed batch is sampled again row by row), not a fault.
-        sums = logits.sum(dim=-1) if sampling else logits.new_empty(0)
-        finite = (~(sums.isnan() | sums.isposinf())).tolist()
-        plain, drafted = [], []
-        for s, (a, b) in zip(sampling, spans):
-            if not all(finite[a:b]):
-                log.error("request %s: non-finite logits; failing it", s.request.request_id)
-                outputs.append(self._fail(s.request, "the model produced NaN/inf logits"))
-            elif s.num_spec:
-                drafted.append((s, a, b))
-            else:
-                plain.append((s, a))
-        constrained = [(s, a) for s, a in plain if s.request.matcher is not None] + [
-            (s, a) for s, a, _ in drafted if s.request.matcher is not None
-        ]
-        if constrained:  # in place (rows of this step's own tensor, made row-contiguous)
-            logits = logits.contiguous()
-            self._mask_grammar_rows(logits, constrained)
-        results: list[tuple[ScheduledRequest, SamplerOutput]] = []
-        if plain:
-            picked, plain_logits = [a for _, a in plain], logits
-            if picked != list(range(logits.shape[0])):  # all rows in order: no gather, no upload
-                rows = torch.tensor(picked, device=logits.device)
-                plain_logits = logits.index_select(0, rows)
-            res = sample(plain_logits, [s.request for s, _ in plain])
-            results.extend(
-                (s, SamplerOutput([t], [lp]))
-                for (s, _), t, lp in zip(plain, res.token_ids, res.logprobs)
-            )
-        if drafted:
-            rows = torch.cat([torch.arange(a, b) for _, a, b in drafted]).to(logits.device)
-            verified = verify(logits.index_select(0, rows), [s.request for s, _, _ in drafted])
-            assert self.proposer is not None
-            for (s, _, _), res in zip(drafted, verified):
-                self.proposer.stats.record(s.num_spec, len(res.token_ids) - 1)
-                record_acceptance(s.request, s.num_spec, len(res.token_ids) - 1)
-                results.append((s, res))
-        return results
-
-    def _mask_grammar_rows(
-        self, logits: torch.Tensor, items: list[tuple[ScheduledRequest, int]]
-    ) -> None:
-        """Constrained rows of `logits` keep only what their grammar allows. items: (scheduled
-        request, its first row). A drafted request's row j is masked at the state after its
-        drafts d_1..d_j (a draft the grammar refuses ends its rows: the verifier rejects it)."""
-        assert self.structured is not None
-        rows, matchers = [], []
-        drafted: list[tuple[ScheduledRequest, int]] = []
-        for s, row in items:
-            if s.num_spec:
-                drafted.append((s, row))
-            else:
-                rows.append(row)
-                matchers.append(s.request.matcher)
-        self.structured.mask_logits(logits, rows, matchers)
-        for s, row in drafted:
-            m = s.request.matcher
-            accepted = 0
-            self.structured.mask_logits(logits, [row], [m])
-            for j, token in enumerate(s.request.spec_token_ids):
-                if m.is_terminated() or not m.accept_token(token):
-                    break
-                accepted += 1
-                if not m.is_terminated():  # past the grammar's end: the verifier stops there
-                    self.structured.mask_logits(logits, [row + j + 1], [m])
-            if accepted:
-                m.rollback(accepted)
-
-    def _advance_grammars(
-        self,
-        results: list[tuple[ScheduledRequest, SamplerOutput]],
-        before: dict[str, tuple[int, int]],
-    ) -> None:
-        """Each constrained request's grammar takes the tokens it emitted this step; a grammar
-        that has reached its end ends the request (even under ignore_eos)."""
-        for s, _ in results:
-            r = s.request
-            if r.matcher is None:
-                continue
-            for token in r.all_token_ids[before[r.request_id][1] :]:
-                if r.matcher.is_terminated():
-                    break
-                if not r.matcher.accept_token(token):
-                    log.error("request %s: grammar refused sampled token %d", r.request_id, token)
-                    break
-            if r.matcher.is_terminated() and not r.is_finished:
-                self.scheduler.finish(r.request_id, FinishReason.STOP)
-
-    def _sample_isolated(
-        self,
-        logits: torch.Tensor,
-        scheduled: list[ScheduledRequest],
-        outputs: list[RequestOutput],
-    ) -> list[tuple[ScheduledRequest, SamplerOutput]]:
-        """`_sample` per request, after the batched call raised: a request whose sampling
-        raises again fails alone; the others keep their tokens."""
-        results: list[tuple[ScheduledRequest, SamplerOutput]] = []
-        row = 0
-        for s in scheduled:
-            if not s.samples:
-                continue
-            n = 1 + s.num_spec
-            if s.request.is_finished:  # failed in the batched call already (non-finite logits)
-                row += n
-                continue
-            try:
-                results.extend(self._sample(logits[row : row + n], [s], outputs))
-            except Exception:
-                log.exception("request %s: sampling failed; failing it", s.request.request_id)
-                outputs.append(self._fail(s.request, "sampling failed"))
-            row += n
-        return results
 
     def _propose(
         self,
-        out: SchedulerOutput,
-        hidden: torch.Tensor,
-        before: dict[str, tuple[int, int]],
-        tables: dict[str, list[int]],
-        failed: set[str],
-        sampled: set[str],
+        scheduled: SchedulerOutput,
+        ran: RunnerOutput,
+        start: StepStart,
+        outputs: list[RequestOutput],
     ) -> None:
-        """Catch the draft's KV up over what the target kept this step; draft for next step.
-        Finished requests catch up too: their cached blocks keep complete draft KV."""
-        assert self.proposer is not None
+        """Record how many drafts the target kept; catch the draft's KV up over what the target
+        kept this step; draft for next step. Finished requests catch up too: their cached
+        blocks keep complete draft KV."""
+        assert self.proposer is not None and ran.hidden is not None
+        for s, res in ran.sampled:
+            if s.num_spec:
+                self.proposer.stats.record(s.num_spec, len(res.token_ids) - 1)
+                record_acceptance(s.request, s.num_spec, len(res.token_ids) - 1)
+        failed = {o.request_id for o in outputs if o.error is not None}
+        sampled = {s.request.request_id for s, _ in ran.sampled}
         items, row = [], 0
-        for s in out.scheduled:
+        for s in scheduled.scheduled:
             r = s.request
-            start = before[r.request_id][0]
-            kept = r.num_computed_tokens - start
+            first = start.counts[r.request_id][0]
+            kept = r.num_computed_tokens - first
             if r.request_id not in failed and kept > 0:
                 # only a chunk that sampled proposes: it alone got lookahead slots
-                items.append(CatchUp(r, start, hidden[row : row + kept], r.request_id in sampled))
+                features = ran.hidden[row : row + kept]
+                items.append(CatchUp(r, first, features, r.request_id in sampled))
             row += s.num_new_tokens
         proposing = [i.request for i in items if i.propose and not i.request.is_finished]
         acceptance = sum(r.spec_acceptance for r in proposing) / max(1, len(proposing))
         k = self.proposer.choose_k(len(proposing), acceptance)
-        whole_step = len(items) == len(out.scheduled) and all(
-            i.features.shape[0] == s.num_new_tokens for i, s in zip(items, out.scheduled)
+        whole_step = len(items) == len(scheduled.scheduled) and all(
+            i.features.shape[0] == s.num_new_tokens for i, s in zip(items, scheduled.scheduled)
         )
-        self.proposer.run(items, tables, k, self.runner.last_plan if whole_step else None)
+        self.proposer.run(items, start.tables, k, self.runner.last_plan if whole_step else None)
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
         self.scheduler.finish(request.request_id, FinishReason.ERROR)
         return self.outputs.final_output(request, error=message)
+
+
+@dataclass(slots=True)
+class StepStart:
+    """Where each scheduled request stood before the step: (num_computed_tokens, num_tokens)
+    by request id, and, for the proposer, the block tables (a request that finishes this step
+    frees its table, but its draft KV still catches up into those blocks)."""
+
+    counts: dict[str, tuple[int, int]]
+    tables: dict[str, list[int]]
+
+    @classmethod
+    def of(cls, scheduled: SchedulerOutput, kv: KVCacheManager | None) -> StepStart:
+        counts = {
+            s.request.request_id: (s.request.num_computed_tokens, s.request.num_tokens)
+            for s in scheduled.scheduled
+        }
+        tables = {rid: kv.block_ids(rid) for rid in counts} if kv is not None else {}
+        return cls(counts, tables)
+
+    def new_tokens(self, request: Request) -> list[int]:
+        """The tokens the step appended to `request`."""
+        return request.all_token_ids[self.counts[request.request_id][1] :]

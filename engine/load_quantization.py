@@ -25,7 +25,7 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
-from engine.model_runner import step_metadata
+from engine.step_inputs import step_metadata
 from models import gguf_linear
 from models.gguf_loader import gguf_blocks
 from models.llama import LlamaForCausalLM

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.cuda_graphs import CudaGraphs
 from engine.kv_cache_manager import KVCacheManager
+from engine.runner_output import GrammarMask, RunnerOutput, pool, sample_step
 from engine.scheduler import SchedulerOutput
+from engine.step_inputs import step_inputs
 from models.llama import LlamaForCausalLM
 
 log = logging.getLogger("kvserve.engine")
@@ -35,52 +36,6 @@ def allocate_kv_caches(
         )
         for h, d in groups
     ]
-
-
-def step_metadata(
-    seqs: list[tuple[list[int], int, int]], block_size: int, device: torch.device
-) -> tuple[torch.Tensor, StepMetadata]:
-    """Positions and attention metadata for a flat batch of (block table, first position, number
-    of tokens) per sequence: per-sequence numpy work, nothing per token in Python."""
-    _, positions, meta, _ = step_inputs(seqs, block_size, device)
-    return positions, meta
-
-
-def step_inputs(
-    seqs: list[tuple[list[int], int, int]],
-    block_size: int,
-    device: torch.device,
-    token_ids: list[int] | None = None,
-    rows: list[int] | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor, StepMetadata, torch.Tensor | None]:
-    """`step_metadata` plus the token ids and the logits rows, all uploaded in one host-to-device
-    copy (positions, slots, ids and rows are int64 views of one tensor): one transfer per step
-    instead of one per tensor. Returns (input ids or None, positions, metadata, rows or None)."""
-    pos_chunks, slot_chunks = [], []
-    query_start, query_lens, context_lens, seq_lens, tables = [], [], [], [], []
-    row = 0
-    for table, start, n in seqs:
-        positions = np.arange(start, start + n)
-        table_np = np.asarray(table, dtype=np.int64)
-        slot_chunks.append(table_np[positions // block_size] * block_size + positions % block_size)
-        pos_chunks.append(positions)
-        query_start.append(row)
-        query_lens.append(n)
-        context_lens.append(start)
-        seq_lens.append(start + n)
-        tables.append(table)
-        row += n
-    parts = [*pos_chunks, *slot_chunks]
-    if token_ids is not None:
-        parts.append(np.asarray(token_ids, dtype=np.int64))
-    if rows is not None:
-        parts.append(np.asarray(rows, dtype=np.int64))
-    flat = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)).to(device)
-    positions, slots = flat[:row], flat[row : 2 * row]
-    ids = flat[2 * row : 3 * row] if token_ids is not None else None
-    rows_t = flat[flat.numel() - len(rows) :] if rows is not None else None
-    meta = StepMetadata(query_start, query_lens, context_lens, seq_lens, tables, slots)
-    return ids, positions, meta, rows_t
 
 
 class ModelRunner:
@@ -164,8 +119,25 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.backend.plan(meta))
         return self.model.compute_logits(hidden)
 
+    def execute(self, out: SchedulerOutput, grammar: GrammarMask | None = None) -> RunnerOutput:
+        """The step: forward, pool, mask with `grammar`, sample or verify. A failed forward
+        fails the batch's requests (in the output); the engine keeps serving."""
+        result = RunnerOutput()
+        try:
+            logits, hidden = self.forward(out)
+        except Exception:  # noqa: BLE001 - one batch's failure, not the engine's
+            log.exception(
+                "forward pass failed; failing the %d requests of this batch", len(out.scheduled)
+            )
+            result.failed = [(s.request, "the forward pass failed") for s in out.scheduled]
+            return result
+        result.hidden = hidden
+        pool(hidden, out.scheduled, self.model.spec.hidden_size, result)
+        sample_step(logits, out.scheduled, grammar, result)
+        return result
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step's forward. Returns the logits [rows, vocab] (float32) of the rows that
         sample, in scheduled order, and every token's hidden state (the draft head's features:
         [tokens, hidden], or [tokens, hidden * (1 + len(aux_layers))])."""

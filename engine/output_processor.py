@@ -6,6 +6,7 @@ drafted from tokens that will be dropped."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -49,9 +50,18 @@ def request_output(
 class OutputProcessor:
     """Owns each request's detokenizer (none without a tokenizer: token ids only)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, scheduler: Scheduler) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        scheduler: Scheduler,
+        export_kv: Callable[[Request], list[tuple[bytes, bytes]]],
+    ) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
+        # a finished request whose params ask for it carries its prompt's KV blocks out (P/D);
+        # its blocks were freed this step but stay cached: nothing evicts them before the next
+        # allocation
+        self.export_kv = export_kv
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_finished = 0
 
@@ -88,10 +98,13 @@ class OutputProcessor:
                 tokens, lps = tokens[:kept], lps[:kept]
                 break
         text = detok.flush(request.is_finished) if detok is not None else ""
+        out = request_output(request, tokens, text, [lp for lp in lps if lp is not None])
         if request.is_finished:
             self.detokenizers.pop(request.request_id, None)
             self.num_finished += 1
-        return request_output(request, tokens, text, [lp for lp in lps if lp is not None])
+            if request.sampling_params.export_kv:
+                out.kv_blocks = self.export_kv(request)
+        return out
 
     def pooled_output(self, request: Request, embedding: torch.Tensor) -> RequestOutput:
         """The one output of an embedding request (finished): its pooled vector."""

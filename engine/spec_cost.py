@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.model_runner import step_metadata
+from engine.step_inputs import step_metadata
 from models.eagle.head import EagleHead
 from models.llama import LlamaForCausalLM
 

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionStep
-from engine.model_runner import step_metadata
 from engine.request import Request
 from engine.sampler import (
     SamplerOutput,
@@ -38,6 +37,7 @@ from engine.sampler import (
 )
 from engine.sampling_params import SamplingParams
 from engine.spec_cost import SpecCostModel
+from engine.step_inputs import step_metadata
 from models.eagle.head import EagleHead
 
 if TYPE_CHECKING:

@@ -23,7 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.request import Request
+from engine.runner_output import GrammarMask, logits_spans
 from engine.sampling_params import GrammarSpec, ParamError
+from engine.scheduler import ScheduledRequest
 from engine.token_bitmask import apply_bitmask
 
 if TYPE_CHECKING:
@@ -146,6 +149,39 @@ class StructuredOutputs:
         self.batch.batch_fill_next_token_bitmask(matchers, bitmask)
         return bitmask
 
+    def step_mask(self, scheduled: list[ScheduledRequest]) -> GrammarMask | None:
+        """The bitmask rows of a step's constrained logits rows (None when none is). A drafted
+        request's row j is masked at the state after its drafts d_1..d_j; a draft the grammar
+        refuses ends its rows (the verifier rejects it), and the matcher is rolled back after."""
+        plain_rows, plain = [], []
+        drafted_rows: list[int] = []
+        drafted: list[torch.Tensor] = []
+        for s, start, _ in logits_spans(scheduled):
+            m = s.request.matcher
+            if m is None:
+                continue
+            if not s.num_spec:
+                plain_rows.append(start)
+                plain.append(m)
+                continue
+            drafted_rows.append(start)
+            drafted.append(self.fill([m]).clone())
+            accepted = 0
+            for j, token in enumerate(s.request.spec_token_ids):
+                if m.is_terminated() or not m.accept_token(token):
+                    break
+                accepted += 1
+                if not m.is_terminated():  # past the grammar's end: the verifier stops there
+                    drafted_rows.append(start + j + 1)
+                    drafted.append(self.fill([m]).clone())
+            if accepted:
+                m.rollback(accepted)
+        if not plain_rows and not drafted_rows:
+            return None
+        parts = ([self.fill(plain)] if plain else []) + drafted
+        bitmask = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return GrammarMask(bitmask, plain_rows + drafted_rows)
+
     @torch.inference_mode()
     def mask_logits(
         self, logits: torch.Tensor, rows: list[int], matchers: list[xgr.GrammarMatcher]
@@ -153,3 +189,21 @@ class StructuredOutputs:
         """logits[rows[i]] keeps only what matchers[i] allows (in place)."""
         if rows:
             apply_bitmask(logits, self.fill(matchers), rows)
+
+    def advance(self, sampled: list[tuple[ScheduledRequest, list[int]]]) -> list[Request]:
+        """Each constrained request's grammar takes the tokens it emitted this step; returns
+        the requests whose grammar has reached its end (they end, even under ignore_eos)."""
+        ended = []
+        for s, tokens in sampled:
+            r = s.request
+            if r.matcher is None:
+                continue
+            for token in tokens:
+                if r.matcher.is_terminated():
+                    break
+                if not r.matcher.accept_token(token):
+                    log.error("request %s: grammar refused sampled token %d", r.request_id, token)
+                    break
+            if r.matcher.is_terminated() and not r.is_finished:
+                ended.append(r)
+        return ended

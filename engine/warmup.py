@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.model_runner import step_metadata
+from engine.step_inputs import step_metadata
 from models.llama import LlamaForCausalLM
 from models.spec import ModelSpec
 

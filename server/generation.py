@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.outputs import RequestOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -26,12 +28,15 @@ class Choice:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     kv_blocks: list[tuple[bytes, bytes]] | None = None  # exported at its end (disaggregation)
+    embedding: torch.Tensor | None = None  # an embedding request's pooled vector
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
         self.text += out.new_text
         self.logprobs.extend(out.logprobs)
         self.num_cached_tokens = out.num_cached_tokens
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
             self.kv_blocks = out.kv_blocks

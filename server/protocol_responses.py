@@ -98,7 +98,7 @@ class ResponsesRequest(_Base):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)  # capped by max_top_logprobs
     text: TextParam | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
@@ -113,6 +113,7 @@ class ResponsesRequest(_Base):
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
     service_tier: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vllm-router's P/D hand-over (kvserve)
     # declared to be refused when set (see the route)
     background: bool | None = None
     reasoning: Reasoning | None = None
@@ -223,6 +224,7 @@ class ResponseObject(_Out):
     truncation: Literal["auto", "disabled"]
     usage: ResponseUsage | None = None
     user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer
     metadata: dict[str, str]
     background: bool
 

@@ -1,6 +1,8 @@
-"""What chat and completions share: salts and sessions, limits, the `n` x prompts choices,
-admission, and one skeleton that runs an admitted request either to its end (collect) or as a
-stream of SSE chunks, with timing, usage, timeouts and disconnects handled once."""
+"""The one generation flow every route shares. A route turns its body into a `GenerationPlan`;
+`start` validates it (limits, grammar), salts it, opens its session turn, makes its choices,
+does the KV hand-over and admits it; the `Generation` then runs to its end (collect) or as a
+stream in the route's `StreamFormat`, with timing, usage, timeouts, failures and disconnects
+handled once. Routes only translate in and format out."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -17,8 +19,8 @@ from starlette.responses import Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import GrammarSpec, SamplingParams
-from server.errors import APIError, RequestFailed, RequestTimeout, error_body, to_api_error
+from engine.sampling_params import GrammarSpec, ParamError, SamplingParams
+from server.errors import APIError, RequestFailed, RequestTimeout, to_api_error
 from server.generation import Choice, usage_of
 from server.protocol import ErrorResponse
 from server.state import VERSION, ServerState, log
@@ -78,15 +80,120 @@ def make_choices(
     return choices
 
 
-class ChunkFormat(Protocol):
-    """How one API words its stream: the chunk model, and the choice dicts at each moment."""
+@dataclass
+class GenerationPlan:
+    """What a route made of its body, in the engine's terms: the one flow (`start`) needs
+    nothing else. `body` is the chat or completions request the sampling fields come from;
+    `param_names` spells shared code's parameter names the way the route's API does."""
+
+    req_id: str
+    body: Any
+    prompts: list[list[int]]
+    max_tokens: int | None
+    logprobs: int | None
+    grammar: tuple[GrammarSpec, str] | None = None
+    session: str | None = None  # a session's turns keep their KV warm (server/sessions.py)
+    kv_transfer_params: dict | None = None
+    param_names: dict[str, str] = field(default_factory=dict)
+
+
+async def start(state: ServerState, request: Request, plan: GenerationPlan) -> Generation:
+    """The one flow from a plan to an admitted request: limits, grammar, salt, session,
+    choices, KV hand-over, admission (or a 400/429 naming the route's own parameter)."""
+    engine = state.ready_engine()
+    body = plan.body
+    try:
+        check_limits(state, body)
+        if plan.grammar is not None:
+            await engine.compile_grammar(*plan.grammar)
+        body.cache_salt = effective_salt(state, request, body.cache_salt)
+        choices = make_choices(
+            engine, body, plan.prompts, plan.logprobs, plan.req_id, plan.max_tokens,
+            plan.grammar[0] if plan.grammar else None,
+        )  # fmt: skip
+        publish = await kv_handover(state, engine, choices, body.n, plan.kv_transfer_params)
+    except (APIError, ParamError) as e:
+        raise renamed(to_api_error(e), plan.param_names) from None
+    on_done = None
+    if plan.session is not None:
+        session = plan.session
+        state.sessions.begin_turn(session, plan.prompts[0])
+
+        def on_done(done: list[Choice]) -> None:
+            first = done[0]
+            state.sessions.end_turn(
+                session, first.prompt_ids + first.token_ids, first.params.cache_salt
+            )
+
+    return Generation.admit(state, engine, choices, body.n, plan.req_id, on_done, publish)
+
+
+def renamed(e: APIError | None, names: dict[str, str]) -> APIError:
+    assert e is not None
+    if e.param in names:
+        e.param = names[e.param]
+    return e
+
+
+class StreamFormat(Protocol):
+    """How one API words its event stream: the events before any output, for each output, at
+    the end (`usage` of every choice) and on a failure after the headers went out."""
+
+    def begin(self, gen: Generation) -> list[bytes]: ...
+    def step(self, choice: Choice, out: RequestOutput) -> list[bytes]: ...
+    def end(self, gen: Generation, usage: dict) -> list[bytes]: ...
+    def fail(self, gen: Generation, error: dict) -> list[bytes]: ...
+
+
+class ChoiceChunks:
+    """Chat's and completions' stream: one chunk per choice event, an optional usage chunk,
+    then `[DONE]`. Subclasses word a choice's opening, deltas and closing."""
 
     model: type[BaseModel]
     object: str
 
-    def opening(self, choice: Choice) -> dict | None: ...
-    def delta(self, choice: Choice, out: RequestOutput) -> dict | None: ...
-    def closing(self, choice: Choice, out: RequestOutput) -> dict: ...
+    def __init__(self, include_usage: bool) -> None:
+        self.include_usage = include_usage
+        self.base: dict = {}
+
+    def opening(self, choice: Choice) -> dict | None:
+        return None
+
+    def delta(self, choice: Choice, out: RequestOutput) -> dict | None:
+        raise NotImplementedError
+
+    def closing(self, choice: Choice, out: RequestOutput) -> dict:
+        raise NotImplementedError
+
+    def _chunk(self, choices: list[dict], **extra: Any) -> bytes:
+        return sse(self.model, {**self.base, "choices": choices, **extra})
+
+    def begin(self, gen: Generation) -> list[bytes]:
+        usage = {"usage": None} if self.include_usage else {}
+        self.base = {**gen.head, "object": self.object, **usage}
+        openings = [self.opening(ch) for ch in gen.choices]
+        return [self._chunk([o]) for o in openings if o is not None]
+
+    def step(self, choice: Choice, out: RequestOutput) -> list[bytes]:
+        delta = self.delta(choice, out)
+        events = [self._chunk([delta])] if delta is not None else []
+        if out.finished:
+            events.append(self._chunk([self.closing(choice, out)]))
+        return events
+
+    def end(self, gen: Generation, usage: dict) -> list[bytes]:
+        tail = [self._chunk([], usage=usage)] if self.include_usage else []
+        return [*tail, SSE_DONE]
+
+    def fail(self, gen: Generation, error: dict) -> list[bytes]:
+        return [sse(ErrorResponse, {"error": {**error, "type": "server_error", "param": None}}),
+                SSE_DONE]  # fmt: skip
+
+
+def stream_error(e: BaseException) -> dict:
+    """A failure after the stream began, as every route reports it: `code` is server_error
+    (OpenAI's code for a failed generation), the message says what happened."""
+    return {"code": "server_error", "message": f"generation failed: {e}"}
 
 
 @dataclass
@@ -157,42 +264,31 @@ class Generation:
 
         return await run_or_disconnect(request, run())
 
-    def stream(self, fmt: ChunkFormat, include_usage: bool) -> StreamingResponse:
+    def stream(self, fmt: StreamFormat) -> StreamingResponse:
         return StreamingResponse(
-            self._events(fmt, include_usage),
+            self._events(fmt),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
 
-    async def _events(self, fmt: ChunkFormat, include_usage: bool) -> AsyncIterator[bytes]:
-        base = {**self.head, "object": fmt.object, **({"usage": None} if include_usage else {})}
-
-        def chunk(choice: dict) -> bytes:
-            return sse(fmt.model, {**base, "choices": [choice]})
-
-        for ch in self.choices:
-            opening = fmt.opening(ch)
-            if opening is not None:
-                yield chunk(opening)
+    async def _events(self, fmt: StreamFormat) -> AsyncIterator[bytes]:
+        for event in fmt.begin(self):
+            yield event
         try:
             async for ch, out in self.outputs():
-                delta = fmt.delta(ch, out)
-                if delta is not None:
-                    yield chunk(delta)
-                if out.finished:
-                    yield chunk(fmt.closing(ch, out))
+                for event in fmt.step(ch, out):
+                    yield event
+            if self.publish is not None:  # a stream has no place for the params: publish only
+                await self.publish()
+            last = fmt.end(self, usage_of(self.choices, self.n))
         except Exception as e:  # noqa: BLE001 - headers are sent: report it in the stream
             if to_api_error(e) is None:
                 log.exception("stream %s failed", self.head["id"])
-            body = error_body(500, f"generation failed: {e}", code="engine_error")
-            yield sse(ErrorResponse, body)
-            yield SSE_DONE
+            for event in fmt.fail(self, stream_error(e)):
+                yield event
             return
-        if self.publish is not None:  # a stream has no place for the params: publish only
-            await self.publish()
-        if include_usage:
-            yield sse(fmt.model, {**base, "choices": [], "usage": usage_of(self.choices, self.n)})
-        yield SSE_DONE
+        for event in last:
+            yield event
 
 
 async def kv_handover(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -18,14 +19,7 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
 )
-from server.request_flow import (
-    Generation,
-    check_limits,
-    effective_salt,
-    kv_handover,
-    make_choices,
-    session_id,
-)
+from server.request_flow import ChoiceChunks, GenerationPlan, session_id, start
 from server.state import ServerState
 from server.tool_parsers import (
     PARSERS,
@@ -44,11 +38,28 @@ def tool_parser(state: ServerState, engine: AsyncEngine) -> ToolParser:
     return parser_for_template(engine.tokenizer.chat_template if engine.tokenizer else None)
 
 
-async def chat_completions(request: Request) -> Response:
-    state: ServerState = request.app.state.kv
+@dataclass
+class ChatPlan:
+    """A chat request's generation plan and what formatting its output needs: the tool plan,
+    and the parser that finds calls in the text (None when calls are not parsed)."""
+
+    generation: GenerationPlan
+    tools: ToolPlan | None
+    calls_parser: ToolParser | None
+    legacy: bool  # `functions` (not `tools`): calls come back as `function_call`
+
+
+def chat_plan(
+    state: ServerState,
+    engine: AsyncEngine,
+    body: ChatCompletionRequest,
+    req_id: str,
+    session: str | None,
+    prompt_ids: list[int] | None = None,
+) -> ChatPlan:
+    """The plan of a chat request (the Responses API's too, mapped onto chat first).
+    `prompt_ids`: the rendered prompt, when the caller rendered it already."""
     cfg = state.config.server
-    body = await parse_body(request, ChatCompletionRequest, cfg.max_body_bytes)
-    state.check_model(body.model)
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise APIError(
@@ -58,58 +69,54 @@ async def chat_completions(request: Request) -> Response:
             raise APIError(
                 400, f"top_logprobs must be at most {cfg.max_top_logprobs}", param="top_logprobs"
             )
-    check_limits(state, body)
-    engine = state.ready_engine()
-    plan = tool_plan(body)
+    tools = tool_plan(body)
     parser = tool_parser(state, engine)
-    ids = render_prompt(
-        engine.tokenizer,
-        body.messages,
-        body.add_generation_prompt,
-        plan.tools if plan else None,
-        **(body.chat_template_kwargs or {}),
-    )
-    constraint = grammar_for(body, plan, parser.name)
-    grammar = None
-    if constraint is not None:
-        grammar, param = constraint
-        await engine.compile_grammar(grammar, param)
-    body.cache_salt = effective_salt(state, request, body.cache_salt)
-    session = session_id(request, body.user)
-    state.sessions.begin_turn(session, ids)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    req_id = f"chatcmpl-{uuid.uuid4().hex}"
-    max_tokens = body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens or None
-    choices = make_choices(engine, body, [ids], logprobs, req_id, max_tokens, grammar)
-    calls_parser = parser if plan is not None and plan.parses else None
-    legacy = body.functions is not None
-
-    def end_turn(choices: list[Choice]) -> None:
-        first = choices[0]
-        state.sessions.end_turn(
-            session, first.prompt_ids + first.token_ids, first.params.cache_salt
+    if prompt_ids is None:
+        prompt_ids = render_prompt(
+            engine.tokenizer,
+            body.messages,
+            body.add_generation_prompt,
+            tools.tools if tools else None,
+            **(body.chat_template_kwargs or {}),
         )
-
-    publish = await kv_handover(state, engine, choices, body.n, body.kv_transfer_params)
-    gen = Generation.admit(
-        state, engine, choices, body.n, req_id, on_done=end_turn, publish=publish
+    generation = GenerationPlan(
+        req_id=req_id,
+        body=body,
+        prompts=[prompt_ids],
+        max_tokens=body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens or None,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        grammar=grammar_for(body, tools, parser.name),
+        session=session,
+        kv_transfer_params=body.kv_transfer_params,
     )
+    calls_parser = parser if tools is not None and tools.parses else None
+    return ChatPlan(generation, tools, calls_parser, body.functions is not None)
+
+
+async def chat_completions(request: Request) -> Response:
+    state: ServerState = request.app.state.kv
+    body = await parse_body(request, ChatCompletionRequest, state.config.server.max_body_bytes)
+    state.check_model(body.model)
+    engine = state.ready_engine()
+    req_id = f"chatcmpl-{uuid.uuid4().hex}"
+    plan = chat_plan(state, engine, body, req_id, session_id(request, body.user))
+    gen = await start(state, request, plan.generation)
+    with_logprobs = plan.generation.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = ChatChunks(engine, logprobs is not None, calls_parser, plan, legacy)
-        return gen.stream(fmt, include_usage)
+        return gen.stream(ChatChunks(engine, with_logprobs, include_usage, plan))
 
     def message(ch: Choice) -> tuple[dict, str | None]:
         reason = finish_reason(ch.finish_reason)
         msg: dict = {"role": "assistant", "content": ch.text, "refusal": None}
-        if calls_parser is None or plan is None:
+        if plan.calls_parser is None or plan.tools is None:
             return msg, reason
-        parsed = calls_parser.parse(ch.text)
-        calls = final_calls(parsed)[: None if plan.parallel else 1]
+        parsed = plan.calls_parser.parse(ch.text)
+        calls = final_calls(parsed)[: None if plan.tools.parallel else 1]
         if not calls:
             return msg, reason
         msg["content"] = parsed.content.strip() or None
-        if legacy:
+        if plan.legacy:
             msg["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
             return msg, "function_call" if reason == "stop" else reason
         msg["tool_calls"] = [c.to_openai() for c in calls]
@@ -117,9 +124,9 @@ async def chat_completions(request: Request) -> Response:
 
     def respond(usage: dict) -> Response:
         out = []
-        for ch in choices:
+        for ch in gen.choices:
             msg, reason = message(ch)
-            lps = chat_logprobs(engine.tokenizer, ch.logprobs) if logprobs is not None else None
+            lps = chat_logprobs(engine.tokenizer, ch.logprobs) if with_logprobs else None
             out.append(
                 {"index": ch.index, "message": msg, "logprobs": lps, "finish_reason": reason}
             )
@@ -131,7 +138,7 @@ async def chat_completions(request: Request) -> Response:
     return await gen.collect(request, respond)
 
 
-class ChatChunks:
+class ChatChunks(ChoiceChunks):
     """Chat stream chunks; with tools, each choice's text goes through a `ToolCallStream` so
     calls arrive as OpenAI's tool_calls deltas (or legacy function_call deltas)."""
 
@@ -139,16 +146,12 @@ class ChatChunks:
     object = "chat.completion.chunk"
 
     def __init__(
-        self,
-        engine: AsyncEngine,
-        logprobs: bool,
-        parser: ToolParser | None = None,
-        plan: ToolPlan | None = None,
-        legacy: bool = False,
+        self, engine: AsyncEngine, logprobs: bool, include_usage: bool, plan: ChatPlan
     ) -> None:
+        super().__init__(include_usage)
         self.tokenizer = engine.tokenizer
         self.logprobs = logprobs
-        self.parser, self.plan, self.legacy = parser, plan, legacy
+        self.parser, self.plan, self.legacy = plan.calls_parser, plan.tools, plan.legacy
         self.calls: dict[int, ToolCallStream] = {}
 
     def opening(self, choice: Choice) -> dict:

@@ -13,13 +13,7 @@ from server.constraints import grammar_for
 from server.errors import APIError
 from server.generation import Choice, completion_logprobs, finish_reason
 from server.protocol import CompletionRequest, CompletionResponse
-from server.request_flow import (
-    Generation,
-    check_limits,
-    effective_salt,
-    kv_handover,
-    make_choices,
-)
+from server.request_flow import ChoiceChunks, GenerationPlan, start
 from server.state import ServerState
 from server.wire import parse_body, reply
 
@@ -56,18 +50,17 @@ async def completions(request: Request) -> Response:
         raise APIError(400, f"logprobs must be at most {cfg.max_top_logprobs}", param="logprobs")
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported (no fill-in-the-middle)", param="suffix")
-    check_limits(state, body)
     engine = state.ready_engine()
     prompts = completion_prompts(engine, body)
-    constraint = grammar_for(body)
-    grammar = None
-    if constraint is not None:
-        grammar, param = constraint
-        await engine.compile_grammar(grammar, param)
-    body.cache_salt = effective_salt(state, request, body.cache_salt)
-    req_id = f"cmpl-{uuid.uuid4().hex}"
-    max_tokens = body.max_tokens or DEFAULT_COMPLETION_TOKENS
-    choices = make_choices(engine, body, prompts, body.logprobs, req_id, max_tokens, grammar)
+    plan = GenerationPlan(
+        req_id=f"cmpl-{uuid.uuid4().hex}",
+        body=body,
+        prompts=prompts,
+        max_tokens=body.max_tokens or DEFAULT_COMPLETION_TOKENS,
+        logprobs=body.logprobs,
+        grammar=grammar_for(body),
+        kv_transfer_params=body.kv_transfer_params,
+    )
     tokenizer = engine.tokenizer
 
     def decode(ids: list[int]) -> str:
@@ -79,15 +72,14 @@ async def completions(request: Request) -> Response:
         for i, ids in enumerate(prompts):
             entries = await engine.prompt_logprobs(ids, body.logprobs)
             echo_lps[i] = completion_logprobs(tokenizer, entries, ids, 0)
-    publish = await kv_handover(state, engine, choices, body.n, body.kv_transfer_params)
-    gen = Generation.admit(state, engine, choices, body.n, req_id, publish=publish)
+    gen = await start(state, request, plan)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return gen.stream(CompletionChunks(engine, body, prompt_texts), include_usage)
+        return gen.stream(CompletionChunks(engine, body, prompt_texts, include_usage))
 
     def respond(usage: dict) -> Response:
         out_choices = []
-        for ch in choices:
+        for ch in gen.choices:
             p_idx = ch.index // body.n
             prefix = prompt_texts[p_idx] if body.echo else ""
             lps = None
@@ -115,13 +107,20 @@ def merge_logprobs(a: dict, b: dict) -> dict:
     return {k: a[k] + b[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
-class CompletionChunks:
+class CompletionChunks(ChoiceChunks):
     """Completion stream chunks have the response's own shape, as OpenAI's do."""
 
     model = CompletionResponse
     object = "text_completion"
 
-    def __init__(self, engine: AsyncEngine, body: CompletionRequest, prompt_texts: list[str]):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        body: CompletionRequest,
+        prompt_texts: list[str],
+        include_usage: bool,
+    ) -> None:
+        super().__init__(include_usage)
         self.tokenizer = engine.tokenizer
         self.body = body
         self.prompt_texts = prompt_texts

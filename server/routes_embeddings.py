@@ -5,7 +5,6 @@ hidden state (engine/pooling.py). `dimensions` truncates and re-normalises here.
 from __future__ import annotations
 
 import base64
-import time
 import uuid
 
 import torch
@@ -15,9 +14,10 @@ from starlette.responses import Response
 from engine.async_engine import AsyncEngine
 from engine.pooling import normalize
 from engine.sampling_params import SamplingParams
-from server.errors import APIError, RequestFailed, RequestTimeout
+from server.errors import APIError, RequestFailed
+from server.generation import Choice
 from server.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
-from server.request_flow import effective_salt, run_or_disconnect, submit_or_429
+from server.request_flow import Generation, effective_salt
 from server.state import ServerState, log
 from server.wire import parse_body, reply
 
@@ -75,43 +75,29 @@ async def embeddings(request: Request) -> Response:
         cache_salt=effective_salt(state, request, None),
     )
     req_id = f"embd-{uuid.uuid4().hex}"
-    ids = [f"{req_id}-{i}" for i in range(len(inputs))]
-    q = submit_or_429(state, engine, [(rid, p, params) for rid, p in zip(ids, inputs)])
-    start = time.monotonic()
+    choices = [Choice(i, p, params, f"{req_id}-{i}") for i, p in enumerate(inputs)]
+    gen = Generation.admit(state, engine, choices, 1, req_id)
     fmt = body.encoding_format or "float"
+    if body.user:  # OpenAI's end-user id: attribution, in the request's log line
+        log.info("%s user=%r", req_id, body.user)
 
-    async def run() -> Response:
-        vectors: dict[str, torch.Tensor] = {}
-        timeout = cfg.request_timeout_s
-        try:
-            async for out in engine.stream(ids, q, timeout):
-                if out.embedding is not None:
-                    vectors[out.request_id] = out.embedding
-                elif out.finished:
-                    raise RequestFailed(
-                        f"request {out.request_id} ended without an embedding: "
-                        f"{out.error or out.finish_reason}"
-                    )
-        except TimeoutError:
-            raise RequestTimeout(f"request exceeded the {timeout:g} s limit") from None
-        tokens = sum(len(p) for p in inputs)
-        log.info(
-            "%s inputs=%d prompt_tokens=%d e2e=%.3fs%s",
-            req_id, len(inputs), tokens, time.monotonic() - start,
-            f" user={body.user!r}" if body.user else "",  # OpenAI's end-user id: attribution
-        )  # fmt: skip
-        data = [
-            {
-                "object": "embedding",
-                "embedding": encode(vectors[rid], body.dimensions, fmt),
-                "index": i,
-            }
-            for i, rid in enumerate(ids)
-        ]
-        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    def respond(usage: dict) -> Response:
+        data = []
+        for ch in choices:
+            if ch.embedding is None:
+                raise RequestFailed(f"request {ch.request_id} ended without an embedding: "
+                                    f"{ch.finish_reason}")  # fmt: skip
+            vector = encode(ch.embedding, body.dimensions, fmt)
+            data.append({"object": "embedding", "embedding": vector, "index": ch.index})
+        tokens = usage["prompt_tokens"]
         return reply(
             EmbeddingResponse,
-            {"object": "list", "data": data, "model": state.model_name, "usage": usage},
+            {
+                "object": "list",
+                "data": data,
+                "model": state.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            },
         )
 
-    return await run_or_disconnect(request, run())
+    return await gen.collect(request, respond)

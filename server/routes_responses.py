@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from engine.async_engine import AsyncEngine
+from engine.outputs import RequestOutput
 from server.chat_prompt import render_prompt
-from server.constraints import ToolPlan, grammar_for, tool_plan
-from server.errors import APIError, to_api_error
+from server.constraints import tool_plan
+from server.errors import APIError
 from server.generation import Choice, usage_of
 from server.protocol import ChatCompletionRequest
 from server.protocol_responses import (
@@ -33,17 +34,11 @@ from server.protocol_responses import (
     ResponseObject,
     ResponsesRequest,
 )
-from server.request_flow import (
-    Generation,
-    api_key_tag,
-    check_limits,
-    effective_salt,
-    make_choices,
-)
+from server.request_flow import Generation, api_key_tag, renamed, start
 from server.response_store import ResponseStore
 from server.responses_items import OutputItems, chat_messages, input_items, new_id
-from server.routes_chat import tool_parser
-from server.state import ServerState, log
+from server.routes_chat import chat_plan
+from server.state import ServerState
 from server.wire import dump, parse_body, reply
 
 # chat's parameter names as the Responses API spells them, for errors raised by shared code
@@ -107,12 +102,16 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
     elif fmt is not None:
         response_format = {"type": fmt.type}
     choice = body.tool_choice
+    with_logprobs = INCLUDE_LOGPROBS in (body.include or []) or bool(body.top_logprobs)
     data: dict[str, Any] = {
         "messages": messages,
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
         "user": body.user,
+        "logprobs": with_logprobs,
+        "top_logprobs": body.top_logprobs if with_logprobs else None,
+        "kv_transfer_params": body.kv_transfer_params,
         "response_format": response_format,
         "parallel_tool_calls": body.parallel_tool_calls,
         "tools": [
@@ -138,12 +137,6 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
 def _status(finish_reason: str | None) -> str:
     """A response's (and its last item's) status from how generation ended."""
     return "incomplete" if finish_reason == "length" else "completed"
-
-
-def _renamed(e: APIError) -> APIError:
-    if e.param in _PARAM_NAMES:
-        e.param = _PARAM_NAMES[e.param]
-    return e
 
 
 def response_body(
@@ -201,8 +194,7 @@ def response_body(
 
 async def create_response(request: Request) -> Response:
     state: ServerState = request.app.state.kv
-    cfg = state.config.server
-    body = await parse_body(request, ResponsesRequest, cfg.max_body_bytes)
+    body = await parse_body(request, ResponsesRequest, state.config.server.max_body_bytes)
     state.check_model(body.model)
     refuse_unsupported(body)
     store, owner = store_of(state), owner_of(state, request)
@@ -221,41 +213,21 @@ async def create_response(request: Request) -> Response:
     assert body.input is not None
     items = history + input_items(body.input)
     engine = state.ready_engine()
-    chat, plan, ids = _render(engine, body, items)
-    parser = tool_parser(state, engine)
-    try:
-        constraint = grammar_for(chat, plan, parser.name)
-        grammar = None
-        if constraint is not None:
-            grammar, param = constraint
-            await engine.compile_grammar(grammar, _PARAM_NAMES.get(param, param))
-        check_limits(state, chat)
-    except APIError as e:
-        raise _renamed(e) from None
-    chat.cache_salt = effective_salt(state, request, None)
     resp_id = new_id("resp")
     conversation = conversation or resp_id
-    session = f"response:{conversation}"
-    state.sessions.begin_turn(session, ids)
-    with_logprobs = INCLUDE_LOGPROBS in (body.include or []) or bool(body.top_logprobs)
-    logprobs = (body.top_logprobs or 0) if with_logprobs else None
-    max_tokens = body.max_output_tokens or cfg.default_max_tokens or None
     try:
-        choices = make_choices(engine, chat, [ids], logprobs, resp_id, max_tokens, grammar)
+        chat, ids = _render(engine, body, items)
+        plan = chat_plan(state, engine, chat, resp_id, f"response:{conversation}", ids)
     except APIError as e:
-        raise _renamed(e) from None
-
-    def end_turn(done: list[Choice]) -> None:
-        first = done[0]
-        state.sessions.end_turn(session, first.prompt_ids + first.token_ids, chat.cache_salt)
-
-    gen = Generation.admit(state, engine, choices, 1, resp_id, on_done=end_turn)
+        raise renamed(e, _PARAM_NAMES) from None
+    plan.generation.param_names = _PARAM_NAMES
+    gen = await start(state, request, plan.generation)
+    with_logprobs = plan.generation.logprobs is not None
     created = int(time.time())
     max_calls = 1 if body.parallel_tool_calls is False else body.max_tool_calls
-    calls_parser = parser if plan is not None and plan.parses else None
 
     def builder() -> OutputItems:
-        return OutputItems(engine.tokenizer, calls_parser, max_calls, with_logprobs)
+        return OutputItems(engine.tokenizer, plan.calls_parser, max_calls, with_logprobs)
 
     def finish(ch: Choice, output: list[dict[str, Any]]) -> dict[str, Any]:
         usage = responses_usage(usage_of(gen.choices, 1), engine.info.block_size,
@@ -274,33 +246,32 @@ async def create_response(request: Request) -> Response:
         return final
 
     if body.stream:
-        return StreamingResponse(
-            _events(gen, builder(), body, resp_id, created, state.model_name, finish),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
+        return gen.stream(ResponseEvents(builder(), body, resp_id, created, finish))
 
     def respond(usage: dict) -> Response:
         ch = gen.choices[0]
         out = builder()
         out.feed(ch.text, ch.logprobs, True, _status(ch.finish_reason))
-        return reply(ResponseObject, finish(ch, out.items))
+        final = finish(ch, out.items)
+        if "kv_transfer_params" in gen.head:  # a prefill instance's answer (P/D)
+            final["kv_transfer_params"] = gen.head["kv_transfer_params"]
+        return reply(ResponseObject, final)
 
     return await gen.collect(request, respond)
 
 
 def _render(
     engine: AsyncEngine, body: ResponsesRequest, items: list[dict[str, Any]]
-) -> tuple[ChatCompletionRequest, ToolPlan | None, list[int]]:
-    """The chat request, its tool plan and its prompt; with `truncation: auto`, the oldest items
-    are dropped until the prompt leaves room for the output."""
+) -> tuple[ChatCompletionRequest, list[int]]:
+    """The chat request and its prompt; with `truncation: auto`, the oldest items are dropped
+    until the prompt leaves room for the output."""
     room = engine.info.max_model_len - (body.max_output_tokens or 1)
     while True:
         chat = chat_request(body, chat_messages(items, body.instructions))
         plan = tool_plan(chat)
         ids = render_prompt(engine.tokenizer, chat.messages, True, plan.tools if plan else None)
         if len(ids) <= room or body.truncation != "auto" or len(items) <= 1:
-            return chat, plan, ids
+            return chat, ids
         items = items[1:]
         while len(items) > 1 and items[0]["type"] != "message":  # no orphaned call outputs
             items = items[1:]
@@ -319,44 +290,50 @@ def responses_usage(usage: dict, block_size: int, prefix_caching: bool) -> dict:
     }
 
 
-async def _events(
-    gen: Generation,
-    out: OutputItems,
-    body: ResponsesRequest,
-    resp_id: str,
-    created: int,
-    model: str,
-    finish: Any,
-) -> AsyncIterator[bytes]:
-    seq = itertools.count()
+class ResponseEvents:
+    """The Responses API's event stream: created and in_progress, the output items' events as
+    text arrives, then completed/incomplete (the stored response) or failed."""
 
-    def event(kind: str, fields: dict[str, Any]) -> bytes:
-        data = dump(ResponseEvent, {"type": kind, "sequence_number": next(seq), **fields})
+    def __init__(
+        self,
+        out: OutputItems,
+        body: ResponsesRequest,
+        resp_id: str,
+        created: int,
+        finish: Callable[[Choice, list[dict[str, Any]]], dict[str, Any]],
+    ) -> None:
+        self.out, self.body, self.resp_id, self.created = out, body, resp_id, created
+        self.finish = finish
+        self.model = ""
+        self.seq = itertools.count()
+
+    def _event(self, kind: str, fields: dict[str, Any]) -> bytes:
+        data = dump(ResponseEvent, {"type": kind, "sequence_number": next(self.seq), **fields})
         return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
-    def snapshot(status: str, error: dict | None = None) -> dict[str, Any]:
-        return response_body(
-            resp_id, created, body, model, status=status, output=out.items, error=error
-        )
+    def _snapshot(self, status: str, error: dict | None = None) -> dict[str, Any]:
+        return response_body(self.resp_id, self.created, self.body, self.model, status=status,
+                             output=self.out.items, error=error)  # fmt: skip
 
-    yield event("response.created", {"response": snapshot("in_progress")})
-    yield event("response.in_progress", {"response": snapshot("in_progress")})
-    try:
-        async for ch, o in gen.outputs():
-            for kind, fields in out.feed(
-                o.new_text, o.logprobs, o.finished, _status(ch.finish_reason)
-            ):
-                yield event(kind, fields)
-        ch = gen.choices[0]
-        final = finish(ch, out.items)
-    except Exception as e:  # noqa: BLE001 - headers are sent: report it in the stream
-        if to_api_error(e) is None:
-            log.exception("response stream %s failed", resp_id)
-        error = {"code": "server_error", "message": f"generation failed: {e}"}
-        yield event("response.failed", {"response": snapshot("failed", error)})
-        return
-    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-    yield event(kind, {"response": final})
+    def begin(self, gen: Generation) -> list[bytes]:
+        self.model = gen.head["model"]
+        return [
+            self._event(kind, {"response": self._snapshot("in_progress")})
+            for kind in ("response.created", "response.in_progress")
+        ]
+
+    def step(self, choice: Choice, out: RequestOutput) -> list[bytes]:
+        status = _status(choice.finish_reason)
+        feed = self.out.feed(out.new_text, out.logprobs, out.finished, status)
+        return [self._event(kind, fields) for kind, fields in feed]
+
+    def end(self, gen: Generation, usage: dict) -> list[bytes]:
+        final = self.finish(gen.choices[0], self.out.items)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return [self._event(kind, {"response": final})]
+
+    def fail(self, gen: Generation, error: dict) -> list[bytes]:
+        return [self._event("response.failed", {"response": self._snapshot("failed", error)})]
 
 
 async def retrieve_response(request: Request) -> Response:

@@ -4,13 +4,55 @@ pytest fixture factory on the tiny llama checkpoint)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import uvicorn
 
 from bench.launch import ROOT, Server, free_port
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from server.app import build_app
+from server.config import Config, ServerConfig
 
-__all__ = ["ROOT", "ServerProcess", "free_port", "kvserve_server", "server_args", "server_fixture"]
+__all__ = [
+    "ROOT",
+    "InProcessServer",
+    "ServerProcess",
+    "free_port",
+    "kvserve_server",
+    "server_args",
+    "server_fixture",
+]
+
+
+class InProcessServer:
+    """uvicorn in a thread over an engine the test holds (`.core`), for injecting faults into
+    the live engine; the server sees only the AsyncEngine door. `server` options go to
+    ServerConfig."""
+
+    def __init__(self, model_dir: str | Path, **server: object) -> None:
+        self.fatal: list[BaseException] = []
+        self.core = LLMEngine(
+            EngineConfig(model=str(model_dir), num_kv_blocks=128, max_model_len=512)
+        )
+        self.engine = AsyncEngine(self.core)
+        config = Config(ServerConfig(**server), self.core.config)  # type: ignore[arg-type]
+        app = build_app(config, engine=self.engine, on_fatal=self.fatal.append)
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
 
 
 class ServerProcess(Server):

@@ -19,7 +19,8 @@ from engine import LLM, SamplingParams
 from engine.attention import DeviceFacts
 from engine.attention.torch_backend import TorchBackend
 from engine.config import choose_dtype
-from engine.model_runner import allocate_kv_caches, step_metadata
+from engine.model_runner import allocate_kv_caches
+from engine.step_inputs import step_metadata
 from models.layers import onednn_pack_refusal
 from models.loader import checkpoint_dtype, load_model
 

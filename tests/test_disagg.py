@@ -113,6 +113,30 @@ def test_worker_protocol_direct(cluster) -> None:
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 149 // BS * BS
 
 
+def test_a_response_goes_through_the_pd_pair_like_a_chat(cluster) -> None:
+    """/v1/responses takes part in the hand-over: the prefill instance answers params, the
+    decode instance given them reads the prompt's blocks from the store."""
+    p, d, both = cluster["prefill"], cluster["decode"], cluster["both"]
+    body = {"input": "alpha beta gamma delta " * 30, "max_output_tokens": 12, "temperature": 0}
+
+    def respond(base: str, **extra) -> dict:
+        r = httpx.post(base + "/v1/responses", json={**body, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = respond(p.base, max_output_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    prompt = first["usage"]["input_tokens"]
+    assert params["kvserve"]["num_blocks"] == prompt // BS
+    out = respond(d.base, kv_transfer_params=params)
+    assert out["usage"]["input_tokens_details"]["cached_tokens"] == (prompt - 1) // BS * BS
+
+    def text(r: dict) -> str:
+        return r["output"][0]["content"][0]["text"]
+
+    assert text(out) == text(respond(both.base))
+
+
 def test_tenant_salts_stay_apart_across_instances(cluster) -> None:
     p, d = cluster["prefill"], cluster["decode"]
     ids = prompt_ids(120, seed=2)

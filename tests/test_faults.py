@@ -11,40 +11,11 @@ import time
 import httpx
 import pytest
 import torch
-import uvicorn
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from server.app import build_app
-from server.config import Config, ServerConfig
 from tests.openai_schema import validate
-from tests.server_utils import ServerProcess, free_port, kvserve_server
+from tests.server_utils import InProcessServer, ServerProcess, kvserve_server
 
 MARKER = 399  # a prompt token that makes the injected NaN fault fire
-
-
-class InProcessServer:
-    def __init__(self, model_dir) -> None:
-        self.fatal: list[BaseException] = []
-        # the engine itself, for injecting faults; the server sees only the AsyncEngine door
-        self.core = LLMEngine(
-            EngineConfig(model=str(model_dir), num_kv_blocks=128, max_model_len=512)
-        )
-        self.engine = AsyncEngine(self.core)
-        config = Config(ServerConfig(), self.core.config)
-        app = build_app(config, engine=self.engine, on_fatal=self.fatal.append)
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=20)
 
 
 @pytest.fixture()
@@ -79,7 +50,7 @@ def test_tokenizer_failure_fails_only_that_request(live, monkeypatch) -> None:
 
 def test_nan_logits_fail_only_their_request(live, monkeypatch) -> None:
     runner = live.core.runner
-    original = runner.execute
+    original = runner.forward
 
     def execute(out):
         logits, hidden = original(out)
@@ -90,7 +61,7 @@ def test_nan_logits_fail_only_their_request(live, monkeypatch) -> None:
                 logits[i] = float("nan")
         return logits, hidden
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "forward", execute)
     results: dict[str, httpx.Response] = {}
 
     def send(name: str, prompt: list[int]) -> None:
@@ -245,13 +216,13 @@ def test_a_failed_response_stream_ends_with_response_failed(live, monkeypatch) -
     """Responses API: a generation that fails mid-stream ends with a schema-valid
     `response.failed` event, stores nothing and frees its blocks."""
     runner = live.core.runner
-    original = runner.execute
+    original = runner.forward
 
     def execute(out):
         logits, hidden = original(out)
         return torch.full_like(logits, float("nan")), hidden
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "forward", execute)
     body = {"input": "hello", "max_output_tokens": 5, "stream": True}
     with httpx.stream("POST", live.base + "/v1/responses", json=body, timeout=60) as r:
         events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]

@@ -177,7 +177,7 @@ def test_int8_activation_head_tracks_the_float_head(smol_pair) -> None:
 
 def _final_hidden(llm: LLM, ids: list[int]) -> torch.Tensor:
     """The model's final hidden rows (after the norm) for a prompt, one prefill."""
-    from engine.model_runner import step_metadata
+    from engine.step_inputs import step_metadata
 
     runner = llm.engine.runner
     bs = llm.engine.block_size

@@ -1,0 +1,92 @@
+"""Every route goes through one generation flow (server/request_flow.py): what one route
+honours, the others honour the same way. Each test here pins a place where the routes' own
+copies of the flow had drifted apart."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from tests.openai_schema import validate
+from tests.server_utils import InProcessServer
+
+MAX_TOP = 5  # not OpenAI's 20: a route with its own cap would show here
+
+
+@pytest.fixture(scope="module")
+def live(llama_dir):
+    s = InProcessServer(llama_dir, max_top_logprobs=MAX_TOP)
+    yield s
+    s.stop()
+
+
+def post(live: InProcessServer, path: str, body: dict) -> httpx.Response:
+    return httpx.post(live.base + path, json=body, timeout=60)
+
+
+def test_top_logprobs_is_capped_by_the_servers_limit_on_every_route(live) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}
+    too_many = {"input": "hi", "max_output_tokens": 2, "top_logprobs": MAX_TOP + 1}
+    for r in (
+        post(live, "/v1/chat/completions", {**chat, "top_logprobs": MAX_TOP + 1}),
+        post(live, "/v1/responses", too_many),
+    ):
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "top_logprobs"
+        assert f"at most {MAX_TOP}" in r.json()["error"]["message"]
+    ok = post(live, "/v1/responses", {**too_many, "top_logprobs": MAX_TOP})
+    assert ok.status_code == 200, ok.text
+    text = [p for item in ok.json()["output"] for p in item.get("content", [])]
+    assert text and all(len(lp["top_logprobs"]) == MAX_TOP for lp in text[0]["logprobs"])
+
+
+def stream_events(live: InProcessServer, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", live.base + path, json={**body, "stream": True}, timeout=60) as r:
+        return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+
+
+def test_a_mid_stream_failure_has_one_code_on_every_route(live, monkeypatch) -> None:
+    runner = live.core.runner
+    original = runner.forward
+
+    def forward(out):
+        logits, hidden = original(out)
+        return torch.full_like(logits, float("nan")), hidden
+
+    monkeypatch.setattr(runner, "forward", forward)
+    chat = stream_events(
+        live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    completion = stream_events(live, "/v1/completions", {"prompt": "hi"})
+    response = stream_events(live, "/v1/responses", {"input": "hi"})
+    codes = {
+        chat[-1]["error"]["code"],
+        completion[-1]["error"]["code"],
+        response[-1]["response"]["error"]["code"],
+    }
+    assert codes == {"server_error"}
+    validate("ResponseFailedEvent", response[-1])
+    validate("ErrorResponse", chat[-1])
+    assert live.core.kv.pool.num_free_blocks == live.core.num_blocks
+
+
+def metric(live: InProcessServer, name: str) -> float:
+    text = httpx.get(live.base + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_embeddings_record_request_latency_like_generation(live) -> None:
+    before = {
+        m: metric(live, m)
+        for m in (
+            "kvserve:e2e_request_latency_seconds_count",
+            "kvserve:request_queue_time_seconds_count",
+        )
+    }
+    r = post(live, "/v1/embeddings", {"input": ["one input", "and another"]})
+    assert r.status_code == 200, r.text
+    for name, count in before.items():
+        assert metric(live, name) == count + 1, name  # one request, two inputs

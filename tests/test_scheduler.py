@@ -1,0 +1,175 @@
+"""The scheduler and the KV cache manager without a model: a fake runner stands in for the
+forward and the sampler, and hypothesis drives add / step / abort sequences (with pools small
+enough to force preemption), checking after every operation the invariants the modules'
+docstrings state."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+EOS = 0
+VOCAB = 50
+
+
+def make(
+    num_blocks: int = 16,
+    block_size: int = 4,
+    max_num_seqs: int = 4,
+    budget: int = 16,
+    short_prefill_tokens: int = 0,
+    caching: bool = True,
+) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    return Scheduler(kv, max_num_seqs, budget, short_prefill_tokens=short_prefill_tokens)
+
+
+def request(rid: str, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0)
+    return Request(rid, prompt, params, frozenset({EOS}), max_model_len=256)
+
+
+def fake_run(out: SchedulerOutput, rng: random.Random) -> dict[str, list[int]]:
+    """What a runner would sample: one token for each chunk that reaches its request's end."""
+    return {s.request.request_id: [rng.randrange(VOCAB)] for s in out.scheduled if s.samples}
+
+
+def check(sched: Scheduler, out: SchedulerOutput | None = None) -> None:
+    kv, pool = sched.kv, sched.kv.pool
+    live = [*sched.waiting, *sched.running]
+    assert {r.request_id for r in live} == set(sched.requests)
+    assert len({r.request_id for r in live}) == len(live), "a request queued twice"
+    assert len(sched.running) <= sched.max_num_seqs
+    for r in sched.running:
+        assert r.status == RequestStatus.RUNNING
+        assert 0 <= r.num_computed_tokens <= r.num_tokens
+        assert len(kv.block_ids(r.request_id)) * kv.block_size >= r.num_computed_tokens
+    for r in sched.waiting:
+        assert r.status == RequestStatus.WAITING
+    # every block is free (ref 0) or held by exactly as many tables as its ref count
+    holders: dict[int, int] = {}
+    for table in kv.block_tables.values():
+        for block in table:
+            holders[block.block_id] = holders.get(block.block_id, 0) + 1
+    for block in pool.blocks:
+        assert block.ref_cnt == holders.get(block.block_id, 0), block.block_id
+    assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_cnt == 0)
+    if out is not None:
+        assert out.num_tokens <= sched.max_num_batched_tokens
+        assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
+        for s in out.scheduled:
+            r = s.request
+            assert s.num_new_tokens > 0
+            assert r.num_computed_tokens + s.num_new_tokens <= r.num_tokens
+            assert len(kv.block_ids(r.request_id)) * kv.block_size >= (
+                r.num_computed_tokens + s.num_new_tokens
+            )
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12)),
+        st.tuples(st.just("step"), st.integers(1, 4), st.just(0)),
+        st.tuples(st.just("abort"), st.integers(0, 20), st.just(0)),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=OPS,
+    num_blocks=st.integers(11, 24),  # the longest request (30 + 12 tokens) fits alone
+    short=st.sampled_from([0, 6]),
+    caching=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_add_step_abort_keeps_the_invariants(ops, num_blocks, short, caching, seed) -> None:
+    rng = random.Random(seed)
+    sched = make(num_blocks=num_blocks, short_prefill_tokens=short, caching=caching)
+    added: list[Request] = []
+    shared = [rng.randrange(1, VOCAB) for _ in range(12)]  # a common prefix: cache hits
+    for kind, a, b in ops:
+        if kind == "add":
+            prompt = (shared[: a // 2] + [rng.randrange(1, VOCAB) for _ in range(a)])[:30]
+            r = request(f"r{len(added)}", prompt, max_tokens=b)
+            sched.add(r)
+            added.append(r)
+            check(sched)
+        elif kind == "step":
+            for _ in range(a):
+                out = sched.schedule()
+                check(sched, out)
+                sched.update(out, fake_run(out, rng))
+                check(sched)
+        elif added:
+            sched.finish(added[a % len(added)].request_id, FinishReason.ABORT)
+            check(sched)
+    # drain: everything admitted finishes with exactly its max_tokens (ignore_eos), even
+    # through preemptions, and every block comes back
+    for _ in range(2000):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        check(sched, out)
+        sched.update(out, fake_run(out, rng))
+    assert not sched.has_unfinished()
+    for r in added:
+        assert r.status == RequestStatus.FINISHED
+        if r.finish_reason == FinishReason.LENGTH:
+            assert r.num_output_tokens == r.sampling_params.max_tokens
+    assert sched.kv.pool.num_free_blocks == num_blocks
+    assert not sched.kv.block_tables
+
+
+def test_a_full_pool_preempts_the_newest_and_it_recomputes() -> None:
+    sched = make(num_blocks=6, block_size=4, max_num_seqs=4, budget=64, caching=False)
+    a, b = request("a", list(range(1, 9)), 12), request("b", list(range(11, 19)), 12)
+    sched.add(a)
+    sched.add(b)
+    rng = random.Random(0)
+    preempted = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        preempted += out.preempted
+        check(sched, out)
+        sched.update(out, fake_run(out, rng))
+    assert preempted and set(preempted) <= {"b"}  # the most recently admitted goes first
+    assert a.num_output_tokens == b.num_output_tokens == 12
+    assert b.num_preemptions >= 1
+    assert sched.kv.pool.num_free_blocks == 6
+
+
+def test_a_cached_prefix_is_found_again_and_counted() -> None:
+    sched = make(num_blocks=16, block_size=4, budget=64)
+    prompt = list(range(1, 14))  # three full blocks and a partial one
+    rng = random.Random(0)
+    for rid in ("first", "second"):
+        r = request(rid, prompt, 2)
+        sched.add(r)
+        while sched.has_unfinished():
+            out = sched.schedule()
+            check(sched, out)
+            sched.update(out, fake_run(out, rng))
+    assert r.num_cached_tokens == 12  # the second found the first's full blocks
+    assert sched.kv.pool.num_free_blocks == 16
+
+
+def test_short_prefills_go_before_long_ones() -> None:
+    sched = make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8, short_prefill_tokens=4)
+    long = request("long", list(range(1, 41)), 1)
+    sched.add(long)
+    sched.schedule()  # the long prompt's first chunk is running
+    short = request("short", [7, 8, 9], 1)
+    sched.add(short)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled][0] == "short"
+    assert out.scheduled[0].num_new_tokens == 3
