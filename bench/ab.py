@@ -20,7 +20,7 @@ from pathlib import Path
 from statistics import mean
 
 from bench import serve
-from bench.launch import ROOT, Process
+from harness.launch import ROOT, Process
 
 STEP = re.compile(r"decode step, batch \d+: ([\d.]+) ms")
 

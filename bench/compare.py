@@ -1,7 +1,7 @@
 """kvserve against peer servers on the same model and workload, interleaved (A B A B) so drift on a
 shared machine hits every server alike.
 
-    python bench/export.py                      # float32 weights for the peers (once)
+    python tools/export_gguf.py                      # float32 weights for the peers (once)
     bench/setup_peers.sh llama-server vllm      # build / install peers (once; see README)
     python bench/compare.py --out bench/results/compare.json --plot bench/results/compare.png
 

@@ -20,19 +20,16 @@ import json
 import random
 import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.cluster import KVStoreProcess, RouterProcess  # noqa: E402
-from bench.launch import Process, kvserve_cmd  # noqa: E402
-from bench.sse import stream  # noqa: E402
-from bench.workload import WORDS  # noqa: E402
+from harness.cluster import KVStoreProcess, RouterProcess
+from harness.launch import Process, kvserve_cmd
+from harness.sse import stream
+from harness.workload import WORDS
 
 TTFT_SLO, TPOT_SLO = 3.0, 0.100
 
@@ -52,7 +49,7 @@ def text_of(rng: random.Random, n: int) -> str:
 
 @dataclass
 class Round:
-    steady: list = field(default_factory=list)  # bench.sse.Stream of the steady streams
+    steady: list = field(default_factory=list)  # harness.sse.Stream of the steady streams
     long: list = field(default_factory=list)
     seconds: float = 0.0
 

@@ -15,8 +15,8 @@ import time
 import torch
 
 from bench.roofline import matmul_gflops
-from bench.workload import chat_prompts
 from engine import LLM, SamplingParams
+from harness.workload import chat_prompts
 
 
 def run_kvserve(llm: LLM, work) -> tuple[int, float]:

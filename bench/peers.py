@@ -3,7 +3,7 @@
 Peers live under a peers directory (default `bench/.peers`, git-ignored), put there by
 `bench/setup_peers.sh`; a peer that is not there is skipped with the reason, never faked:
 
-    models/               weights for all (bench/export.py): *.{F32,BF16,Q8_0}.gguf and hf/
+    models/               weights for all (tools/export_gguf.py): *.{F32,BF16,Q8_0}.gguf and hf/
     llama.cpp/build/bin/llama-server      llama.cpp's C++ server (continuous batching, -np slots)
     vllm-venv/bin/python                  vLLM's CPU build, in its own venv
     llama-cpp-python-venv/bin/python      llama-cpp-python[server] (one request at a time)
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.launch import ROOT, Process, kvserve_cmd
+from harness.launch import ROOT, Process, kvserve_cmd
 
 Cmd = Callable[[int], list[str]]
 

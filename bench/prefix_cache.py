@@ -20,9 +20,9 @@ import statistics
 
 import httpx
 
-from bench import sse
-from bench.launch import Server
-from bench.workload import WORDS
+from harness import sse
+from harness.launch import Server
+from harness.workload import WORDS
 
 
 def words(rng: random.Random, n: int) -> str:

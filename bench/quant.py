@@ -20,9 +20,9 @@ import warnings
 
 import torch
 
-from bench.workload import chat_prompts
 from engine import LLM, SamplingParams
 from engine.scoring import score_prompt
+from harness.workload import chat_prompts
 
 # not the calibration text (models/quant.py): other subjects, other shapes
 HELD_OUT = [

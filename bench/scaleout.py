@@ -17,17 +17,14 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.cluster import RouterProcess  # noqa: E402
-from bench.launch import Process, kvserve_cmd  # noqa: E402
-from bench.sse import stream  # noqa: E402
-from bench.workload import WORDS  # noqa: E402
+from harness.cluster import RouterProcess
+from harness.launch import Process, kvserve_cmd
+from harness.sse import stream
+from harness.workload import WORDS
 
 
 def replica(i: int, args: list[str]) -> Process:

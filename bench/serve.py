@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 from tqdm import tqdm
 
-from bench import sse
+from harness import sse
 
 WORDS = (
     "time person year way day thing man world life hand part child eye woman place work "

@@ -23,7 +23,7 @@ sdist() {  # llama-cpp-python's source package carries llama.cpp's sources
 for item in "${what[@]}"; do
     case "$item" in
     models)
-        "$PY" bench/export.py --out "$PEERS/models"
+        "$PY" tools/export_gguf.py --out "$PEERS/models"
         ;;
     llama-server)
         sdist

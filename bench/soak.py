@@ -24,9 +24,9 @@ from collections import Counter
 
 import httpx
 
-from bench import sse
-from bench.launch import Server
-from bench.workload import WORDS
+from harness import sse
+from harness.launch import Server
+from harness.workload import WORDS
 
 CANARIES = [f"Canary {i}: list three facts about the number {i * 7}." for i in range(4)]
 MALFORMED = [

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.workload import chat_prompts
 from engine import LLM, SamplingParams
+from harness.workload import chat_prompts
 
 
 def main() -> None:

@@ -13,9 +13,9 @@ import json
 import statistics
 import time
 
-from bench.workload import chat_prompts
 from engine import LLM, SamplingParams
 from engine.sampling_params import GrammarSpec
+from harness.workload import chat_prompts
 
 SCHEMA = {
     "type": "object",

@@ -23,6 +23,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine_info import EngineInfo
+from engine.kv.remote import KVStoreError, Prefetch, RedisBlockStore
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampler import TokenLogprobs
@@ -49,6 +50,11 @@ class AsyncEngine:
         self._core = engine  # touched only on the engine thread
         self.info: EngineInfo = engine.info
         self.tokenizer: Tokenizer | None = engine.tokenizer  # immutable; safe from any thread
+        # thread-safe parts, held from the start so the asyncio side never reads `_core`: the
+        # grammar compiler, and the prefix hasher (its root is fixed at startup)
+        self._structured = engine.structured
+        self._hasher = engine.kv.hasher
+        self._remote: RedisBlockStore | None = None
         self.on_death = on_death
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -87,6 +93,8 @@ class AsyncEngine:
             self._thread.join(timeout=10)
         if self.dead is None:
             self._core.shutdown()
+        if self._remote is not None:
+            self._remote.close()
 
     @property
     def num_in_flight(self) -> int:
@@ -174,10 +182,9 @@ class AsyncEngine:
         """Compile (and so validate and cache) a grammar in a worker thread, off both the event
         loop and the engine thread: ParamError naming `param` if it cannot be compiled. The
         engine's matcher for the request then finds it in the cache."""
-        structured = self._core.structured  # its compiler is thread-safe; nothing else is read
-        if structured is None:
+        if self._structured is None:
             raise ParamError(param, "structured outputs are not available on this server")
-        await asyncio.to_thread(structured.compile, spec, param)
+        await asyncio.to_thread(self._structured.compile, spec, param)
 
     async def snapshot(self) -> EngineSnapshot:
         return await self.call(LLMEngine.snapshot)
@@ -191,17 +198,68 @@ class AsyncEngine:
     async def import_blocks(self, blocks: list[tuple[bytes, bytes]]) -> int:
         return await self.call(lambda core: core.import_blocks(blocks))
 
-    def block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
-        """The prefix-cache hashes of a sequence's full blocks (the hasher is immutable: its
-        root is fixed at startup, so this is safe off the engine thread)."""
-        return self._core.kv.hasher.hashes(token_ids, cache_salt)
-
-    def num_cached_prefix(self, hashes: list[bytes]) -> int:
-        """Leading blocks already on this instance (a racy read; see KVCacheManager)."""
-        return self._core.kv.num_cached_prefix(hashes)
-
     async def offload_prefix(self, token_ids: list[int], cache_salt: str | None) -> int:
         return await self.call(lambda e: e.offload_prefix(token_ids, cache_salt))
+
+    # ---- the remote KV tier (engine/kv/remote.py) --------------------------------------------
+
+    def open_remote(self, url: str, ttl_s: int) -> None:
+        """Connect the remote tier (once; later calls keep the first store)."""
+        if self._remote is None:
+            info = self.info
+            self._remote = RedisBlockStore(url, info.kv_namespace, info.host_block_bytes, ttl_s)
+
+    async def prefetch(
+        self,
+        prompt_ids: list[int],
+        cache_salt: str | None,
+        max_blocks: int | None = None,
+        last_block_hash: str | None = None,
+    ) -> Prefetch:
+        """Bring the prompt's blocks the remote store holds, and this instance lacks, into the
+        host tier before the request is admitted: its prefix-cache walk then meets them there.
+        `max_blocks` / `last_block_hash`: what the publishing instance said it put (a chain
+        that ends elsewhere is another tokenization or seed: nothing is fetched). Never raises
+        for the store."""
+        assert self._remote is not None, "open_remote first"
+        bs = self.info.block_size
+        # the last prompt token is always recomputed (the request needs its logits)
+        hashes = self._hasher.hashes(prompt_ids, cache_salt)[: (len(prompt_ids) - 1) // bs]
+        expected = len(hashes) if max_blocks is None else min(len(hashes), max_blocks)
+        if expected and last_block_hash and hashes[expected - 1].hex() != last_block_hash:
+            log.warning(
+                "kv transfer: the prefill instance's block hashes differ from ours "
+                "(another kv_hash_seed or tokenization?); computing the prompt here"
+            )
+            return Prefetch(fallbacks=("hash_mismatch",))
+        # the publisher put less than the prompt (a failed put, fewer blocks held)
+        fallbacks = ("not_published",) if expected < len(hashes) else ()
+        have = await self.call(lambda core: core.kv.num_cached_prefix(hashes[:expected]))
+        wanted = hashes[have:expected]
+        if not wanted:
+            return Prefetch(fallbacks=fallbacks)
+        t = time.monotonic()
+        try:
+            payloads = await asyncio.to_thread(self._remote.get_run, wanted)
+        except KVStoreError as e:
+            log.warning("kv transfer: %s; computing the prompt here", e)
+            return Prefetch(len(wanted), fallbacks=(*fallbacks, "store_error"))
+        stored = await self.import_blocks(list(zip(wanted, payloads, strict=False)))
+        if stored < len(wanted):
+            fallbacks = (*fallbacks, "missing_blocks")
+        nbytes = sum(len(p) for p in payloads[:stored])
+        return Prefetch(len(wanted), stored, nbytes, time.monotonic() - t, fallbacks)
+
+    async def publish(self, blocks: list[tuple[bytes, bytes]]) -> bool:
+        """Put a finished prompt's blocks (hash, payload), exported by the engine in the step
+        that ended it, in the remote store; False when the store failed (logged)."""
+        assert self._remote is not None, "open_remote first"
+        try:
+            await asyncio.to_thread(self._remote.put, blocks)
+        except KVStoreError as e:
+            log.warning("kv transfer: %s; the decode instance will compute the prompt", e)
+            return False
+        return True
 
     # ---- engine thread -----------------------------------------------------------------------
 

@@ -17,11 +17,11 @@ from engine.attention import BackendChoice, DeviceFacts, select_backend
 from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.config import DTYPE_NAMES, EngineConfig, parse_bytes
-from engine.disk_tier import DiskTier
 from engine.engine_info import EngineInfo
-from engine.host_tier import HostTier
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_identity import hash_root_from_seed, kv_namespace
+from engine.kv.disk import DiskTier
+from engine.kv.host import HostTier
+from engine.kv.identity import hash_root_from_seed, kv_namespace
+from engine.kv.manager import KVCacheManager
 from engine.load_quantization import (
     WEIGHT_ONLY,
     quantize_model,

@@ -4,8 +4,8 @@ keyword arguments and (with dashes) the command-line flags."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -87,62 +87,106 @@ def choose_dtype(
     return torch.bfloat16, f"auto: {speed}, {checkpoint_dtype} checkpoint"
 
 
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with the help text (and the values) `--help` shows for its flag."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # HF directory or GGUF file; None = SmolLM2-135M-Instruct
-    # auto: CUDA bfloat16 from sm80, float16 below; CPU bfloat16 where measured fast at startup
-    # and the checkpoint is 16-bit or quantized, else float32 (`choose_dtype`)
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int | None = None  # None: 64 on CPU (fewer, larger matmuls), 16 on CUDA
-    num_kv_blocks: int | None = None  # overrides the size computed from memory
-    kv_cache_memory: str = "2GiB"  # KV budget on CPU
-    gpu_memory_utilization: float = 0.90  # fraction of device memory for weights + KV on CUDA
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    # a waiting request whose uncached remainder is at most this many tokens is scheduled
-    # before running requests' long prefill chunks (prefix hits get their TTFT); 0 = FCFS
-    short_prefill_tokens: int = 512
-    max_model_len: int | None = None  # default: the model's context length
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | flashinfer | xformers | torch
-    allow_slow_dtype: bool = False  # serve bf16/fp16 on a CPU without native support anyway
-    require_fast_kernels: bool = False  # refuse to start on a slow general attention path
-    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (always eager)
-    seed: int = 0
-    host_bytes: str = "0"  # host-memory KV tier size, e.g. "8GiB"; "0" = off
-    disk_path: str = ""  # optional disk tier under the host tier; "" = off
-    disk_bytes: str = "20GiB"
-    preemption_mode: str = "swap"  # "swap" (full blocks to the host tier) or "recompute"
-    # every instance sharing a remote KV store (prefill/decode, replicas) sets the same seed,
-    # so the same prefix has the same block hashes everywhere; "" = a random root per process
-    # (or the disk tier's stored one)
-    kv_hash_seed: str = ""
-    speculative_model: str = ""  # EAGLE draft head dir; "" = the shipped head (default model)
-    num_speculative_tokens: int = 0  # k draft tokens per step; 0 = speculation off
-    # adaptive k: batch x (1 + k) stays within spec_max_verify_rows; with spec_cost_model, the
-    # k with the most expected tokens per second from verify and draft step costs measured at
-    # startup (engine/spec_cost.py), within that cap. Off by default: it does not yet count
-    # the speculative step's per-request overheads and lost to the row rule at batch 8 here
-    spec_cost_model: bool = False
-    spec_max_verify_rows: int = 8
-    # CPU float32: also hold oneDNN-packed weight copies (2x weight memory; 1.3-1.8x faster
-    # matmuls from 3 rows up, models/layers.py)
-    cpu_packed_weights: bool = True
-    # auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices are served as stored on CPU (models/gguf_linear.py),
-    # anything else in the serving dtype; none: everything dequantized to the serving dtype;
-    # int8: CPU W8A8 dynamic (fbgemm, per-channel weights; models/quant.py), lm_head unquantized;
-    # int4 | int8wo: weight-only, rounded at load to ggml Q4_1 | Q8_0 blocks (lm_head Q8_0) and
-    # served by the GGUF block kernel (CPU; engine/load_quantization.py)
-    quantization: str = "auto"
-    # GGUF block kernel: also consider rounding activations to int8 per block of 32 (llama.cpp's
-    # numerics; ~0.5% error per product, which flips near-tied tokens) where it measures faster
-    gguf_int8_activations: bool = False
-    # auto: the serving dtype; bfloat16: half a float32 model's KV bytes (CPU); fp8/int8 refused
-    kv_cache_dtype: str = "auto"
-    # embeddings (/v1/embeddings): last | mean; auto: the checkpoint's sentence-transformers
-    # 1_Pooling/config.json, else last
-    pooling: str = "auto"
+    model: str | None = setting(
+        None, "HF checkpoint directory or GGUF file (default: the shipped SmolLM2-135M-Instruct)"
+    )
+    dtype: str = setting(
+        "auto",
+        "serving dtype. auto: CUDA bfloat16 from sm80, float16 below; CPU bfloat16 where it "
+        "measures faster at startup and the checkpoint is 16-bit or quantized, else float32",
+        ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"),
+    )
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda or cuda:N")
+    block_size: int | None = setting(
+        None, "tokens per KV block, a power of two up to 128 (0: 64 on CPU, 16 on CUDA)"
+    )
+    num_kv_blocks: int | None = setting(
+        None, "KV blocks in the device pool (0: sized from kv_cache_memory or GPU memory)"
+    )
+    kv_cache_memory: str = setting("2GiB", "KV cache budget on CPU, e.g. 2GiB")
+    gpu_memory_utilization: float = setting(
+        0.90, "fraction of GPU memory for weights + KV cache on CUDA"
+    )
+    max_num_seqs: int = setting(64, "most requests in one batch")
+    max_num_batched_tokens: int = setting(1024, "token budget of one engine step")
+    short_prefill_tokens: int = setting(
+        512,
+        "a waiting request whose uncached remainder is at most this many tokens goes before "
+        "running requests' long prefill chunks (prefix hits get their TTFT); 0: FCFS",
+    )
+    max_model_len: int | None = setting(None, "context length served (0: the model's own)")
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks across requests by prefix hash")
+    attention_backend: str = setting(
+        "auto",
+        "attention kernels; auto picks from the kernel-support matrix at startup",
+        ("auto", "flashinfer", "xformers", "torch"),
+    )
+    allow_slow_dtype: bool = setting(
+        False, "serve bf16/fp16 on a CPU without native support anyway (else refused)"
+    )
+    require_fast_kernels: bool = setting(False, "refuse to start on a slow general attention path")
+    enforce_eager: bool = setting(False, "CUDA: no CUDA graphs for decode steps")
+    seed: int = setting(0, "seed of the engine's sampling generator")
+    host_bytes: str = setting(
+        "0", "host-memory KV tier for evicted and idle sessions' blocks, e.g. 8GiB; 0: off"
+    )
+    disk_path: str = setting("", "disk KV tier directory under the host tier; empty: off")
+    disk_bytes: str = setting("20GiB", "disk KV tier size")
+    preemption_mode: str = setting(
+        "swap",
+        "a preempted request's KV: swap (full blocks to the host tier) or recompute",
+        ("swap", "recompute"),
+    )
+    kv_hash_seed: str = setting(
+        "",
+        "root of the prefix-cache block hashes; every instance sharing a remote KV store sets "
+        "the same one. Empty: random per process (or the disk tier's stored root)",
+    )
+    speculative_model: str = setting(
+        "", "EAGLE draft head directory (empty: the head shipped for the default model)"
+    )
+    num_speculative_tokens: int = setting(0, "draft tokens per step (EAGLE speculation); 0: off")
+    spec_cost_model: bool = setting(
+        False,
+        "adaptive k by the verify and draft step costs measured at startup (engine/spec_cost.py)"
+        ", within spec_max_verify_rows; off: batch x (1 + k) stays within that cap",
+    )
+    spec_max_verify_rows: int = setting(8, "most verify rows (batch x (1 + k)) in one step")
+    cpu_packed_weights: bool = setting(
+        True,
+        "CPU: also hold oneDNN-packed weight copies where they measure faster at startup "
+        "(2x weight memory)",
+    )
+    quantization: str = setting(
+        "auto",
+        "weights at load. auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices served as stored (CPU), the "
+        "rest in the serving dtype; none: all dequantized; int8: CPU W8A8 dynamic (accuracy "
+        "judged at startup); int4 | int8wo: weight-only, rounded to Q4_1 | Q8_0 blocks",
+        ("auto", "none", "int8", "int4", "int8wo"),
+    )
+    gguf_int8_activations: bool = setting(
+        False,
+        "GGUF block kernel: also consider int8 activations per block of 32 (llama.cpp's "
+        "numerics; flips near-tied tokens) where it measures faster",
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache dtype. auto: the serving dtype; bfloat16: half a float32 model's KV bytes "
+        "(CPU); fp8 and int8 are refused",
+        ("auto", "bfloat16", "float32", "fp8", "int8"),
+    )
+    pooling: str = setting(
+        "auto",
+        "embeddings pooling; auto: the checkpoint's sentence-transformers config, else last",
+        ("auto", "last", "mean"),
+    )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -46,7 +46,7 @@ class EngineInfo:
     spec_cost: str  # measured verify/draft step costs (adaptive k), "" when not measured
     has_host_tier: bool
     pooling: str = "last"  # embedding requests' pooling (engine/pooling.py)
-    # the remote store's key namespace for this instance's blocks (engine/kv_identity.py)
+    # the remote store's key namespace for this instance's blocks (engine/kv/identity.py)
     kv_namespace: bytes = b""
     host_block_bytes: int = 0  # one block's bytes across KV groups (a remote store value)
 

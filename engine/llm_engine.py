@@ -12,14 +12,15 @@ from dataclasses import dataclass
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.engine_info import EngineInfo
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv.host import SWAP_IN_BUCKETS
+from engine.kv.manager import KVCacheManager
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import FinishReason, Request
 from engine.runner_output import RunnerOutput
 from engine.sampling_params import ParamError, SamplingParams
 from engine.scheduler import SchedulerOutput
-from engine.snapshot import EngineSnapshot, take_snapshot
+from engine.snapshot import EngineSnapshot, HostTierSnapshot, SpecSnapshot
 from engine.spec_decode import CatchUp, record_acceptance
 
 log = logging.getLogger("kvserve.engine")
@@ -117,7 +118,42 @@ class LLMEngine:
         return self.kv.import_blocks(blocks)
 
     def snapshot(self) -> EngineSnapshot:
-        return take_snapshot(self)
+        """Plain data for stats, metrics and the page (engine/snapshot.py); a pure read."""
+        kv, sched, pool = self.kv, self.scheduler, self.kv.pool
+        host = None
+        if self.host is not None:
+            h = self.host
+            host = HostTierSnapshot(
+                h.used_bytes, h.capacity_bytes, h.block_bytes, h.saved_blocks, h.loaded_blocks,
+                h.evicted_blocks, SWAP_IN_BUCKETS, tuple(h.load_latency_counts), h.load_seconds,
+            )  # fmt: skip
+        spec = None
+        if self.proposer is not None:
+            s = self.proposer.stats
+            spec = SpecSnapshot(
+                s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                s.mean_acceptance_length, self.proposer.current_k, list(s.accepted_per_position),
+            )  # fmt: skip
+        return EngineSnapshot(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_preemptions=sched.num_preemptions,
+            kv_usage=pool.usage,
+            num_blocks=pool.num_blocks,
+            block_size=kv.block_size,
+            block_map="".join(
+                "2" if b.ref_cnt else ("1" if b.block_hash is not None else "0")
+                for b in pool.blocks
+            ),
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            cached_tokens_by_source=dict(kv.hits_by_source),
+            prompt_tokens=self.stats.prompt_tokens,
+            generation_tokens=self.stats.generation_tokens,
+            steps=self.stats.steps,
+            host=host,
+            spec=spec,
+        )
 
     def shutdown(self) -> None:
         """Persist the host tier to the disk tier, if any (clean shutdown)."""

@@ -12,7 +12,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.cuda_graphs import CudaGraphs
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv.manager import KVCacheManager
 from engine.runner_output import GrammarMask, RunnerOutput, pool, sample_step
 from engine.scheduler import SchedulerOutput
 from engine.step_inputs import step_inputs

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv.manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
 
 

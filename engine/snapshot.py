@@ -1,14 +1,10 @@
 """A plain-data picture of a running engine for /v1/stats, /metrics and the page. Taken on the
-engine thread between steps (`AsyncEngine.snapshot`), so it is consistent and the asyncio side
-never reads live engine objects."""
+engine thread between steps (`LLMEngine.snapshot`, through `AsyncEngine.snapshot`), so it is
+consistent and the asyncio side never reads live engine objects. Taking one changes nothing."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,8 +15,10 @@ class HostTierSnapshot:
     saved_blocks: int
     loaded_blocks: int
     evicted_blocks: int
-    # swap-in copy latencies since the previous snapshot (drained by taking one)
-    recent_load_latencies: list[float] = field(default_factory=list)
+    # swap-in copy latencies: counts per bucket (upper bounds `load_buckets`, then +Inf), sum
+    load_buckets: tuple[float, ...] = ()
+    load_latency_counts: tuple[int, ...] = ()
+    load_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,50 +49,3 @@ class EngineSnapshot:
     steps: int
     host: HostTierSnapshot | None
     spec: SpecSnapshot | None
-
-
-def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
-    kv, sched, pool = engine.kv, engine.scheduler, engine.kv.pool
-    host = None
-    if engine.host is not None:
-        h = engine.host
-        latencies, h.recent_load_latencies = h.recent_load_latencies, []
-        host = HostTierSnapshot(
-            h.used_bytes,
-            h.capacity_bytes,
-            h.block_bytes,
-            h.saved_blocks,
-            h.loaded_blocks,
-            h.evicted_blocks,
-            latencies,
-        )
-    spec = None
-    if engine.proposer is not None:
-        s = engine.proposer.stats
-        spec = SpecSnapshot(
-            s.num_drafts,
-            s.num_draft_tokens,
-            s.num_accepted_tokens,
-            s.mean_acceptance_length,
-            engine.proposer.current_k,
-            list(s.accepted_per_position),
-        )
-    return EngineSnapshot(
-        num_running=sched.num_running,
-        num_waiting=sched.num_waiting,
-        num_preemptions=sched.num_preemptions,
-        kv_usage=pool.usage,
-        num_blocks=pool.num_blocks,
-        block_size=kv.block_size,
-        block_map="".join(
-            "2" if b.ref_cnt else ("1" if b.block_hash is not None else "0") for b in pool.blocks
-        ),
-        prefix_cache_queries=kv.prefix_queries,
-        prefix_cache_hits=kv.prefix_hits,
-        cached_tokens_by_source=dict(kv.hits_by_source),
-        prompt_tokens=engine.stats.prompt_tokens,
-        generation_tokens=engine.stats.generation_tokens,
-        steps=engine.stats.steps,
-        host=host,
-        spec=spec,
-    )

@@ -1,10 +1,10 @@
 """Constrained decoding with xgrammar: grammars compiled once per source (xgrammar's cache), one
 matcher per request, one bitmask row per constrained row per step filled for the whole batch.
 
-Chosen over llguidance by measurement (bench/grammar_choice.py): at batch 64 xgrammar fills the
-masks 2-5x faster per step with a ~10x tighter p99, accepts and rolls back in batches, and leaves
-a matcher unchanged when a token is refused (speculative drafts); llguidance compiles faster, but
-compiled grammars are cached by source here, so that cost is paid once per schema.
+Chosen over llguidance by measurement (docs/spikes/grammar_choice.py): at batch 64 xgrammar
+fills the masks 2-5x faster per step with a ~10x tighter p99, accepts and rolls back in batches,
+and leaves a matcher unchanged when a token is refused (speculative drafts); llguidance compiles
+faster, but compiled grammars are cached by source here, so that cost is paid once per schema.
 
 xgrammar treats a token as special (never text) only when its vocabulary string is empty, so
 the tokenizer's special tokens are blanked; the stop tokens are the engine's EOS ids. Rows past

@@ -6,7 +6,7 @@ GEMM with a skinny right-hand side, which reads weights at close to memory bandw
 while `x @ W.T` / `F.linear` at 2-16 rows runs 2-3x slower and a single row goes down MKL's
 GEMV path at half the bandwidth. One row is therefore padded to two. Measured over SmolLM2's 30
 layers of weights (424 MB, out of cache) here: 1 row 27.5 ms (x @ W_t, the old layout) -> 14.8 ms;
-5 rows 41 -> 24 ms; 64 rows 119 -> 93 ms; 1024 rows equal (`bench/matmul_layouts.py`). On CUDA
+5 rows 41 -> 24 ms; 64 rows 119 -> 93 ms; 1024 rows equal (`docs/spikes/matmul_layouts.py`). On CUDA
 `F.linear` is one cuBLAS call and is used as is.
 """
 

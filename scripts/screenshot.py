@@ -9,7 +9,7 @@ import shutil
 
 from playwright.sync_api import sync_playwright
 
-from bench.launch import ROOT, Server
+from harness.launch import ROOT, Server
 
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 

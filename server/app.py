@@ -173,7 +173,6 @@ def build_app(
             state.engine.shutdown()
         if state.responses is not None:
             state.responses.close()
-        state.kv_transfer.close()
 
     routes = [
         Route("/health", health),

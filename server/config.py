@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig, parse_bytes
+from engine.config import EngineConfig, parse_bytes, setting
 
 # The checkout's config.toml. An installed copy (site-packages) has none beside it: there
 # KVSERVE_CONFIG names the file (the Docker image sets it), else ./config.toml is used if present.
@@ -36,35 +36,55 @@ _EMPTY_IS_NONE = {"model"}
 
 @dataclass(slots=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str = ""  # one key, or several separated by commas
-    salt_cache_per_key: bool = False
-    served_model_name: str = ""
-    allowed_origins: list[str] = field(default_factory=list)
-    max_queue_len: int = 256
-    max_body_bytes: int = 4_194_304
-    max_n: int = 16
-    max_top_logprobs: int = 20
-    max_stop_sequences: int = 16
-    max_stop_length: int = 256
-    # chat requests that name no max_tokens: 0 = the rest of the context (vLLM's behaviour)
-    default_max_tokens: int = 0
-    # tool-call format (vLLM's names: hermes, llama3_json, mistral); auto: from the chat template
-    tool_call_parser: str = "auto"
-    log_level: str = "info"
-    request_timeout_s: float = 0.0  # abort a request running longer than this; 0 = off
-    shutdown_grace_s: float = 30.0  # on SIGTERM, let in-flight requests finish this long
-    idle_seconds: float = 0.0  # offload a session's KV to the host tier after this idle time
-    # stored Responses (store: true): SQLite file ("" = <disk_path>/responses.sqlite3 with a
-    # disk tier, else in memory), bounded by count and age (0 = unbounded)
-    responses_db: str = ""
-    responses_max_stored: int = 10_000
-    responses_max_age_s: float = 30 * 24 * 3600.0
-    # prefill/decode disaggregation (server/kv_transfer.py): both | prefill | decode
-    role: str = "both"
-    kv_store_url: str = ""  # redis://HOST:PORT[/DB] (Redis or Valkey); "" = no remote tier
-    kv_store_ttl_s: int = 3600  # published blocks expire after this long; 0 = never
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    api_key: str = setting("", "the API key clients must send; several separated by commas")
+    salt_cache_per_key: bool = setting(
+        False, "tenants holding different API keys never share prefix-cache blocks"
+    )
+    served_model_name: str = setting("", "the model name clients use (default: from the path)")
+    allowed_origins: list[str] = field(
+        default_factory=list, metadata={"help": "CORS origins allowed", "choices": None}
+    )
+    max_queue_len: int = setting(256, "requests waiting beyond max_num_seqs before 429s")
+    max_body_bytes: int = setting(4_194_304, "largest request body accepted")
+    max_n: int = setting(16, "largest n (choices per prompt)")
+    max_top_logprobs: int = setting(20, "largest top_logprobs (logprobs on completions)")
+    max_stop_sequences: int = setting(16, "most stop sequences per request")
+    max_stop_length: int = setting(256, "longest stop sequence, in characters")
+    default_max_tokens: int = setting(
+        0, "output cap of chat requests that name none; 0: the rest of the context (vLLM's)"
+    )
+    tool_call_parser: str = setting(
+        "auto",
+        "tool-call format (vLLM's names); auto: from the chat template",
+        ("auto", "hermes", "llama3_json", "mistral"),
+    )
+    log_level: str = setting("info", "log level", ("debug", "info", "warning", "error", "critical"))
+    request_timeout_s: float = setting(0.0, "abort a request running longer than this; 0: off")
+    shutdown_grace_s: float = setting(30.0, "on SIGTERM, let in-flight requests finish this long")
+    idle_seconds: float = setting(
+        0.0, "offload a session's KV to the host tier after this long idle; 0: off"
+    )
+    responses_db: str = setting(
+        "",
+        "SQLite file of stored Responses (store: true); empty: <disk_path>/responses.sqlite3 "
+        "with a disk tier, else in memory",
+    )
+    responses_max_stored: int = setting(10_000, "most stored responses; 0: unbounded")
+    responses_max_age_s: float = setting(
+        30 * 24 * 3600.0, "stored responses expire after this long; 0: never"
+    )
+    role: str = setting(
+        "both",
+        "prefill/decode disaggregation (server/kv_transfer.py): prefill publishes every "
+        "prompt's KV, decode fetches it, both does either when kv_transfer_params asks",
+        ("both", "prefill", "decode"),
+    )
+    kv_store_url: str = setting(
+        "", "remote KV tier: redis://HOST:PORT[/DB] (Redis or Valkey); empty: none"
+    )
+    kv_store_ttl_s: int = setting(3600, "published blocks expire after this long; 0: never")
 
 
 @dataclass(slots=True)
@@ -93,23 +113,33 @@ def _defaults() -> dict[str, Any]:
     return out
 
 
+def _metadata() -> dict[str, Any]:
+    return {f.name: f.metadata for cls in (ServerConfig, EngineConfig) for f in fields(cls)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvserve", description="OpenAI-compatible LLM server")
     ap.add_argument(
         "--config", default=None, help="TOML file of defaults (default: $KVSERVE_CONFIG, else "
         "the checkout's config.toml, else ./config.toml)"
     )  # fmt: skip
+    meta = _metadata()
     for name, default in _defaults().items():
         flag = "--" + name.replace("_", "-")
+        shown = "none" if default is None else default
+        text = f"{meta[name]['help']} (default: {shown})"
+        choices = meta[name]["choices"]
         if isinstance(default, bool):
-            ap.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction)
+            ap.add_argument(
+                flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=text
+            )
         elif isinstance(default, list):
-            ap.add_argument(flag, dest=name, default=None, nargs="*")
+            ap.add_argument(flag, dest=name, default=None, nargs="*", help=text)
         else:
             kind = type(default) if default is not None else str
             if name in _ZERO_IS_NONE:
                 kind = int
-            ap.add_argument(flag, dest=name, default=None, type=kind)
+            ap.add_argument(flag, dest=name, default=None, type=kind, choices=choices, help=text)
     return ap
 
 

@@ -10,20 +10,19 @@ host tier before admitting the request, so its prefix-cache lookup meets them th
 another hash root) it computes itself. Slower, never lost.
 
 Roles: `prefill` publishes every request's prompt; `decode` fetches for every request;
-`both` does either when `kv_transfer_params` asks. The store's I/O runs in worker threads;
-the engine is touched only through its door (a request's `export_kv` flag, `import_blocks`).
+`both` does either when `kv_transfer_params` asks. This module speaks the protocol and counts
+the metrics; the store itself is the engine's remote tier (engine/kv/remote.py), reached only
+through the door (`AsyncEngine.prefetch` / `publish`, a request's `export_kv` flag).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
 from typing import Any
 
 from engine.async_engine import AsyncEngine
-from engine.kv_store import KVStoreError, RedisBlockStore
 from server.errors import APIError
 from server.metrics import Metrics
 
@@ -37,19 +36,6 @@ class KVTransfer:
         self.ttl_s = ttl_s
         self.metrics = metrics
         self.engine_id = uuid.uuid4().hex  # names this instance in the params it returns
-        self._store: RedisBlockStore | None = None
-
-    def store(self, engine: AsyncEngine) -> RedisBlockStore | None:
-        if self._store is None and self.url:
-            info = engine.info
-            self._store = RedisBlockStore(
-                self.url, info.kv_namespace, info.host_block_bytes, self.ttl_s
-            )
-        return self._store
-
-    def close(self) -> None:
-        if self._store is not None:
-            self._store.close()
 
     # ---- what a request asks for ------------------------------------------------------------
 
@@ -88,54 +74,33 @@ class KVTransfer:
     ) -> int:
         """Bring the prompt's published blocks this instance lacks into its host tier, before
         the request is admitted. Returns the tokens received. Never raises for the store."""
-        store = self.store(engine)
-        assert store is not None
-        bs = engine.info.block_size
-        # the last prompt token is always recomputed (the request needs its logits)
-        hashes = engine.block_hashes(prompt_ids, cache_salt)[: (len(prompt_ids) - 1) // bs]
+        engine.open_remote(self.url, self.ttl_s)
         sent = _published(params)
-        expected = len(hashes) if sent is None else min(len(hashes), sent["num_blocks"])
-        ours = engine.info.kv_namespace.decode()
-        if sent is not None and sent.get("namespace") not in (None, ours):
+        if sent is not None and sent.get("namespace") not in (
+            None,
+            engine.info.kv_namespace.decode(),
+        ):
             log.warning(
                 "kv transfer: the prefill instance's blocks are for another model or layout; "
                 "computing the prompt here"
             )
             self.metrics.kv_fallbacks.labels("other_model").inc()
             return 0
-        if sent is not None and expected and sent.get("last_block_hash"):
-            if hashes[expected - 1].hex() != sent["last_block_hash"]:
-                log.warning(
-                    "kv transfer: the prefill instance's block hashes differ from ours "
-                    "(another kv_hash_seed or tokenization?); computing the prompt here"
-                )
-                self.metrics.kv_fallbacks.labels("hash_mismatch").inc()
-                return 0
-        if expected < len(hashes) and sent is not None:
-            # the prefill instance published less than the prompt (its store put failed, or
-            # it held fewer blocks): the rest is computed here
-            self.metrics.kv_fallbacks.labels("not_published").inc()
-        have = engine.num_cached_prefix(hashes[:expected])
-        wanted = hashes[have:expected]
-        if not wanted:
-            return 0
-        t = time.monotonic()
-        try:
-            payloads = await asyncio.to_thread(store.get_run, wanted)
-        except KVStoreError as e:
-            log.warning("kv transfer: %s; computing the prompt here", e)
-            self.metrics.kv_fallbacks.labels("store_error").inc()
-            return 0
-        stored = await engine.import_blocks(list(zip(wanted, payloads, strict=False)))
-        seconds = time.monotonic() - t
-        missing = len(wanted) - stored
-        if missing:
-            self.metrics.kv_store_misses.inc(missing)
-            self.metrics.kv_fallbacks.labels("missing_blocks").inc()
-        tokens = stored * bs
-        self.metrics.kv_received_tokens.observe(tokens)
-        self.metrics.kv_received_bytes.observe(sum(len(p) for p in payloads[:stored]))
-        self.metrics.kv_receive_seconds.observe(seconds)
+        got = await engine.prefetch(
+            prompt_ids,
+            cache_salt,
+            None if sent is None else sent["num_blocks"],
+            None if sent is None else sent.get("last_block_hash"),
+        )
+        for reason in got.fallbacks:
+            self.metrics.kv_fallbacks.labels(reason).inc()
+        if got.stored < got.wanted:
+            self.metrics.kv_store_misses.inc(got.wanted - got.stored)
+        tokens = got.stored * engine.info.block_size
+        if got.wanted and "store_error" not in got.fallbacks:
+            self.metrics.kv_received_tokens.observe(tokens)
+            self.metrics.kv_received_bytes.observe(got.nbytes)
+            self.metrics.kv_receive_seconds.observe(got.seconds)
         return tokens
 
     # ---- prefill side -------------------------------------------------------------------------
@@ -146,13 +111,9 @@ class KVTransfer:
         """Put a finished prompt's full blocks (exported by the engine in the step that ended
         it) in the store; the params the decode instance gets (through the router) say how
         many and which chain they end."""
-        store = self.store(engine)
-        assert store is not None
+        engine.open_remote(self.url, self.ttl_s)
         t = time.monotonic()
-        try:
-            await asyncio.to_thread(store.put, blocks)
-        except KVStoreError as e:
-            log.warning("kv transfer: %s; the decode instance will compute the prompt", e)
+        if blocks and not await engine.publish(blocks):
             self.metrics.kv_publish_failures.inc()
             blocks = []
         self.metrics.kv_published_blocks.inc(len(blocks))

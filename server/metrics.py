@@ -4,10 +4,16 @@ per request by the HTTP layer."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from engine.snapshot import EngineSnapshot, SpecSnapshot
@@ -19,7 +25,7 @@ class EngineCollector(Collector):
     def __init__(self) -> None:
         self.snapshot: EngineSnapshot | None = None  # set just before each scrape
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         snap = self.snapshot
         if snap is None:
             return
@@ -83,6 +89,16 @@ class EngineCollector(Collector):
             yield counter(
                 "host_kv_evictions", "Blocks evicted from the host tier.", host.evicted_blocks
             )
+            cumulative = list(itertools.accumulate(host.load_latency_counts))
+            yield HistogramMetricFamily(
+                "kvserve:host_kv_swap_in_seconds",
+                "Latency of one host-to-device swap-in copy.",
+                buckets=[
+                    *((str(le), n) for le, n in zip(host.load_buckets, cumulative)),
+                    ("+Inf", cumulative[-1]),
+                ],
+                sum_value=host.load_seconds,
+            )
 
 
 class Metrics:
@@ -100,12 +116,6 @@ class Metrics:
         self.itl = hist("inter_token_latency_seconds", "Time between streamed tokens.")
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue = hist("request_queue_time_seconds", "Time from arrival to first step.")
-        self.swap_in = Histogram(
-            "kvserve:host_kv_swap_in_seconds",
-            "Latency of one host-to-device swap-in copy.",
-            registry=self.registry,
-            buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1),
-        )
 
         # prefill/decode disaggregation (server/kv_transfer.py), per request
         reg = self.registry
@@ -151,9 +161,6 @@ class Metrics:
 
     def render(self, snapshot: EngineSnapshot | None) -> bytes:
         """The exposition text, engine counters as of `snapshot` (None while loading)."""
-        if snapshot is not None and snapshot.host is not None:
-            for seconds in snapshot.host.recent_load_latencies:
-                self.swap_in.observe(seconds)
         self.collector.snapshot = snapshot
         return generate_latest(self.registry)
 

@@ -1,4 +1,4 @@
-"""kvserve processes for the tests, on bench/launch.py's launcher: `ServerProcess` (the server as
+"""kvserve processes for the tests, on harness/launch.py's launcher: `ServerProcess` (the server as
 the tests run it), `kvserve_server` (its argv from keyword options) and `server_fixture` (a
 pytest fixture factory on the tiny llama checkpoint)."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from bench.launch import ROOT, Server, free_port
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from harness.launch import ROOT, Server, free_port
 from server.app import build_app
 from server.config import Config, ServerConfig
 

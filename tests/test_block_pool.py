@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.block_pool import BlockPool
+from engine.kv.pool import BlockPool
 
 _LLM: dict[str, LLM] = {}
 

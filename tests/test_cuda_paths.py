@@ -154,7 +154,7 @@ def test_host_tier_moves_each_block_in_one_copy() -> None:
     """Save gathers on the device and copies runs of slots straight into the storage; load
     copies runs of slots straight out of it. No `index_select` of the host storage (a pageable
     temporary the DMA would be staged through) and no `index_copy_` into it (a second copy)."""
-    from engine.host_tier import HostTier
+    from engine.kv.host import HostTier
 
     torch.manual_seed(0)
     caches = [torch.randn(2, 2, 16, 4, 8), torch.randn(2, 1, 16, 4, 8)]  # torch layout

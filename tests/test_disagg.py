@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation through vllm-router, on a real Redis block store: greedy
 output equal to one colocated instance, the decode instance's prompt cached from the remote
 tier, fallbacks when the store or the prefill instance is gone, tenant salts across
-instances. Every process is started by bench/cluster.py and stopped by its PID."""
+instances. Every process is started by harness/cluster.py and stopped by its PID."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from bench.cluster import KVStoreProcess, RouterProcess, redis_server_bin
+from harness.cluster import KVStoreProcess, RouterProcess, redis_server_bin
 from tests.server_utils import kvserve_server
 
 # CI installs redis-server (.ci/run); there a missing one is a failure, not a skip
@@ -117,7 +117,7 @@ def test_a_response_goes_through_the_pd_pair_like_a_chat(cluster) -> None:
     """/v1/responses takes part in the hand-over: the prefill instance answers params, the
     decode instance given them reads the prompt's blocks from the store."""
     p, d, both = cluster["prefill"], cluster["decode"], cluster["both"]
-    body = {"input": "alpha beta gamma delta " * 30, "max_output_tokens": 12, "temperature": 0}
+    body = {"input": "epsilon zeta eta theta " * 30, "max_output_tokens": 12, "temperature": 0}
 
     def respond(base: str, **extra) -> dict:
         r = httpx.post(base + "/v1/responses", json={**body, **extra}, timeout=60)

@@ -5,8 +5,6 @@ engine on the same weights, a Q8_0 GGUF loaded straight into it, and the kernel-
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +16,6 @@ from models.layers import Linear
 from models.quant import can_quantize, int8_weight, needs_reduce_range, quantize_linears
 
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_int8_layer_matches_float_within_quantization_error() -> None:
@@ -86,8 +82,7 @@ def test_engine_logits_and_greedy_against_float32(llama_dir) -> None:
 
 
 def test_a_q8_0_gguf_loads_into_int8(smollm2_path, tmp_path) -> None:
-    sys.path.insert(0, str(ROOT))
-    from bench.export import gguf_as
+    from tools.export_gguf import gguf_as
 
     q8 = gguf_as(smollm2_path, tmp_path / "m.Q8_0.gguf", "Q8_0")
     ref = LLM(smollm2_path, num_kv_blocks=16, dtype="float32")

@@ -186,3 +186,23 @@ def test_scripts_shellcheck_clean(script) -> None:
 def test_enforce_eager_is_a_flag() -> None:
     assert load_config(["--enforce-eager"], env={}).engine.enforce_eager is True
     assert load_config([], env={}).engine.enforce_eager is False
+
+
+def test_every_flag_says_what_it_does_and_its_choices() -> None:
+    """`--help` reads like vLLM's: each setting's flag has its help text and default, and a
+    setting with a fixed set of values lists them (and refuses others at parse time)."""
+    from server.config import build_parser
+
+    parser = build_parser()
+    actions = [a for a in parser._actions if a.dest not in ("help", "config")]
+    assert len(actions) > 50
+    assert all(a.help and "(default: " in a.help for a in actions), [
+        a.dest for a in actions if not a.help
+    ]
+    by_name = {a.dest: a for a in actions}
+    assert set(by_name["role"].choices) == {"both", "prefill", "decode"}
+    assert "kv_transfer_params" in by_name["role"].help
+    assert "bfloat16" in by_name["dtype"].choices and "auto:" in by_name["dtype"].help
+    assert "fp8" in by_name["kv_cache_dtype"].choices
+    with pytest.raises(SystemExit):
+        load_config(["--role", "primary"], env={})

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from bench.cluster import RouterProcess
+from harness.cluster import RouterProcess
 from tests.server_utils import kvserve_server
 
 BS = 16

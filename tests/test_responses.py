@@ -467,3 +467,16 @@ def test_an_idle_stored_conversation_is_offloaded(llama_dir) -> None:
             json={"input": "Go on.", "previous_response_id": first["id"], "max_output_tokens": 4},
         ).json()
         assert r["usage"]["input_tokens_details"]["cached_tokens"] >= 16
+
+        def swap_ins() -> float:
+            metrics = c.get("/metrics").text
+            line = next(
+                x
+                for x in metrics.splitlines()
+                if x.startswith("kvserve:host_kv_swap_in_seconds_count")
+            )
+            return float(line.split()[-1])
+
+        # the turn's blocks came back from the host tier in timed copies; a scrape reads them
+        # without draining them
+        assert swap_ins() >= 1 and swap_ins() == swap_ins()

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from bench import sse
+from harness import sse
 from tests.openai_schema import validate
 from tests.server_utils import kvserve_server, server_fixture
 

@@ -273,7 +273,7 @@ def test_server_flags_stream_and_metrics(llama_dir, heads, reference) -> None:
     engine's non-speculative tokens (streamed, several tokens per chunk), metrics report it."""
     import httpx
 
-    from bench import sse
+    from harness import sse
     from tests.server_utils import kvserve_server
 
     ps, _ = reference

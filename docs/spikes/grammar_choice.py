@@ -15,7 +15,7 @@ BPE grown from the 49k one with CJK characters and word merges), it measures:
 * features: advance-then-rollback of speculative drafts (mask identical afterwards),
   rejection of a bad draft token, jump-forward, termination, special tokens inside strings.
 
-    python bench/grammar_choice.py [--batch 64] [--steps 200] [--threads 2] [--reps 3]
+    python docs/spikes/grammar_choice.py [--batch 64] [--steps 200] [--threads 2] [--reps 3]
 
 Prints markdown tables. Needs, installed without pulling torch or triton:
 `pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 llguidance==1.9.1`.

@@ -8,12 +8,15 @@ the block's raw bytes (`HostTier.device_payloads`); a value of the wrong length 
 
 Every failure (server down, timeout, eviction) is a miss or a failed put, never an error for
 the request: the caller computes what it could not get. Thread-safe (redis-py's connection pool);
-called from worker threads, never from the engine thread or the event loop.
+called from worker threads, never from the engine thread or the event loop. `AsyncEngine`
+holds the store and is the only way to it (`prefetch`, `publish`): a `Prefetch` says what one
+prefetch brought and, in `fallbacks`, why any of the prompt will be computed here instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import redis
@@ -21,6 +24,20 @@ import redis
 
 class KVStoreError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """What one prefetch brought into the host tier: the blocks it asked the store for, how many
+    it stored (a leading run), their bytes and the seconds it took; `fallbacks` name why part
+    of the prompt is computed here (`hash_mismatch`, `not_published`, `store_error`,
+    `missing_blocks`)."""
+
+    wanted: int = 0
+    stored: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    fallbacks: tuple[str, ...] = ()
 
 
 class RedisBlockStore:

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.block_hash import BlockKey
+from engine.kv.hashing import BlockKey
 
 
 @dataclass(slots=True)

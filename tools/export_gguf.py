@@ -1,7 +1,7 @@
 """The default model's weights in the forms peer servers read, all dequantized from the same GGUF
 so every engine in a comparison computes with the same float32 numbers.
 
-    python bench/export.py --out bench/.peers/models   # writes <stem>.{F32,BF16,Q8_0}.gguf, hf/
+    python tools/export_gguf.py --out bench/.peers/models  # <stem>.{F32,BF16,Q8_0}.gguf, hf/
 
 - `gguf_as(..., "F32" | "BF16" | "Q8_0")`: the GGUF with every tensor dequantized to F32, then
   (BF16, Q8_0) re-encoded by the `gguf` package: matrices in that type, 1-D tensors (norms) F32,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
     """sha256 (256 bits, so collisions are not a practical concern). Measured ~40 ns per token
-    here (bench/hash_cost.py)."""
+    here (docs/spikes/hash_cost.py)."""
     h = hashlib.sha256(parent)
     h.update(array("q", token_ids).tobytes())
     if extra:

@@ -6,7 +6,7 @@ figures are what one decode/verify/prefill step pays. Forms compared, for severa
   F.linear      W stored [out, in]
   W @ x.T       W stored [out, in], x row-major (what models.layers.cpu_linear does; 1 row -> 2)
 
-    python bench/matmul_layouts.py
+    python docs/spikes/matmul_layouts.py
 """
 
 from __future__ import annotations

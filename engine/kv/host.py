@@ -17,13 +17,17 @@ the storage (the disk tier, `load_from_disk`).
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import torch
 
-from engine.disk_tier import DiskTier
+from engine.kv.disk import DiskTier
+
+# upper bounds (seconds) of the swap-in latency histogram's buckets
+SWAP_IN_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
 class HostTier:
@@ -59,7 +63,9 @@ class HostTier:
         self.loaded_blocks = 0
         self.evicted_blocks = 0
         self.load_seconds = 0.0
-        self.recent_load_latencies: list[float] = []  # drained by the metrics exporter
+        # swap-in copy latencies as a histogram (counts per bucket of SWAP_IN_BUCKETS, the
+        # last one past them): a snapshot copies it, nothing drains it
+        self.load_latency_counts = [0] * (len(SWAP_IN_BUCKETS) + 1)
         self._async = pin  # CUDA <-> pinned copies run asynchronously on the current stream
         self._pending: torch.cuda.Event | None = None
 
@@ -156,8 +162,7 @@ class HostTier:
         self.loaded_blocks += len(hashes)
         elapsed = time.perf_counter() - t
         self.load_seconds += elapsed
-        if len(self.recent_load_latencies) < 10_000:
-            self.recent_load_latencies.append(elapsed)
+        self.load_latency_counts[bisect.bisect_left(SWAP_IN_BUCKETS, elapsed)] += 1
 
     def load_from_disk(self, block_hash: bytes) -> bool:
         """Bring one block from the disk tier into this tier (it then loads like any host hit)."""

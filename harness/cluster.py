@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from bench.launch import Process
+from harness.launch import Process
 
 ROUTER_BIN = Path(sys.executable).with_name("vllm-router")
 # the router binds its port only once a worker of each kind is healthy, re-checking every
@@ -91,7 +91,7 @@ class RouterProcess(Process):
         self.metrics_port = 0
 
         def cmd(port: int) -> list[str]:
-            from bench.launch import free_port
+            from harness.launch import free_port
 
             self.metrics_port = free_port()
             return [

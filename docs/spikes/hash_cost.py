@@ -1,6 +1,6 @@
 """Per-token cost of the prefix-cache block hash (sha256 over parent + tokens + extra keys).
 
-python bench/hash_cost.py
+python docs/spikes/hash_cost.py
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import random
 import time
 
-from engine.block_hash import hash_block
+from engine.kv.hashing import hash_block
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.block_hash import BlockHasher, extra_keys
-from engine.block_pool import BlockPool, KVBlock
-from engine.host_tier import HostTier
+from engine.kv.hashing import BlockHasher, extra_keys
+from engine.kv.host import HostTier
+from engine.kv.pool import BlockPool, KVBlock
 from engine.request import Request
 
 
