@@ -26,9 +26,15 @@ STEP = re.compile(r"decode step, batch \d+: ([\d.]+) ms")
 
 
 def tree_env(tree: Path) -> dict[str, str]:
-    """Each tree builds its C++ ops in its own directory: sharing one, torch would rebuild the
-    ops at every switch between trees (their sources or flags differ)."""
-    return {**os.environ, "TORCH_EXTENSIONS_DIR": f"/tmp/kvserve-ab-ext-{tree.name}"}
+    """Each tree runs its own code (PYTHONPATH: the venv's editable install maps the packages
+    to the checkout it was installed from, and a script's own folder comes first on sys.path,
+    not the tree's root) and builds its C++ ops in its own directory: sharing one, torch would
+    rebuild the ops at every switch between trees (their sources or flags differ)."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(tree),
+        "TORCH_EXTENSIONS_DIR": f"/tmp/kvserve-ab-ext-{tree.name}",
+    }
 
 
 def step_ms(tree: Path, steps: int) -> float:

@@ -7,11 +7,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -54,7 +57,7 @@ class Request:
     spec_probs: torch.Tensor | None = None
     spec_acceptance: float = 0.7  # running per-draft acceptance rate (adaptive k)
     # constrained decoding: the grammar's state after this request's output tokens
-    matcher: Any = None  # xgrammar.GrammarMatcher
+    matcher: GrammarMatcher | None = None
     # mean pooling: float32 sum of the prompt positions' hidden states computed so far
     pooled_sum: torch.Tensor | None = None
 

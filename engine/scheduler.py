@@ -233,12 +233,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """Advance counters after the forward, append the step's tokens (one, or under
         speculation the accepted drafts plus the target's own token), stop at the first
-        token-level stop, and roll `num_computed_tokens` back over rejected drafts. Returns the
-        requests that finished this step (blocks already freed)."""
-        finished = []
+        token-level stop (the request finishes: its blocks are freed now), and roll
+        `num_computed_tokens` back over rejected drafts."""
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens - item.num_spec
@@ -253,6 +252,4 @@ class Scheduler:
                 reason = request.check_stop()
                 if reason is not None:
                     self.finish(request.request_id, reason)
-                    finished.append(request)
                     break
-        return finished

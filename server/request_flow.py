@@ -97,10 +97,11 @@ class GenerationPlan:
     param_names: dict[str, str] = field(default_factory=dict)
 
 
-async def start(state: ServerState, request: Request, plan: GenerationPlan) -> Generation:
+async def start(
+    state: ServerState, engine: AsyncEngine, request: Request, plan: GenerationPlan
+) -> Generation:
     """The one flow from a plan to an admitted request: limits, grammar, salt, session,
     choices, KV hand-over, admission (or a 400/429 naming the route's own parameter)."""
-    engine = state.ready_engine()
     body = plan.body
     try:
         check_limits(state, body)

@@ -69,8 +69,9 @@ def chat_plan(
             raise APIError(
                 400, f"top_logprobs must be at most {cfg.max_top_logprobs}", param="top_logprobs"
             )
-    tools = tool_plan(body)
     parser = tool_parser(state, engine)
+    tools = tool_plan(body)
+    grammar = grammar_for(body, tools, parser.name)
     if prompt_ids is None:
         prompt_ids = render_prompt(
             engine.tokenizer,
@@ -85,7 +86,7 @@ def chat_plan(
         prompts=[prompt_ids],
         max_tokens=body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens or None,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        grammar=grammar_for(body, tools, parser.name),
+        grammar=grammar,
         session=session,
         kv_transfer_params=body.kv_transfer_params,
     )
@@ -100,7 +101,7 @@ async def chat_completions(request: Request) -> Response:
     engine = state.ready_engine()
     req_id = f"chatcmpl-{uuid.uuid4().hex}"
     plan = chat_plan(state, engine, body, req_id, session_id(request, body.user))
-    gen = await start(state, request, plan.generation)
+    gen = await start(state, engine, request, plan.generation)
     with_logprobs = plan.generation.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

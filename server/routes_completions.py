@@ -72,7 +72,7 @@ async def completions(request: Request) -> Response:
         for i, ids in enumerate(prompts):
             entries = await engine.prompt_logprobs(ids, body.logprobs)
             echo_lps[i] = completion_logprobs(tokenizer, entries, ids, 0)
-    gen = await start(state, request, plan)
+    gen = await start(state, engine, request, plan)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return gen.stream(CompletionChunks(engine, body, prompt_texts, include_usage))

@@ -95,7 +95,7 @@ async def embeddings(request: Request) -> Response:
             {
                 "object": "list",
                 "data": data,
-                "model": state.model_name,
+                "model": gen.head["model"],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             },
         )

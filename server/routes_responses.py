@@ -196,8 +196,9 @@ async def create_response(request: Request) -> Response:
     state: ServerState = request.app.state.kv
     body = await parse_body(request, ResponsesRequest, state.config.server.max_body_bytes)
     state.check_model(body.model)
-    refuse_unsupported(body)
+    engine = state.ready_engine()
     store, owner = store_of(state), owner_of(state, request)
+    refuse_unsupported(body)
     history: list[dict[str, Any]] = []
     conversation = None
     if body.previous_response_id:
@@ -212,7 +213,6 @@ async def create_response(request: Request) -> Response:
         history, conversation = prev.input_items + prev.body["output"], prev.conversation
     assert body.input is not None
     items = history + input_items(body.input)
-    engine = state.ready_engine()
     resp_id = new_id("resp")
     conversation = conversation or resp_id
     try:
@@ -221,7 +221,7 @@ async def create_response(request: Request) -> Response:
     except APIError as e:
         raise renamed(e, _PARAM_NAMES) from None
     plan.generation.param_names = _PARAM_NAMES
-    gen = await start(state, request, plan.generation)
+    gen = await start(state, engine, request, plan.generation)
     with_logprobs = plan.generation.logprobs is not None
     created = int(time.time())
     max_calls = 1 if body.parallel_tool_calls is False else body.max_tool_calls
@@ -236,7 +236,7 @@ async def create_response(request: Request) -> Response:
             resp_id,
             created,
             body,
-            state.model_name,
+            gen.head["model"],
             status=_status(ch.finish_reason),
             output=output,
             usage=usage,

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import uvicorn
 
 from engine.async_engine import AsyncEngine
@@ -24,9 +25,22 @@ __all__ = [
     "ServerProcess",
     "free_port",
     "kvserve_server",
+    "nan_logits",
     "server_args",
     "server_fixture",
 ]
+
+
+def nan_logits(monkeypatch: pytest.MonkeyPatch, runner: object) -> None:
+    """Every forward of `runner` yields NaN logits from now on (the test's monkeypatch undoes
+    it): a generation failure inside the engine, the same for every request."""
+    original = runner.forward  # type: ignore[attr-defined]
+
+    def forward(out):  # noqa: ANN001, ANN202
+        logits, hidden = original(out)
+        return torch.full_like(logits, float("nan")), hidden
+
+    monkeypatch.setattr(runner, "forward", forward)
 
 
 class InProcessServer:

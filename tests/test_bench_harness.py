@@ -11,6 +11,8 @@ import pytest
 from bench.serve import SCHEMA_VERSION, parser, run
 from tests.server_utils import server_fixture
 
+pytestmark = pytest.mark.slow  # the benchmark harness against real servers
+
 server = server_fixture(num_kv_blocks=128, block_size=16)
 
 

@@ -136,6 +136,7 @@ def smol_logits(smollm2_path):
     return out
 
 
+@pytest.mark.slow
 def test_bf16_logits_track_float32_on_held_out_text(smol_logits) -> None:
     ref, got = smol_logits[torch.float32], smol_logits[torch.bfloat16]
     assert got.dtype == torch.float32 and torch.isfinite(got).all()  # the sampler's float32
@@ -145,6 +146,7 @@ def test_bf16_logits_track_float32_on_held_out_text(smol_logits) -> None:
     assert agree >= 0.90, f"argmax agreement {agree:.3f} over {len(ref)} positions"
 
 
+@pytest.mark.slow
 def test_bf16_engine_generation_on_smollm2(smollm2_path) -> None:
     """Greedy generation in bf16 through the engine's compiled paths (packed bf16 linears, the
     C++ fused ops and decode attention, batched decode): every prompt's first token matches

@@ -88,6 +88,7 @@ def check_outputs(results, schema: dict) -> None:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schema=SCHEMAS, seed=st.integers(0, 1000))
+@pytest.mark.slow
 def test_generated_schemas_always_validate(llm, spec, schema, seed) -> None:
     params = [constrained(schema, seed=seed + i) for i in range(len(PROMPTS))]
     check_outputs(llm.generate(PROMPTS, params), schema)

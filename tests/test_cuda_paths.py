@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import engine.llm_engine as llm_engine_module
+import engine.runner_output as runner_output_module
 from engine import LLM, SamplingParams
 from engine.request import Request
 from engine.spec_decode import verify
@@ -89,14 +89,14 @@ def test_sampling_failure_fails_only_its_request(llama_dir, monkeypatch) -> None
     params.append(SamplingParams(temperature=1.0, seed=13, max_tokens=6, ignore_eos=True))
     prompts = [[5, 17, 99], [8, 9, 10, 11], [40, 41]]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params[:2])]
-    real = llm_engine_module.sample
+    real = runner_output_module.sample
 
     def flaky(logits, requests):
         if any(r.sampling_params.seed == 13 for r in requests):
             raise RuntimeError("Expected a 'cuda' device type for generator")  # as on CUDA
         return real(logits, requests)
 
-    monkeypatch.setattr(llm_engine_module, "sample", flaky)
+    monkeypatch.setattr(runner_output_module, "sample", flaky)
     out = llm.generate(prompts, params)  # raised out of step() before
     assert [o.outputs[0].finish_reason for o in out] == ["length", "length", "error"]
     assert [o.outputs[0].token_ids for o in out[:2]] == want

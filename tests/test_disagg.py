@@ -18,10 +18,13 @@ from harness.cluster import KVStoreProcess, RouterProcess, redis_server_bin
 from tests.server_utils import kvserve_server
 
 # CI installs redis-server (.ci/run); there a missing one is a failure, not a skip
-pytestmark = pytest.mark.skipif(
-    redis_server_bin() is None and not os.environ.get("CI"),
-    reason="redis-server not installed (apt-get install redis-server)",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        redis_server_bin() is None and not os.environ.get("CI"),
+        reason="redis-server not installed (apt-get install redis-server)",
+    ),
+]
 
 SEED = "test-seed"
 BS = 16

@@ -18,6 +18,8 @@ from engine.pooling import resolve_pooling
 from tests.openai_schema import validate
 from tests.server_utils import server_fixture
 
+pytestmark = pytest.mark.slow  # a kvserve process and transformers
+
 LENGTHS = [1, 5, 23, 40, 70, 131]
 
 

@@ -20,6 +20,8 @@ from openai import OpenAI
 
 from tests.server_utils import ROOT, kvserve_server
 
+pytestmark = pytest.mark.slow  # child processes under restricted ISAs
+
 RESTRICTED_ISA = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "ATEN_CPU_CAPABILITY": "avx2",

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from tests.openai_schema import validate
-from tests.server_utils import InProcessServer, ServerProcess, kvserve_server
+from tests.server_utils import InProcessServer, ServerProcess, kvserve_server, nan_logits
+
+pytestmark = pytest.mark.slow  # in-process and subprocess servers
 
 MARKER = 399  # a prompt token that makes the injected NaN fault fire
 
@@ -143,15 +145,24 @@ def _stream_in_thread(
     return t
 
 
+def _sigterm_mid_stream(
+    llama_dir, grace_s: float, max_tokens: int
+) -> tuple[ServerProcess, threading.Thread, list[str]]:
+    """A server with `grace_s` of shutdown grace gets SIGTERM while a stream of `max_tokens`
+    runs; returns it, the streaming thread and the stream's events so far."""
+    s = kvserve_server(llama_dir, num_kv_blocks=128, max_model_len=4096, shutdown_grace_s=grace_s)
+    events: list[str] = []
+    started = threading.Event()
+    t = _stream_in_thread(s, max_tokens, events, started)
+    assert started.wait(60)
+    s.proc.send_signal(signal.SIGTERM)
+    return s, t, events
+
+
 def test_sigterm_drains_in_flight_and_refuses_new(llama_dir) -> None:
     # The grace is far beyond the request (2,000 tokens: ~3 s here) and the test waits on the
     # server's state, not the clock, so a machine shared with other work cannot fail it.
-    s = kvserve_server(llama_dir, num_kv_blocks=128, max_model_len=4096, shutdown_grace_s=900)
-    events: list[str] = []
-    started = threading.Event()
-    t = _stream_in_thread(s, 2000, events, started)
-    assert started.wait(60)
-    s.proc.send_signal(signal.SIGTERM)
+    s, t, events = _sigterm_mid_stream(llama_dir, grace_s=900, max_tokens=2000)
     deadline = time.monotonic() + 60
     while httpx.get(s.base + "/health").json()["status"] != "draining":
         assert time.monotonic() < deadline, "SIGTERM never started the drain"
@@ -168,12 +179,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(llama_dir) -> None:
 
 
 def test_sigterm_grace_expiry_aborts_with_error_event(llama_dir) -> None:
-    s = kvserve_server(llama_dir, num_kv_blocks=128, max_model_len=4096, shutdown_grace_s=0.5)
-    events: list[str] = []
-    started = threading.Event()
-    t = _stream_in_thread(s, 4000, events, started)
-    assert started.wait(60)
-    s.proc.send_signal(signal.SIGTERM)
+    s, t, events = _sigterm_mid_stream(llama_dir, grace_s=0.5, max_tokens=4000)
     t.join(timeout=60)
     assert s.proc.wait(timeout=60) == 0
     assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
@@ -215,14 +221,7 @@ def test_request_timeout_aborts_cleanly(llama_dir) -> None:
 def test_a_failed_response_stream_ends_with_response_failed(live, monkeypatch) -> None:
     """Responses API: a generation that fails mid-stream ends with a schema-valid
     `response.failed` event, stores nothing and frees its blocks."""
-    runner = live.core.runner
-    original = runner.forward
-
-    def execute(out):
-        logits, hidden = original(out)
-        return torch.full_like(logits, float("nan")), hidden
-
-    monkeypatch.setattr(runner, "forward", execute)
+    nan_logits(monkeypatch, live.core.runner)
     body = {"input": "hello", "max_output_tokens": 5, "stream": True}
     with httpx.stream("POST", live.base + "/v1/responses", json=body, timeout=60) as r:
         events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]

@@ -116,6 +116,7 @@ def smol_pair(smollm2_path):
 
 
 @needs_ops
+@pytest.mark.slow
 def test_shipped_q4_1_is_served_as_stored(smol_pair) -> None:
     native, dense = smol_pair
     table = native.engine.info.kernel_table
@@ -131,6 +132,7 @@ def test_shipped_q4_1_is_served_as_stored(smol_pair) -> None:
 
 
 @needs_ops
+@pytest.mark.slow
 def test_shipped_q4_1_agrees_with_its_float32_dequantization(smol_pair) -> None:
     native, dense = smol_pair
     tok = native.tokenizer
@@ -159,6 +161,7 @@ def test_shipped_q4_1_agrees_with_its_float32_dequantization(smol_pair) -> None:
 
 
 @needs_ops
+@pytest.mark.slow
 def test_int8_activation_head_tracks_the_float_head(smol_pair) -> None:
     """The lm_head on int8-rounded activations, one decode row at a time, against the dense head
     over every position of held-out text."""
@@ -219,6 +222,7 @@ def test_int4_at_load_is_measured_and_refused_where_it_breaks_the_model(llama_di
 
 
 @needs_ops
+@pytest.mark.slow
 def test_int4_at_load_serves_smollm2(smollm2_path) -> None:
     q = LLM(smollm2_path, num_kv_blocks=16, dtype="float32", quantization="int4")
     table = q.engine.info.kernel_table
@@ -230,6 +234,7 @@ def test_int4_at_load_serves_smollm2(smollm2_path) -> None:
 
 
 @needs_ops
+@pytest.mark.slow
 def test_int8_activations_are_considered_only_on_request(smollm2_path) -> None:
     """--gguf-int8-activations: the probe times the int8-activation kernel too, and each group's
     weights take the limit the banner reports."""

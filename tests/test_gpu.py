@@ -14,7 +14,10 @@ import torch
 from engine import LLM, SamplingParams
 from engine.scoring import score_prompt
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 PROMPTS = [[5, 17, 99, 3, 250, 44, 8], list(range(10, 90))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

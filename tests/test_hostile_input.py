@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from tests.openai_schema import validate
 from tests.server_utils import server_fixture
 
+pytestmark = pytest.mark.slow  # a kvserve process under fuzzing
+
 server = server_fixture(num_kv_blocks=96, max_model_len=256, default_max_tokens=8, max_num_seqs=8)
 
 CANARY = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -81,6 +81,7 @@ def test_engine_logits_and_greedy_against_float32(llama_dir) -> None:
     assert q.engine.kv.pool.num_free_blocks == q.engine.num_blocks
 
 
+@pytest.mark.slow
 def test_a_q8_0_gguf_loads_into_int8(smollm2_path, tmp_path) -> None:
     from tools.export_gguf import gguf_as
 

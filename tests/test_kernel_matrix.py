@@ -92,6 +92,7 @@ def test_per_layer_and_shared_kv_geometry_is_in_the_matrix() -> None:
         assert choice.backend.name == "flashinfer"  # one plan per distinct geometry
 
 
+@pytest.mark.slow
 def test_kernels_command(llama_dir) -> None:
     run = [sys.executable, "-m", "server", "kernels", "--model", str(llama_dir)]
     ok = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -8,10 +8,11 @@ import json
 
 import httpx
 import pytest
-import torch
 
 from tests.openai_schema import validate
-from tests.server_utils import InProcessServer
+from tests.server_utils import InProcessServer, nan_logits
+
+pytestmark = pytest.mark.slow  # an in-process server
 
 MAX_TOP = 5  # not OpenAI's 20: a route with its own cap would show here
 
@@ -49,14 +50,7 @@ def stream_events(live: InProcessServer, path: str, body: dict) -> list[dict]:
 
 
 def test_a_mid_stream_failure_has_one_code_on_every_route(live, monkeypatch) -> None:
-    runner = live.core.runner
-    original = runner.forward
-
-    def forward(out):
-        logits, hidden = original(out)
-        return torch.full_like(logits, float("nan")), hidden
-
-    monkeypatch.setattr(runner, "forward", forward)
+    nan_logits(monkeypatch, live.core.runner)
     chat = stream_events(
         live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
     )

@@ -135,6 +135,7 @@ def _pypi_reachable() -> bool:
 
 
 @pytest.mark.skipif(not _pypi_reachable(), reason="PyPI is not reachable")
+@pytest.mark.slow
 def test_image_package_set_resolves_for_its_python_and_platform(tmp_path) -> None:
     """The image's pip install (the project's dependencies and its `gpu` extra) resolves from
     PyPI for the image's Python and platform, binary wheels only, without downloading them;

@@ -88,6 +88,7 @@ def test_referenced_blocks_are_never_evicted(llama_dir) -> None:
             assert all(b.ref_cnt >= 1 for b in table)
 
 
+@pytest.mark.slow
 def test_turn_two_of_a_chat_on_smollm2(smollm2_path) -> None:
     # float32 explicitly: the same greedy answer on every CPU (`auto` may pick bf16)
     llm = LLM(smollm2_path, num_kv_blocks=64, block_size=16, dtype="float32")

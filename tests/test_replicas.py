@@ -11,6 +11,8 @@ import pytest
 from harness.cluster import RouterProcess
 from tests.server_utils import kvserve_server
 
+pytestmark = pytest.mark.slow  # three servers and the router
+
 BS = 16
 
 

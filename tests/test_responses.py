@@ -18,6 +18,8 @@ from openai import NotFoundError, OpenAI
 from tests.openai_schema import validate
 from tests.server_utils import kvserve_server
 
+pytestmark = pytest.mark.slow  # kvserve processes
+
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
 
 EVENT_SCHEMAS = {

@@ -15,6 +15,8 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.server_utils import server_fixture
 
+pytestmark = pytest.mark.slow  # schema-driven traffic against a server
+
 # a short context keeps generated requests (n up to 16, default max_tokens) quick
 server = server_fixture(num_kv_blocks=64, max_model_len=96, max_queue_len=64)
 

@@ -15,6 +15,8 @@ from harness import sse
 from tests.openai_schema import validate
 from tests.server_utils import kvserve_server, server_fixture
 
+pytestmark = pytest.mark.slow  # kvserve processes
+
 KEY = "test-key"
 MAX_LEN = 256
 

@@ -8,6 +8,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.scoring import score_prompt
 
+pytestmark = pytest.mark.slow  # the 135M model
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.soak import run_soak
+
+pytestmark = pytest.mark.slow  # a soak run
 
 
 def test_short_soak(llama_dir) -> None:

@@ -268,6 +268,7 @@ def chi_square_p(a: Counter, b: Counter, tokens: list[int]) -> float:
     return float(torch.special.gammaincc(df / 2, stat / 2))
 
 
+@pytest.mark.slow
 def test_server_flags_stream_and_metrics(llama_dir, heads, reference) -> None:
     """--speculative-model / --num-speculative-tokens through HTTP: greedy completions equal the
     engine's non-speculative tokens (streamed, several tokens per chunk), metrics report it."""

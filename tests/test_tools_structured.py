@@ -14,6 +14,8 @@ from pydantic import BaseModel, Field
 from tests.openai_schema import validate
 from tests.server_utils import kvserve_server
 
+pytestmark = pytest.mark.slow  # kvserve processes and client libraries
+
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
 
 WEATHER = {

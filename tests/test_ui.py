@@ -15,7 +15,10 @@ import pytest
 from tests.server_utils import server_fixture
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium not installed")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium not installed"),
+]
 ARGS = [
     "--headless",
     "--no-sandbox",
