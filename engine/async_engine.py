@@ -26,9 +26,7 @@ from engine.engine_info import EngineInfo
 from engine.kv.remote import KVStoreError, Prefetch, RedisBlockStore
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampler import TokenLogprobs
 from engine.sampling_params import GrammarSpec, ParamError, SamplingParams
-from engine.scoring import prompt_logprobs
 from engine.snapshot import EngineSnapshot
 from models.tokenizer import Tokenizer
 
@@ -188,9 +186,6 @@ class AsyncEngine:
 
     async def snapshot(self) -> EngineSnapshot:
         return await self.call(LLMEngine.snapshot)
-
-    async def prompt_logprobs(self, token_ids: list[int], top: int) -> list[TokenLogprobs | None]:
-        return await self.call(lambda e: prompt_logprobs(e, token_ids, top))
 
     async def reset_prefix_cache(self) -> bool:
         return await self.call(LLMEngine.reset_prefix_cache)

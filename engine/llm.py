@@ -103,6 +103,8 @@ class LLM:
                 comp.text += out.new_text
                 if comp.logprobs is not None:
                     comp.logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    comp.prompt_logprobs = out.prompt_logprobs
                 res.num_cached_tokens = out.num_cached_tokens
                 if out.finished:
                     comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason

@@ -202,6 +202,8 @@ class LLMEngine:
         return failed
 
     def _outputs(self, ran: RunnerOutput, start: StepStart) -> list[RequestOutput]:
+        for request, first, entries in ran.scored:
+            self.outputs.add_prompt_logprobs(request, first, entries)
         outputs = [self.outputs.pooled_output(r, vector) for r, vector in ran.pooled]
         for s, res in ran.sampled:
             request = s.request

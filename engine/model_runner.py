@@ -13,7 +13,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.cuda_graphs import CudaGraphs
 from engine.kv.manager import KVCacheManager
-from engine.runner_output import GrammarMask, RunnerOutput, pool, sample_step
+from engine.runner_output import GrammarMask, RunnerOutput, pool, sample_step, score_prompts
 from engine.scheduler import SchedulerOutput
 from engine.step_inputs import step_inputs
 from models.llama import LlamaForCausalLM
@@ -132,9 +132,15 @@ class ModelRunner:
             result.failed = [(s.request, "the forward pass failed") for s in out.scheduled]
             return result
         result.hidden = hidden
-        pool(hidden, out.scheduled, self.model.spec.hidden_size, result)
+        width = self.model.spec.hidden_size  # the final-normed state, not EAGLE-3's aux
+        pool(hidden, out.scheduled, width, result)
+        score_prompts(hidden, out.scheduled, lambda h: self._logits(h[:, :width]), result)
         sample_step(logits, out.scheduled, grammar, result)
         return result
+
+    @torch.inference_mode()
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:

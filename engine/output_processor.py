@@ -63,9 +63,13 @@ class OutputProcessor:
         # allocation
         self.export_kv = export_kv
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # requests scoring their prompt: the entries so far, by position (None: the first)
+        self.prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self.num_finished = 0
 
     def add(self, request: Request) -> None:
+        if request.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs[request.request_id] = [None] * request.num_prompt_tokens
         if self.tokenizer is None or request.sampling_params.pooling is not None:
             return  # no text to make (an embedding request returns a vector)
         params = request.sampling_params
@@ -76,6 +80,14 @@ class OutputProcessor:
             params.skip_special_tokens,
             params.include_stop_str_in_output,
         )
+
+    def add_prompt_logprobs(
+        self, request: Request, first: int, entries: list[TokenLogprobs]
+    ) -> None:
+        """A chunk's prompt logprobs: entries for the tokens at first + 1, first + 2, ..."""
+        held = self.prompt_logprobs.get(request.request_id)
+        if held is not None:
+            held[first + 1 : first + 1 + len(entries)] = entries
 
     def step_output(
         self, request: Request, tokens: list[int], lps: list[TokenLogprobs | None]
@@ -99,6 +111,8 @@ class OutputProcessor:
                 break
         text = detok.flush(request.is_finished) if detok is not None else ""
         out = request_output(request, tokens, text, [lp for lp in lps if lp is not None])
+        # the first output after the prefill carries the whole prompt's
+        out.prompt_logprobs = self.prompt_logprobs.pop(request.request_id, None)
         if request.is_finished:
             self.detokenizers.pop(request.request_id, None)
             self.num_finished += 1
@@ -115,5 +129,6 @@ class OutputProcessor:
         """The last output of a request ended from outside the step (abort, failure): the text
         held back so far, unless it failed."""
         detok = self.detokenizers.pop(request.request_id, None)
+        self.prompt_logprobs.pop(request.request_id, None)
         text = detok.flush(True) if detok is not None and error is None else ""
         return request_output(request, [], text, error=error)

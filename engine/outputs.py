@@ -23,6 +23,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
     queue_time: float | None = None  # seconds from arrival to first scheduling
+    # with `prompt_logprobs`: each prompt token's logprob (None for the first), in the output
+    # that ends the prefill
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # an embedding request's result: the pooled, L2-normalised hidden state (float32, CPU)
     embedding: torch.Tensor | None = None
     # a finished request with `export_kv`: its prompt's cached full blocks as (hash, bytes),
@@ -40,6 +43,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)

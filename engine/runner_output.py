@@ -6,13 +6,14 @@ logits or hidden states, a sampler error). Pure functions of the step's tensors 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.pooling import normalize
 from engine.request import Request
-from engine.sampler import SamplerOutput, sample
+from engine.sampler import SamplerOutput, TokenLogprobs, sample
 from engine.scheduler import ScheduledRequest
 from engine.spec_decode import verify
 from engine.token_bitmask import apply_bitmask
@@ -33,12 +34,15 @@ class GrammarMask:
 class RunnerOutput:
     """One step's results. `sampled`: each sampling request's tokens (one, or its accepted
     drafts plus the target's own token); `pooled`: embedding requests whose prefill ended, with
-    their normalised vectors (float32, CPU); `failed`: requests that failed alone, with why;
+    their normalised vectors (float32, CPU); `scored`: the prompt logprobs this step's chunks
+    computed, for requests that score their prompt; `failed`: requests that failed alone, with why;
     `hidden`: every scheduled token's hidden state (the draft head's features), None when the
     forward itself failed."""
 
     sampled: list[tuple[ScheduledRequest, SamplerOutput]] = field(default_factory=list)
     pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
+    # (request, first position, prompt logprobs of the tokens after it) per scoring chunk
+    scored: list[tuple[Request, int, list[TokenLogprobs]]] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)
     hidden: torch.Tensor | None = None
 
@@ -88,6 +92,35 @@ def pool(
         else:
             log.error("request %s: non-finite hidden state; failing it", r.request_id)
             into.failed.append((r, "the model produced a NaN/inf hidden state"))
+
+
+def score_prompts(
+    hidden: torch.Tensor,
+    scheduled: list[ScheduledRequest],
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    into: RunnerOutput,
+) -> None:
+    """Requests with `prompt_logprobs`: each chunk position p whose next token is a prompt
+    token gives that token's logprob and the top alternatives. Positions are as scheduled
+    (`num_computed_tokens` before the step's update); a recomputed chunk gives them again."""
+    row = 0
+    for s in scheduled:
+        r, n = s.request, s.num_new_tokens
+        top = r.sampling_params.prompt_logprobs
+        start = r.num_computed_tokens
+        end = min(start + n, r.num_prompt_tokens - 1)  # the last prompt row samples instead
+        if top is not None and end > start:
+            lp = logits_of(hidden[row : row + end - start]).log_softmax(-1)
+            following = r.prompt_token_ids[start + 1 : end + 1]
+            index = torch.tensor(following, device=lp.device)[:, None]
+            chosen = lp.gather(1, index)[:, 0].tolist()
+            alternatives: list[list[tuple[int, float]]] = [[] for _ in chosen]
+            if top > 0:
+                values, indices = lp.topk(top, dim=-1)
+                alternatives = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+            entries = [TokenLogprobs(*e) for e in zip(following, chosen, alternatives, strict=True)]
+            into.scored.append((r, start, entries))
+        row += n
 
 
 def sample_step(

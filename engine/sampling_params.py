@@ -44,6 +44,10 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token
+    # score the prompt too: each prompt token's logprob given the tokens before it, with this
+    # many alternatives (`RequestOutput.prompt_logprobs`); computed in the request's own
+    # prefill, which then takes no prefix-cache hits (it needs every position's logits)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     grammar: GrammarSpec | None = None  # constrained decoding
@@ -71,6 +75,11 @@ class SamplingParams:
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "must be in [0, 20]",
+            ),
             ("pooling", self.pooling in (None, "last", "mean"), "must be last or mean"),
             (
                 "logit_bias",

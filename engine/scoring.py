@@ -1,7 +1,7 @@
-"""Prompt scoring: logits for every position of a token sequence, through the same paged path as
-serving (blocks allocated, KV written, attention planned), then freed. Used for prompt logprobs
-(`echo` in the completions API) and for numerical checks against reference implementations.
-Must run on the engine thread, between steps."""
+"""Logits for every position of a token sequence, through the same paged path as serving (blocks
+allocated, KV written, attention planned), then freed: the numerical checks against reference
+implementations (tests, benchmarks) use it, on an engine nothing else is stepping. Serving scores
+prompts through the scheduler instead (`SamplingParams.prompt_logprobs`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.request import Request
-from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -31,21 +30,3 @@ def score_prompt(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
         )
     finally:
         engine.kv.free(request)
-
-
-def prompt_logprobs(
-    engine: LLMEngine, token_ids: list[int], top: int
-) -> list[TokenLogprobs | None]:
-    """Each prompt token's logprob given the tokens before it, with the `top` most likely
-    alternatives; None for the first token, which nothing predicts."""
-    if len(token_ids) < 2:
-        return [None] * len(token_ids)
-    lp = score_prompt(engine, token_ids)[:-1].log_softmax(-1)
-    chosen = lp.gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0].tolist()
-    tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
-    if top > 0:
-        values, indices = lp.topk(top, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-    return [None] + [
-        TokenLogprobs(t, c, alt) for t, c, alt in zip(token_ids[1:], chosen, tops, strict=True)
-    ]

@@ -29,6 +29,7 @@ class Choice:
     num_cached_tokens: int = 0
     kv_blocks: list[tuple[bytes, bytes]] | None = None  # exported at its end (disaggregation)
     embedding: torch.Tensor | None = None  # an embedding request's pooled vector
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # the prompt's, when scored
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
@@ -37,6 +38,8 @@ class Choice:
         self.num_cached_tokens = out.num_cached_tokens
         if out.embedding is not None:
             self.embedding = out.embedding
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
             self.kv_blocks = out.kv_blocks

@@ -94,6 +94,7 @@ class GenerationPlan:
     grammar: tuple[GrammarSpec, str] | None = None
     session: str | None = None  # a session's turns keep their KV warm (server/sessions.py)
     kv_transfer_params: dict | None = None
+    prompt_logprobs: int | None = None  # score each prompt too (echo), with this many top
     param_names: dict[str, str] = field(default_factory=dict)
 
 
@@ -112,6 +113,8 @@ async def start(
             engine, body, plan.prompts, plan.logprobs, plan.req_id, plan.max_tokens,
             plan.grammar[0] if plan.grammar else None,
         )  # fmt: skip
+        for c in choices[:: body.n]:  # a prompt is scored once, by its first choice
+            c.params.prompt_logprobs = plan.prompt_logprobs
         publish = await kv_handover(state, engine, choices, body.n, plan.kv_transfer_params)
     except (APIError, ParamError) as e:
         raise renamed(to_api_error(e), plan.param_names) from None

@@ -52,6 +52,7 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "suffix is not supported (no fill-in-the-middle)", param="suffix")
     engine = state.ready_engine()
     prompts = completion_prompts(engine, body)
+    echo_logprobs = body.echo and body.logprobs is not None and engine.tokenizer is not None
     plan = GenerationPlan(
         req_id=f"cmpl-{uuid.uuid4().hex}",
         body=body,
@@ -60,6 +61,7 @@ async def completions(request: Request) -> Response:
         logprobs=body.logprobs,
         grammar=grammar_for(body),
         kv_transfer_params=body.kv_transfer_params,
+        prompt_logprobs=body.logprobs if echo_logprobs else None,
     )
     tokenizer = engine.tokenizer
 
@@ -67,11 +69,6 @@ async def completions(request: Request) -> Response:
         return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
 
     prompt_texts = [decode(p) for p in prompts] if body.echo else []
-    echo_lps: list[dict | None] = [None] * len(prompts)
-    if body.echo and body.logprobs is not None and tokenizer is not None:
-        for i, ids in enumerate(prompts):
-            entries = await engine.prompt_logprobs(ids, body.logprobs)
-            echo_lps[i] = completion_logprobs(tokenizer, entries, ids, 0)
     gen = await start(state, engine, request, plan)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -85,8 +82,12 @@ async def completions(request: Request) -> Response:
             lps = None
             if body.logprobs is not None and tokenizer is not None:
                 lps = completion_logprobs(tokenizer, list(ch.logprobs), ch.token_ids, len(prefix))
-                if echo_lps[p_idx] is not None:
-                    lps = merge_logprobs(echo_lps[p_idx], lps)
+                scored = gen.choices[p_idx * body.n]  # the prompt's first choice scored it
+                if echo_logprobs and scored.prompt_logprobs is not None:
+                    echo = completion_logprobs(
+                        tokenizer, scored.prompt_logprobs, scored.prompt_ids, 0
+                    )
+                    lps = merge_logprobs(echo, lps)
             out_choices.append(
                 {
                     "index": ch.index,

@@ -86,12 +86,14 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """Longest cached prefix of the request, in whole blocks, leaving at least the last token
-        to compute so the request gets logits. Mean-pooling embedding requests take no hits:
-        they need every position's hidden state (engine/pooling.py)."""
+        to compute so the request gets logits. Mean-pooling embedding requests and requests
+        that score their prompt take no hits: they need every position's hidden state
+        (engine/pooling.py) or logits."""
         hit = PrefixHit()
         if not self.enable_caching or request.num_computed_tokens > 0:
             return hit
-        if request.sampling_params.pooling == "mean":
+        params = request.sampling_params
+        if params.pooling == "mean" or params.prompt_logprobs is not None:
             return hit
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
