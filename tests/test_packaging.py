@@ -201,6 +201,7 @@ def test_every_flag_says_what_it_does_and_its_choices() -> None:
         a.dest for a in actions if not a.help
     ]
     by_name = {a.dest: a for a in actions}
+    assert "--kv-cache-dtype {auto," in parser.format_help()  # the help renders
     assert set(by_name["role"].choices) == {"both", "prefill", "decode"}
     assert "kv_transfer_params" in by_name["role"].help
     assert "bfloat16" in by_name["dtype"].choices and "auto:" in by_name["dtype"].help
