@@ -48,17 +48,22 @@ class TemplateTraits:
         return TemplateTraits("tools" in source, "developer" in source)
 
 
-def _arguments_object(arguments: str, where: str) -> Any:
+def _arguments_object(arguments: str) -> Any:
+    """A call's arguments as the template wants them: the JSON value when they are JSON, else
+    the text as sent (OpenAI takes any string: a call cut off at the token cap comes back
+    unfinished, and the next turn must still render it)."""
     try:
         return json.loads(arguments)
     except json.JSONDecodeError:
-        raise APIError(
-            400, f"{where}: function arguments are not valid JSON", param=where
-        ) from None
+        return arguments
 
 
 def _tool_call_block(name: str, arguments: Any) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+    """A call in the fallback (Hermes) format, as the model wrote it: unfinished arguments
+    text is rendered back verbatim."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    call = '{"name": ' + json.dumps(name) + ', "arguments": ' + args + "}"
+    return "<tool_call>\n" + call + "\n</tool_call>"
 
 
 def template_messages(
@@ -85,7 +90,6 @@ def template_messages(
         calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
         if m.function_call is not None:
             calls.append(("call_0", m.function_call.name, m.function_call.arguments))
-        where = f"messages.{i}.tool_calls"
         if role == "function":  # legacy function result
             role, entry = "tool", {"role": "tool", "content": m.text(), "name": m.name}
         if traits.knows_tools:
@@ -94,7 +98,7 @@ def template_messages(
                     {
                         "id": cid,
                         "type": "function",
-                        "function": {"name": n, "arguments": _arguments_object(a, where)},
+                        "function": {"name": n, "arguments": _arguments_object(a)},
                     }
                     for cid, n, a in calls
                 ]
@@ -104,7 +108,7 @@ def template_messages(
                 entry["tool_call_id"] = m.tool_call_id
         else:
             if calls:
-                blocks = [_tool_call_block(n, _arguments_object(a, where)) for _, n, a in calls]
+                blocks = [_tool_call_block(n, _arguments_object(a)) for _, n, a in calls]
                 entry["content"] = "\n".join([t for t in [m.text()] if t] + blocks)
             if role == "tool":
                 entry = {

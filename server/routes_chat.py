@@ -113,10 +113,13 @@ async def chat_completions(request: Request) -> Response:
         if plan.calls_parser is None or plan.tools is None:
             return msg, reason
         parsed = plan.calls_parser.parse(ch.text)
+        if not parsed.calls:  # no call begun: the text as written
+            return msg, reason
+        # a begun call's markup is never content, even when the cap cut it off before its name
+        msg["content"] = parsed.content.strip() or None
         calls = final_calls(parsed)[: None if plan.tools.parallel else 1]
         if not calls:
             return msg, reason
-        msg["content"] = parsed.content.strip() or None
         if plan.legacy:
             msg["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
             return msg, "function_call" if reason == "stop" else reason

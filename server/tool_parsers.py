@@ -204,8 +204,10 @@ class ToolCall:
 
 
 def final_calls(parsed: Parsed, ids: list[str] | None = None) -> list[ToolCall]:
-    """The complete calls of a finished output (an incomplete or nameless one is dropped)."""
-    calls = [c for c in parsed.calls if c.done and c.name]
+    """The calls of a finished output: every call whose name is complete, its arguments as
+    generated even when the output was cut off inside them (OpenAI returns those too, with
+    finish_reason length); a nameless one is dropped."""
+    calls = [c for c in parsed.calls if c.name]
     ids = ids or []
     return [
         ToolCall(ids[i] if i < len(ids) else new_call_id(), c.name or "", c.arguments)
@@ -228,8 +230,8 @@ class ToolCallStream:
         self.text += delta
         parsed = self.parser.parse(self.text)
         content = parsed.content
-        if finished and parsed.in_call and not any(c.done for c in parsed.calls):
-            content = self.text  # a call that never completed: it was text after all
+        if finished and parsed.in_call and not parsed.calls:
+            content = self.text  # a held-back marker prefix that never became a call: text
         new_content = content[self.content_sent :]
         self.content_sent = max(self.content_sent, len(content))
         deltas = []

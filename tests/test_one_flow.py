@@ -5,6 +5,7 @@ copies of the flow had drifted apart."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -84,3 +85,39 @@ def test_embeddings_record_request_latency_like_generation(live) -> None:
     assert r.status_code == 200, r.text
     for name, count in before.items():
         assert metric(live, name) == count + 1, name  # one request, two inputs
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}]}),
+        ("/v1/completions", {"prompt": "go"}),
+        ("/v1/responses", {"input": "go"}),
+    ],
+)
+def test_a_client_that_leaves_a_whole_response_frees_it_at_the_next_step(
+    live, monkeypatch, path, body
+) -> None:
+    """Not streamed: a client that times out (leaves) aborts its request within a step or two;
+    the slot and blocks come back long before its token cap would have been reached."""
+    core, original = live.core, live.core.runner.forward
+
+    def slow_forward(out):  # ~50 ms a step: the cap below would take ~20 s
+        time.sleep(0.05)
+        return original(out)
+
+    monkeypatch.setattr(core.runner, "forward", slow_forward)
+    before = core.stats.generation_tokens
+    cap = {"max_output_tokens": 400} if path == "/v1/responses" else {"max_tokens": 400}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            live.base + path,
+            json={**body, **cap, "ignore_eos": True, "temperature": 0},
+            timeout=0.5,
+        )
+    deadline = time.monotonic() + 4
+    while core.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not core.has_unfinished()
+    assert core.stats.generation_tokens - before < 200  # aborted, not run to its cap
+    assert core.kv.pool.num_free_blocks == core.num_blocks

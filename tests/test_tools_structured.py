@@ -366,3 +366,87 @@ def test_legacy_functions_map_onto_tools(client) -> None:
     assert r.choices[0].finish_reason == "function_call"
     assert msg.function_call.name == "get_weather"
     check_weather_args(msg.function_call.arguments)
+
+
+def test_a_call_cut_by_the_token_cap_is_a_call_never_markup(client) -> None:
+    """A forced call the cap cuts short comes back as a call with its arguments as generated
+    (finish_reason length), streamed or not; a cut before the call's name leaves no content
+    either: the template's markup is never the answer."""
+    cut_inside_arguments = 0
+    for max_tokens in (6, 14, 20, 24):
+        kw = dict(
+            model="SmolLM2-135M-Instruct", messages=ASK, tools=[WEATHER],
+            tool_choice="required", temperature=0, max_tokens=max_tokens,
+        )  # fmt: skip
+        r = client.chat.completions.create(**kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "length"
+        assert choice.message.content is None, choice.message.content
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(**kw, stream=True)
+            if c.choices
+        )
+        assert "<tool_call" not in streamed and not streamed.strip(), streamed
+        for call in choice.message.tool_calls or []:
+            assert call.function.name == "get_weather"
+            try:
+                json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                cut_inside_arguments += 1
+    assert cut_inside_arguments, "no cap cut a call inside its arguments"
+    tool = {"type": "function", **WEATHER["function"]}
+    for cap in (6, 20):
+        r = client.responses.create(
+            model="SmolLM2-135M-Instruct", input=ASK[0]["content"], tools=[tool],
+            tool_choice="required", temperature=0, max_output_tokens=cap,
+        )  # fmt: skip
+        assert r.status == "incomplete"
+        texts = [p.text for item in r.output if item.type == "message" for p in item.content]
+        assert not "".join(texts).strip(), texts
+        assert all(item.name == "get_weather" for item in r.output if item.type == "function_call")
+
+
+def test_history_with_unfinished_arguments_is_taken_back(server, client) -> None:
+    """The next turn sends back the cut-off call the server made: any arguments string is
+    accepted (OpenAI's rule) and rendered back as written, on chat and on /v1/responses."""
+    partial = '{"city": "Par'
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": partial},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "error: arguments cut off"},
+    ]
+    ids = httpx.post(
+        server.base + "/tokenize", json={"messages": history, "tools": [WEATHER]}, timeout=30
+    ).json()["tokens"]
+    text = httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=30).json()[
+        "prompt"
+    ]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par}' in text
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=history, tools=[WEATHER], max_tokens=4
+    )
+    assert r.usage.prompt_tokens == len(ids)
+    items = [
+        {"role": "user", "content": ASK[0]["content"]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": partial},
+        {"type": "function_call_output", "call_id": "call_1", "output": "cut off"},
+    ]  # fmt: skip
+    resp = httpx.post(
+        server.base + "/v1/responses",
+        json={"input": items, "tools": [{"type": "function", **WEATHER["function"]}],
+              "max_output_tokens": 4},
+        timeout=60,
+    )  # fmt: skip
+    assert resp.status_code == 200, resp.text
