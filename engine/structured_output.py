@@ -43,26 +43,41 @@ def _choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+def _compact_json(schema: dict[str, Any]) -> dict[str, Any]:
+    """A structural tag's content: JSON following `schema` in the compact canonical form (no
+    optional whitespace: a small model spends no tokens on indentation, and clients that
+    compare arguments get one spelling)."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    return {"type": "grammar", "grammar": str(grammar)}
+
+
 def _tool_calls_tag(source: str) -> dict[str, Any]:
     """Hermes calls, `<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>`, the name one
-    of the tools' and ARGS following its parameters schema; one unless parallel. "forced": only
-    calls, at least one; "free" (tool_choice auto with strict tools): any text, and whatever
-    follows a `<tool_call>` trigger is such a call."""
+    of the tools' and ARGS following its parameters schema in compact JSON; one unless parallel,
+    and the turn ends after the last. "forced": only calls, at least one; "free" (tool_choice
+    auto with strict tools): any text, and whatever follows a `<tool_call>` trigger is such a
+    call. With an `answer` schema (response_format beside the tools): calls, or one answer in
+    that format."""
     spec = json.loads(source)
     tags = [
         {
             "type": "tag",
             "begin": '<tool_call>\n{"name": ' + json.dumps(t["name"]) + ', "arguments": ',
-            "content": {"type": "json_schema", "json_schema": t["parameters"]},
+            "content": _compact_json(t["parameters"]),
             "end": "}\n</tool_call>",
         }
         for t in spec["tools"]
     ]
-    if spec.get("mode", "forced") == "free":
+    answer = spec.get("answer")
+    if spec.get("mode", "forced") == "free" and answer is None:
         calls = {"type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": False}
     else:
         calls = {"type": "tags_with_separator", "separator": "\n", "at_least_one": True}
     calls |= {"tags": tags, "stop_after_first": not spec["parallel"]}
+    if answer is not None:
+        calls = {"type": "or", "elements": [calls, _compact_json(answer)]}
     return {"type": "structural_tag", "format": calls}
 
 

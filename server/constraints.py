@@ -128,9 +128,13 @@ def _spec(kind: str, value: Any, param: str) -> GrammarSpec:
     return GrammarSpec(kind, value)  # regex, grammar (EBNF / Lark)
 
 
-def tool_call_spec(plan: ToolPlan, parser_name: str) -> GrammarSpec:
+def tool_call_spec(
+    plan: ToolPlan, parser_name: str, answer: GrammarSpec | None = None
+) -> GrammarSpec:
     """The calls `required` / a named choice must produce, or (auto with `strict` tools) the
-    shape any call the model chooses to make must have, in the parser's format."""
+    shape any call the model chooses to make must have, in the parser's format. `answer`
+    (response_format beside the tools): the output is such calls or one answer in that JSON
+    format, as OpenAI serves an agent with tools and an output type."""
     if parser_name != "hermes":
         what = "strict tools" if plan.choice == "auto" else f"tool_choice {plan.choice!r}"
         raise APIError(
@@ -144,6 +148,7 @@ def tool_call_spec(plan: ToolPlan, parser_name: str) -> GrammarSpec:
         "format": "hermes",
         "mode": "free" if plan.choice == "auto" else "forced",
         "parallel": plan.parallel and plan.name is None,
+        **({"answer": _answer_schema(answer)} if answer is not None else {}),
         "tools": [
             {"name": t.function.name, "parameters": t.function.parameters or {"type": "object"}}
             for t in tools
@@ -152,15 +157,26 @@ def tool_call_spec(plan: ToolPlan, parser_name: str) -> GrammarSpec:
     return GrammarSpec("tool_calls", json.dumps(payload, sort_keys=True))
 
 
+def _answer_schema(spec: GrammarSpec) -> dict[str, Any]:
+    return json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
+
+
 def grammar_for(
     body: StructuredFields, plan: ToolPlan | None = None, parser_name: str = "hermes"
 ) -> tuple[GrammarSpec, str] | None:
-    """The one grammar a request's output must follow and the parameter that asked for it."""
+    """The one grammar a request's output must follow and the parameter that asked for it.
+    Tools that constrain (required, named, strict) and response_format combine into one
+    grammar, calls or an answer in the format; other pairs of constraints are a 400."""
     found = _requested(body)
+    calls_param = None
     if plan is not None and plan.choice in ("required", "named"):
-        found.append(("tool_choice", tool_call_spec(plan, parser_name)))
+        calls_param = "tool_choice"
     elif plan is not None and plan.choice == "auto" and any(t.function.strict for t in plan.tools):
-        found.append(("tools", tool_call_spec(plan, parser_name)))  # strict: calls follow schemas
+        calls_param = "tools"  # strict: calls follow their schemas
+    if plan is not None and calls_param is not None:
+        if len(found) == 1 and found[0][0] == "response_format" and found[0][1] is not None:
+            return tool_call_spec(plan, parser_name, answer=found[0][1]), calls_param
+        found.append((calls_param, tool_call_spec(plan, parser_name)))
     if not found:
         return None
     if len(found) > 1:

@@ -281,8 +281,7 @@ def test_what_cannot_be_honoured_is_a_400(server) -> None:
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": [WEATHER], "tool_choice": "required",
-          "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a+"}, "tool_choice"),
         ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
         ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0.type"),
     ]  # fmt: skip
@@ -450,3 +449,64 @@ def test_history_with_unfinished_arguments_is_taken_back(server, client) -> None
         timeout=60,
     )  # fmt: skip
     assert resp.status_code == 200, resp.text
+
+
+def test_forced_calls_are_compact_and_end_the_turn(client) -> None:
+    """A forced call's arguments carry no optional whitespace (a small model spends its budget
+    on the call, not on indentation) and the turn ends right after it."""
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=ASK, tools=[WEATHER], tool_choice="required",
+        parallel_tool_calls=False, temperature=0, max_tokens=60,
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    args = call.function.arguments
+    check_weather_args(args)
+    assert args == json.dumps(json.loads(args), ensure_ascii=False, separators=COMPACT), args
+    assert r.usage.completion_tokens < 60
+
+
+COMPACT = (", ", ": ")
+
+
+def test_response_format_beside_required_tools_is_a_call_or_an_answer(server, client) -> None:
+    """An agent with tools and an output type (the Agents SDK sends both): one grammar, the
+    union of the calls and the format; on chat and on /v1/responses."""
+    city = {
+        "type": "json_schema",
+        "json_schema": {"name": "City", "schema": City.model_json_schema()},
+    }
+    for choice, seed in (("required", 1), ("auto", 2)):
+        tools = (
+            [WEATHER]
+            if choice == "required"
+            else [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]
+        )
+        r = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=ASK, tools=tools, tool_choice=choice,
+            response_format=city, temperature=0.7, seed=seed, max_tokens=120,
+        )  # fmt: skip
+        msg = r.choices[0].message
+        if msg.tool_calls:
+            check_weather_args(msg.tool_calls[0].function.arguments)
+            assert r.choices[0].finish_reason == "tool_calls"
+        else:
+            City.model_validate_json(msg.content)
+    resp = httpx.post(
+        server.base + "/v1/responses",
+        json={
+            "input": ASK[0]["content"], "tools": [{"type": "function", **WEATHER["function"]}],
+            "tool_choice": "required", "max_output_tokens": 120, "temperature": 0,
+            "text": {"format": {"type": "json_schema", "name": "City",
+                                "schema": City.model_json_schema()}},
+        },
+        timeout=60,
+    )  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    items = resp.json()["output"]
+    calls = [i for i in items if i["type"] == "function_call"]
+    if calls:
+        check_weather_args(calls[0]["arguments"])
+    else:
+        City.model_validate_json(items[0]["content"][0]["text"])
