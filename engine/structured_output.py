@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -53,29 +54,68 @@ def _compact_json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "grammar", "grammar": str(grammar)}
 
 
+@dataclass(frozen=True, slots=True)
+class CallFormat:
+    """How a tool-call format spells calls (server/tool_parsers.py reads them back): each call
+    `begin` (with the name) + arguments + `end`, calls joined by `separator`, the whole list
+    inside `opening` ... `closing`; `trigger` starts a call in free text."""
+
+    begin: str  # %s: the JSON-quoted name
+    end: str
+    separator: str
+    trigger: str
+    opening: str = ""
+    closing: str = ""
+
+
+CALL_FORMATS = {
+    "hermes": CallFormat(
+        '<tool_call>\n{"name": %s, "arguments": ', "}\n</tool_call>", "\n", "<tool_call>"
+    ),
+    "llama3_json": CallFormat('{"name": %s, "parameters": ', "}", "; ", '{"name": '),
+    "mistral": CallFormat(
+        '{"name": %s, "arguments": ', "}", ", ", "[TOOL_CALLS]", "[TOOL_CALLS] [", "]"
+    ),
+}
+
+
 def _tool_calls_tag(source: str) -> dict[str, Any]:
-    """Hermes calls, `<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>`, the name one
-    of the tools' and ARGS following its parameters schema in compact JSON; one unless parallel,
+    """Calls in the request's tool-call format (`CALL_FORMATS`), each name one of the tools'
+    and its arguments following its parameters schema in compact JSON; one unless parallel,
     and the turn ends after the last. "forced": only calls, at least one; "free" (tool_choice
-    auto with strict tools): any text, and whatever follows a `<tool_call>` trigger is such a
-    call. With an `answer` schema (response_format beside the tools): calls, or one answer in
-    that format."""
+    auto with strict tools): any text, and whatever follows the format's trigger is such a
+    call (one per trigger). With an `answer` schema (response_format beside the tools): calls,
+    or one answer in that format."""
     spec = json.loads(source)
-    tags = [
-        {
-            "type": "tag",
-            "begin": '<tool_call>\n{"name": ' + json.dumps(t["name"]) + ', "arguments": ',
-            "content": _compact_json(t["parameters"]),
-            "end": "}\n</tool_call>",
-        }
-        for t in spec["tools"]
-    ]
+    fmt = CALL_FORMATS[spec.get("format", "hermes")]
     answer = spec.get("answer")
-    if spec.get("mode", "forced") == "free" and answer is None:
-        calls = {"type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": False}
-    else:
-        calls = {"type": "tags_with_separator", "separator": "\n", "at_least_one": True}
-    calls |= {"tags": tags, "stop_after_first": not spec["parallel"]}
+    free = spec.get("mode", "forced") == "free" and answer is None
+
+    def tag(t: dict[str, Any], wrap: bool) -> dict[str, Any]:
+        begin = fmt.begin % json.dumps(t["name"])
+        end = fmt.end
+        if wrap:  # a free-text call carries the list's own markers
+            begin, end = fmt.opening + begin, end + fmt.closing
+        return {"type": "tag", "begin": begin, "content": _compact_json(t["parameters"]),
+                "end": end}  # fmt: skip
+
+    if free:
+        tags = [tag(t, wrap=True) for t in spec["tools"]]
+        calls = {"type": "triggered_tags", "triggers": [fmt.trigger], "at_least_one": False,
+                 "tags": tags, "stop_after_first": not spec["parallel"]}  # fmt: skip
+        return {"type": "structural_tag", "format": calls}
+    calls = {
+        "type": "tags_with_separator",
+        "separator": fmt.separator,
+        "at_least_one": True,
+        "tags": [tag(t, wrap=False) for t in spec["tools"]],
+        "stop_after_first": not spec["parallel"],
+    }
+    if fmt.opening or fmt.closing:
+        calls = {"type": "sequence", "elements": [
+            {"type": "const_string", "value": fmt.opening}, calls,
+            {"type": "const_string", "value": fmt.closing},
+        ]}  # fmt: skip
     if answer is not None:
         calls = {"type": "or", "elements": [calls, _compact_json(answer)]}
     return {"type": "structural_tag", "format": calls}

@@ -135,17 +135,9 @@ def tool_call_spec(
     shape any call the model chooses to make must have, in the parser's format. `answer`
     (response_format beside the tools): the output is such calls or one answer in that JSON
     format, as OpenAI serves an agent with tools and an output type."""
-    if parser_name != "hermes":
-        what = "strict tools" if plan.choice == "auto" else f"tool_choice {plan.choice!r}"
-        raise APIError(
-            400,
-            f"{what}: calls can be enforced in the hermes tool-call format only; this model's "
-            f"template uses {parser_name!r}: use tool_choice 'auto' without strict",
-            param="tool_choice" if plan.choice != "auto" else "tools",
-        )
     tools = [t for t in plan.tools if plan.name is None or t.function.name == plan.name]
     payload = {
-        "format": "hermes",
+        "format": parser_name,  # engine/structured_output.py: CALL_FORMATS
         "mode": "free" if plan.choice == "auto" else "forced",
         "parallel": plan.parallel and plan.name is None,
         **({"answer": _answer_schema(answer)} if answer is not None else {}),

@@ -48,10 +48,10 @@ class InProcessServer:
     the live engine; the server sees only the AsyncEngine door. `server` options go to
     ServerConfig."""
 
-    def __init__(self, model_dir: str | Path, **server: object) -> None:
+    def __init__(self, model_dir: str | Path, max_model_len: int = 512, **server: object) -> None:
         self.fatal: list[BaseException] = []
         self.core = LLMEngine(
-            EngineConfig(model=str(model_dir), num_kv_blocks=128, max_model_len=512)
+            EngineConfig(model=str(model_dir), num_kv_blocks=128, max_model_len=max_model_len)
         )
         self.engine = AsyncEngine(self.core)
         config = Config(ServerConfig(**server), self.core.config)  # type: ignore[arg-type]

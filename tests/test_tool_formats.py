@@ -1,0 +1,98 @@
+"""Forced tool calls in every tool-call format the server parses (hermes, llama3_json, mistral):
+`required`, a named function and strict tools are enforced by the grammar in the format the
+model's template teaches, and come back as OpenAI tool calls, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.server_utils import InProcessServer
+
+pytestmark = pytest.mark.slow  # in-process servers
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 8}},
+            "required": ["zone"],
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module", params=["hermes", "llama3_json", "mistral"])
+def client(request, llama_dir):
+    server = InProcessServer(llama_dir, max_model_len=2048, tool_call_parser=request.param)
+    yield openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
+    server.stop()
+
+
+def check(call, name: str | None = None) -> None:
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    else:
+        assert call.function.name == "get_time" and set(args) == {"zone"}
+    assert name is None or call.function.name == name
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_calls_in_the_format(client, choice) -> None:
+    tool_choice = (
+        "required"
+        if choice == "required"
+        else {"type": "function", "function": {"name": "get_time"}}
+    )
+    kw = dict(
+        model="", messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice,
+        parallel_tool_calls=False, temperature=0, max_tokens=200,
+    )  # fmt: skip
+    r = client.chat.completions.create(**kw)
+    choice_out = r.choices[0]
+    assert choice_out.finish_reason == "tool_calls", choice_out
+    assert choice_out.message.content is None
+    (call,) = choice_out.message.tool_calls
+    check(call, None if choice == "required" else "get_time")
+    streamed: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(tc.index, {"name": None, "arguments": ""})
+            entry["name"] = entry["name"] or (tc.function.name if tc.function else None)
+            entry["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
+        (call.function.name, call.function.arguments)
+    ]
+
+
+def test_strict_tools_shape_the_calls_the_model_chooses(client) -> None:
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    r = client.chat.completions.create(
+        model="", messages=ASK, tools=[strict], tool_choice="auto", temperature=0,
+        max_tokens=120,
+    )  # fmt: skip
+    for call in r.choices[0].message.tool_calls or []:
+        check(call, "get_weather")
