@@ -10,35 +10,9 @@ import openai
 import pytest
 
 from tests.server_utils import InProcessServer
+from tests.tool_schemas import ASK, TIME, WEATHER
 
 pytestmark = pytest.mark.slow  # in-process servers
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 8}},
-            "required": ["zone"],
-        },
-    },
-}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module", params=["hermes", "llama3_json", "mistral"])

@@ -13,38 +13,11 @@ from pydantic import BaseModel, Field
 
 from tests.openai_schema import validate
 from tests.server_utils import kvserve_server
+from tests.tool_schemas import ASK, TIME, WEATHER
 
 pytestmark = pytest.mark.slow  # kvserve processes and client libraries
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 12}},
-            "required": ["zone"],
-        },
-    },
-}
-ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
 
 
 class City(BaseModel):
@@ -159,28 +132,29 @@ def test_non_streaming_named_call_and_parallel_off(client) -> None:
     validate("CreateChatCompletionResponse", r.model_dump(mode="json", exclude_unset=True))
 
 
-def test_follow_up_turn_renders_calls_and_results(server, client) -> None:
-    history = [
+def weather_call_history(arguments: str, result: str) -> list[dict]:
+    """ASK, an assistant turn calling get_weather with `arguments`, and the tool's `result`."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments}}  # fmt: skip
+    return [
         *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": result},
     ]
+
+
+def rendered(server, history: list[dict]) -> tuple[list[int], str]:
+    """The prompt ids and text the server renders for `history` with the weather tool."""
     ids = httpx.post(
         server.base + "/tokenize", json={"messages": history, "tools": [WEATHER]}, timeout=30
     ).json()["tokens"]
-    text = httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=30).json()[
-        "prompt"
-    ]
+    text = httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=30).json()
+    return ids, text["prompt"]
+
+
+def test_follow_up_turn_renders_calls_and_results(server, client) -> None:
+    history = weather_call_history('{"city": "Paris"}', "21 C, sunny")
+    ids, text = rendered(server, history)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
     assert "<tool_response>\n21 C, sunny\n</tool_response>" in text
     assert '"name": "get_weather"' in text.split("<tools>\n")[1]  # the fallback's tool list
@@ -410,27 +384,8 @@ def test_history_with_unfinished_arguments_is_taken_back(server, client) -> None
     """The next turn sends back the cut-off call the server made: any arguments string is
     accepted (OpenAI's rule) and rendered back as written, on chat and on /v1/responses."""
     partial = '{"city": "Par'
-    history = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": partial},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "error: arguments cut off"},
-    ]
-    ids = httpx.post(
-        server.base + "/tokenize", json={"messages": history, "tools": [WEATHER]}, timeout=30
-    ).json()["tokens"]
-    text = httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=30).json()[
-        "prompt"
-    ]
+    history = weather_call_history(partial, "error: arguments cut off")
+    ids, text = rendered(server, history)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par}' in text
     r = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=history, tools=[WEATHER], max_tokens=4
