@@ -194,7 +194,7 @@ class LLMEngine:
         )  # fmt: skip
         self.scheduler.update(scheduled, ran.token_ids())
         if self.structured is not None:
-            emitted = [(s, start.new_tokens(s.request)) for s, _ in ran.sampled]
+            emitted = [(s.request, start.new_tokens(s.request)) for s, _ in ran.sampled]
             for request in self.structured.advance(emitted):
                 self.scheduler.finish(request.request_id, FinishReason.STOP)
         for request, _ in ran.pooled:  # an embedding request ends with its prefill

@@ -47,11 +47,9 @@ def _choice_ebnf(choices: list[str]) -> str:
 def _compact_json(schema: dict[str, Any]) -> dict[str, Any]:
     """A structural tag's content: JSON following `schema` in the compact canonical form (no
     optional whitespace: a small model spends no tokens on indentation, and clients that
-    compare arguments get one spelling)."""
-    import xgrammar as xgr
-
-    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    return {"type": "grammar", "grammar": str(grammar)}
+    compare arguments get one spelling): the grammar a response_format schema compiles to."""
+    spec = GrammarSpec("json_schema", json.dumps(schema))  # the schema's own key order
+    return {"type": "grammar", "grammar": grammar_source(spec)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,12 +243,11 @@ class StructuredOutputs:
         if rows:
             apply_bitmask(logits, self.fill(matchers), rows)
 
-    def advance(self, sampled: list[tuple[ScheduledRequest, list[int]]]) -> list[Request]:
+    def advance(self, emitted: list[tuple[Request, list[int]]]) -> list[Request]:
         """Each constrained request's grammar takes the tokens it emitted this step; returns
         the requests whose grammar has reached its end (they end, even under ignore_eos)."""
         ended = []
-        for s, tokens in sampled:
-            r = s.request
+        for r, tokens in emitted:
             if r.matcher is None:
                 continue
             for token in tokens:

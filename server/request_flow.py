@@ -20,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import GrammarSpec, ParamError, SamplingParams
-from server.errors import APIError, RequestFailed, RequestTimeout, to_api_error
+from server.errors import APIError, RequestFailed, RequestTimeout, error_body, to_api_error
 from server.generation import Choice, usage_of
 from server.protocol import ErrorResponse
 from server.state import VERSION, ServerState, log
@@ -190,8 +190,8 @@ class ChoiceChunks:
         return [*tail, SSE_DONE]
 
     def fail(self, gen: Generation, error: dict) -> list[bytes]:
-        return [sse(ErrorResponse, {"error": {**error, "type": "server_error", "param": None}}),
-                SSE_DONE]  # fmt: skip
+        body = error_body(500, error["message"], code=error["code"])
+        return [sse(ErrorResponse, body), SSE_DONE]
 
 
 def stream_error(e: BaseException) -> dict:
@@ -324,12 +324,16 @@ async def kv_handover(
     return publish
 
 
+def admission_limit(state: ServerState) -> int:
+    """The most engine requests in flight at once: running, plus the waiting queue."""
+    return state.config.engine.max_num_seqs + state.config.server.max_queue_len
+
+
 def submit_or_429(
     state: ServerState, engine: AsyncEngine, requests: list[tuple[str, list[int], SamplingParams]]
 ) -> asyncio.Queue:
     """Admit all of a request's engine requests now, or answer 429 (queue full)."""
-    limit = state.config.engine.max_num_seqs + state.config.server.max_queue_len
-    q = engine.submit(requests, limit)
+    q = engine.submit(requests, admission_limit(state))
     if q is None:
         raise APIError(
             429,

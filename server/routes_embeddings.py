@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 from server.errors import APIError, RequestFailed
 from server.generation import Choice
 from server.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
-from server.request_flow import Generation, effective_salt
+from server.request_flow import Generation, admission_limit, effective_salt
 from server.state import ServerState, log
 from server.wire import parse_body, reply
 
@@ -66,7 +66,7 @@ async def embeddings(request: Request) -> Response:
             400, f"dimensions must be in [1, {hidden}] for this model", param="dimensions"
         )
     inputs = embedding_inputs(engine, body)
-    limit = state.config.engine.max_num_seqs + cfg.max_queue_len
+    limit = admission_limit(state)
     if len(inputs) > limit:  # would never be admitted: not a 429 to retry
         raise APIError(400, f"this server embeds at most {limit} inputs per request", param="input")
     params = SamplingParams(
