@@ -5,9 +5,12 @@ result → call, N agents at once. Each agent runs its loop twice, side by side 
 (`tool_choice: required`) so every agent takes the same number of turns.
 
     python bench/agents.py [--agents 4] [--turns 5] [--max-tokens 64] [--model PATH]
+                           [--cache-off-baseline]
 
 Prints per turn: TTFT p50/p99 (to the call's first byte) and the share of prompt tokens served from
-the prefix cache, per way; then turn 2+ against turn 1 and responses against chat.
+the prefix cache, per way; then turn 2+ against turn 1 and responses against chat. With
+`--cache-off-baseline` the same loops run again on a server without the prefix cache (one server
+after the other, the same seeds), and turn 2+ TTFT is compared cache on vs off.
 """
 
 from __future__ import annotations
@@ -173,10 +176,26 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--cache-off-baseline", action="store_true")
     args = ap.parse_args()
-    with Server(["--model", args.model] if args.model else []) as server:
-        runs = asyncio.run(run(server.base, args))
-    print(f"{args.agents} agents per way, {args.turns} turns, {len(TOOLS)} tools, all at once")
+    model = ["--model", args.model] if args.model else []
+    later = report(args, measure(model, args), "prefix cache on")
+    if args.cache_off_baseline:
+        off = report(args, measure(model + ["--no-enable-prefix-caching"], args), "cache off")
+        for way in later:
+            print(f"{way}: turns 2+ TTFT p50, cache on vs off: {later[way] / off[way]:.2f}x")
+
+
+def measure(server_args: list[str], args: argparse.Namespace) -> dict[str, list[list[Turn]]]:
+    with Server(server_args) as server:
+        return asyncio.run(run(server.base, args))
+
+
+def report(
+    args: argparse.Namespace, runs: dict[str, list[list[Turn]]], label: str
+) -> dict[str, float]:
+    """Prints the per-turn table; returns each way's turn 2+ TTFT p50."""
+    print(f"[{label}] {args.agents} agents per way, {args.turns} turns, {len(TOOLS)} tools")
     print(f"{'way':<10}{'turn':>5}{'TTFT p50':>10}{'p99':>8}{'cached':>8}")
     p50: dict[str, list[float]] = {}
     for way, agents in runs.items():
@@ -190,11 +209,14 @@ def main() -> None:
             print(
                 f"{way:<10}{i + 1:>5}{p50[way][-1] * 1000:>8.0f}ms{p99 * 1000:>6.0f}ms{share:>8.0%}"
             )
+    later = {way: statistics.median(p50[way][1:]) for way in runs}
     for way in runs:
-        later = statistics.median(p50[way][1:])
-        print(f"{way}: turns 2+ TTFT p50 {later * 1000:.0f} ms = {later / p50[way][0]:.2f}x turn 1")
-    ratio = statistics.median(p50["responses"][1:]) / statistics.median(p50["chat"][1:])
-    print(f"responses vs chat resend, turns 2+ TTFT p50: {ratio:.2f}x")
+        print(
+            f"{way}: turns 2+ TTFT p50 {later[way] * 1000:.0f} ms"
+            f" = {later[way] / p50[way][0]:.2f}x turn 1"
+        )
+    print(f"responses vs chat resend, turns 2+ TTFT p50: {later['responses'] / later['chat']:.2f}x")
+    return later
 
 
 if __name__ == "__main__":

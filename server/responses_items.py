@@ -92,13 +92,19 @@ def input_items(value: str | list[InputItem]) -> list[dict[str, Any]]:
     return items
 
 
-def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
+def chat_messages(
+    items: list[dict[str, Any]], instructions: str | None
+) -> tuple[list[dict[str, Any]], list[int | None]]:
     """The conversation as chat-completions messages: function calls join the assistant turn
-    they follow, their outputs become tool messages."""
+    they follow, their outputs become tool messages. Also the item each message came from (None
+    for the instructions), so that an error in a message names what the client sent."""
     messages: list[dict[str, Any]] = []
+    sources: list[int | None] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
-    for item in items:
+        sources.append(None)
+    for k, item in enumerate(items):
+        before = len(messages)
         if item["type"] == "message":
             text = "".join(p["text"] for p in item["content"])
             messages.append({"role": item["role"], "content": text})
@@ -117,7 +123,8 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list
             messages.append(
                 {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
             )
-    return messages
+        sources.extend([k] * (len(messages) - before))
+    return messages, sources
 
 
 class OutputItems:

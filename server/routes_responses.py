@@ -11,6 +11,7 @@ device pool, the host tier or the disk tier (`usage.input_tokens_details.cached_
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -216,7 +217,7 @@ async def create_response(request: Request) -> Response:
     resp_id = new_id("resp")
     conversation = conversation or resp_id
     try:
-        chat, ids = _render(engine, body, items)
+        chat, ids = _render(engine, body, items, len(history))
         plan = chat_plan(state, engine, chat, resp_id, f"response:{conversation}", ids)
     except APIError as e:
         raise renamed(e, _PARAM_NAMES) from None
@@ -261,20 +262,48 @@ async def create_response(request: Request) -> Response:
 
 
 def _render(
-    engine: AsyncEngine, body: ResponsesRequest, items: list[dict[str, Any]]
+    engine: AsyncEngine, body: ResponsesRequest, items: list[dict[str, Any]], num_stored: int
 ) -> tuple[ChatCompletionRequest, list[int]]:
     """The chat request and its prompt; with `truncation: auto`, the oldest items are dropped
-    until the prompt leaves room for the output."""
+    until the prompt leaves room for the output. `items`: the `num_stored` items of the
+    previous response, then the client's `input`."""
     room = engine.info.max_model_len - (body.max_output_tokens or 1)
     while True:
-        chat = chat_request(body, chat_messages(items, body.instructions))
-        plan = tool_plan(chat)
-        ids = render_prompt(engine.tokenizer, chat.messages, True, plan.tools if plan else None)
+        messages, sources = chat_messages(items, body.instructions)
+        try:
+            chat = chat_request(body, messages)
+            plan = tool_plan(chat)
+            tools = plan.tools if plan else None
+            ids = render_prompt(engine.tokenizer, chat.messages, True, tools)
+        except APIError as e:
+            raise _as_input_error(e, sources, num_stored) from None
         if len(ids) <= room or body.truncation != "auto" or len(items) <= 1:
             return chat, ids
-        items = items[1:]
-        while len(items) > 1 and items[0]["type"] != "message":  # no orphaned call outputs
-            items = items[1:]
+        dropped = 1
+        while dropped < len(items) - 1 and items[dropped]["type"] != "message":
+            dropped += 1  # no orphaned call outputs
+        items, num_stored = items[dropped:], num_stored - dropped
+
+
+def _as_input_error(e: APIError, sources: list[int | None], num_stored: int) -> APIError:
+    """An error the chat path raised about `messages[.i...]`, named by what the client sent:
+    `input[.k...]`, `instructions`, or `previous_response_id` (a stored item)."""
+    match = re.match(r"messages(?:\.(\d+))?", e.param or "")
+    if match is None:
+        return e
+    where = "input"
+    if match.group(1) is not None and int(match.group(1)) < len(sources):
+        k = sources[int(match.group(1))]
+        if k is None:
+            where = "instructions"
+        elif k < num_stored:
+            where = "previous_response_id"
+        else:
+            where = f"input.{k - num_stored}"
+    param = where + (e.param or "")[match.end() :] if where.startswith("input") else where
+    e.message = e.message.replace(match.group(0), param, 1)
+    e.param = param
+    return e
 
 
 def responses_usage(usage: dict, block_size: int, prefix_caching: bool) -> dict:

@@ -121,3 +121,50 @@ def test_a_client_that_leaves_a_whole_response_frees_it_at_the_next_step(
     assert not core.has_unfinished()
     assert core.stats.generation_tokens - before < 200  # aborted, not run to its cap
     assert core.kv.pool.num_free_blocks == core.num_blocks
+
+
+def test_a_chat_template_error_on_responses_names_the_input_it_came_from(live, monkeypatch) -> None:
+    """/v1/responses renders through the chat path; its errors name `input`, not `messages`."""
+    from models.chat_template import TemplateError
+    from server.errors import APIError
+    from server.routes_responses import _as_input_error
+
+    tokenizer = live.core.tokenizer
+    render = tokenizer.apply_chat_template
+
+    def strict(messages, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        if any("bad" in (m["content"] or "") for m in messages):
+            raise TemplateError("tool results may not be 'bad'")
+        return render(messages, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", strict)
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{"}
+    body = {
+        "input": [
+            {"role": "user", "content": "hi"},
+            call,
+            {"type": "function_call_output", "call_id": "c1", "output": "bad"},
+        ],
+        "max_output_tokens": 2,
+    }
+    r = post(live, "/v1/responses", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input"
+    assert "'bad'" in r.json()["error"]["message"]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "bad"},
+    ]
+    r = post(live, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # an error about one message names the item it came from: instructions (None), two stored
+    # items of the previous response, then the client's input
+    sources = [None, 0, 1, 2, 3, 3]
+    for index, want in [(0, "instructions"), (2, "previous_response_id"), (4, "input.1")]:
+        e = _as_input_error(
+            APIError(400, f"messages.{index}.content: no", f"messages.{index}.content"), sources, 2
+        )
+        assert e.param == (want + ".content" if want.startswith("input") else want)
+        assert e.message.startswith(e.param)
