@@ -17,6 +17,7 @@ from engine.attention import BackendChoice, DeviceFacts, select_backend
 from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.config import DTYPE_NAMES, EngineConfig, parse_bytes
+from engine.drafting import Drafter
 from engine.engine_info import EngineInfo
 from engine.kv.disk import DiskTier
 from engine.kv.host import HostTier
@@ -62,6 +63,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     proposer: Proposer | None
+    drafter: Drafter | None
     structured: StructuredOutputs | None  # None without a tokenizer or xgrammar
 
 
@@ -176,9 +178,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
             config.spec_max_verify_rows,
             device,
         )
-        if config.spec_cost_model:
-            proposer.cost = measure_spec_cost(model, draft, backend, num_blocks, block_size, device)
-            log.info("speculation step costs (rows: target/draft): %s", proposer.cost.table())
+    drafter = _drafter(config, draft)
+    if drafter is not None and config.spec_cost_model:
+        cost = measure_spec_cost(model, draft, backend, num_blocks, block_size, device)
+        log.info("speculation step costs (rows: target/draft): %s", cost.table())
+        drafter.cost = cost
+        if proposer is not None:
+            proposer.cost = cost
     eos = spec.eos_token_ids or (
         [tokenizer.eos_token_id] if tokenizer and tokenizer.eos_token_id is not None else []
     )
@@ -217,9 +223,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_num_batched_tokens=config.max_num_batched_tokens,
         draft_layout=draft.cfg.layout if draft is not None else None,
         draft_source=draft.source if draft is not None else "",
-        num_speculative_tokens=config.num_speculative_tokens if draft is not None else 0,
+        num_speculative_tokens=config.num_speculative_tokens if drafter is not None else 0,
+        draft_sources=drafter.sources if drafter is not None else (),
         spec_max_verify_rows=config.spec_max_verify_rows,
-        spec_cost=proposer.cost.table() if proposer is not None and proposer.cost else "",
+        spec_cost=drafter.cost.table() if drafter is not None and drafter.cost else "",
         has_host_tier=host is not None,
         pooling=resolve_pooling(model_path, config.pooling),
         kv_namespace=kv_namespace(
@@ -249,6 +256,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         scheduler,
         runner,
         proposer,
+        drafter,
         structured,
     )
 
@@ -353,18 +361,31 @@ def _choose_and_warm_up(
         return choice, backend, num_blocks, graphs
 
 
+def _drafter(config: EngineConfig, head: EagleHead | None) -> Drafter | None:
+    """The draft sources `speculative_method` asks for, of those this server has."""
+    method, k = config.speculative_method, config.num_speculative_tokens
+    if method == "off" or k <= 0:
+        return None
+    sources = ("grammar", "suffix", "eagle") if method == "auto" else (method,)
+    sources = tuple(s for s in sources if s != "eagle" or head is not None)
+    log.info("speculative decoding: drafts from %s, at most %d per request", sources, k)
+    return Drafter(sources, k, config.spec_max_verify_rows)
+
+
 def _load_draft_head(
     config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
 ) -> EagleHead | None:
-    if config.num_speculative_tokens <= 0:
+    if config.num_speculative_tokens <= 0 or config.speculative_method not in ("auto", "eagle"):
         return None
     path = config.speculative_model
     if not path:
         # the model, not the flag, decides: a shipped head trained for these very weights
         path = shipped_head_for(model.embed_tokens.weight)
+        if path is None and config.speculative_method == "auto":
+            return None  # drafts from the other sources only
         if path is None:
             raise ValueError(
-                "num_speculative_tokens > 0 needs speculative_model (a draft head directory): "
+                "speculative_method eagle needs speculative_model (a draft head directory): "
                 "no shipped head was trained for this model (its weights match none)"
             )
     head = load_eagle_head(path, model, dtype, device)

@@ -152,7 +152,16 @@ class EngineConfig:
     speculative_model: str = setting(
         "", "EAGLE draft head directory (empty: the head shipped for the default model)"
     )
-    num_speculative_tokens: int = setting(0, "draft tokens per step (EAGLE speculation); 0: off")
+    num_speculative_tokens: int = setting(
+        0, "most draft tokens per request and step (speculative decoding); 0: off"
+    )
+    speculative_method: str = setting(
+        "auto",
+        "where drafts come from (engine/drafting.py): suffix (this request's prompt and output, "
+        "recent outputs), grammar (tokens a constraint forces), eagle (the draft head), auto "
+        "(each request's best expected source each step: every one above this server has), off",
+        ("auto", "suffix", "grammar", "eagle", "off"),
+    )
     spec_cost_model: bool = setting(
         False,
         "adaptive k by the verify and draft step costs measured at startup (engine/spec_cost.py)"
@@ -227,6 +236,8 @@ class EngineConfig:
         parse_bytes(self.disk_bytes)
         if self.num_speculative_tokens < 0 or self.spec_max_verify_rows < 1:
             raise ValueError("num_speculative_tokens must be >= 0, spec_max_verify_rows >= 1")
+        if self.speculative_method not in ("auto", "suffix", "grammar", "eagle", "off"):
+            raise ValueError("speculative_method must be auto, suffix, grammar, eagle or off")
         if self.kv_cache_dtype not in ("auto", "bfloat16", "float32", "fp8", "int8"):
             raise ValueError("kv_cache_dtype must be auto, bfloat16, float32, fp8 or int8")
         if self.quantization not in ("auto", "none", "int8", "int4", "int8wo"):

@@ -42,6 +42,7 @@ class EngineInfo:
     draft_layout: str | None
     draft_source: str  # the head's directory, and whether it was the shipped one
     num_speculative_tokens: int
+    draft_sources: tuple[str, ...]  # engine/drafting.py; () when speculation is off
     spec_max_verify_rows: int
     spec_cost: str  # measured verify/draft step costs (adaptive k), "" when not measured
     has_host_tier: bool

@@ -42,7 +42,7 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
         self.host, self.kv, self.scheduler = parts.host, parts.kv, parts.scheduler
-        self.runner, self.proposer = parts.runner, parts.proposer
+        self.runner, self.proposer, self.drafter = parts.runner, parts.proposer, parts.drafter
         self.structured = parts.structured
         self.outputs = OutputProcessor(parts.tokenizer, parts.scheduler, parts.kv.export_prompt)
         self.stats = EngineStats()
@@ -128,11 +128,16 @@ class LLMEngine:
                 h.evicted_blocks, SWAP_IN_BUCKETS, tuple(h.load_latency_counts), h.load_seconds,
             )  # fmt: skip
         spec = None
-        if self.proposer is not None:
-            s = self.proposer.stats
+        if self.drafter is not None:
+            s = self.drafter.total_stats()
+            by_source = {
+                name: (st.num_draft_tokens, st.num_accepted_tokens)
+                for name, st in self.drafter.stats.items()
+            }
             spec = SpecSnapshot(
                 s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                s.mean_acceptance_length, self.proposer.current_k, list(s.accepted_per_position),
+                s.mean_acceptance_length, self.drafter.current_k, list(s.accepted_per_position),
+                by_source,
             )  # fmt: skip
         return EngineSnapshot(
             num_running=sched.num_running,
@@ -176,8 +181,8 @@ class LLMEngine:
         ran = self.runner.execute(scheduled, grammar)
         outputs = self._update(scheduled, ran, start)
         outputs += self._outputs(ran, start)
-        if self.proposer is not None and ran.hidden is not None:
-            self._propose(scheduled, ran, start, outputs)
+        if self.drafter is not None:
+            self._draft(scheduled, ran, start, outputs)
         return outputs
 
     def _update(
@@ -218,6 +223,26 @@ class LLMEngine:
                 outputs.append(self._fail(request, "detokenization failed"))
         return outputs
 
+    def _draft(
+        self,
+        scheduled: SchedulerOutput,
+        ran: RunnerOutput,
+        start: StepStart,
+        outputs: list[RequestOutput],
+    ) -> None:
+        """Record how many drafts the target kept; let the draft head catch up and draft (when
+        it is a source); pick each decoding request's drafts for the next step."""
+        assert self.drafter is not None
+        for s, res in ran.sampled:
+            if s.num_spec:
+                self.drafter.record(s.request, s.num_spec, len(res.token_ids) - 1)
+        if self.proposer is not None and ran.hidden is not None:
+            self._propose(scheduled, ran, start, outputs)
+        decoding = [s.request for s, _ in ran.sampled if not s.request.is_finished]
+        self.drafter.propose(decoding)
+        for request in self.scheduler.finished_this_step.values():
+            self.drafter.finished(request)
+
     def _propose(
         self,
         scheduled: SchedulerOutput,
@@ -230,7 +255,8 @@ class LLMEngine:
         blocks keep complete draft KV."""
         assert self.proposer is not None and ran.hidden is not None
         for s, res in ran.sampled:
-            if s.num_spec:
+            drafts = s.request.drafts
+            if s.num_spec and drafts is not None and drafts.source == "eagle":
                 self.proposer.stats.record(s.num_spec, len(res.token_ids) - 1)
                 record_acceptance(s.request, s.num_spec, len(res.token_ids) - 1)
         failed = {o.request_id for o in outputs if o.error is not None}

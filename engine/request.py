@@ -16,6 +16,8 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
+    from engine.drafting import DraftState
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -56,6 +58,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
     spec_acceptance: float = 0.7  # running per-draft acceptance rate (adaptive k)
+    drafts: DraftState | None = None  # which source drafts, and how well each did
     # constrained decoding: the grammar's state after this request's output tokens
     matcher: GrammarMatcher | None = None
     # mean pooling: float32 sum of the prompt positions' hidden states computed so far

@@ -29,6 +29,8 @@ class SpecSnapshot:
     mean_acceptance_length: float
     current_k: int
     accepted_per_position: list[int]
+    # per draft source (engine/drafting.py): (draft tokens, accepted tokens)
+    by_source: dict[str, tuple[int, int]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,7 +90,7 @@ def _median_times(steps: list, repeats: int, device: torch.device) -> list[float
 @torch.inference_mode()
 def measure(
     model: LlamaForCausalLM,
-    head: EagleHead,
+    head: EagleHead | None,
     backend: AttentionBackend,
     num_blocks: int,
     block_size: int,
@@ -100,7 +100,8 @@ def measure(
     repeats: int = 5,
 ) -> SpecCostModel:
     """Time target and draft steps on scratch blocks at startup (no request owns any block yet;
-    the KV written there is never read as anyone's)."""
+    the KV written there is never read as anyone's). Without a head, drafts cost nothing to
+    make (suffix and grammar drafts)."""
     need = -(-(context + 1) // block_size)  # blocks of one drafting sequence
 
     def fits(r: int) -> bool:  # the r-row target chunk, and r drafting sequences
@@ -112,11 +113,13 @@ def measure(
         repeats,
         device,
     )
-    draft_s = _median_times(
-        [_draft_step(model, head, backend, r, context, block_size, device) for r in rows],
-        repeats,
-        device,
-    )
+    draft_s = [0.0] * len(rows)
+    if head is not None:
+        draft_s = _median_times(
+            [_draft_step(model, head, backend, r, context, block_size, device) for r in rows],
+            repeats,
+            device,
+        )
     return SpecCostModel(rows, tuple(target_s), tuple(draft_s))
 
 

@@ -104,18 +104,23 @@ def verify(logits: torch.Tensor, requests: list[Request]) -> list[SamplerOutput]
 
 
 def _rejection_sample(r: Request, p: torch.Tensor) -> list[int]:
-    """Leviathan et al.'s rule over draft tokens drawn from r.spec_probs (q)."""
+    """Leviathan et al.'s rule over draft tokens drawn from r.spec_probs (q); without q the
+    drafts were chosen deterministically (q one-hot at the draft): d is kept with probability
+    p(d), else the token is drawn from p without d."""
     q, gen = r.spec_probs, r.generator
-    assert q is not None
     # drawn where p and the generator live (the engine's device), then read once
     uniforms = torch.rand(r.num_spec, generator=gen, device=p.device).tolist() if r.num_spec else []
     tokens: list[int] = []
     for j, d in enumerate(r.spec_token_ids):
-        pj, qj = float(p[j, d]), float(q[j, d])
-        if uniforms[j] * qj <= pj:
+        pj, qj = float(p[j, d]), (float(q[j, d]) if q is not None else 1.0)
+        if uniforms[j] * qj < pj:  # P(u < p/q) = p/q exactly for u in [0, 1)
             tokens.append(d)
             continue
-        residual = (p[j] - q[j]).clamp_(min=0)
+        if q is not None:
+            residual = (p[j] - q[j]).clamp_(min=0)
+        else:
+            residual = p[j].clone()
+            residual[d] = 0
         if float(residual.sum()) <= 0:
             residual = p[j]
         tokens.append(int(torch.multinomial(residual, 1, generator=gen)))

@@ -62,11 +62,13 @@ def banner(config: Config, info: EngineInfo) -> str:
         f"  URL        http://{config.server.host}:{config.server.port}/v1"
         + ("  (API key required)" if config.server.api_key else ""),
     ]
-    if info.draft_layout is not None:
+    if info.draft_sources:
+        head = f"; {info.draft_layout} head: {info.draft_source}" if info.draft_layout else ""
         lines.insert(
             -1,
-            f"  speculate  {info.draft_layout} head, k={info.num_speculative_tokens}"
-            f" (adaptive up to {info.spec_max_verify_rows} verify rows): {info.draft_source}"
+            f"  speculate  drafts from {', '.join(info.draft_sources)},"
+            f" k<={info.num_speculative_tokens}"
+            f" (adaptive up to {info.spec_max_verify_rows} verify rows){head}"
             + (f"\n  step costs {info.spec_cost}" if info.spec_cost else ""),
         )
     lines += ["  kernel matrix:", info.kernel_table]

@@ -191,3 +191,18 @@ def _spec_metrics(
     for j, value in enumerate(spec.accepted_per_position):
         per_pos.add_metric([str(j)], value)
     yield per_pos
+    drafted = CounterMetricFamily(
+        "kvserve:spec_decode_draft_tokens_by_source",
+        "Draft tokens proposed, by where they came from (grammar, suffix, eagle).",
+        labels=["source"],
+    )
+    accepted = CounterMetricFamily(
+        "kvserve:spec_decode_accepted_tokens_by_source",
+        "Draft tokens accepted, by where they came from.",
+        labels=["source"],
+    )
+    for source, (num_drafted, num_accepted) in spec.by_source.items():
+        drafted.add_metric([source], num_drafted)
+        accepted.add_metric([source], num_accepted)
+    yield drafted
+    yield accepted

@@ -67,7 +67,7 @@ def llm(llama_dir) -> LLM:
 @pytest.fixture(scope="module")
 def spec(llama_dir, tmp_path_factory) -> LLM:
     head = write_eagle1(tmp_path_factory.mktemp("head") / "h", identity=False)
-    opts = {"num_kv_blocks": 256, "block_size": 4, **PIN_K}
+    opts = {"num_kv_blocks": 256, "block_size": 4, "speculative_method": "eagle", **PIN_K}
     return LLM(str(llama_dir), speculative_model=str(head), num_speculative_tokens=3, **opts)
 
 

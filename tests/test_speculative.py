@@ -129,7 +129,7 @@ PIN_K = {"spec_max_verify_rows": 1 << 16, "spec_cost_model": False}
 
 def spec_llm(model: Path, head: Path, k: int, **kw) -> LLM:
     """An engine speculating with `head`, k drafts pinned; small blocks to exercise paging."""
-    opts = {"num_kv_blocks": 256, "block_size": 4, **PIN_K, **kw}
+    opts = {"num_kv_blocks": 256, "block_size": 4, "speculative_method": "eagle", **PIN_K, **kw}
     return LLM(str(model), speculative_model=str(head), num_speculative_tokens=k, **opts)
 
 
@@ -284,6 +284,7 @@ def test_server_flags_stream_and_metrics(llama_dir, heads, reference) -> None:
         block_size=4,
         speculative_model=heads["identity"],
         num_speculative_tokens=3,
+        speculative_method="eagle",
         no_spec_cost_model=True,  # k pinned at 3 (the cost model would pick it by timing)
     ) as server:
         plain = LLM(str(llama_dir), num_kv_blocks=256, block_size=4)
@@ -348,7 +349,7 @@ def test_stop_strings_inside_a_verified_chunk(llama_dir, heads, reference, monke
 def test_no_shipped_head_for_another_model_is_refused(llama_dir) -> None:
     """Without speculative_model, a head is used only if one was trained for these weights."""
     with pytest.raises(ValueError, match="no shipped head was trained for this model"):
-        LLM(str(llama_dir), num_kv_blocks=64, num_speculative_tokens=2)
+        LLM(str(llama_dir), num_kv_blocks=64, num_speculative_tokens=2, speculative_method="eagle")
 
 
 def test_cost_model_picks_k_by_measured_costs() -> None:
@@ -369,7 +370,7 @@ def test_cost_model_picks_k_by_measured_costs() -> None:
 def test_step_costs_are_measured_at_startup(llama_dir, heads) -> None:
     llm = LLM(
         str(llama_dir), speculative_model=str(heads["identity"]), num_speculative_tokens=3,
-        num_kv_blocks=256, block_size=16, spec_cost_model=True,
+        num_kv_blocks=256, block_size=16, spec_cost_model=True, speculative_method="eagle",
     )  # fmt: skip
     cost = llm.engine.proposer.cost
     assert cost is not None and cost.rows[0] == 1 and len(cost.rows) >= 4

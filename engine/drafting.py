@@ -1,0 +1,161 @@
+"""Where each request's draft tokens come from, each step: the source with the most expected
+accepted tokens among those the server has.
+
+- grammar: the tokens a request's constraint forces next (a JSON key, punctuation, a tool's
+  name: xgrammar's jump-forward tokens). Its tokenization may differ from the model's, so they
+  are drafts like any other and verified.
+- suffix: the continuation of the longest n-gram ending the request that occurred earlier in
+  its prompt and output, else in recent outputs (engine/suffix_index.py).
+- eagle: the draft head's chain (engine/spec_decode.py `Proposer`, run before this picks).
+
+A source's running acceptance per request (alpha: the share of its drafts the target kept)
+bounds how deep it drafts (draft j survives with probability ~alpha^j; below MIN_GAIN a row
+costs more than it returns) and gives its expected accepted length, alpha + ... + alpha^L.
+Grammar and suffix drafts are deterministic (q is one-hot): the verifier accepts draft d with
+probability p(d) and otherwise samples p without d, so sampling stays exactly the target's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.request import Request
+from engine.spec_cost import SpecCostModel
+from engine.spec_decode import MIN_GAIN, SpecStats
+from engine.suffix_index import NGRAM_SIZES, RecentOutputs, SuffixIndex
+
+SOURCES = ("grammar", "suffix", "eagle")
+PRIOR_ACCEPTANCE = {"grammar": 0.9, "suffix": 0.6, "eagle": 0.7}
+SHORT_MATCH = 3  # a match of fewer tokens drafts at most this many: it is a weak guess
+
+
+@dataclass(slots=True)
+class DraftState:
+    """A request's drafting state (owned by its Request, freed with it)."""
+
+    index: SuffixIndex
+    acceptance: dict[str, float] = field(default_factory=lambda: dict(PRIOR_ACCEPTANCE))
+    source: str | None = None  # the source of the drafts now in `spec_token_ids`
+
+
+def expected_accepted(alpha: float, length: int) -> float:
+    return sum(alpha**j for j in range(1, length + 1))
+
+
+def useful_depth(alpha: float) -> int:
+    """The deepest draft worth a verify row at per-draft acceptance alpha (at least one, so
+    a source whose acceptance recovers is noticed)."""
+    alpha = min(alpha, 0.99)
+    return max(1, int(math.log(MIN_GAIN) / math.log(alpha))) if alpha > 0 else 1
+
+
+class Drafter:
+    """Picks each decoding request's drafts among `sources` after the step's outputs, records
+    how many the verifier kept, and remembers finished outputs for suffix drafts."""
+
+    def __init__(
+        self,
+        sources: tuple[str, ...],
+        max_tokens: int,
+        max_verify_rows: int,
+        cost: SpecCostModel | None = None,
+        recent: RecentOutputs | None = None,
+    ) -> None:
+        self.sources = sources
+        self.max_tokens = max_tokens
+        self.max_verify_rows = max_verify_rows
+        self.cost = cost
+        self.recent = recent if recent is not None else RecentOutputs()
+        self.stats = {s: SpecStats() for s in sources}
+        self.current_k = max_tokens
+
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """The verifier kept `num_accepted` of the request's `num_drafted` drafts."""
+        state = request.drafts
+        if state is None or state.source is None or not num_drafted:
+            return
+        self.stats[state.source].record(num_drafted, num_accepted)
+        a = state.acceptance[state.source]
+        state.acceptance[state.source] = 0.7 * a + 0.3 * (num_accepted / num_drafted)
+
+    def total_stats(self) -> SpecStats:
+        total = SpecStats()
+        for st in self.stats.values():
+            total.num_drafts += st.num_drafts
+            total.num_draft_tokens += st.num_draft_tokens
+            total.num_accepted_tokens += st.num_accepted_tokens
+            for j, n in enumerate(st.accepted_per_position):
+                if j == len(total.accepted_per_position):
+                    total.accepted_per_position.append(0)
+                total.accepted_per_position[j] += n
+        return total
+
+    def finished(self, request: Request) -> None:
+        if "suffix" in self.sources and request.num_output_tokens > 1:
+            self.recent.add(request.output_token_ids)
+
+    def step_k(self, requests: list[Request]) -> int:
+        """The most drafts per request this step: by the measured verify costs (drafts from
+        the grammar and the suffix index cost nothing to make), else by the row cap."""
+        n = len(requests)
+        if n == 0:
+            return 0
+        if self.cost is None:
+            k = max(0, min(self.max_tokens, self.max_verify_rows // n - 1))
+        else:
+            alphas = [max(r.drafts.acceptance.values()) if r.drafts else 0.6 for r in requests]
+            k = self.cost.best_k(n, sum(alphas) / n, self.max_tokens, self.max_verify_rows)
+        self.current_k = k
+        return k
+
+    def propose(self, requests: list[Request]) -> None:
+        """Set each request's `spec_token_ids` (and `spec_probs`) for the next step. EAGLE's
+        drafts, when that source is on, are already there (the proposer ran first)."""
+        k = self.step_k(requests)
+        for r in requests:
+            if r.drafts is None:
+                r.drafts = DraftState(SuffixIndex(r.all_token_ids))
+            self._pick(r, self._room(r, k))
+
+    @staticmethod
+    def _room(r: Request, k: int) -> int:
+        params = r.sampling_params
+        room = min(params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
+        return max(0, min(k, room - 1))
+
+    def _pick(self, r: Request, k: int) -> None:
+        state = r.drafts
+        assert state is not None
+        best: tuple[float, str, list[int]] = (0.0, "", [])
+        if "eagle" in self.sources and r.spec_token_ids:
+            eagle = r.spec_token_ids[:k]
+            best = (expected_accepted(state.acceptance["eagle"], len(eagle)), "eagle", eagle)
+        for source in ("grammar", "suffix"):
+            if source not in self.sources or k == 0:
+                continue
+            alpha = state.acceptance[source]
+            drafts = self._draft(source, r, min(k, useful_depth(alpha)))
+            gain = expected_accepted(alpha, len(drafts))
+            if drafts and gain > best[0]:
+                best = (gain, source, drafts)
+        _, source, drafts = best
+        state.source = source or None
+        if source != "eagle":
+            r.spec_token_ids, r.spec_probs = drafts, None
+        elif len(drafts) < r.num_spec:
+            del r.spec_token_ids[len(drafts) :]
+            if r.spec_probs is not None:
+                r.spec_probs = r.spec_probs[: len(drafts)]
+
+    def _draft(self, source: str, r: Request, k: int) -> list[int]:
+        if source == "grammar":
+            m = r.matcher
+            if m is None or m.is_terminated():
+                return []
+            return m.find_jump_forward_tokens()[:k]
+        assert r.drafts is not None
+        drafts, n = r.drafts.index.match(k)
+        if not drafts:
+            drafts, n = self.recent.match(r.all_token_ids[-max(NGRAM_SIZES) :], k)
+        return drafts[: k if n >= SHORT_MATCH else min(k, n)]
