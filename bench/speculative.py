@@ -1,90 +1,226 @@
-"""Speculative decoding on the default model with the shipped EAGLE head, side by side.
+"""Speculative decoding on the default model, off vs on side by side, over a mixed held-out
+workload: free chat (held-out subjects), RAG answers over a provided document, JSON extraction
+under a schema, a tool call, editing a given code block, and a multi-turn chat.
 
-Held-out chat prompts (subjects never seen in training), greedy, `--max-tokens` new tokens each.
-For each batch size, runs without and with speculation alternately (`--rounds` times, so drift on
-a shared machine hits both) and prints output tokens/s for both, their ratio, and the mean
-acceptance length (tokens per verification round) and per-position acceptance.
+For each batch size the two engines run alternately (`--rounds` times, so drift on a shared
+machine hits both), greedy (and `--temperature` if given); printed per category at batch 1 and
+for the whole mix at every batch size: output tokens/s off and on, their ratio, tokens per
+verification round, the share of drafts each source (grammar, suffix, eagle) had kept, and
+whether greedy output was identical with speculation on.
 
-    python bench/speculative.py                  # batch 1 and 8, k <= 4, adaptive as served
-    python bench/speculative.py --k 2 --batch-sizes 1
-    python bench/speculative.py --pin-k          # k pinned at every batch size
+    python bench/speculative.py                       # --method auto, k <= 8, batch 1 and 8
+    python bench/speculative.py --method eagle --k 4  # round 2's EAGLE-only figure
+    python bench/speculative.py --batch-sizes 1,8,32,64 --pin-k
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from collections import defaultdict
 
 from engine import LLM, SamplingParams
+from engine.sampling_params import GrammarSpec
 from models.eagle.prompts import heldout_prompts
 
+DOCUMENT = (
+    "The Lindqvist Observatory stands on a granite ridge 1,840 metres above the town of "
+    "Storvik. It was opened in 1962 by the Nordic Astronomy Council and houses a 2.4-metre "
+    "reflecting telescope, the largest in the region. The observatory is open to visitors "
+    "from May to September, every day except Monday, from 10 am to 6 pm. Guided night tours "
+    "run on Fridays and cost 180 crowns for adults and 90 crowns for children. The road to "
+    "the ridge closes when snow falls, usually from late October."
+)
+CODE = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item["price"] * item["quantity"]
+    tax = subtotal * tax_rate
+    return subtotal + tax
 
-def run_batch(llm: LLM, convs: list, params: SamplingParams, batch: int) -> tuple[int, float]:
-    tokens, start = 0, time.perf_counter()
-    for i in range(0, len(convs), batch):
-        for r in llm.chat(convs[i : i + batch], params):
-            tokens += len(r.outputs[0].token_ids)
-    return tokens, time.perf_counter() - start
+
+def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item["price"] < best["price"]:
+            best = item
+    return best
+"""
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "city": {"type": "string"},
+        "occupation": {"type": "string"},
+        "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+    },
+    "required": ["name", "age", "city", "occupation", "hobbies"],
+    "additionalProperties": False,
+}
+CALL = {
+    "type": "object",
+    "properties": {
+        "name": {"enum": ["get_weather", "search_flights"]},
+        "arguments": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
+PEOPLE = [
+    "Maria Lopez is a 34-year-old nurse from Valencia who loves hiking, chess and baking.",
+    "Tom Becker, 52, drives a tram in Leipzig; in his spare time he fishes and paints.",
+]
+
+
+def workload(num_chat: int) -> list[tuple[str, list[dict], GrammarSpec | None]]:
+    """(category, conversation, grammar) items."""
+    items: list[tuple[str, list[dict], GrammarSpec | None]] = []
+    for p in heldout_prompts(num_chat):
+        items.append(("chat", [{"role": "user", "content": p}], None))
+    for q in ("When is the observatory open, and what do night tours cost?",
+              "Who opened the observatory, when, and what telescope does it house?"):  # fmt: skip
+        doc = f"Document:\n{DOCUMENT}\n\nAnswer from the document, quoting it: {q}"
+        items.append(("rag", [{"role": "user", "content": doc}], None))
+    person = GrammarSpec("json_schema", json.dumps(PERSON))
+    for text in PEOPLE:
+        ask = f"Extract the person as JSON (name, age, city, occupation, hobbies): {text}"
+        items.append(("json", [{"role": "user", "content": ask}], person))
+    call = GrammarSpec("json_schema", json.dumps(CALL))
+    for city in ("Lisbon", "Osaka"):
+        ask = f"Call get_weather for {city} in Celsius. Reply with the call as JSON only."
+        items.append(("tools", [{"role": "user", "content": ask}], call))
+    for rename in ("items -> products", "tax_rate -> vat"):
+        ask = f"Rename {rename} in this code and print the whole code:\n\n{CODE}"
+        items.append(("edit", [{"role": "user", "content": ask}], None))
+    chat = [
+        {"role": "user", "content": "Give me three tips for growing tomatoes on a balcony."},
+        {"role": "assistant", "content": "1. Use a large pot with drainage holes.\n2. Put it "
+         "where it gets at least six hours of sun.\n3. Water deeply at the base every morning."},
+        {"role": "user", "content": "Repeat the three tips, adding one sentence to each."},
+    ]  # fmt: skip
+    items.append(("multi-turn", chat, None))
+    return items
+
+
+def prompts_of(llm: LLM, items: list) -> list[list[int]]:
+    tok = llm.tokenizer
+    assert tok is not None
+    return [tok.encode(tok.apply_chat_template(c), add_special_tokens=False) for _, c, _ in items]
+
+
+def run(llm: LLM, prompts, params, batch: int) -> tuple[list[list[int]], float]:
+    outs, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        outs += [r.outputs[0].token_ids for r in llm.generate(prompts[i : i + batch],
+                                                              params[i : i + batch])]  # fmt: skip
+    return outs, time.perf_counter() - start
+
+
+def source_counts(llm: LLM) -> dict[str, tuple[int, int, int]]:
+    drafter = llm.engine.drafter
+    if drafter is None:
+        return {}
+    return {
+        name: (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+        for name, s in drafter.stats.items()
+    }
+
+
+def compare(base: LLM, spec: LLM, items, temperature: float, batch: int, args) -> dict:
+    prompts = prompts_of(base, items)
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=args.max_tokens, grammar=g, seed=i)
+        for i, (_, _, g) in enumerate(items)
+    ]
+    before = source_counts(spec)
+    times = {"base": 0.0, "spec": 0.0}
+    outs: dict[str, list[list[int]]] = {}
+    for _ in range(args.rounds):
+        for name, llm in (("base", base), ("spec", spec)):
+            outs[name], dt = run(llm, prompts, params, batch)
+            times[name] += dt
+    after = source_counts(spec)
+    delta = {s: tuple(a - b for a, b in zip(after[s], before.get(s, (0, 0, 0)))) for s in after}
+    tokens = sum(len(o) for o in outs["spec"]) * args.rounds
+    base_tokens = sum(len(o) for o in outs["base"]) * args.rounds
+    rounds = sum(d[0] for d in delta.values())
+    accepted = sum(d[2] for d in delta.values())
+    return {
+        "raw": (base_tokens, times["base"], tokens, times["spec"], rounds, accepted),
+        "base": base_tokens / times["base"],
+        "spec": tokens / times["spec"],
+        "accept_len": 1 + accepted / max(1, rounds),
+        "kept": {s: f"{d[2]}/{d[1]}" for s, d in delta.items() if d[1]},
+        "identical": outs["base"] == outs["spec"],
+    }
+
+
+def line(label: str, r: dict, temperature: float) -> str:
+    same = ("same" if r["identical"] else "DIFFERENT") if temperature == 0 else "-"
+    kept = " ".join(f"{s}:{v}" for s, v in r["kept"].items())
+    return (
+        f"{label:<14}{r['base']:>9.1f}{r['spec']:>9.1f}{r['spec'] / r['base']:>7.2f}x"
+        f"{r['accept_len']:>7.2f}  {same:<9} {kept}"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--method", default="auto")
+    ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--batch-sizes", default="1,8")
-    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--num-chat", type=int, default=4, help="free-chat prompts in the mix")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--speculative-model", default="")
-    ap.add_argument(
-        "--max-verify-rows", type=int, default=8, help="adaptive k: batch x (1 + k) within "
-        "this (the server default)"
-    )  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--temperatures", default="0")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-verify-rows", type=int, default=16)
     ap.add_argument("--cost-model", action="store_true", help="adaptive k by measured costs")
-    ap.add_argument(
-        "--pin-k", action="store_true", help="k drafts at every batch size: no cost model, "
-        "no row cap (measures the head's acceptance at k)"
-    )  # fmt: skip
+    ap.add_argument("--pin-k", action="store_true", help="k drafts at every batch size")
     args = ap.parse_args()
-    convs = [[{"role": "user", "content": p}] for p in heldout_prompts(args.num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    base = LLM()
+    items = workload(args.num_chat)
+    base = LLM(dtype=args.dtype)
     spec = LLM(
-        speculative_model=args.speculative_model,
+        dtype=args.dtype,
+        speculative_method=args.method,
         num_speculative_tokens=args.k,
         spec_max_verify_rows=1 << 16 if args.pin_k else args.max_verify_rows,
         spec_cost_model=args.cost_model and not args.pin_k,
     )
-    base.chat(convs[0], SamplingParams(max_tokens=4))  # warm-up
-    spec.chat(convs[0], SamplingParams(max_tokens=4))
-    print(
-        f"k = {args.k}, {args.num_prompts} held-out prompts, greedy, {args.max_tokens} max tokens"
-    )
-    print(f"{'batch':>5} {'base tok/s':>11} {'spec tok/s':>11} {'ratio':>6} {'accept':>6} k/round")
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
-        stats = spec.engine.proposer.stats
-        drafts0, accepted0 = stats.num_drafts, stats.num_accepted_tokens
-        draft_tokens0 = stats.num_draft_tokens
-        per_pos0 = list(stats.accepted_per_position)
-        totals = {"base": [0, 0.0], "spec": [0, 0.0]}
-        for _ in range(args.rounds):
-            for name, llm in (("base", base), ("spec", spec)):
-                n, dt = run_batch(llm, convs, params, batch)
-                totals[name][0] += n
-                totals[name][1] += dt
-        b_tps = totals["base"][0] / totals["base"][1]
-        s_tps = totals["spec"][0] / totals["spec"][1]
-        drafts = stats.num_drafts - drafts0
-        accept_len = 1 + (stats.num_accepted_tokens - accepted0) / max(1, drafts)
-        per_pos = [
-            (a - (per_pos0[j] if j < len(per_pos0) else 0)) / max(1, drafts)
-            for j, a in enumerate(stats.accepted_per_position)
-        ]
-        mean_k = (stats.num_draft_tokens - draft_tokens0) / max(1, drafts)
-        print(
-            f"{batch:>5} {b_tps:>11.1f} {s_tps:>11.1f} {s_tps / b_tps:>5.2f}x {accept_len:>6.2f}"
-            f" {mean_k:.2f}"
-        )
-        print("      acceptance by draft position: " + " ".join(f"{p:.2f}" for p in per_pos))
+    warm = prompts_of(base, items[:1])
+    for llm in (base, spec):
+        llm.generate(warm, SamplingParams(max_tokens=4))
+    print(f"method {args.method}, k <= {args.k}, {len(items)} prompts, {args.max_tokens} tokens")
+    print(f"{'':<14}{'off t/s':>9}{'on t/s':>9}{'ratio':>8}{'t/rnd':>7}  greedy    kept")
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        print(f"-- temperature {temperature}")
+        by_category = defaultdict(list)
+        for item in items:
+            by_category[item[0]].append(item)
+        sizes = [int(b) for b in args.batch_sizes.split(",")]
+        parts = []
+        for category, group in by_category.items() if 1 in sizes else ():
+            parts.append(compare(base, spec, group, temperature, 1, args))
+            print(line(f"b1 {category}", parts[-1], temperature))
+        if parts:
+            bt, btime, st, stime, rounds, accepted = (
+                sum(x) for x in zip(*(p["raw"] for p in parts))
+            )
+            mix1 = {"base": bt / btime, "spec": st / stime, "kept": {},
+                    "accept_len": 1 + accepted / max(1, rounds),
+                    "identical": all(p["identical"] for p in parts)}  # fmt: skip
+            print(line("b1 mix", mix1, temperature))
+        for batch in (b for b in sizes if b > 1):
+            mix = items * max(1, batch // len(items))
+            r = compare(base, spec, mix, temperature, batch, args)
+            print(line(f"b{batch} mix", r, temperature))
 
 
 if __name__ == "__main__":

@@ -375,14 +375,19 @@ def _drafter(config: EngineConfig, head: EagleHead | None) -> Drafter | None:
 def _load_draft_head(
     config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
 ) -> EagleHead | None:
-    if config.num_speculative_tokens <= 0 or config.speculative_method not in ("auto", "eagle"):
+    if config.num_speculative_tokens <= 0 or config.speculative_method == "off":
+        return None
+    if config.speculative_method == "auto" and not config.speculative_model:
+        # the shipped head keeps ~0.4 of its first drafts and its catch-up runs every step:
+        # measured below 1x beside suffix drafts (bench/speculative.py), so auto takes a head
+        # only when one is named
+        return None
+    if config.speculative_method not in ("auto", "eagle"):
         return None
     path = config.speculative_model
     if not path:
         # the model, not the flag, decides: a shipped head trained for these very weights
         path = shipped_head_for(model.embed_tokens.weight)
-        if path is None and config.speculative_method == "auto":
-            return None  # drafts from the other sources only
         if path is None:
             raise ValueError(
                 "speculative_method eagle needs speculative_model (a draft head directory): "

@@ -159,7 +159,8 @@ class EngineConfig:
         "auto",
         "where drafts come from (engine/drafting.py): suffix (this request's prompt and output, "
         "recent outputs), grammar (tokens a constraint forces), eagle (the draft head), auto "
-        "(each request's best expected source each step: every one above this server has), off",
+        "(each request's best expected source each step: grammar, suffix, and eagle when "
+        "--speculative-model names a head), off",
         ("auto", "suffix", "grammar", "eagle", "off"),
     )
     spec_cost_model: bool = setting(
