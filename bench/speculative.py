@@ -182,10 +182,16 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-verify-rows", type=int, default=16)
-    ap.add_argument("--cost-model", action="store_true", help="adaptive k by measured costs")
+    ap.add_argument(
+        "--cost-model", action=argparse.BooleanOptionalAction, default=True,
+        help="adaptive k by measured costs (else the row cap alone)",
+    )  # fmt: skip
     ap.add_argument("--pin-k", action="store_true", help="k drafts at every batch size")
+    ap.add_argument("--categories", default="", help="comma list (default: all)")
     args = ap.parse_args()
     items = workload(args.num_chat)
+    if args.categories:
+        items = [item for item in items if item[0] in args.categories.split(",")]
     base = LLM(dtype=args.dtype)
     spec = LLM(
         dtype=args.dtype,
@@ -194,9 +200,11 @@ def main() -> None:
         spec_max_verify_rows=1 << 16 if args.pin_k else args.max_verify_rows,
         spec_cost_model=args.cost_model and not args.pin_k,
     )
-    warm = prompts_of(base, items[:1])
+    # warm-up: the first constrained request builds the grammar compiler's tables
+    warm = prompts_of(base, items)
+    warm_params = [SamplingParams(max_tokens=4, grammar=g) for _, _, g in items]
     for llm in (base, spec):
-        llm.generate(warm, SamplingParams(max_tokens=4))
+        llm.generate(warm, warm_params)
     print(f"method {args.method}, k <= {args.k}, {len(items)} prompts, {args.max_tokens} tokens")
     print(f"{'':<14}{'off t/s':>9}{'on t/s':>9}{'ratio':>8}{'t/rnd':>7}  greedy    kept")
     for temperature in (float(t) for t in args.temperatures.split(",")):

@@ -179,6 +179,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
             device,
         )
     drafter = _drafter(config, draft)
+    if drafter is not None and tokenizer is not None:
+        drafter.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
     if drafter is not None and config.spec_cost_model:
         cost = measure_spec_cost(model, draft, backend, num_blocks, block_size, device)
         log.info("speculation step costs (rows: target/draft): %s", cost.table())

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -185,16 +186,34 @@ void rows_kernel(const float* x, int64_t k, const uint8_t* blocks, int64_t row_b
   }
 }
 
+// Activation rows in groups of up to 8 (a group's accumulators stay in registers), the last
+// group whatever remains: every weight block is read from memory once per group, so 3 or 7 rows
+// (a verify step's 1 + k) cost one pass, not a 2-row and a 1-row pass. A row's sum runs over the
+// blocks in the same order in every group size, so its result does not depend on the grouping.
+template <typename Run>
+inline void by_row_groups(int64_t m, Run&& run) {
+  int64_t m0 = 0;
+  for (; m0 + 8 <= m; m0 += 8) run(std::integral_constant<int, 8>{}, m0);
+  switch (m - m0) {
+    case 7: run(std::integral_constant<int, 7>{}, m0); break;
+    case 6: run(std::integral_constant<int, 6>{}, m0); break;
+    case 5: run(std::integral_constant<int, 5>{}, m0); break;
+    case 4: run(std::integral_constant<int, 4>{}, m0); break;
+    case 3: run(std::integral_constant<int, 3>{}, m0); break;
+    case 2: run(std::integral_constant<int, 2>{}, m0); break;
+    case 1: run(std::integral_constant<int, 1>{}, m0); break;
+    default: break;
+  }
+}
+
 template <int FMT>
 void linear_impl(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t row_bytes,
                  float* y, int64_t n_out) {
-  // Output rows split over the threads; each thread runs all activation rows in groups of 4, 2
-  // and 1, so every weight block is read from memory once per group of rows.
+  // Output rows split over the threads; each thread runs all activation rows by row groups.
   at::parallel_for(0, n_out, 32, [&](int64_t n0, int64_t n1) {
-    int64_t m0 = 0;
-    for (; m0 + 4 <= m; m0 += 4) rows_kernel<FMT, 4>(x, k, blocks, row_bytes, y, n_out, m0, n0, n1);
-    for (; m0 + 2 <= m; m0 += 2) rows_kernel<FMT, 2>(x, k, blocks, row_bytes, y, n_out, m0, n0, n1);
-    for (; m0 < m; ++m0) rows_kernel<FMT, 1>(x, k, blocks, row_bytes, y, n_out, m0, n0, n1);
+    by_row_groups(m, [&](auto mr, int64_t m0) {
+      rows_kernel<FMT, decltype(mr)::value>(x, k, blocks, row_bytes, y, n_out, m0, n0, n1);
+    });
   });
 }
 
@@ -280,13 +299,10 @@ template <int FMT>
 void q8_linear_impl(const int8_t* qx, const float* dx, const float* sx, int64_t m, int64_t k,
                     const uint8_t* blocks, int64_t row_bytes, float* y, int64_t n_out) {
   at::parallel_for(0, n_out, 32, [&](int64_t n0, int64_t n1) {
-    int64_t m0 = 0;
-    for (; m0 + 4 <= m; m0 += 4)
-      q8_rows_kernel<FMT, 4>(qx, dx, sx, k, blocks, row_bytes, y, n_out, m0, n0, n1);
-    for (; m0 + 2 <= m; m0 += 2)
-      q8_rows_kernel<FMT, 2>(qx, dx, sx, k, blocks, row_bytes, y, n_out, m0, n0, n1);
-    for (; m0 < m; ++m0)
-      q8_rows_kernel<FMT, 1>(qx, dx, sx, k, blocks, row_bytes, y, n_out, m0, n0, n1);
+    by_row_groups(m, [&](auto mr, int64_t m0) {
+      q8_rows_kernel<FMT, decltype(mr)::value>(qx, dx, sx, k, blocks, row_bytes, y, n_out, m0,
+                                                n0, n1);
+    });
   });
 }
 #endif

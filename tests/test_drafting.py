@@ -113,3 +113,24 @@ def test_grammar_drafts_are_lossless_and_taken(llama_dir, plain) -> None:
     assert stats.num_accepted_tokens > 10
     assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens
     assert llm.engine.kv.pool.num_free_blocks == 256
+
+
+def test_recent_outputs_are_kept_per_cache_salt() -> None:
+    """A tenant's suffix drafts never come from another tenant's outputs (a draft that is kept
+    makes a request faster: a timing channel, like a shared prefix cache's)."""
+    from engine.drafting import Drafter
+
+    drafter = Drafter(("suffix",), 4, 64)
+
+    def request(salt: str, prompt: list[int], output: list[int]) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=32, cache_salt=salt)
+        r = Request(f"{salt}{len(output)}", prompt, params, frozenset(), 256)
+        for t in output:
+            r.append_token(t)
+        return r
+
+    drafter.finished(request("a", [1, 2], [50, 60, 70, 80, 90, 100]))
+    for salt, want in (("a", [80, 90, 100]), ("b", [])):
+        r = request(salt, [3, 4], [50, 60, 70])
+        drafter.propose([r])
+        assert r.spec_token_ids == want, salt

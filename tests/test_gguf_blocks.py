@@ -50,6 +50,10 @@ def test_kernel_matches_the_dequantized_product(fmt, rows) -> None:
     got = OPS.linear(x, raw, FORMATS[fmt])
     want = x @ ref.T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # rows are computed in groups of up to 8; a row's sum must not depend on its group, or a
+    # verify step's rows would differ from the same tokens decoded one at a time
+    one_by_one = torch.cat([OPS.linear(x[i : i + 1], raw, FORMATS[fmt]) for i in range(rows)])
+    assert torch.equal(got, one_by_one)
 
 
 @needs_ops

@@ -29,6 +29,9 @@ from models.spec import ModelSpec
 DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
 RANGE_MIN_SEQS = 4  # decode batches at least this large read KV through pool views
 CPP_DECODE_DTYPES = (torch.float32, torch.bfloat16)  # KV dtypes the C++ decode op reads
+# chunks of at most this many rows go through the C++ decode op, a query per row: a verify
+# step's 1 + k rows; beyond it each row re-reading the context costs more than one SDPA pass
+ROWS_AS_DECODE = 12
 
 
 def padded_tables(tables: list[list[int]], dtype: type) -> np.ndarray:
@@ -68,18 +71,27 @@ class TorchAttentionStep(AttentionStep):
         window = backend.spec.sliding_window
 
         decode_seqs = [i for i, q in enumerate(meta.query_lens) if q == 1]
+        # With the C++ decode op, a short chunk (a verify step's 1 + k rows, a short prompt)
+        # is attended as one decode query per row, row j seeing its sequence up to its own
+        # position: the op writes every row's K/V before it attends, so the rows see each other
+        # causally, and the step keeps the fused decode path instead of gather + SDPA.
+        cpp = backend.decode_op is not None
+        if cpp:
+            decode_seqs = [i for i, q in enumerate(meta.query_lens) if q <= ROWS_AS_DECODE]
+        rows = [(meta.query_start[i] + j, i, meta.context_lens[i] + j + 1)
+                for i in decode_seqs for j in range(meta.query_lens[i])]  # fmt: skip
         self.all_decode = len(decode_seqs) == meta.num_seqs
         self.decode_rows = (  # only a mixed step picks its decode rows out (an upload)
             None
-            if self.all_decode or not decode_seqs
-            else torch.tensor([meta.query_start[i] for i in decode_seqs], device=device)
+            if self.all_decode or not rows
+            else torch.tensor([row for row, _, _ in rows], device=device)
         )
         self.range_plan: RangeDecodePlan | None = None
         self.decode: list[_DecodeBucket] = []
         self.cpp_decode: tuple[torch.Tensor, torch.Tensor] | None = None  # tables, lengths
-        if decode_seqs and backend.decode_op is not None:
-            tables = padded_tables([meta.block_tables[i] for i in decode_seqs], np.int32)
-            lens = np.asarray([meta.seq_lens[i] for i in decode_seqs], dtype=np.int32)
+        if rows and cpp:
+            tables = padded_tables([meta.block_tables[i] for _, i, _ in rows], np.int32)
+            lens = np.asarray([length for _, _, length in rows], dtype=np.int32)
             self.cpp_decode = (torch.from_numpy(tables), torch.from_numpy(lens))
         # A few sequences read little KV: the gather path's fewer kernel launches win there.
         elif len(decode_seqs) >= RANGE_MIN_SEQS and backend.use_range_decode:
@@ -94,8 +106,9 @@ class TorchAttentionStep(AttentionStep):
             self._plan_buckets(meta, sorted(decode_seqs, key=lambda i: meta.seq_lens[i]), device)
 
         self.prefills: list[_Prefill] = []
+        attended = set(decode_seqs)
         for i, q_len in enumerate(meta.query_lens):
-            if q_len == 1:
+            if i in attended:
                 continue
             start, ctx, seq = meta.query_start[i], meta.context_lens[i], meta.seq_lens[i]
             mask = None
