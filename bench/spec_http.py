@@ -31,8 +31,9 @@ def run(base: str, items: list, max_tokens: int) -> tuple[int, float]:
     """Completion tokens and seconds for the workload, one request at a time."""
     tokens, elapsed = 0, 0.0
     with httpx.Client(base_url=base, timeout=600) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
         for _, conversation, grammar in items:
-            body: dict = {"model": "smollm2", "messages": conversation, "temperature": 0,
+            body: dict = {"model": model, "messages": conversation, "temperature": 0,
                           "max_tokens": max_tokens}  # fmt: skip
             if grammar is not None:
                 schema = json.loads(grammar.source)

@@ -153,7 +153,7 @@ class EngineConfig:
         "", "EAGLE draft head directory (empty: the head shipped for the default model)"
     )
     num_speculative_tokens: int = setting(
-        0, "most draft tokens per request and step (speculative decoding); 0: off"
+        8, "most draft tokens per request and step (speculative decoding); 0: off"
     )
     speculative_method: str = setting(
         "auto",
@@ -164,11 +164,11 @@ class EngineConfig:
         ("auto", "suffix", "grammar", "eagle", "off"),
     )
     spec_cost_model: bool = setting(
-        False,
+        True,
         "adaptive k by the verify and draft step costs measured at startup (engine/spec_cost.py)"
         ", within spec_max_verify_rows; off: batch x (1 + k) stays within that cap",
     )
-    spec_max_verify_rows: int = setting(8, "most verify rows (batch x (1 + k)) in one step")
+    spec_max_verify_rows: int = setting(16, "most verify rows (batch x (1 + k)) in one step")
     cpu_packed_weights: bool = setting(
         True,
         "CPU: also hold oneDNN-packed weight copies where they measure faster at startup "

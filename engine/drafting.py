@@ -167,8 +167,13 @@ class Drafter:
         if "eagle" in self.sources and r.spec_token_ids:
             eagle = r.spec_token_ids[:k]
             best = (expected_accepted(state.acceptance["eagle"], len(eagle)), "eagle", eagle)
+        params = r.sampling_params
+        # A seeded sampled request is not drafted for: how many uniforms verification draws
+        # depends on the drafts, and suffix drafts on what other requests wrote, so its tokens
+        # would depend on more than its seed (greedy output never depends on drafts).
+        reproducible = params.seed is None or params.greedy
         for source in ("grammar", "suffix"):
-            if source not in self.sources or k == 0:
+            if source not in self.sources or k == 0 or not reproducible:
                 continue
             alpha = state.acceptance[source]
             drafts = self._draft(source, r, min(k, useful_depth(alpha)))

@@ -97,15 +97,19 @@ def measure(
     device: torch.device,
     rows: tuple[int, ...] = MEASURED_ROWS,
     context: int = 128,
-    repeats: int = 5,
+    repeats: int = 3,
 ) -> SpecCostModel:
     """Time target and draft steps on scratch blocks at startup (no request owns any block yet;
     the KV written there is never read as anyone's). Without a head, drafts cost nothing to
     make (suffix and grammar drafts)."""
+    # the scratch writes must stay inside the pool (the ops do not bound-check block ids):
+    # a small pool measures at a shorter context, and only the row counts that fit
+    context = max(1, min(context, num_blocks * block_size // 2))
     need = -(-(context + 1) // block_size)  # blocks of one drafting sequence
 
-    def fits(r: int) -> bool:  # the r-row target chunk, and r drafting sequences
-        return -(-(context + r) // block_size) <= num_blocks and r * need <= num_blocks
+    def fits(r: int) -> bool:  # the r-row target chunk, and r drafting sequences (a head's)
+        drafts_fit = head is None or r * need <= num_blocks
+        return -(-(context + r) // block_size) <= num_blocks and drafts_fit
 
     rows = tuple(r for r in rows if fits(r)) or (1,)
     target_s = _median_times(

@@ -134,3 +134,25 @@ def test_recent_outputs_are_kept_per_cache_salt() -> None:
         r = request(salt, [3, 4], [50, 60, 70])
         drafter.propose([r])
         assert r.spec_token_ids == want, salt
+
+
+def test_a_seeded_sampled_request_depends_on_its_seed_alone(llama_dir, plain) -> None:
+    """Suffix drafts come partly from other requests' outputs; a seeded sampled request is not
+    drafted for, so it gives the plain engine's tokens whatever ran before it."""
+    llm = LLM(str(llama_dir), num_kv_blocks=256, block_size=4, num_speculative_tokens=5, **PIN_K)
+    ps = prompts(4)
+    seeded = [SamplingParams(temperature=0.9, max_tokens=24, seed=i) for i in range(4)]
+    want = [r.outputs[0].token_ids for r in plain.generate(ps, seeded)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm.generate(ps, greedy)  # recent outputs now hold these prompts' continuations
+    assert [r.outputs[0].token_ids for r in llm.generate(ps, seeded)] == want
+
+
+def test_step_costs_are_measured_inside_a_small_pool(llama_dir) -> None:
+    """The startup measurement writes scratch KV: with 32 blocks of 4 tokens (less than its
+    usual 128-token context) it must stay inside the pool, and the engine then serves."""
+    llm = LLM(str(llama_dir), num_kv_blocks=32, block_size=4, num_speculative_tokens=4)
+    cost = llm.engine.drafter.cost
+    assert cost is not None and all(-(-(64 + r) // 4) <= 32 for r in cost.rows)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8))
+    assert len(out[0].outputs[0].token_ids) == 8
