@@ -65,7 +65,7 @@ def main() -> None:
         print("llama-server:", catalog.missing.get("llama-server", "not available"))
     spec_flags = ["--num-speculative-tokens", str(args.k)]
     servers = [
-        peers.Peer("kvserve", kvserve_cmd(["--model", gguf])),
+        peers.Peer("kvserve", kvserve_cmd(["--model", gguf, "--num-speculative-tokens", "0"])),
         peers.Peer("kvserve+spec", kvserve_cmd(["--model", gguf, *spec_flags])),
         *llama,
     ]

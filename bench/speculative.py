@@ -192,7 +192,7 @@ def main() -> None:
     items = workload(args.num_chat)
     if args.categories:
         items = [item for item in items if item[0] in args.categories.split(",")]
-    base = LLM(dtype=args.dtype)
+    base = LLM(dtype=args.dtype, num_speculative_tokens=0)
     spec = LLM(
         dtype=args.dtype,
         speculative_method=args.method,

@@ -113,7 +113,7 @@ def main() -> None:
     p50 = compile_ms[len(compile_ms) // 2]
     print(f"grammar compile (cold, {len(compile_ms)} schemas): p50 {p50:.1f} ms, ", end="")
     print(f"p99 {compile_ms[-1]:.1f} ms")
-    spec_llm = LLM(num_speculative_tokens=4)
+    spec_llm = LLM(num_speculative_tokens=4, speculative_method="eagle")
     for label, grammar in (
         ("free", None),
         ("schema", GrammarSpec("json_schema", json.dumps(SCHEMA))),

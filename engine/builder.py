@@ -32,6 +32,7 @@ from engine.load_quantization import (
 from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.pooling import resolve_pooling
 from engine.scheduler import Scheduler
+from engine.spec_cost import MEASURED_ROWS
 from engine.spec_cost import measure as measure_spec_cost
 from engine.spec_decode import Proposer
 from engine.structured_output import StructuredOutputs
@@ -182,7 +183,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if drafter is not None and tokenizer is not None:
         drafter.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
     if drafter is not None and config.spec_cost_model:
-        cost = measure_spec_cost(model, draft, backend, num_blocks, block_size, device)
+        # steps of more rows than a step may verify never enter a choice of k
+        rows = tuple(r for r in MEASURED_ROWS if r <= max(2, config.spec_max_verify_rows))
+        cost = measure_spec_cost(model, draft, backend, num_blocks, block_size, device, rows)
         log.info("speculation step costs (rows: target/draft): %s", cost.table())
         drafter.cost = cost
         if proposer is not None:
