@@ -116,6 +116,14 @@ class Drafter:
         drafts, when that source is on, are already there (the proposer ran first). Each
         request's best candidate is found at full depth; then one k for the step caps them all
         (`step_k`), and the pick is applied."""
+        if 2 * len(requests) > self.max_verify_rows:
+            # not even one draft each fits the step's rows: no candidates to look for (each
+            # request's suffix index catches up when it is next asked)
+            for r in requests:
+                if r.drafts is not None:
+                    r.drafts.source = None
+            self.current_k = 0
+            return
         picks = []
         for r in requests:
             if r.drafts is None:
