@@ -19,14 +19,13 @@ probability p(d) and otherwise samples p without d, so sampling stays exactly th
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.request import Request
 from engine.spec_cost import SpecCostModel
-from engine.spec_decode import MIN_GAIN, SpecStats
+from engine.spec_decode import SpecStats, useful_depth
 from engine.suffix_index import NGRAM_SIZES, RecentOutputs, SuffixIndex
 
 SOURCES = ("grammar", "suffix", "eagle")
@@ -47,13 +46,6 @@ class DraftState:
 
 def expected_accepted(alpha: float, length: int) -> float:
     return sum(alpha**j for j in range(1, length + 1))
-
-
-def useful_depth(alpha: float) -> int:
-    """The deepest draft worth a verify row at per-draft acceptance alpha (at least one, so
-    a source whose acceptance recovers is noticed)."""
-    alpha = min(alpha, 0.99)
-    return max(1, int(math.log(MIN_GAIN) / math.log(alpha))) if alpha > 0 else 1
 
 
 class Drafter:

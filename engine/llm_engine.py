@@ -235,7 +235,12 @@ class LLMEngine:
         assert self.drafter is not None
         for s, res in ran.sampled:
             if s.num_spec:
-                self.drafter.record(s.request, s.num_spec, len(res.token_ids) - 1)
+                kept = len(res.token_ids) - 1
+                drafts = s.request.drafts
+                if self.proposer is not None and drafts is not None and drafts.source == "eagle":
+                    self.proposer.stats.record(s.num_spec, kept)  # the head's own adaptive k
+                    record_acceptance(s.request, s.num_spec, kept)
+                self.drafter.record(s.request, s.num_spec, kept)
         if self.proposer is not None and ran.hidden is not None:
             self._propose(scheduled, ran, start, outputs)
         decoding = [s.request for s, _ in ran.sampled if not s.request.is_finished]
@@ -250,15 +255,9 @@ class LLMEngine:
         start: StepStart,
         outputs: list[RequestOutput],
     ) -> None:
-        """Record how many drafts the target kept; catch the draft's KV up over what the target
-        kept this step; draft for next step. Finished requests catch up too: their cached
-        blocks keep complete draft KV."""
+        """Catch the draft's KV up over what the target kept this step; draft for next step.
+        Finished requests catch up too: their cached blocks keep complete draft KV."""
         assert self.proposer is not None and ran.hidden is not None
-        for s, res in ran.sampled:
-            drafts = s.request.drafts
-            if s.num_spec and drafts is not None and drafts.source == "eagle":
-                self.proposer.stats.record(s.num_spec, len(res.token_ids) - 1)
-                record_acceptance(s.request, s.num_spec, len(res.token_ids) - 1)
         failed = {o.request_id for o in outputs if o.error is not None}
         sampled = {s.request.request_id for s, _ in ran.sampled}
         items, row = [], 0

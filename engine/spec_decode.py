@@ -132,6 +132,14 @@ def _rejection_sample(r: Request, p: torch.Tensor) -> list[int]:
 MIN_GAIN = 0.1  # expected accepted tokens a draft position must bring to be drafted
 
 
+def useful_depth(alpha: float) -> int:
+    """The deepest draft worth a verify row at per-draft acceptance alpha: draft j survives
+    with probability about alpha^j, and below MIN_GAIN it costs more than it returns. At least
+    one, so a source whose acceptance recovers is noticed."""
+    alpha = min(alpha, 0.99)
+    return max(1, int(math.log(MIN_GAIN) / math.log(alpha))) if alpha > 0 else 1
+
+
 def record_acceptance(r: Request, num_drafted: int, num_accepted: int) -> None:
     """Update a request's running acceptance rate after a verification round."""
     if num_drafted:
@@ -282,9 +290,7 @@ class Proposer:
         if r.is_finished or k == 0:
             return 0
         room = min(params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
-        alpha = min(r.spec_acceptance, 0.99)
-        depth = max(1, int(math.log(MIN_GAIN) / math.log(alpha))) if alpha > 0 else 1
-        return max(0, min(k, depth, room - 1))
+        return max(0, min(k, useful_depth(r.spec_acceptance), room - 1))
 
     def _draft_tokens(
         self, hidden: torch.Tensor, reqs: list[Request], live: list[int], advanced: list[int]
