@@ -32,7 +32,7 @@ from engine.load_quantization import (
 from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.pooling import resolve_pooling
 from engine.scheduler import Scheduler
-from engine.spec_cost import MEASURED_ROWS
+from engine.spec_cost import MEASURED_ROWS, SpecCostModel, measured_shape
 from engine.spec_cost import measure as measure_spec_cost
 from engine.spec_decode import Proposer
 from engine.structured_output import StructuredOutputs
@@ -185,7 +185,17 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if drafter is not None and config.spec_cost_model:
         # steps of more rows than a step may verify never enter a choice of k
         rows = tuple(r for r in MEASURED_ROWS if r <= max(2, config.spec_max_verify_rows))
-        cost = measure_spec_cost(model, draft, backend, num_blocks, block_size, device, rows)
+        key = (
+            model_path, os.path.getmtime(model_path), str(dtype), str(kv_dtype),
+            config.quantization, config.gguf_int8_activations, config.cpu_packed_weights,
+            backend_cls.__name__, str(device), block_size, getattr(draft, "source", None),
+            measured_shape(rows, draft is not None, num_blocks, block_size),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        cost = _MEASURED_COSTS.get(key)
+        if cost is None:
+            cost = measure_spec_cost(model, draft, backend, num_blocks, block_size, device, rows)
+            _MEASURED_COSTS[key] = cost
         log.info("speculation step costs (rows: target/draft): %s", cost.table())
         drafter.cost = cost
         if proposer is not None:
@@ -407,6 +417,11 @@ def _load_draft_head(
         config.num_speculative_tokens,
     )
     return head
+
+
+# Step costs measured in this process, by what they depend on: an engine built again on the
+# same weights, kernels and pool shape (tests, notebooks) reuses the measurement.
+_MEASURED_COSTS: dict[tuple, SpecCostModel] = {}
 
 
 def _structured_outputs(

@@ -87,6 +87,22 @@ def _median_times(steps: list, repeats: int, device: torch.device) -> list[float
     return [sorted(ts)[len(ts) // 2] for ts in times]
 
 
+def measured_shape(
+    rows: tuple[int, ...], has_head: bool, num_blocks: int, block_size: int, context: int = 128
+) -> tuple[int, tuple[int, ...]]:
+    """The context and row counts `measure` times in a pool of `num_blocks`."""
+    # the scratch writes must stay inside the pool (the ops do not bound-check block ids):
+    # a small pool measures at a shorter context, and only the row counts that fit
+    context = max(1, min(context, num_blocks * block_size // 2))
+    need = -(-(context + 1) // block_size)  # blocks of one drafting sequence
+
+    def fits(r: int) -> bool:  # the r-row target chunk, and r drafting sequences (a head's)
+        drafts_fit = not has_head or r * need <= num_blocks
+        return -(-(context + r) // block_size) <= num_blocks and drafts_fit
+
+    return context, tuple(r for r in rows if fits(r)) or (1,)
+
+
 @torch.inference_mode()
 def measure(
     model: LlamaForCausalLM,
@@ -102,16 +118,7 @@ def measure(
     """Time target and draft steps on scratch blocks at startup (no request owns any block yet;
     the KV written there is never read as anyone's). Without a head, drafts cost nothing to
     make (suffix and grammar drafts)."""
-    # the scratch writes must stay inside the pool (the ops do not bound-check block ids):
-    # a small pool measures at a shorter context, and only the row counts that fit
-    context = max(1, min(context, num_blocks * block_size // 2))
-    need = -(-(context + 1) // block_size)  # blocks of one drafting sequence
-
-    def fits(r: int) -> bool:  # the r-row target chunk, and r drafting sequences (a head's)
-        drafts_fit = head is None or r * need <= num_blocks
-        return -(-(context + r) // block_size) <= num_blocks and drafts_fit
-
-    rows = tuple(r for r in rows if fits(r)) or (1,)
+    context, rows = measured_shape(rows, head is not None, num_blocks, block_size, context)
     target_s = _median_times(
         [_target_step(model, backend, r, context, block_size, device) for r in rows],
         repeats,
