@@ -23,6 +23,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine_info import EngineInfo
+from engine.grammar_budget import GrammarBudget
 from engine.kv.remote import KVStoreError, Prefetch, RedisBlockStore
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -52,6 +53,7 @@ class AsyncEngine:
         # grammar compiler, and the prefix hasher (its root is fixed at startup)
         self._structured = engine.structured
         self._hasher = engine.kv.hasher
+        self.grammar_budget: GrammarBudget | None = None
         self._remote: RedisBlockStore | None = None
         self.on_death = on_death
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -93,6 +95,8 @@ class AsyncEngine:
             self._core.shutdown()
         if self._remote is not None:
             self._remote.close()
+        if self.grammar_budget is not None:
+            self.grammar_budget.close()
 
     @property
     def num_in_flight(self) -> int:
@@ -176,13 +180,25 @@ class AsyncEngine:
             self._fail_pending_calls(EngineDeadError(f"engine loop died: {self.dead}"))
         return await asyncio.wrap_future(fut)
 
-    async def compile_grammar(self, spec: GrammarSpec, param: str) -> None:
-        """Compile (and so validate and cache) a grammar in a worker thread, off both the event
-        loop and the engine thread: ParamError naming `param` if it cannot be compiled. The
+    def budget_grammar_compiles(self, budget_s: float, workers: int) -> None:
+        """From now on a grammar compiles within `budget_s` seconds, at most `workers` at once
+        (engine/grammar_budget.py); worker processes start now."""
+        if self._structured is not None and budget_s > 0:
+            self.grammar_budget = GrammarBudget(self._structured, budget_s, workers)
+
+    async def compile_grammar(
+        self, spec: GrammarSpec, param: str, timeout_s: float | None = None
+    ) -> None:
+        """Compile (and so validate and cache) a grammar off both the event loop and the engine
+        thread, within the budget if one is set: ParamError naming `param` if it cannot be
+        compiled (GrammarBusyError, TimeoutError: waited too long for a compile slot). The
         engine's matcher for the request then finds it in the cache."""
         if self._structured is None:
             raise ParamError(param, "structured outputs are not available on this server")
-        await asyncio.to_thread(self._structured.compile, spec, param)
+        if self.grammar_budget is not None:
+            await self.grammar_budget.compile(spec, param, timeout_s)
+        else:
+            await asyncio.to_thread(self._structured.compile, spec, param)
 
     async def snapshot(self) -> EngineSnapshot:
         return await self.call(LLMEngine.snapshot)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.object_properties import balance_object_properties
 from engine.request import Request
 from engine.runner_output import GrammarMask, logits_spans
 from engine.sampling_params import GrammarSpec, ParamError
@@ -162,7 +163,7 @@ def grammar_source(spec: GrammarSpec) -> str:
     else:
         schema = spec.source if spec.kind == "json_schema" else '{"type": "object"}'
         grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
-    text = str(grammar)
+    text = balance_object_properties(str(grammar))
     for loose in _LOOSE_CHARS:
         text = text.replace(loose, _STRICT_CHARS)
     return text
@@ -181,13 +182,26 @@ class StructuredOutputs:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_limit_bytes=256 * 2**20)
         self.batch = xgr.BatchGrammarMatcher(max_threads=2)
         self._bitmask = xgr.allocate_token_bitmask(64, vocab_size)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """What the first constrained request would otherwise pay: the bitmask op's build (a
+        C++ compile on a fresh machine) and the first compile, fill and masking."""
+        matcher = self.matcher(GrammarSpec("json_object", ""))
+        logits = torch.zeros(1, self.vocab_size)
+        self.mask_logits(logits, [0], [matcher])
 
     def compile(self, spec: GrammarSpec, param: str = "structured_outputs") -> xgr.CompiledGrammar:
         """The compiled grammar (cached by source); ParamError naming `param` if it cannot be."""
+        return self.compile_with(self.compiler, spec, param)
+
+    def compile_with(
+        self, compiler: xgr.GrammarCompiler, spec: GrammarSpec, param: str = "structured_outputs"
+    ) -> xgr.CompiledGrammar:
         try:
             if spec.kind == "regex":
-                return self.compiler.compile_regex(spec.source)
-            return self.compiler.compile_grammar(grammar_source(spec))
+                return compiler.compile_regex(spec.source)
+            return compiler.compile_grammar(grammar_source(spec))
         except Exception as e:  # noqa: BLE001 - the library's errors are many types
             raise ParamError(param, f"{param}: cannot compile this {spec.kind}: {e}") from None
 

@@ -20,6 +20,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine
+from engine.grammar_budget import default_workers
 from server.config import Config
 from server.errors import CLIENT_ERRORS, APIError, error_body, to_api_error
 from server.openapi import build_openapi
@@ -133,8 +134,10 @@ def build_app(
             cfg.responses_max_stored,
             cfg.responses_max_age_s,
         )
+        workers = cfg.grammar_compile_workers or default_workers()
         if engine is not None:
             engine.on_death = engine.on_death or on_fatal
+            engine.budget_grammar_compiles(cfg.max_grammar_compile_s, workers)
             engine.start(loop)
             state.engine = engine
         elif load:
@@ -154,6 +157,7 @@ def build_app(
                     return
 
                 def ready() -> None:
+                    eng.budget_grammar_compiles(cfg.max_grammar_compile_s, workers)
                     state.engine = eng
                     log.info("model loaded: ready")
                     if on_ready is not None:

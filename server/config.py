@@ -62,6 +62,12 @@ class ServerConfig:
     )
     log_level: str = setting("info", "log level", ("debug", "info", "warning", "error", "critical"))
     request_timeout_s: float = setting(0.0, "abort a request running longer than this; 0: off")
+    max_grammar_compile_s: float = setting(
+        5.0, "a grammar (schema, regex, EBNF, tools) not compiled within this is a 400; 0: no limit"
+    )
+    grammar_compile_workers: int = setting(
+        0, "grammars compiled at once (worker processes); 0: one fewer than the cores"
+    )
     shutdown_grace_s: float = setting(30.0, "on SIGTERM, let in-flight requests finish this long")
     idle_seconds: float = setting(
         0.0, "offload a session's KV to the host tier after this long idle; 0: off"

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from engine.structured_output import GrammarSpec
 from server.errors import APIError
 from server.protocol_structured import ChatTool, NamedToolChoice, StructuredFields
+from server.schema_limits import schema_limit_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +70,15 @@ def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
             raise APIError(400, f"{param}: the schema is not valid JSON", param=param) from None
     if not isinstance(schema, dict):
         raise APIError(400, f"{param}: a JSON schema is an object", param=param)
+    check_schema_size(schema, param)
     return json.dumps(schema, sort_keys=True)
+
+
+def check_schema_size(schema: Any, param: str) -> None:
+    error = schema_limit_error(schema)
+    if error is not None:
+        raise APIError(400, f"{param}: the schema is too large: {error}", param=param,
+                       code="schema_too_large")  # fmt: skip
 
 
 def _requested(body: StructuredFields) -> list[tuple[str, GrammarSpec | None]]:
@@ -135,6 +144,9 @@ def tool_call_spec(
     shape any call the model chooses to make must have, in the parser's format. `answer`
     (response_format beside the tools): the output is such calls or one answer in that JSON
     format, as OpenAI serves an agent with tools and an output type."""
+    for i, t in enumerate(plan.tools):
+        if plan.name is None or t.function.name == plan.name:
+            check_schema_size(t.function.parameters or {}, f"tools.{i}.function.parameters")
     tools = [t for t in plan.tools if plan.name is None or t.function.name == plan.name]
     payload = {
         "format": parser_name,  # engine/structured_output.py: CALL_FORMATS

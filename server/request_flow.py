@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine
+from engine.grammar_budget import GrammarBusyError
 from engine.outputs import RequestOutput
 from engine.sampling_params import GrammarSpec, ParamError, SamplingParams
 from server.errors import APIError, RequestFailed, RequestTimeout, error_body, to_api_error
@@ -98,6 +99,24 @@ class GenerationPlan:
     param_names: dict[str, str] = field(default_factory=dict)
 
 
+async def compile_grammar(
+    state: ServerState, engine: AsyncEngine, spec: GrammarSpec, param: str
+) -> None:
+    """The request's grammar, compiled within the server's budget (a 400 naming the limit), or
+    a 503 when too many wait to compile, or a 504 past the request's own timeout."""
+    timeout = state.config.server.request_timeout_s
+    try:
+        await engine.compile_grammar(spec, param, timeout or None)
+    except GrammarBusyError as e:
+        raise APIError(
+            503, f"{e}; retry later", code="grammar_compiler_busy", headers={"Retry-After": "1"}
+        ) from None
+    except TimeoutError:
+        raise RequestTimeout(
+            f"request exceeded the {timeout:g} s limit waiting to compile its grammar"
+        ) from None
+
+
 async def start(
     state: ServerState, engine: AsyncEngine, request: Request, plan: GenerationPlan
 ) -> Generation:
@@ -107,7 +126,7 @@ async def start(
     try:
         check_limits(state, body)
         if plan.grammar is not None:
-            await engine.compile_grammar(*plan.grammar)
+            await compile_grammar(state, engine, *plan.grammar)
         body.cache_salt = effective_salt(state, request, body.cache_salt)
         choices = make_choices(
             engine, body, plan.prompts, plan.logprobs, plan.req_id, plan.max_tokens,

@@ -51,8 +51,10 @@ async def index(request: Request) -> Response:
 async def stats(request: Request) -> Response:
     """The page's live panel: a snapshot taken between engine steps."""
     state: ServerState = request.app.state.kv
-    snap = await state.ready_engine().snapshot()
+    engine = state.ready_engine()
+    snap = await engine.snapshot()
     host = snap.host
+    budget = engine.grammar_budget
     return JSONResponse(
         {
             "model": state.model_name,
@@ -70,6 +72,14 @@ async def stats(request: Request) -> Response:
             "host": None
             if host is None
             else {"used_bytes": host.used_bytes, "capacity_bytes": host.capacity_bytes},
+            "grammar_compiles": None
+            if budget is None
+            else {
+                "budget_s": budget.budget_s,
+                "workers": len(budget.pids),
+                "waiting": budget.waiting,
+                "over_budget": budget.over_budget,
+            },
         }
     )
 
