@@ -74,10 +74,15 @@ def _alternatives(body: str) -> list[str] | None:
 _KEY = r'("\\"(?:[^"\\]|\\.)*\\"")'
 
 
+_KEY_VALUE = re.compile(_KEY + r' ": " (.+)')
+
+
 def _prop(alt: str, lead: str, rest: str | None) -> _Prop | None:
     """`lead KEY ": " VALUE [rest]` → the property (optional left False)."""
     tail = f" {rest}" if rest else ""
-    m = re.fullmatch(re.escape(lead) + _KEY + r' ": " (.+?)' + re.escape(tail), alt)
+    if not (alt.startswith(lead) and alt.endswith(tail)):
+        return None
+    m = _KEY_VALUE.fullmatch(alt[len(lead) : len(alt) - len(tail)])
     return _Prop(m.group(1), m.group(2), False) if m else None
 
 
