@@ -39,6 +39,7 @@ def request_output(
         request.stop_reason,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
+        prefix_hit=request.prefix_hit,
         num_output_tokens=request.num_output_tokens,
         logprobs=logprobs or [],
         error=error,

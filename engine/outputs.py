@@ -9,6 +9,23 @@ import torch
 from engine.sampler import TokenLogprobs
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixSummary:
+    """Where a request's prompt was found when it was first admitted, in tokens per tier, and
+    how many tokens right after that were cached once and evicted since (a miss the cache's
+    size caused, not the prompt)."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+    remote: int = 0
+    evicted: int = 0
+
+    @property
+    def cached(self) -> int:
+        return self.device + self.host + self.disk + self.remote
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -20,6 +37,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    prefix_hit: PrefixSummary | None = None  # once admitted
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
     queue_time: float | None = None  # seconds from arrival to first scheduling

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.outputs import PrefixSummary
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit when first admitted (any tier)
+    prefix_hit: PrefixSummary | None = None  # the same by tier, and the evicted tokens after it
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

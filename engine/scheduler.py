@@ -206,6 +206,7 @@ class Scheduler:
             if request.first_scheduled_time is None:  # first admission, not a re-admission
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_hit
+                request.prefix_hit = hits.summary(self.kv.block_size)
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -62,6 +62,9 @@ class ServerConfig:
     )
     log_level: str = setting("info", "log level", ("debug", "info", "warning", "error", "critical"))
     request_timeout_s: float = setting(0.0, "abort a request running longer than this; 0: off")
+    app_cache_stats: bool = setting(
+        True, "per-application prefix-cache hit rates and the cache-breaker detector (/v1/stats)"
+    )
     max_grammar_compile_s: float = setting(
         5.0, "a grammar (schema, regex, EBNF, tools) not compiled within this is a 400; 0: no limit"
     )

@@ -30,6 +30,8 @@ class Choice:
     kv_blocks: list[tuple[bytes, bytes]] | None = None  # exported at its end (disaggregation)
     embedding: torch.Tensor | None = None  # an embedding request's pooled vector
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # the prompt's, when scored
+    # the application to count the prompt's cache hit for, until its first output has
+    app: str | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)

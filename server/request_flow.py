@@ -34,6 +34,16 @@ def api_key_tag(request: Request) -> str:
     return hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()[:16]
 
 
+def app_name(request: Request, body: Any) -> str:
+    """Which application a request belongs to, for the per-application cache statistics
+    (server/app_cache.py): X-App, else the API key's tag, else prompt_cache_key, else user."""
+    named = request.headers.get("x-app")
+    if not named and request.headers.get("authorization"):
+        named = "key:" + api_key_tag(request)[:8]
+    named = named or getattr(body, "prompt_cache_key", None) or getattr(body, "user", None)
+    return (named or "default")[:64]
+
+
 def effective_salt(state: ServerState, request: Request, salt: str | None) -> str | None:
     """With salt_cache_per_key, the caller's API key enters the cache salt, so tenants holding
     different keys never share KV blocks (and cannot probe each other's prompts by timing)."""
@@ -132,7 +142,9 @@ async def start(
             engine, body, plan.prompts, plan.logprobs, plan.req_id, plan.max_tokens,
             plan.grammar[0] if plan.grammar else None,
         )  # fmt: skip
+        app = app_name(request, body) if state.config.server.app_cache_stats else None
         for c in choices[:: body.n]:  # a prompt is scored once, by its first choice
+            c.app = app
             c.params.prompt_logprobs = plan.prompt_logprobs
         publish = await kv_handover(state, engine, choices, body.n, plan.kv_transfer_params)
     except (APIError, ParamError) as e:
@@ -265,6 +277,9 @@ class Generation:
                 if out.finish_reason == "error":
                     raise RequestFailed(f"request {choice.request_id} failed: {out.error}")
                 timing.output(out)
+                if choice.app is not None and out.prefix_hit is not None:
+                    self.state.app_cache.observe(choice.app, choice.prompt_ids, out.prefix_hit)
+                    choice.app = None  # once per prompt
                 choice.add(out)
                 yield choice, out
         except TimeoutError:

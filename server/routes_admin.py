@@ -72,6 +72,7 @@ async def stats(request: Request) -> Response:
             "host": None
             if host is None
             else {"used_bytes": host.used_bytes, "capacity_bytes": host.capacity_bytes},
+            "apps": state.app_cache.snapshot(),
             "grammar_compiles": None
             if budget is None
             else {

@@ -8,6 +8,7 @@ import os
 import time
 
 from engine.async_engine import AsyncEngine
+from server.app_cache import AppCacheStats
 from server.config import Config
 from server.errors import APIError
 from server.kv_transfer import KVTransfer
@@ -27,6 +28,15 @@ class ServerState:
         self.engine: AsyncEngine | None = None
         self.load_error: BaseException | None = None
         self.metrics = Metrics()
+        self.app_cache = AppCacheStats(
+            self.metrics.registry,
+            block_size=lambda: self.engine.info.block_size if self.engine else 16,
+            decode=lambda ids: (
+                self.engine.tokenizer.decode(ids)
+                if self.engine and self.engine.tokenizer
+                else " ".join(map(str, ids))
+            ),
+        )
         self.created = int(time.time())
         self.sessions = SessionTracker()
         self.responses: ResponseStore | None = None  # opened by the app's lifespan

@@ -13,12 +13,14 @@ the same call, before anything can overwrite them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv.hashing import BlockHasher, extra_keys
 from engine.kv.host import HostTier
 from engine.kv.pool import BlockPool, KVBlock
+from engine.outputs import PrefixSummary
 from engine.request import Request
 
 
@@ -31,6 +33,8 @@ class PrefixHit:
     # a cached block whose first `partial_len` tokens continue the prefix (then it diverges)
     partial: KVBlock | None = None
     partial_len: int = 0
+    # blocks right after the hit that were cached here and evicted since (found in no tier)
+    num_evicted: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -38,6 +42,16 @@ class PrefixHit:
 
     def num_tokens(self, block_size: int) -> int:
         return self.num_blocks * block_size + self.partial_len
+
+    def summary(self, block_size: int) -> PrefixSummary:
+        bs = block_size
+        return PrefixSummary(
+            device=len(self.device) * bs + self.partial_len,
+            host=(len(self.host) - self.num_disk - self.num_remote) * bs,
+            disk=self.num_disk * bs,
+            remote=self.num_remote * bs,
+            evicted=max(0, self.num_evicted * bs - self.partial_len),
+        )
 
 
 BlockPrefixCopier = Callable[[int, int, int], None]  # (src block, dst block, num tokens)
@@ -64,6 +78,10 @@ class KVCacheManager:
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found, any tier
         self.hits_by_source = {"device": 0, "host": 0, "disk": 0, "remote": 0}
+        # hashes of blocks evicted from the device pool, most recent last (bounded): a lookup
+        # that stops at one of them missed because of eviction, not because the prompt differs
+        self.recently_evicted: OrderedDict[bytes, None] = OrderedDict()
+        self.max_recently_evicted = 8 * num_blocks
 
     @property
     def enable_caching(self) -> bool:
@@ -113,6 +131,10 @@ class KVCacheManager:
                     hit.num_disk += 1
                 else:
                     break
+        for block_hash in hashes[hit.num_blocks :]:
+            if block_hash not in self.recently_evicted:
+                break
+            hit.num_evicted += 1
         self._partial_hit(request, hit)
         return hit
 
@@ -183,6 +205,11 @@ class KVCacheManager:
         evicted, self.pool.evicted = self.pool.evicted, []
         if evicted and self.host is not None:
             self.host.save(evicted, protect=protect)
+        for block_hash, _ in evicted:
+            self.recently_evicted[block_hash] = None
+            self.recently_evicted.move_to_end(block_hash)
+        while len(self.recently_evicted) > self.max_recently_evicted:
+            self.recently_evicted.popitem(last=False)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         self.update_block_hashes(request)
@@ -284,4 +311,5 @@ class KVCacheManager:
         return [b.block_id for b in self.block_tables.get(request_id, [])]
 
     def reset_prefix_cache(self) -> bool:
+        self.recently_evicted.clear()  # dropped on purpose, not evicted
         return self.pool.reset_prefix_cache()

@@ -136,6 +136,30 @@ function renderBlocks(map) {
   for (let i = 0; i < map.length; i++) grid.children[i].className = "cell " + CLASSES[map[i]];
 }
 
+function sparkline(values) {
+  const w = 60, h = 14, n = Math.max(values.length - 1, 1);
+  const pts = values.map((v, i) => `${(i * w / n).toFixed(1)},${(h - v * h).toFixed(1)}`).join(" ");
+  return `<svg width="${w}" height="${h}" aria-hidden="true"><polyline fill="none" stroke="#2563eb" points="${pts}"/></svg>`;
+}
+
+function esc(text) {
+  const d = document.createElement("span");
+  d.textContent = text;
+  return d.innerHTML;
+}
+
+function renderApps(apps) {
+  const rows = Object.entries(apps || {}).map(([name, a]) =>
+    `<tr><td>${esc(name)}</td><td>${(100 * a.hit_rate).toFixed(1)}%</td>` +
+    `<td>${sparkline(a.recent_hit_rates)}</td>` +
+    `<td>${a.missed_tokens.eviction} / ${a.missed_tokens.divergence}</td></tr>`);
+  $("apps").tBodies[0].innerHTML = rows.join("");
+  const breakers = Object.entries(apps || {}).flatMap(([name, a]) => a.breakers.map(b =>
+    `<li>${esc(name)}: token ${b.position}: ${esc(b.new)} vs ${esc(b.previous)}, ` +
+    `${b.lost_prefill_tokens} tokens of prefill lost (${b.count}x)</li>`));
+  $("breakers").innerHTML = breakers.join("");
+}
+
 async function refresh() {
   try {
     const res = await fetch("/v1/stats", { headers: headers() });
@@ -152,6 +176,7 @@ async function refresh() {
     $("s-usage").textContent = `${s.blocks_in_use} / ${s.num_blocks} (${s.block_size} tok)`;
     $("s-host").textContent = s.host ? `${(s.host.used_bytes / 2 ** 20).toFixed(0)} / ${(s.host.capacity_bytes / 2 ** 20).toFixed(0)} MiB` : "off";
     renderBlocks(s.block_map);
+    renderApps(s.apps);
     $("panel-error").textContent = "";
     last = s;
   } catch (e) {

@@ -1,0 +1,241 @@
+"""The prefix cache seen per application: hit rates, misses by cause, and cache breakers.
+
+An application is named by the request: the `X-App` header, else the caller's API key (a short
+hash of it), else `prompt_cache_key`, else `user`, else "default". The first MAX_APPS names get
+their own label; later ones count as "other", so the metrics' label sets stay bounded whatever
+clients send.
+
+A miss is counted by cause. *Eviction*: the blocks right after the hit were cached here and
+evicted since (the engine reports it; the cache is too small). *Divergence*: the prompt shares a
+prefix with a recent prompt of the same application, differs for a few tokens, then continues
+identically for at least two blocks and four times as many tokens as differed; those identical
+tokens were computed again because a block hash covers everything before it (a timestamp or a
+request id in a system prompt). Each such divergence is a *breaker*, kept with where it happens
+(the token position), the tokens on each side in both prompts and the prefill it cost; the top
+breakers per application are in `/v1/stats` and a log line (at most once a minute per breaker).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter
+
+from engine.outputs import PrefixSummary
+
+log = logging.getLogger("kvserve.cache")
+
+MAX_APPS = 32  # labelled applications; the rest are "other"
+RECENT_PROMPTS = 16  # per application, compared with each new prompt
+MAX_SKETCH_TOKENS = 8192  # of each recent prompt
+RESYNC_SEARCH = 64  # tokens a divergence may span in the new prompt
+RESYNC_WINDOW = 8  # tokens that must match again to call it the same text
+TOP_BREAKERS = 5
+LOG_EVERY_S = 60.0
+CONTEXT = 4  # tokens shown on each side of a break
+TIERS = ("device", "host", "disk", "remote")
+
+
+def common_prefix(a: array, b: array, start_a: int = 0, start_b: int = 0) -> int:
+    """How many tokens a[start_a:] and b[start_b:] share from their start (binary search over
+    slice equality: C-speed comparisons, no per-token Python)."""
+    lo, hi = 0, min(len(a) - start_a, len(b) - start_b)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[start_a : start_a + mid] == b[start_b : start_b + mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    position: int  # the first token that differs (both prompts)
+    new_span: int  # tokens that differ in the new prompt
+    old_span: int  # ... and in the earlier one
+    rejoined: int  # identical tokens after the differing spans (computed again)
+
+
+def find_break(new: array, old: array, block: int) -> Break | None:
+    """Where `new` leaves `old` for a few tokens and then continues as `old` does, if it does:
+    for at least two blocks and four times the differing span (a different question before
+    the same chat-template tail is not a break). None when `new` only extends `old`, or goes
+    its own way."""
+    min_rejoin = 2 * block
+    p = common_prefix(new, old)
+    if p >= len(new) - min_rejoin or p >= len(old):
+        return None
+    for d in range(1, RESYNC_SEARCH + 1):
+        if p + d + RESYNC_WINDOW > len(new):
+            return None
+        window = new[p + d : p + d + RESYNC_WINDOW]
+        hay = old[p : p + d + RESYNC_SEARCH + RESYNC_WINDOW]
+        j = _find(hay, window)
+        if j is not None:
+            rejoined = common_prefix(new, old, p + d, p + j)
+            if rejoined >= max(min_rejoin, 4 * max(d, j)):
+                return Break(p, d, j, rejoined)
+    return None
+
+
+def _find(hay: array, needle: array) -> int | None:
+    raw, pat, size = hay.tobytes(), needle.tobytes(), hay.itemsize
+    at = raw.find(pat)
+    while at >= 0 and at % size:  # aligned to a whole token
+        at = raw.find(pat, at + 1)
+    return at // size if at >= 0 else None
+
+
+@dataclass(slots=True)
+class Breaker:
+    app: str
+    position: int
+    new_text: str  # the few tokens before, the differing ones, and a few after
+    old_text: str
+    count: int = 0
+    lost_tokens: int = 0  # identical tokens computed again, all occurrences
+    last_logged: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "position": self.position,
+            "new": self.new_text,
+            "previous": self.old_text,
+            "count": self.count,
+            "lost_prefill_tokens": self.lost_tokens,
+        }
+
+
+@dataclass(slots=True)
+class AppRecord:
+    recent: deque[array] = field(default_factory=lambda: deque(maxlen=RECENT_PROMPTS))
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    missed: dict[str, int] = field(default_factory=lambda: {"eviction": 0, "divergence": 0})
+    hit_rates: deque[float] = field(default_factory=lambda: deque(maxlen=30))  # per request
+    breakers: dict[int, Breaker] = field(default_factory=dict)  # by the block broken
+
+
+class AppCacheStats:
+    """Owned by the server state; `observe` runs on the event loop, once per prompt."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        block_size: Callable[[], int],
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self.block_size = block_size
+        self.decode = decode
+        self.apps: dict[str, AppRecord] = {}
+        self.prompt_tokens = Counter(
+            "kvserve:app_prompt_tokens", "Prompt tokens per application.", ["app"],
+            registry=registry,
+        )  # fmt: skip
+        self.cached_tokens = Counter(
+            "kvserve:app_cached_tokens", "Prompt tokens served from a cache tier, per application.",
+            ["app", "tier"], registry=registry,
+        )  # fmt: skip
+        self.missed_tokens = Counter(
+            "kvserve:app_missed_tokens",
+            "Prompt tokens computed again that a cache held once (eviction) or that matched a "
+            "recent prompt after a small difference (divergence), per application.",
+            ["app", "cause"], registry=registry,
+        )  # fmt: skip
+        self.breaks = Counter(
+            "kvserve:cache_breaks", "Prompts whose cached prefix a small difference broke.",
+            ["app"], registry=registry,
+        )  # fmt: skip
+
+    def label(self, name: str) -> str:
+        if name in self.apps or len(self.apps) < MAX_APPS:
+            return name
+        return "other"
+
+    def observe(self, name: str, prompt: list[int], hit: PrefixSummary) -> None:
+        app = self.label(name)
+        record = self.apps.setdefault(app, AppRecord())
+        n = len(prompt)
+        record.prompt_tokens += n
+        record.cached_tokens += hit.cached
+        record.hit_rates.append(hit.cached / n if n else 0.0)
+        self.prompt_tokens.labels(app).inc(n)
+        for tier in TIERS:
+            if tokens := getattr(hit, tier):
+                self.cached_tokens.labels(app, tier).inc(tokens)
+        if hit.evicted:
+            record.missed["eviction"] += hit.evicted
+            self.missed_tokens.labels(app, "eviction").inc(hit.evicted)
+        tokens = array("q", prompt[:MAX_SKETCH_TOKENS])
+        found = self._divergence(record, tokens, hit)
+        if found is not None:
+            brk, old = found
+            record.missed["divergence"] += brk.rejoined
+            self.missed_tokens.labels(app, "divergence").inc(brk.rejoined)
+            self.breaks.labels(app).inc()
+            self._record_breaker(app, record, brk, tokens, old)
+        record.recent.append(tokens)
+
+    def _divergence(
+        self, record: AppRecord, tokens: array, hit: PrefixSummary
+    ) -> tuple[Break, array] | None:
+        """The break against the recent prompt sharing the longest prefix, if the request's
+        hit ended at it (a miss the prompt caused, not eviction)."""
+        if not record.recent:
+            return None
+        best = max(reversed(record.recent), key=lambda old: common_prefix(tokens, old))
+        bs = self.block_size()
+        brk = find_break(tokens, best, bs)
+        if brk is None or hit.cached + hit.evicted > brk.position + bs:
+            return None
+        return brk, best
+
+    def _record_breaker(
+        self, app: str, record: AppRecord, brk: Break, new: array, old: array
+    ) -> None:
+        p = brk.position
+        key = p // self.block_size()  # one breaker per block it breaks (tokenizations vary)
+        if key not in record.breakers and len(record.breakers) >= 64:  # keep the costliest
+            cheapest = min(record.breakers, key=lambda k: record.breakers[k].lost_tokens)
+            del record.breakers[cheapest]
+
+        def show(tokens: array, span: int) -> str:
+            before = self.decode(tokens[max(0, p - CONTEXT) : p].tolist())
+            differ = self.decode(tokens[p : p + span].tolist())
+            after = self.decode(tokens[p + span : p + span + CONTEXT].tolist())
+            return f"{before}[{differ}]{after}"
+
+        breaker = record.breakers.setdefault(key, Breaker(app, p, "", ""))
+        breaker.position = p  # the latest occurrence
+        breaker.new_text, breaker.old_text = show(new, brk.new_span), show(old, brk.old_span)
+        breaker.count += 1
+        breaker.lost_tokens += brk.rejoined
+        now = time.monotonic()
+        if now - breaker.last_logged >= LOG_EVERY_S:
+            breaker.last_logged = now
+            log.warning(
+                "app %r: prompts differ at token %d (%r, before: %r) and then continue alike: "
+                "%d tokens of prefill lost (%d times so far); keep changing text out of the "
+                "prompt's shared beginning",
+                app, p, breaker.new_text, breaker.old_text, brk.rejoined, breaker.count,
+            )  # fmt: skip
+
+    def snapshot(self) -> dict:
+        out = {}
+        for app, r in self.apps.items():
+            top = sorted(r.breakers.values(), key=lambda b: -b.lost_tokens)[:TOP_BREAKERS]
+            out[app] = {
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "hit_rate": r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0,
+                "missed_tokens": dict(r.missed),
+                "recent_hit_rates": [round(h, 3) for h in r.hit_rates],
+                "breakers": [b.as_dict() for b in top],
+            }
+        return out
