@@ -80,6 +80,15 @@ def test_chat_streams_and_block_map_changes(page, server) -> None:
     page.wait_for_function(
         "document.querySelectorAll('#blocks .cell.cached').length > 0", timeout=10_000
     )
+    # the applications table: a row per application, its name shown as text
+    hostile = '<img src=x onerror="window.__pwned=3">'
+    headers = {"Authorization": f"Bearer {KEY}", "X-App": hostile}
+    model = httpx.get(server.base + "/v1/models", headers=headers).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    assert httpx.post(server.base + "/v1/chat/completions", json=body, headers=headers).is_success
+    page.wait_for_function("document.querySelectorAll('#apps tbody tr').length >= 2")
+    assert hostile in page.locator("#apps").inner_text()
+    assert page.locator("#apps img").count() == 0 and page.locator("#apps svg").count() >= 2
 
 
 def test_stop_aborts_server_side(page, server) -> None:
