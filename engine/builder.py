@@ -6,9 +6,11 @@ thread may read."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
+import traceback
 from dataclasses import dataclass, replace
 
 import torch
@@ -77,11 +79,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     log.info("dtype %s (%s)", dtype_name(dtype), dtype_reason)
     kv_dtype, kv_reason = kv_cache_dtype(config, dtype, device)
     dtype_size = torch.empty((), dtype=kv_dtype).element_size()  # KV bytes per element
-    torch.manual_seed(config.seed)
-    model, spec = load_model(model_path, dtype, device)
-    draft = _load_draft_head(config, model, dtype, device)
-    packed_bytes = 0
-    weights = f"{dtype_name(dtype)} (the serving dtype)"
+    # what cannot serve here is refused before the weights load (minutes for a large model)
     if config.quantization == "int8" and (why_not := can_quantize(device)) is not None:
         raise ValueError(f"--quantization int8: {why_not}")
     if config.quantization in WEIGHT_ONLY and (device.type != "cpu" or gguf_linear.load() is None):
@@ -89,6 +87,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
             f"--quantization {config.quantization}: the block kernel is a CPU path and needs "
             "kvserve's C++ ops (a compiler); serve the float model instead"
         )
+    torch.manual_seed(config.seed)
+    model, spec = load_model(model_path, dtype, device)
+    draft = _load_draft_head(config, model, dtype, device)
+    packed_bytes = 0
+    weights = f"{dtype_name(dtype)} (the serving dtype)"
     gguf_note, gguf_served = "", False
     if config.quantization == "auto":
         gguf_note, gguf_served = serve_gguf_blocks(model, model_path, spec, device)
@@ -115,7 +118,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     max_model_len = min(
         config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings
     )
-    block_size = config.resolved_block_size()
+    block_size = block_size_for(config, pool_spec, facts, dtype, device)
     kv_block_bytes = pool_spec.kv_bytes_per_token(dtype_size) * block_size
     choice, backend, num_blocks, graphs = _choose_and_warm_up(
         config,
@@ -355,17 +358,14 @@ def _choose_and_warm_up(
             device,
         )
         backend = backend_cls(pool_spec, kv_caches, block_size, workspace)
-        try:
-            warm_up(model, backend, pool_spec, num_blocks, block_size, device)
-        except Exception as e:  # noqa: BLE001 - any failure disqualifies the backend
-            reason = f"warm-up failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            log.error("attention backend %s %s", backend_cls.name, reason, exc_info=True)
+        reason = _warm_up_failure(model, backend, pool_spec, num_blocks, block_size, device)
+        if reason is not None:
             if config.attention_backend != "auto":
-                raise ValueError(f"attention backend {backend_cls.name!r} (forced) {reason}") from e
+                raise ValueError(f"attention backend {backend_cls.name!r} (forced) {reason}")
             failed[backend_cls.name] = reason
+            # the failed pool must be gone before the next is sized from the free memory
             del backend, kv_caches, workspace
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release_device_memory(device)
             continue
         if failed:
             log.warning(
@@ -374,6 +374,57 @@ def _choose_and_warm_up(
                 backend_cls.name,
             )
         return choice, backend, num_blocks, graphs
+
+
+def block_size_for(
+    config: EngineConfig,
+    spec: ModelSpec,
+    facts: DeviceFacts,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """--block-size, else the device's default (CPU 64; CUDA 16, FlashInfer's pages), except
+    that on CUDA pages of 64 are taken where only they let a fast backend serve: xformers'
+    paged operator reads whole 64-token key blocks, and at 16 the torch fallback would."""
+    size = config.resolved_block_size()
+    if config.block_size is not None or device.type != "cuda":
+        return size
+    for candidate in (size, 64):
+        try:
+            choice = select_backend(spec, facts, dtype, candidate, config.attention_backend,
+                                    config.allow_slow_dtype)  # fmt: skip
+        except ValueError:
+            continue  # nothing serves at this size; the real selection says why
+        if choice.backend.name != "torch":
+            return candidate
+    return size
+
+
+def _warm_up_failure(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    pool_spec: ModelSpec,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+) -> str | None:
+    """Why the backend's warm-up failed, or None. The traceback is logged as text and not kept:
+    its frames hold the backend and its KV pool, which must be freed before the next try."""
+    try:
+        warm_up(model, backend, pool_spec, num_blocks, block_size, device)
+    except Exception as e:  # noqa: BLE001 - any failure disqualifies the backend
+        reason = f"warm-up failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        log.error("attention backend %s %s\n%s", backend.name, reason, traceback.format_exc())
+        return reason
+    return None
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Hand freed device memory back to the driver (the caching allocator keeps it otherwise,
+    and the free memory the next pool is sized from would not include it)."""
+    gc.collect()  # tensors held only by reference cycles
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _drafter(config: EngineConfig, head: EagleHead | None) -> Drafter | None:
@@ -459,8 +510,18 @@ def _num_blocks(
     else:
         budget = parse_bytes(config.kv_cache_memory)
     # Never more than every sequence at full length could use.
-    ceiling = config.max_num_seqs * -(-max_model_len // block_size)
-    return max(1, min(int(budget // block_bytes), ceiling))
+    per_sequence = -(-max_model_len // block_size)
+    blocks = min(int(budget // block_bytes), config.max_num_seqs * per_sequence)
+    if device.type == "cuda" and blocks < per_sequence:
+        # a pool that cannot hold one full-length sequence is a server that cannot hold a
+        # conversation: refuse with the numbers instead of serving from a block or two
+        raise ValueError(
+            f"the KV pool would hold {max(blocks, 0) * block_size} tokens, less than one "
+            f"{max_model_len}-token sequence: {free / 2**30:.2f} of {total / 2**30:.2f} GiB are "
+            f"free at --gpu-memory-utilization {config.gpu_memory_utilization}; lower "
+            "--max-model-len, raise the utilization, or free the GPU"
+        )
+    return max(1, blocks)
 
 
 def _host_tier(

@@ -80,6 +80,7 @@ def kernels(argv: list[str]) -> int:
     import torch
 
     from engine.attention import DeviceFacts, select_backend
+    from engine.builder import block_size_for
     from models.loader import checkpoint_dtype, default_model_path, load_spec
 
     config = load_config(argv).engine
@@ -94,9 +95,11 @@ def kernels(argv: list[str]) -> int:
         f"{len(spec.kv_groups)}, {spec.kv_bytes_per_token(elem)} KV bytes/token"
     )
     print(f"device {facts.label}, dtype {str(dtype).replace('torch.', '')} ({why})")
+    block_size = block_size_for(config, spec, facts, dtype, device)
+    print(f"block size {block_size} tokens")
     try:
         choice = select_backend(
-            spec, facts, dtype, config.resolved_block_size(), config.attention_backend,
+            spec, facts, dtype, block_size, config.attention_backend,
             config.allow_slow_dtype, config.require_fast_kernels,
         )  # fmt: skip
     except ValueError as e:

