@@ -8,7 +8,10 @@ retrieved far more often, as in real RAG traffic) and retrieved documents are pl
     python bench/prefix_cache.py [--requests 32] [--concurrency 8] [--model PATH]
 
 Prints the application-level hit rate (cached / prompt tokens, from `usage`, after warm-up), mean
-and p50/p99 TTFT for both runs, and the ratios.
+and p50/p99 TTFT for both runs, and the ratios; then where a request's TTFT goes, from the
+server's histograms over the whole run: waiting to be scheduled (queue), first step to first
+token (its uncached prompt, computed in steps shared with the other requests), and the rest
+(HTTP, tokenizing the chat template).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 import statistics
 
 import httpx
@@ -72,6 +76,23 @@ async def drive(base: str, reqs: list[list[dict]], concurrency: int, max_tokens:
         return await asyncio.gather(*(guarded(m) for m in reqs))
 
 
+def histogram_means(base: str) -> dict[str, float]:
+    """Mean seconds of the server's TTFT, queue and prefill histograms so far."""
+    text = httpx.get(base + "/metrics", timeout=10).text
+    means = {}
+    names = {
+        "ttft": "time_to_first_token_seconds",
+        "queue": "request_queue_time_seconds",
+        "prefill": "request_prefill_time_seconds",
+    }
+    for key, name in names.items():
+        total = re.search(rf"^kvserve:{name}_sum (\S+)$", text, re.M)
+        count = re.search(rf"^kvserve:{name}_count (\S+)$", text, re.M)
+        n = float(count.group(1)) if count else 0.0
+        means[key] = float(total.group(1)) / n if total and n else float("nan")
+    return means
+
+
 def summarize(name: str, results: list[dict], warmup: int) -> dict:
     steady = results[warmup:]
     ttfts = sorted(r["ttft"] for r in steady)  # after warm-up, like the hit rate
@@ -105,7 +126,13 @@ def main() -> None:
     for name, extra in (("cache on", []), ("cache off", ["--no-enable-prefix-caching"])):
         with Server(base_args + extra) as server:
             results = asyncio.run(drive(server.base, reqs, args.concurrency, args.max_tokens))
+            parts = histogram_means(server.base)
         summaries[name] = summarize(name, results, args.warmup)
+        rest = parts["ttft"] - parts["queue"] - parts["prefill"]
+        print(
+            f"{'':10s} TTFT {parts['ttft']:.2f}s = queue {parts['queue']:.2f}s + prefill "
+            f"{parts['prefill']:.2f}s + rest {rest:.2f}s (server means over the run)"
+        )
     on, off = summaries["cache on"], summaries["cache off"]
     print(
         f"TTFT ratio off/on: mean {off['ttft_mean'] / on['ttft_mean']:.1f}x, "

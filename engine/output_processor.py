@@ -44,6 +44,7 @@ def request_output(
         logprobs=logprobs or [],
         error=error,
         queue_time=request.queue_time,
+        prefill_time=request.prefill_time,
         embedding=embedding,
     )
 

@@ -41,6 +41,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
     queue_time: float | None = None  # seconds from arrival to first scheduling
+    prefill_time: float | None = None  # seconds from first scheduling to first token
     # with `prompt_logprobs`: each prompt token's logprob (None for the first), in the output
     # that ends the prefill
     prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -42,6 +42,7 @@ class Request:
     max_model_len: int
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # for the queue-time histogram
+    first_token_time: float | None = None  # for the prefill-time histogram
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit when first admitted (any tier)
@@ -103,7 +104,17 @@ class Request:
             return None
         return self.first_scheduled_time - self.arrival_time
 
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled to first token: the prompt's uncached part, computed in steps it
+        shares with other requests' decodes and prefills."""
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
     def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.all_token_ids.append(token_id)
 
     def check_stop(self) -> FinishReason | None:

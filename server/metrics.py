@@ -116,6 +116,10 @@ class Metrics:
         self.itl = hist("inter_token_latency_seconds", "Time between streamed tokens.")
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue = hist("request_queue_time_seconds", "Time from arrival to first step.")
+        self.prefill = hist(
+            "request_prefill_time_seconds",
+            "Time from first step to first token (the uncached prompt, in shared steps).",
+        )
 
         # prefill/decode disaggregation (server/kv_transfer.py), per request
         reg = self.registry

@@ -418,6 +418,8 @@ class Timing:
         if self.last is None:
             self.ttft = now - self.start
             self.metrics.ttft.observe(self.ttft)
+            if out.prefill_time is not None:
+                self.metrics.prefill.observe(out.prefill_time)
         else:
             self.metrics.itl.observe(now - self.last)
         self.last = now
