@@ -6,6 +6,7 @@ retrieved far more often, as in real RAG traffic) and retrieved documents are pl
 (a prefix-friendly ordering many RAG apps use). 8 concurrent clients.
 
     python bench/prefix_cache.py [--requests 32] [--concurrency 8] [--model PATH]
+        [--server-arg=--max-num-batched-tokens=512 ...]
 
 Prints the application-level hit rate (cached / prompt tokens, from `usage`, after warm-up), mean
 and p50/p99 TTFT for both runs, and the ratios; then where a request's TTFT goes, from the
@@ -119,9 +120,15 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="passed to both servers, e.g. --server-arg=--max-num-batched-tokens=512",
+    )
     args = ap.parse_args()
     reqs = build_requests(args.requests)
-    base_args = ["--model", args.model] if args.model else []
+    base_args = (["--model", args.model] if args.model else []) + args.server_arg
     summaries = {}
     for name, extra in (("cache on", []), ("cache off", ["--no-enable-prefix-caching"])):
         with Server(base_args + extra) as server:
