@@ -104,7 +104,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
             log.info("linear layers: %s", rows)
             weights += f"; {rows}"
     if gguf_served:  # measured with the dense copies in place
-        crossover = gguf_linear.measure_crossover(model, dtype, config.gguf_int8_activations)
+        key = (
+            model_path, os.path.getmtime(model_path), str(dtype), config.gguf_int8_activations,
+            config.cpu_packed_weights, torch.get_num_threads(),
+        )  # fmt: skip
+        crossover = gguf_linear.measure_crossover(model, dtype, config.gguf_int8_activations, key)
         log.info("GGUF block kernel against the dense path: %s", crossover)
         gguf_note += f"; {crossover}"
     if gguf_note:

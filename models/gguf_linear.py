@@ -146,8 +146,15 @@ def _best_time(weights: list[GGUFWeight], path: str, rows: int) -> float:
 Q8_MARGIN = 1.1
 
 
+# Crossovers measured in this process, by what they depend on (the caller's key): an engine built
+# again on the same weights and settings (tests, notebooks) takes them instead of timing again.
+_MEASURED: dict[tuple, tuple[dict[str, tuple[int, int]], str]] = {}
+
+
 @torch.inference_mode()
-def measure_crossover(model: nn.Module, dtype: torch.dtype, int8_activations: bool = False) -> str:
+def measure_crossover(
+    model: nn.Module, dtype: torch.dtype, int8_activations: bool = False, key: tuple | None = None
+) -> str:
     """Time the three paths at ROW_BUCKETS, over all the decoder's GGUF weights in forward order
     and over the lm_head apart (another shape and format, its own crossover): the block kernel on
     int8-rounded activations, on float32 activations, and the dense path (the packed copy, or
@@ -161,7 +168,14 @@ def measure_crossover(model: nn.Module, dtype: torch.dtype, int8_activations: bo
         if isinstance(getattr(module, "quant", None), GGUFWeight):
             group = "lm_head" if name.endswith("lm_head") else "decoder layers"
             groups.setdefault(group, []).append(module.quant)
+    if key is not None and key in _MEASURED:
+        limits, text = _MEASURED[key]
+        for group, weights in groups.items():
+            for w in weights:
+                w.q8_max_rows, w.kernel_max_rows = limits[group]
+        return text
     lines = []
+    limits: dict[str, tuple[int, int]] = {}
     for group, weights in groups.items():
         q8_limit = kernel_limit = 0
         seen = []
@@ -180,10 +194,14 @@ def measure_crossover(model: nn.Module, dtype: torch.dtype, int8_activations: bo
                 break
         for w in weights:
             w.q8_max_rows, w.kernel_max_rows = q8_limit, kernel_limit
+        limits[group] = (q8_limit, kernel_limit)
         paths = "float/dense" + ("/int8-activation" if int8_activations else "")
         lines.append(
             f"{group} ({len(weights)} weights): block kernel up to {kernel_limit} rows"
             + (f" (int8 activations up to {q8_limit})" if int8_activations else "")
             + f", dense above (ms {paths} by rows {', '.join(seen)})"
         )
-    return "; ".join(lines)
+    text = "; ".join(lines)
+    if key is not None:
+        _MEASURED[key] = (limits, text)
+    return text
