@@ -38,6 +38,7 @@ from engine.spec_cost import MEASURED_ROWS, SpecCostModel, measured_shape
 from engine.spec_cost import measure as measure_spec_cost
 from engine.spec_decode import Proposer
 from engine.structured_output import StructuredOutputs
+from engine.tensor_parallel import TPGroup, WorkerBuild, all_reduce, start_ranks
 from engine.warmup import warm_up
 from models import gguf_linear
 from models.eagle.head import EagleHead, load_eagle_head
@@ -68,15 +69,28 @@ class EngineParts:
     proposer: Proposer | None
     drafter: Drafter | None
     structured: StructuredOutputs | None  # None without a tokenizer or xgrammar
+    tp: TPGroup | None = None  # the other tensor-parallel ranks
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
     config.validate()
+    tp = start_ranks(config)  # first, so that the other ranks load while this one does
+    try:
+        return _build(config, tp)
+    except BaseException:
+        if tp is not None:
+            tp.close()
+        raise
+
+
+def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     model_path = config.model or default_model_path()
     device = config.resolved_device()
     facts = DeviceFacts.detect(device)
     dtype, dtype_reason = config.dtype_choice(facts, checkpoint_dtype(model_path))
     log.info("dtype %s (%s)", dtype_name(dtype), dtype_reason)
+    if tp is not None:
+        tp.send("load", str(dtype))
     kv_dtype, kv_reason = kv_cache_dtype(config, dtype, device)
     dtype_size = torch.empty((), dtype=kv_dtype).element_size()  # KV bytes per element
     # what cannot serve here is refused before the weights load (minutes for a large model)
@@ -88,13 +102,16 @@ def build_engine(config: EngineConfig) -> EngineParts:
             "kvserve's C++ ops (a compiler); serve the float model instead"
         )
     torch.manual_seed(config.seed)
-    model, spec = load_model(model_path, dtype, device)
+    model, spec = load_model(model_path, dtype, device, tp.shard if tp is not None else None)
+    # the geometry this rank holds (under tensor parallelism, its heads and FFN columns)
+    local = tp.shard(spec).spec if tp is not None else spec
     draft = _load_draft_head(config, model, dtype, device)
     packed_bytes = 0
     weights = f"{dtype_name(dtype)} (the serving dtype)"
     gguf_note, gguf_served = "", False
     if config.quantization == "auto":
-        gguf_note, gguf_served = serve_gguf_blocks(model, model_path, spec, device)
+        shard = tp.shard(spec) if tp is not None else None
+        gguf_note, gguf_served = serve_gguf_blocks(model, model_path, spec, device, shard)
     if config.cpu_packed_weights:
         packed_bytes = pack_linears(model) + (pack_linears(draft) if draft is not None else 0)
         if device.type == "cpu" and (refusal := onednn_pack_refusal(dtype)) is not None:
@@ -106,7 +123,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if gguf_served:  # measured with the dense copies in place
         key = (
             model_path, os.path.getmtime(model_path), str(dtype), config.gguf_int8_activations,
-            config.cpu_packed_weights, torch.get_num_threads(),
+            config.cpu_packed_weights, torch.get_num_threads(), config.tensor_parallel_size,
         )  # fmt: skip
         crossover = gguf_linear.measure_crossover(model, dtype, config.gguf_int8_activations, key)
         log.info("GGUF block kernel against the dense path: %s", crossover)
@@ -114,16 +131,19 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if gguf_note:
         weights = f"{gguf_note}; other weights {weights}"
     # The pool and the backend see the draft's layer as one more layer with its own KV group.
-    pool_spec = spec
+    pool_spec = local
     if draft is not None:
         draft_layer = draft.cfg.layer_spec(kv_group=len(spec.kv_groups))
-        pool_spec = replace(spec, layers=spec.layers + (draft_layer,))
+        pool_spec = replace(local, layers=local.layers + (draft_layer,))
     tokenizer = _try_tokenizer(model_path)
     max_model_len = min(
         config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings
     )
     block_size = block_size_for(config, pool_spec, facts, dtype, device)
     kv_block_bytes = pool_spec.kv_bytes_per_token(dtype_size) * block_size
+    # every rank holds the same blocks: the pool is sized by the rank whose blocks are largest
+    sizing_bytes = max(kv_block_bytes, tp.largest_block_bytes(spec, dtype_size, block_size)
+                       if tp is not None else 0)  # fmt: skip
     choice, backend, num_blocks, graphs = _choose_and_warm_up(
         config,
         model,
@@ -132,7 +152,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         dtype,
         device,
         block_size,
-        kv_block_bytes,
+        sizing_bytes,
         max_model_len,
         kv_dtype,
     )
@@ -152,17 +172,21 @@ def build_engine(config: EngineConfig) -> EngineParts:
             config.cpu_packed_weights,
             config.gguf_int8_activations,
         )
-    host = _host_tier(config, model_path, spec, dtype, block_size, backend_cls, kv_caches, draft)
+    host = _host_tier(config, model_path, spec, dtype, block_size, backend_cls, kv_caches, draft,
+                      sizing_bytes)  # fmt: skip
     if config.kv_hash_seed:
         hash_root = hash_root_from_seed(config.kv_hash_seed)
     else:
         hash_root = host.disk.root_seed if host is not None and host.disk is not None else None
+    copier = block_prefix_copier(backend_cls, kv_caches)
+    if tp is not None and host is not None:
+        host.mirror = tp.send  # each rank copies its shard of the blocks rank 0 moves
     kv = KVCacheManager(
         num_blocks,
         block_size,
         config.enable_prefix_caching,
         host,
-        _block_prefix_copier(backend_cls, kv_caches),
+        copier if tp is None else tp.mirrored_copier(copier),
         hash_root=hash_root,
     )
     scheduler = Scheduler(
@@ -174,6 +198,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         short_prefill_tokens=config.short_prefill_tokens,
     )
     runner = ModelRunner(model, backend, kv, device, draft.cfg.aux_layers if draft else ())
+    runner.tp = tp
     if graphs:
         runner.capture_cuda_graphs(config.max_num_seqs, max_model_len, scratch_block=num_blocks)
     proposer = None
@@ -197,7 +222,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             config.quantization, config.gguf_int8_activations, config.cpu_packed_weights,
             backend_cls.__name__, str(device), block_size, getattr(draft, "source", None),
             measured_shape(rows, draft is not None, num_blocks, block_size),
-            torch.get_num_threads(),
+            torch.get_num_threads(), config.tensor_parallel_size,
         )  # fmt: skip
         cost = _MEASURED_COSTS.get(key)
         if cost is None:
@@ -207,6 +232,19 @@ def build_engine(config: EngineConfig) -> EngineParts:
         drafter.cost = cost
         if proposer is not None:
             proposer.cost = cost
+    kernel_table = (
+        f"{choice.table}\n  dtype {dtype_name(dtype)}: {dtype_reason}\n  weights: {weights}"
+        f"\n  kv cache: {kv_reason}"
+    )
+    if tp is not None:  # the ranks build their pools and warm up, then each step is shared
+        ranks = tp.start_serving(
+            WorkerBuild(backend_cls.name, block_size, num_blocks, kv_dtype,
+                        host.num_blocks if host is not None else 0),
+            config.tensor_parallel_timeout_s,
+        )  # fmt: skip
+        model.set_reduce(all_reduce)
+        kernel_table += "\n" + tp.plan.table(spec, dtype_size)
+        kernel_table += "".join(f"\n    rank {r}: {s}" for r, s in enumerate(ranks, start=1))
     eos = spec.eos_token_ids or (
         [tokenizer.eos_token_id] if tokenizer and tokenizer.eos_token_id is not None else []
     )
@@ -236,10 +274,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         device_label=facts.label,
         compiled_decode=getattr(backend, "decode_op", None) is not None,
         cuda_graphs=runner.graph_sizes(),
-        kernel_table=(
-            f"{choice.table}\n  dtype {dtype_name(dtype)}: {dtype_reason}\n  weights: {weights}"
-            f"\n  kv cache: {kv_reason}"
-        ),
+        kernel_table=kernel_table,
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -264,6 +299,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             block_layout=repr(_block_layout(backend_cls, kv_caches)),
         ),
         host_block_bytes=host.block_bytes if host is not None else 0,
+        tensor_parallel_size=config.tensor_parallel_size,
     )
     return EngineParts(
         info,
@@ -280,6 +316,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         proposer,
         drafter,
         structured,
+        tp,
     )
 
 
@@ -287,8 +324,14 @@ def use_cuda_graphs(
     config: EngineConfig, device: torch.device, backend_cls: type[AttentionBackend]
 ) -> bool:
     """Decode steps run as CUDA graphs on CUDA, unless --enforce-eager, where the backend can
-    capture them (FlashInfer; the torch and xformers paths plan data-dependent shapes)."""
-    return device.type == "cuda" and not config.enforce_eager and backend_cls.supports_cuda_graphs
+    capture them (FlashInfer; the torch and xformers paths plan data-dependent shapes), and not
+    under tensor parallelism (the graphs would have to capture the ranks' all-reduces)."""
+    return (
+        device.type == "cuda"
+        and not config.enforce_eager
+        and backend_cls.supports_cuda_graphs
+        and config.tensor_parallel_size == 1
+    )
 
 
 def kv_cache_dtype(
@@ -537,6 +580,7 @@ def _host_tier(
     backend_cls: type[AttentionBackend],
     kv_caches: list[torch.Tensor],
     draft: EagleHead | None,
+    sizing_bytes: int,
 ) -> HostTier | None:
     host_bytes = parse_bytes(config.host_bytes)
     if host_bytes <= 0 or not config.enable_prefix_caching:
@@ -558,7 +602,8 @@ def _host_tier(
             sort_keys=True,
         )
         disk = DiskTier(config.disk_path, fingerprint, layout, parse_bytes(config.disk_bytes))
-    return HostTier(kv_caches, backend_cls.block_dim, host_bytes, disk)
+    # as many slots on every tensor-parallel rank, sized by the largest rank's blocks
+    return HostTier(kv_caches, backend_cls.block_dim, host_bytes, disk, host_bytes // sizing_bytes)
 
 
 def _block_layout(
@@ -569,7 +614,7 @@ def _block_layout(
     return [(c.shape[:bd] + c.shape[bd + 1 :], c.dtype) for c in kv_caches]
 
 
-def _block_prefix_copier(backend_cls: type[AttentionBackend], kv_caches: list[torch.Tensor]):
+def block_prefix_copier(backend_cls: type[AttentionBackend], kv_caches: list[torch.Tensor]):
     """copy(src, dst, n): the first n slots of block src into block dst, in every KV group
     (token-granular prefix reuse of a partially matching cached block)."""
     bd, sd = backend_cls.block_dim, backend_cls.slot_dim - 1

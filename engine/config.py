@@ -192,6 +192,15 @@ class EngineConfig:
         "(CPU); fp8 and int8 are refused",
         ("auto", "bfloat16", "float32", "fp8", "int8"),
     )
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks that split each layer's heads and FFN (one process each, started by the "
+        "server; gloo on CPU, NCCL on CUDA); models whose head count varies by layer get a "
+        "plan per layer group",
+    )
+    tensor_parallel_timeout_s: float = setting(
+        120.0, "how long tensor-parallel ranks may take to start and meet"
+    )
     pooling: str = setting(
         "auto",
         "embeddings pooling; auto: the checkpoint's sentence-transformers config, else last",
@@ -245,5 +254,7 @@ class EngineConfig:
             raise ValueError("quantization must be auto, none, int8, int4 or int8wo")
         if self.pooling not in ("auto", "last", "mean"):
             raise ValueError("pooling must be auto, last or mean")
+        if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout_s <= 0:
+            raise ValueError("tensor_parallel_size must be >= 1, tensor_parallel_timeout_s > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")

@@ -44,6 +44,7 @@ class LLMEngine:
         self.host, self.kv, self.scheduler = parts.host, parts.kv, parts.scheduler
         self.runner, self.proposer, self.drafter = parts.runner, parts.proposer, parts.drafter
         self.structured = parts.structured
+        self.tp = parts.tp
         self.outputs = OutputProcessor(parts.tokenizer, parts.scheduler, parts.kv.export_prompt)
         self.stats = EngineStats()
 
@@ -161,10 +162,13 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        """Persist the host tier to the disk tier, if any (clean shutdown)."""
+        """Persist the host tier to the disk tier, if any (clean shutdown); stop the other
+        tensor-parallel ranks."""
         if self.host is not None:
             cached = [(h, b.block_id) for h, b in self.kv.pool.cached.items()]
             self.host.flush_to_disk(cached)
+        if self.tp is not None:
+            self.tp.close()
 
     # ---- one step ----------------------------------------------------------------------------
 

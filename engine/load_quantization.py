@@ -32,6 +32,7 @@ from models.llama import LlamaForCausalLM
 from models.quant import CALIBRATION, input_ranges, needs_reduce_range, quantize_linears, smooth
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
+from models.tp_plan import RankShard
 
 log = logging.getLogger("kvserve.int8")
 
@@ -189,7 +190,11 @@ def quantize_weight_only(
 
 
 def serve_gguf_blocks(
-    model: LlamaForCausalLM, model_path: str, spec: ModelSpec, device: torch.device
+    model: LlamaForCausalLM,
+    model_path: str,
+    spec: ModelSpec,
+    device: torch.device,
+    shard: RankShard | None = None,
 ) -> tuple[str, bool]:
     """`--quantization auto` on a GGUF: its Q4_0/Q4_1/Q8_0 matrices served as stored (CPU, with
     the C++ kernel built). Returns what was done, for the kernel matrix's weights line, and
@@ -204,6 +209,15 @@ def serve_gguf_blocks(
     if spec.tie_word_embeddings and "embed_tokens.weight" in blocks:
         # the head multiplies by the embedding's blocks; lookups keep the dense embedding
         blocks["lm_head.weight"] = blocks.pop("embed_tokens.weight")
+    if shard is not None:  # this rank's slices; a block a column cut would split stays dense
+        cut = {}
+        for name, (fmt, data) in blocks.items():
+            part = None
+            if name != "lm_head.weight" or shard.rank == 0:
+                part = shard.cut_blocks(name, data, gguf_linear.BLOCK_BYTES[fmt])
+            if part is not None and part.numel():
+                cut[name] = (fmt, part)
+        blocks = cut
     held = gguf_linear.attach(model, blocks)
     if not held:
         return "", False

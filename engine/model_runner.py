@@ -16,6 +16,7 @@ from engine.kv.manager import KVCacheManager
 from engine.runner_output import GrammarMask, RunnerOutput, pool, sample_step, score_prompts
 from engine.scheduler import SchedulerOutput
 from engine.step_inputs import step_inputs
+from engine.tensor_parallel import TPGroup
 from models.llama import LlamaForCausalLM
 
 log = logging.getLogger("kvserve.engine")
@@ -59,6 +60,8 @@ class ModelRunner:
         # when it covers exactly the step's tokens (no rejected drafts), saving a second plan.
         self.last_plan: tuple[torch.Tensor, AttentionStep] | None = None
         self.graphs: CudaGraphs | None = None
+        # tensor parallelism: the other ranks run each step's forward on their shards
+        self.tp: TPGroup | None = None
 
     def capture_cuda_graphs(
         self, max_num_seqs: int, max_model_len: int, scratch_block: int
@@ -106,6 +109,8 @@ class ModelRunner:
                 end = len(token_ids)
                 logits_rows.extend(range(end - 1 - item.num_spec, end))
         every_row = logits_rows == list(range(len(token_ids)))
+        if self.tp is not None:  # both callers run the forward next, which the ranks join
+            self.tp.send("step", seqs, token_ids)
         input_ids, positions, meta, index = step_inputs(
             seqs, self.block_size, self.device, token_ids, None if every_row else logits_rows
         )
@@ -126,6 +131,8 @@ class ModelRunner:
         try:
             logits, hidden = self.forward(out)
         except Exception:  # noqa: BLE001 - one batch's failure, not the engine's
+            if self.tp is not None:
+                raise  # the ranks are out of step (or one is gone): nothing can serve on
             log.exception(
                 "forward pass failed; failing the %d requests of this batch", len(out.scheduled)
             )

@@ -42,7 +42,8 @@ def warm_up(
     split = max(1, length // 2)  # the second chunk has earlier context
     representatives: dict[tuple[int, int, int], int] = {}
     for i, lay in enumerate(pool_spec.layers):
-        if pool_spec.kv_group_owner(lay.kv_group) == i:  # a layer that writes its KV
+        # a layer that writes its KV (and has heads on this tensor-parallel rank)
+        if pool_spec.kv_group_owner(lay.kv_group) == i and lay.num_heads:
             representatives.setdefault((lay.num_heads, lay.num_kv_heads, lay.head_dim), i)
     for start, n in ((0, split), (split, length - 1 - split), (length - 1, 1)):
         if n <= 0:

@@ -13,7 +13,7 @@ one `gate_up_proj`. Checkpoint formats map their names onto these in their loade
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -34,7 +34,11 @@ from models.spec import LayerSpec, ModelSpec
 
 class DecoderLayer(nn.Module):
     """One decoder layer. A layer that shares another layer's KV group (cross-layer KV sharing)
-    projects only queries and attends over the KV its group's first layer wrote."""
+    projects only queries and attends over the KV its group's first layer wrote.
+
+    Under tensor parallelism (models/tp_plan.py) the layer holds this rank's heads and FFN
+    columns, `reduce` sums the ranks' partial attention and FFN outputs, and a layer none of
+    whose heads are on this rank adds nothing to the first sum."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, idx: int) -> None:
         super().__init__()
@@ -46,13 +50,15 @@ class DecoderLayer(nn.Module):
         kv_dim = layer.num_kv_heads * layer.head_dim if self.writes_kv else 0
         self.q_dim, self.kv_dim = q_dim, kv_dim
         self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
-        self.qkv_proj = Linear(h, q_dim + 2 * kv_dim, bias=spec.qkv_bias)
-        self.o_proj = Linear(q_dim, h)
+        # no projections at all where tensor parallelism put every head on other ranks
+        self.qkv_proj = Linear(h, q_dim + 2 * kv_dim, bias=spec.qkv_bias) if q_dim else None
+        self.o_proj = Linear(q_dim, h) if q_dim else None
         self.q_norm = RMSNorm(layer.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(layer.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.gate_up_proj = Linear(h, 2 * layer.intermediate_size)
         self.down_proj = Linear(layer.intermediate_size, h)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -63,6 +69,8 @@ class DecoderLayer(nn.Module):
         attn: AttentionStep,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual, h = add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
+        if self.q_dim == 0:  # tensor parallel: this layer's heads are all on other ranks
+            return self._mlp(x.new_zeros(x.shape), residual)
         qkv = self.qkv_proj(h)
         t, lay = x.shape[0], self.layer
         fused = None
@@ -94,8 +102,11 @@ class DecoderLayer(nn.Module):
         return self._mlp(self.o_proj(o.reshape(t, self.q_dim)), residual)
 
     def _mlp(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.reduce is not None:
+            x = self.reduce(x)
         residual, h = add_rms_norm(x, residual, self.post_attention_layernorm.weight, self.eps)
-        return self.down_proj(silu_mul(self.gate_up_proj(h))), residual
+        out = self.down_proj(silu_mul(self.gate_up_proj(h)))
+        return (out if self.reduce is None else self.reduce(out)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,6 +160,11 @@ class LlamaForCausalLM(nn.Module):
         if not aux_layers:
             return hidden
         return torch.cat([hidden, *(captured[i] for i in aux_layers)], dim=-1)
+
+    def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Tensor parallelism's all-reduce of partial layer outputs (None: this rank alone)."""
+        for layer in self.layers:
+            layer.reduce = reduce
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

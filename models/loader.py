@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from models.checkpoint import Part, fuse_parts
 from models.llama import LlamaForCausalLM
 from models.openelm import openelm_spec, openelm_weights
 from models.spec import LayerSpec, ModelSpec
+from models.tp_plan import RankShard
 
 SUPPORTED_HF_ARCHITECTURES = {
     "LlamaForCausalLM",  # also with per-layer head lists (see _llama_layers)
@@ -56,22 +57,31 @@ def load_spec(path: str) -> ModelSpec:
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: torch.device | str
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    shard: Callable[[ModelSpec], RankShard] | None = None,
 ) -> tuple[LlamaForCausalLM, ModelSpec]:
     """The model's parameters are allocated once, on `device` in `dtype`; each checkpoint
     tensor is cast and copied into its parameter as it is read, so the host never holds more
     than one tensor (plus a fused weight's parts) beyond the checkpoint itself: no float32 copy
-    of the whole model on the host first (an 8B model would need ~32 GB of host RAM)."""
+    of the whole model on the host first (an 8B model would need ~32 GB of host RAM).
+
+    `shard` (tensor parallelism) turns the full spec into this rank's part: the model is built
+    in the rank's geometry and each tensor is cut to the rank's slice as it arrives. The full
+    spec is returned either way."""
     spec = load_spec(path)
-    model = empty_model(spec, dtype, device)
+    part = shard(spec) if shard is not None else None
+    model = empty_model(part.spec if part is not None else spec, dtype, device)
     if is_gguf(path):
         from models.gguf_loader import gguf_weights
 
-        model.load_weights(gguf_weights(path, spec))
+        weights = gguf_weights(path, spec)
     elif spec.architecture == "OpenELMForCausalLM":
-        model.load_weights(openelm_weights(hf_weights(path, dtype)))
+        weights = openelm_weights(hf_weights(path, dtype))
     else:
-        model.load_weights(fuse_parts(spec, hf_llama_parts(hf_weights(path, dtype))))
+        weights = fuse_parts(spec, hf_llama_parts(hf_weights(path, dtype)))
+    model.load_weights(part.weights(weights) if part is not None else weights)
     return model.eval(), spec
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -37,14 +37,21 @@ class HostTier:
         block_dim: int,
         capacity_bytes: int,
         disk: DiskTier | None = None,
+        num_blocks: int | None = None,
     ) -> None:
+        """`num_blocks` overrides the count `capacity_bytes` gives (tensor parallelism: every
+        rank holds the same slots, each of its own shard's size)."""
         self.device_caches = device_caches
         self.block_dim = block_dim
         shapes = [c.shape[:block_dim] + c.shape[block_dim + 1 :] for c in device_caches]
         self.block_bytes = sum(
             c.element_size() * c.numel() // c.shape[block_dim] for c in device_caches
         )
-        self.num_blocks = max(0, capacity_bytes // self.block_bytes)
+        self.num_blocks = max(0, capacity_bytes // self.block_bytes) if self.block_bytes else 0
+        if num_blocks is not None:
+            self.num_blocks = num_blocks
+        # tensor parallelism: tells the other ranks each copy between device and storage
+        self.mirror: Callable[..., None] | None = None
         pin = bool(device_caches) and device_caches[0].is_cuda
         # Written once here so the pages are resident from the start: the tier's memory is
         # reserved at startup (an over-sized --host-bytes fails now, not mid-run), and the
@@ -114,8 +121,17 @@ class HostTier:
         new = new[: len(slots)]
         if not new:
             return 0
-        order = sorted(range(len(new)), key=slots.__getitem__)  # storage order: long runs
-        src = torch.tensor([new[i][1] for i in order], device=self.device_caches[0].device)
+        self.copy_out([b for _, b in new], slots)
+        self.saved_blocks += len(new)
+        return len(new)
+
+    def copy_out(self, device_blocks: Sequence[int], slots: Sequence[int]) -> None:
+        """Device blocks into storage slots, pairwise. Under tensor parallelism rank 0 decides
+        and every rank copies its own shard (`mirror`)."""
+        if self.mirror is not None:
+            self.mirror("kv_out", list(device_blocks), list(slots))
+        order = sorted(range(len(slots)), key=slots.__getitem__)  # storage order: long runs
+        src = torch.tensor([device_blocks[i] for i in order], device=self.kv_device)
         runs = _runs([slots[i] for i in order])
         for cache, store in zip(self.device_caches, self.storage, strict=True):
             # one gather on the device (a new tensor: the source blocks may be reused at once),
@@ -124,8 +140,6 @@ class HostTier:
             for start, first, n in runs:
                 store[first : first + n].copy_(blocks[start : start + n], non_blocking=self._async)
         self._after_copies()
-        self.saved_blocks += len(new)
-        return len(new)
 
     def _take_slot(self, protected: set[bytes]) -> int | None:
         if self.free_slots:
@@ -145,10 +159,22 @@ class HostTier:
         if not hashes:
             return
         t = time.perf_counter()
-        slots = [self.index[h] for h in hashes]
+        self.copy_in([self.index[h] for h in hashes], device_blocks)
+        for h in hashes:
+            self.index.move_to_end(h)
+        self.remote.difference_update(hashes)
+        self.loaded_blocks += len(hashes)
+        elapsed = time.perf_counter() - t
+        self.load_seconds += elapsed
+        self.load_latency_counts[bisect.bisect_left(SWAP_IN_BUCKETS, elapsed)] += 1
+
+    def copy_in(self, slots: Sequence[int], device_blocks: Sequence[int]) -> None:
+        """Storage slots into device blocks, pairwise (mirrored like `copy_out`)."""
+        if self.mirror is not None:
+            self.mirror("kv_in", list(slots), list(device_blocks))
         order = sorted(range(len(slots)), key=slots.__getitem__)
         runs = _runs([slots[i] for i in order])
-        device = self.device_caches[0].device
+        device = self.kv_device
         dst = torch.tensor([device_blocks[i] for i in order], device=device)
         for cache, store in zip(self.device_caches, self.storage, strict=True):
             # each run of consecutive slots straight from the pinned storage to the device
@@ -159,13 +185,6 @@ class HostTier:
             blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
             cache.index_copy_(self.block_dim, dst, blocks.movedim(0, self.block_dim))
         self._after_copies()
-        for h in hashes:
-            self.index.move_to_end(h)
-        self.remote.difference_update(hashes)
-        self.loaded_blocks += len(hashes)
-        elapsed = time.perf_counter() - t
-        self.load_seconds += elapsed
-        self.load_latency_counts[bisect.bisect_left(SWAP_IN_BUCKETS, elapsed)] += 1
 
     def load_from_disk(self, block_hash: bytes) -> bool:
         """Bring one block from the disk tier into this tier (it then loads like any host hit)."""

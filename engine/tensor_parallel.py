@@ -1,0 +1,315 @@
+"""Tensor parallelism's processes, seen from rank 0 (the server's engine thread).
+
+Rank 0 starts ranks 1..N-1 itself (spawned processes running engine/tp_worker.py), so no
+external launcher is needed. Two channels join them:
+- a pipe per worker, the control plane: rank 0 sends each step's batch plan (block tables,
+  first positions, token ids) and each KV copy it decides (host-tier saves and loads, partial
+  block copies), in order; a worker applies them to its own shard of the weights and of the
+  KV pool. A worker waits on its pipe while the server idles (no collective timeout to outlive)
+  and ends when the pipe closes (rank 0 gone).
+- a `torch.distributed` process group (gloo on CPU, NCCL on CUDA), the data plane: the two
+  all-reduces per layer inside a step's forward.
+Scheduling, block tables, prefix hashes, tiers, sampling and speculation stay on rank 0.
+
+A worker that dies is seen at once by a watchdog thread (its process sentinel), which calls
+`on_lost` (the async engine turns it into a fatal error: /health 503, the server exits non-zero);
+a step in flight fails in its collective instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from models.spec import ModelSpec
+from models.tp_plan import RankShard, TPPlan, plan_tensor_parallel
+
+log = logging.getLogger("kvserve.engine")
+
+# A collective waits at most this long for the other ranks (they are all inside the same step,
+# so this bounds one layer's compute, not an idle server).
+COLLECTIVE_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerBuild:
+    """What rank 0 decided that a worker's pool must match: every rank holds the same blocks."""
+
+    backend: str
+    block_size: int
+    num_blocks: int
+    kv_dtype: torch.dtype
+    host_blocks: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def meet(rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> None:
+    """Join the ranks' process group on loopback; RuntimeError if they do not all arrive
+    within `timeout_s`."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = dist.TCPStore(
+        "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s)
+    )
+    try:
+        store.set(f"rank{rank}", "here")
+        store.wait([f"rank{r}" for r in range(world)])
+    except Exception as e:  # noqa: BLE001 - the store's timeout, in its own words
+        raise RuntimeError(
+            f"tensor-parallel ranks did not meet within {timeout_s:.0f} s "
+            f"(rank {rank} of {world}, port {port}): {str(e).splitlines()[0]}"
+        ) from None
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )  # fmt: skip
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of a partial layer output over the ranks. A contiguous input is summed in place
+    (the CPU linear returns transposed views; gloo reads raw memory)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        total = x.float()  # gloo sums float32 (and rounding once after the sum is closer)
+        dist.all_reduce(total)
+        return total.to(x.dtype)
+    x = x.contiguous()
+    dist.all_reduce(x)
+    return x
+
+
+def threads_per_rank(world: int) -> int:
+    """The CPU cores each rank's kernels get: one OpenMP team per rank, never oversubscribed."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world)
+
+
+class TPGroup:
+    """Rank 0's handle on the other ranks: start, broadcast, watch, stop."""
+
+    def __init__(self, plan: TPPlan, config: Any, device: torch.device):
+        self.plan = plan
+        self.world = plan.world
+        self.on_lost: Callable[[BaseException], None] | None = None
+        self._closing = threading.Event()  # set before the workers are told to stop
+        self._threads_before = torch.get_num_threads()
+        threads = threads_per_rank(self.world)
+        torch.set_num_threads(threads)
+        timeout = float(config.tensor_parallel_timeout_s)
+        # Each worker is a fresh interpreter (`python -m engine.tp_worker`), not a
+        # multiprocessing child: nothing of the caller's __main__ is imported again, so the
+        # offline API works from any script. It dials back on loopback, authenticated.
+        key = secrets.token_bytes(32)
+        server = socket.create_server(("127.0.0.1", 0))
+        server.settimeout(0.1)
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {
+            **os.environ,
+            "KVSERVE_TP_KEY": key.hex(),
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        }
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "engine.tp_worker", str(server.getsockname()[1]), str(rank)],
+                env=env,
+            )  # fmt: skip
+            for rank in range(1, self.world)
+        ]
+        self.conns: list[mpc.Connection] = []
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._closing)
+        try:
+            self.conns += self._accept(server, key, timeout)
+            port = free_port()
+            self.send("setup", config, plan, port, str(device), threads)
+            self._await("joining", timeout)
+            meet(0, self.world, port, device, timeout)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            server.close()
+        log.info(
+            "tensor parallel: %d ranks (pids %s), %d threads each",
+            self.world, [os.getpid(), *(p.pid for p in self.procs)], threads,
+        )  # fmt: skip
+
+    def _accept(self, server: socket.socket, key: bytes, timeout_s: float) -> list[mpc.Connection]:
+        """Each worker's control connection, in rank order."""
+        deadline = time.monotonic() + timeout_s
+        conns: dict[int, mpc.Connection] = {}
+        while len(conns) < self.world - 1:
+            self._check_alive("connecting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"tensor-parallel ranks did not connect within {timeout_s:.0f} s "
+                    f"({len(conns)} of {self.world - 1})"
+                )
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                continue
+            sock.setblocking(True)
+            conn = mpc.Connection(sock.detach())
+            try:
+                mpc.deliver_challenge(conn, key)
+                mpc.answer_challenge(conn, key)
+                conns[int(conn.recv())] = conn
+            except (mp.AuthenticationError, EOFError, OSError, ValueError):
+                conn.close()  # not one of ours
+        return [conns[r] for r in range(1, self.world)]
+
+    def _check_alive(self, what: str) -> None:
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} exited with code {proc.returncode} "
+                    f"before {what} (its log is above)"
+                )
+
+    def shard(self, spec: ModelSpec) -> RankShard:
+        return RankShard(spec, self.plan, 0)
+
+    def largest_block_bytes(self, spec: ModelSpec, dtype_size: int, block_size: int) -> int:
+        """One KV block's bytes on the worker rank that holds the most KV."""
+        return max(
+            RankShard(spec, self.plan, r).spec.kv_bytes_per_token(dtype_size) * block_size
+            for r in range(1, self.world)
+        )
+
+    def mirrored_copier(
+        self, copy: Callable[[int, int, int], None]
+    ) -> Callable[[int, int, int], None]:
+        """The partial-block copy (src, dst, tokens), done on every rank."""
+
+        def copy_everywhere(src: int, dst: int, num_tokens: int) -> None:
+            self.send("copy_prefix", src, dst, num_tokens)
+            copy(src, dst, num_tokens)
+
+        return copy_everywhere
+
+    def _await(self, what: str, timeout_s: float) -> list[Any]:
+        """Each worker's next message, which must be `what`; a worker that reports a failure,
+        dies or stays silent past `timeout_s` is a RuntimeError naming it."""
+        deadline = time.monotonic() + timeout_s
+        replies = []
+        for rank, conn in enumerate(self.conns, start=1):
+            while not conn.poll(0.1):
+                self._check_alive(what)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} was not {what} within {timeout_s:.0f} s"
+                    )
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                code = self.procs[rank - 1].wait(5)
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} died (code {code}) before {what}"
+                ) from None
+            if kind == "failed":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed: {payload}")
+            assert kind == what, (kind, what)
+            replies.append(payload)
+        return replies
+
+    def start_serving(self, build: WorkerBuild, timeout_s: float) -> list[Any]:
+        """Hand the workers rank 0's pool decisions, wait until each has built and warmed up
+        its shard, then watch them. Returns each worker's summary."""
+        self.send("build", build)
+        replies = self._await("ready", timeout_s)
+        for rank, proc in enumerate(self.procs, start=1):
+            threading.Thread(
+                target=self._watch, args=(rank, proc), name=f"kvserve-tp{rank}-watch", daemon=True
+            ).start()
+        return replies
+
+    def send(self, *msg: Any) -> None:
+        """One message to every worker, in order with all the others."""
+        for conn in self.conns:
+            conn.send(msg)
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self._closing.is_set():
+            return
+        error = RuntimeError(f"tensor-parallel rank {rank} exited (code {code})")
+        log.critical("%s: the server cannot serve without it", error)
+        if self.on_lost is not None:
+            self.on_lost(error)
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group (an engine built later in this process
+        may form a new one)."""
+        if not self._finalizer.alive:
+            return
+        self._finalizer()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(self._threads_before)
+
+
+def refusal(config: Any) -> str | None:
+    """Why these settings cannot run tensor parallel, or None."""
+    if config.quantization in ("int8", "int4", "int8wo"):
+        return (
+            f"--quantization {config.quantization} calibrates or rounds the whole model at "
+            "startup, not a rank's shard; serve a GGUF's own blocks (auto) or none"
+        )
+    if config.disk_path:
+        return "the disk KV tier stores whole blocks, not each rank's shard; unset --disk-path"
+    return None
+
+
+def start_ranks(config: Any) -> TPGroup | None:
+    """The other ranks, started and met (None for one rank); ValueError for a model or
+    settings that cannot be split."""
+    n = config.tensor_parallel_size
+    if n == 1:
+        return None
+    why = refusal(config)
+    if why is not None:
+        raise ValueError(f"--tensor-parallel-size {n}: {why}")
+    from models.loader import default_model_path, load_spec
+
+    plan = plan_tensor_parallel(load_spec(config.model or default_model_path()), n)
+    return TPGroup(plan, config, config.resolved_device())
+
+
+def _stop(
+    procs: list[subprocess.Popen], conns: list[mpc.Connection], closing: threading.Event
+) -> None:
+    closing.set()
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except (OSError, ValueError):
+            pass  # already gone
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    for conn in conns:
+        conn.close()

@@ -1,0 +1,237 @@
+"""Tensor parallelism's plan: which rank holds which heads, FFN columns and vocabulary rows, and
+the slices of each parameter that follow from it. Pure functions of the model's geometry.
+
+Megatron's layout: q/k/v and gate/up are split by output rows (column-parallel), o and down by
+input columns (row-parallel), so each rank's partial o/down outputs sum (one all-reduce each) to
+the full layer output; the residual stream, norms and embedding stay whole on every rank. The
+lm_head stays whole on rank 0, which alone samples (the other ranks drop it): logits need no
+gather, and everything that reads them (sampling, prompt logprobs, the draft head) runs there
+unchanged.
+
+Heads are planned per *layer group* (consecutive layers of one head geometry), because models
+such as OpenELM or Laguna change the head count with depth. A group whose query and KV heads
+divide over all N ranks is sharded; one whose KV heads are fewer than the ranks sharing its
+query heads replicates each KV head on the ranks of its query group (GQA); one that fits
+neither goes whole to the largest subset of ranks that divides it, the others holding no heads
+of it (they add zeros to the all-reduce), rotating the subset so uneven groups spread over the
+ranks. KV bytes per token then differ by rank and by group: `table` shows them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from models.spec import LayerSpec, ModelSpec
+
+# FFN columns are split in units of this many where the width allows: GGUF blocks hold 32
+# inputs, so a row-parallel down_proj cut on such a boundary keeps its blocks whole.
+FFN_ALIGN = 32
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    """One layer's heads on one rank: query heads [q0, q1), KV heads [k0, k1)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """The plan of consecutive layers [first, last] that share a head geometry."""
+
+    first: int
+    last: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mode: str  # "sharded" | "kv replicated" | "whole"
+    ranks: tuple[int, ...]  # the ranks holding its heads
+
+
+@dataclass(frozen=True, slots=True)
+class TPPlan:
+    world: int
+    groups: tuple[GroupPlan, ...]
+
+    def group_of(self, layer: int) -> GroupPlan:
+        return next(g for g in self.groups if g.first <= layer <= g.last)
+
+    def heads(self, layer: int, rank: int) -> HeadShard:
+        g = self.group_of(layer)
+        if rank not in g.ranks:
+            return HeadShard(0, 0, 0, 0)
+        i, m = g.ranks.index(rank), len(g.ranks)
+        per_q = g.num_heads // m
+        q0 = i * per_q
+        if g.num_kv_heads % m == 0:
+            per_kv = g.num_kv_heads // m
+            return HeadShard(q0, q0 + per_q, i * per_kv, (i + 1) * per_kv)
+        k0 = q0 // (g.num_heads // g.num_kv_heads)  # this rank's heads share one KV head
+        return HeadShard(q0, q0 + per_q, k0, k0 + 1)
+
+    def table(self, spec: ModelSpec, dtype_size: int) -> str:
+        """The plan per layer group with each rank's KV bytes per token, for the kernel
+        matrix."""
+        per_rank = [0] * self.world
+        lines = [f"  tensor parallel: {self.world} ranks, per layer group:"]
+        for g in self.groups:
+            n = g.last - g.first + 1
+            shards = [self.heads(g.first, r) for r in range(self.world)]
+            kv = [2 * (s.k1 - s.k0) * g.head_dim * dtype_size * n for s in shards]
+            per_rank = [a + b for a, b in zip(per_rank, kv, strict=True)]
+            held = " ".join(
+                f"r{r}:{s.q1 - s.q0}/{s.k1 - s.k0}" for r, s in enumerate(shards) if s.q1 > s.q0
+            )
+            lines.append(
+                f"    layers {g.first}-{g.last}: {g.num_heads}/{g.num_kv_heads} heads, {g.mode} "
+                f"(q/kv heads {held}); KV bytes/token by rank {'/'.join(map(str, kv))}"
+            )
+        lines.append(f"    KV bytes/token by rank, all layers: {'/'.join(map(str, per_rank))}")
+        return "\n".join(lines)
+
+
+def plan_tensor_parallel(spec: ModelSpec, world: int) -> TPPlan:
+    """The plan for `world` ranks; ValueError, with the reason, for a layout it cannot split."""
+    if world < 1:
+        raise ValueError("tensor_parallel_size must be >= 1")
+    if spec.has_kv_sharing:
+        raise ValueError(
+            "tensor parallelism does not split models whose layers share KV across layers "
+            "(the sharing layers' head shards would have to agree); serve with "
+            "--tensor-parallel-size 1"
+        )
+    groups: list[GroupPlan] = []
+    rotate = 0
+    for i, lay in enumerate(spec.layers):
+        geometry = (lay.num_heads, lay.num_kv_heads, lay.head_dim)
+        prev = groups[-1] if groups else None
+        if prev and (prev.num_heads, prev.num_kv_heads, prev.head_dim) == geometry:
+            groups[-1] = replace(prev, last=i)
+            continue
+        m = max(k for k in range(1, world + 1) if _splits(lay.num_heads, lay.num_kv_heads, k))
+        if m == world:
+            ranks = tuple(range(world))
+        else:  # a subset, rotated so that the uneven groups spread over the ranks
+            ranks = tuple((rotate + j) % world for j in range(m))
+            rotate = (rotate + m) % world
+        mode = "whole" if m == 1 else ("sharded" if lay.num_kv_heads % m == 0 else "kv replicated")
+        if m < world:
+            mode = f"{mode} on {m} of {world} ranks" if m > 1 else f"whole on rank {ranks[0]}"
+        groups.append(GroupPlan(i, i, *geometry, mode, ranks))
+    return TPPlan(world, tuple(groups))
+
+
+def _splits(num_heads: int, num_kv_heads: int, m: int) -> bool:
+    """Whether m ranks can share a layer's heads: equal query heads each, and each rank's
+    query heads within whole KV heads of its own (sharded) or one shared KV head (replicated)."""
+    if num_heads % m:
+        return False
+    if num_kv_heads % m == 0:
+        return True
+    group = num_heads // num_kv_heads  # query heads per KV head
+    return m % num_kv_heads == 0 and group % (num_heads // m) == 0
+
+
+def split(total: int, world: int, rank: int, align: int = 1) -> tuple[int, int]:
+    """[start, end) of rank's near-equal part of `total`, cut on multiples of `align` where
+    `total` allows."""
+    unit = align if total % align == 0 and total // align >= world else 1
+    units = total // unit
+    start = rank * units // world
+    return start * unit, (rank + 1) * units // world * unit
+
+
+@dataclass(frozen=True, slots=True)
+class RankShard:
+    """What one rank holds: its geometry (a ModelSpec of local head counts and FFN widths) and
+    the slices of each full parameter (in the model's own names) that fill it."""
+
+    full: ModelSpec
+    plan: TPPlan
+    rank: int
+
+    @property
+    def world(self) -> int:
+        return self.plan.world
+
+    @property
+    def spec(self) -> ModelSpec:
+        layers = []
+        for i, lay in enumerate(self.full.layers):
+            h = self.plan.heads(i, self.rank)
+            f0, f1 = split(lay.intermediate_size, self.world, self.rank, FFN_ALIGN)
+            layers.append(LayerSpec(h.q1 - h.q0, h.k1 - h.k0, lay.head_dim, f1 - f0, lay.kv_group))
+        return replace(self.full, layers=tuple(layers))
+
+    def row_ranges(self, name: str) -> list[tuple[int, int]] | None:
+        """Output rows of `name` this rank holds (column-parallel), or None if not cut so."""
+        parts = name.split(".")
+        if parts[0] != "layers":
+            return None
+        i, module = int(parts[1]), parts[2]
+        lay = self.full.layers[i]
+        if module == "qkv_proj":
+            h, d = self.plan.heads(i, self.rank), lay.head_dim
+            q, kv = lay.num_heads * d, lay.num_kv_heads * d
+            return [(h.q0 * d, h.q1 * d), (q + h.k0 * d, q + h.k1 * d),
+                    (q + kv + h.k0 * d, q + kv + h.k1 * d)]  # fmt: skip
+        if module == "gate_up_proj":
+            f0, f1 = split(lay.intermediate_size, self.world, self.rank, FFN_ALIGN)
+            inter = lay.intermediate_size
+            return [(f0, f1), (inter + f0, inter + f1)]
+        return None
+
+    def col_range(self, name: str) -> tuple[int, int] | None:
+        """Input columns of `name` this rank holds (row-parallel), or None if not cut so."""
+        parts = name.split(".")
+        if parts[0] != "layers" or parts[-1] != "weight":
+            return None
+        i, module = int(parts[1]), parts[2]
+        lay = self.full.layers[i]
+        if module == "o_proj":
+            h = self.plan.heads(i, self.rank)
+            return h.q0 * lay.head_dim, h.q1 * lay.head_dim
+        if module == "down_proj":
+            return split(lay.intermediate_size, self.world, self.rank, FFN_ALIGN)
+        return None
+
+    def cut(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full parameter (weights and biases alike)."""
+        rows = self.row_ranges(name)
+        if rows is not None:
+            return torch.cat([tensor[a:b] for a, b in rows])
+        cols = self.col_range(name)
+        if cols is not None:
+            return tensor[:, cols[0] : cols[1]].contiguous()
+        return tensor
+
+    def cut_blocks(self, name: str, blocks: torch.Tensor, block_bytes: int) -> torch.Tensor | None:
+        """This rank's part of a weight held as ggml blocks (uint8 [rows, bytes], 32 inputs a
+        block), or None where a column cut would split a block (it is then served dense)."""
+        rows = self.row_ranges(name)
+        if rows is not None:
+            return torch.cat([blocks[a:b] for a, b in rows])
+        cols = self.col_range(name)
+        if cols is None:
+            return blocks
+        if cols[0] % 32 or cols[1] % 32:
+            return None
+        return blocks[:, cols[0] // 32 * block_bytes : cols[1] // 32 * block_bytes].contiguous()
+
+    def weights(
+        self, full: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Cut each (name, tensor) of full parameters; rank > 0 skips the lm_head (rank 0 alone
+        computes logits; the model then ties its unused head to the embedding)."""
+        for name, tensor in full:
+            if name == "lm_head.weight" and self.rank > 0:
+                continue
+            part = self.cut(name, tensor)
+            if part.numel():  # a layer none of whose heads are here has no q/k/v/o
+                yield name, part
