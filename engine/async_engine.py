@@ -62,6 +62,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.dead: BaseException | None = None
+        if engine.tp is not None:  # a lost rank is fatal, even while the engine idles
+            engine.tp.on_lost = lambda error: self._inbox.put(("fatal", error))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -93,6 +95,8 @@ class AsyncEngine:
             self._thread.join(timeout=10)
         if self.dead is None:
             self._core.shutdown()
+        elif self._core.tp is not None:
+            self._core.tp.close()
         if self._remote is not None:
             self._remote.close()
         if self.grammar_budget is not None:
@@ -300,6 +304,8 @@ class AsyncEngine:
         elif kind == "abort_all":
             for request_id in self._core.abort_all():
                 out.append((request_id, EngineShutdownError(msg[1])))
+        elif kind == "fatal":
+            raise msg[1]
         elif kind == "call":
             _, fn, fut = msg
             try:

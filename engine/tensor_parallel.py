@@ -69,10 +69,10 @@ def meet(rank: int, world: int, port: int, device: torch.device, timeout_s: floa
     """Join the ranks' process group on loopback; RuntimeError if they do not all arrive
     within `timeout_s`."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    store = dist.TCPStore(
-        "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s)
-    )
     try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s)
+        )
         store.set(f"rank{rank}", "here")
         store.wait([f"rank{r}" for r in range(world)])
     except Exception as e:  # noqa: BLE001 - the store's timeout, in its own words

@@ -106,6 +106,15 @@ def kernels(argv: list[str]) -> int:
         print(e)
         return 1
     print(choice.table)
+    if config.tensor_parallel_size > 1:
+        from models.tp_plan import plan_tensor_parallel
+
+        try:
+            plan = plan_tensor_parallel(spec, config.tensor_parallel_size)
+        except ValueError as e:
+            print(e)
+            return 1
+        print(plan.table(spec, elem))
     return 0
 
 

@@ -199,6 +199,11 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
         raise SystemExit(f"role {server.role!r}: choose both, prefill or decode")
     if server.role != "both" and not server.kv_store_url:
         raise SystemExit(f"role {server.role} hands KV over through a store: set kv_store_url")
+    if server.kv_store_url and engine.tensor_parallel_size > 1:
+        raise SystemExit(
+            "kv_store_url with tensor_parallel_size > 1: the store's blocks are whole, each "
+            "rank holds a shard of them; serve P/D or replicas with one rank each"
+        )
     if server.kv_store_url:
         if not engine.enable_prefix_caching:
             raise SystemExit("kv_store_url needs enable_prefix_caching (blocks are keyed by hash)")

@@ -1,0 +1,187 @@
+"""Tensor parallelism on CPU with two ranks (gloo): the plan per layer group, greedy output
+identical to one rank (tiny Llama, Qwen2, and an OpenELM-style model whose per-layer heads do
+not all divide by 2) through the engine API and HTTP, prefix hits and host-tier reloads under
+TP, a killed rank taking the server down, ranks that cannot meet."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+import torch
+from server_utils import kvserve_server
+from test_geometry import prompts, reference_greedy, write_openelm
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.tensor_parallel import free_port, meet, refusal
+from models.spec import LayerSpec, ModelSpec, uniform_layers
+from models.tp_plan import RankShard, plan_tensor_parallel
+from server.__main__ import kernels
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def spec_of(heads: list[tuple[int, int]], inter: int = 128, shared: bool = False) -> ModelSpec:
+    layers = tuple(
+        LayerSpec(h, kv, 16, inter, kv_group=0 if shared else i) for i, (h, kv) in enumerate(heads)
+    )
+    return ModelSpec("LlamaForCausalLM", 100, 64, layers)
+
+
+# ---- the plan (pure) -------------------------------------------------------------------------
+
+
+def test_plan_per_layer_group() -> None:
+    # Laguna-like depth profile: 32 heads early, 64 in the middle, 96 late (8 KV heads)
+    laguna = spec_of([(32, 8)] * 2 + [(64, 8)] * 3 + [(96, 8)] * 2)
+    for n in (2, 4, 8):
+        plan = plan_tensor_parallel(laguna, n)
+        assert [(g.first, g.last, g.mode) for g in plan.groups] == [
+            (0, 1, "sharded"), (2, 4, "sharded"), (5, 6, "sharded"),
+        ]  # fmt: skip
+    # 16 ranks: 8 KV heads are replicated on pairs of ranks
+    assert {g.mode for g in plan_tensor_parallel(laguna, 16).groups} == {"kv replicated"}
+    # OpenELM-style: 4/1 replicates its one KV head, 8/2 shards, 6/3 cannot split over 2
+    plan = plan_tensor_parallel(spec_of([(4, 1), (8, 2), (6, 3), (6, 3), (10, 5)]), 2)
+    assert [(g.first, g.last, g.mode) for g in plan.groups] == [
+        (0, 0, "kv replicated"), (1, 1, "sharded"), (2, 3, "whole on rank 0"),
+        (4, 4, "whole on rank 1"),  # rotated: the uneven groups spread over the ranks
+    ]  # fmt: skip
+
+
+def test_shards_cover_every_head_once() -> None:
+    spec = spec_of([(4, 1), (8, 2), (6, 3)], inter=96)
+    plan = plan_tensor_parallel(spec, 2)
+    shards = [RankShard(spec, plan, r) for r in range(2)]
+    for i, lay in enumerate(spec.layers):
+        d = lay.head_dim
+        full = torch.arange(float((lay.num_heads + 2 * lay.num_kv_heads) * d))[:, None]
+        name = f"layers.{i}.qkv_proj.weight"
+        q_rows = sorted(
+            int(v) for s in shards for v in s.cut(name, full)[: s.spec.layers[i].num_heads * d]
+        )
+        assert q_rows == list(range(lay.num_heads * d))  # each query head on exactly one rank
+        o = torch.arange(float(lay.num_heads * d))[None, :]
+        cols = sorted(int(v) for s in shards for v in s.cut(f"layers.{i}.o_proj.weight", o)[0])
+        assert cols == list(range(lay.num_heads * d))
+        down = torch.arange(float(lay.intermediate_size))[None, :]
+        cols = sorted(
+            int(v) for s in shards for v in s.cut(f"layers.{i}.down_proj.weight", down)[0]
+        )
+        assert cols == list(range(lay.intermediate_size))
+    # the whole-on-one-rank layer: rank 1 has no heads, hence no KV, in layer 2
+    assert shards[1].spec.layers[2].num_heads == 0 and shards[1].spec.layers[2].num_kv_heads == 0
+    table = plan.table(spec, 4)
+    assert "whole on rank 0" in table and "KV bytes/token by rank 384/0" in table
+
+
+def test_refused_layouts_and_settings() -> None:
+    with pytest.raises(ValueError, match="share KV across layers"):
+        plan_tensor_parallel(spec_of([(4, 2), (4, 2)], shared=True), 2)
+    assert "calibrates" in refusal(EngineConfig(quantization="int8", tensor_parallel_size=2))
+    assert "disk" in refusal(EngineConfig(disk_path="/tmp/x", tensor_parallel_size=2))
+    assert refusal(EngineConfig(tensor_parallel_size=2)) is None
+    assert plan_tensor_parallel(spec_of([(4, 2)]), 1).groups[0].ranks == (0,)
+    assert len(uniform_layers(2, 4, 2, 16, 32)) == 2
+
+
+def test_kernels_command_prints_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_openelm(tmp_path / "openelm")
+    assert kernels(["--model", str(tmp_path / "openelm"), "--tensor-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel: 2 ranks" in out and "whole on rank 0" in out
+
+
+def test_ranks_that_do_not_meet_fail_with_a_message() -> None:
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not meet within 1 s"):
+        meet(0, 2, free_port(), torch.device("cpu"), timeout_s=1)
+    assert time.monotonic() - t < 10
+
+
+# ---- two ranks against one -------------------------------------------------------------------
+
+
+def generate(llm: LLM, ps: list[list[int]]) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in llm.generate(ps, GREEDY)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_matches_one_rank(model_dirs: dict[str, Path], arch: str) -> None:
+    ps = prompts()
+    options = dict(dtype="float32", num_kv_blocks=64, block_size=4)
+    want = generate(LLM(str(model_dirs[arch]), **options), ps)
+    two = LLM(str(model_dirs[arch]), tensor_parallel_size=2, **options)
+    try:
+        assert generate(two, ps[:2]) == want[:2]
+        assert generate(two, ps) == want  # batched, with prefix hits on the shared 24 tokens
+        assert two.engine.kv.prefix_hits > 0
+        assert "tensor parallel: 2 ranks" in two.engine.info.kernel_table
+    finally:
+        two.engine.shutdown()
+
+
+def test_uneven_heads_and_host_tier_under_tp(tmp_path: Path) -> None:
+    """OpenELM-style heads (4/1, 8/2, 6/3 per layer: the last cannot split over 2 ranks) match
+    the reference; a 12-block pool pushes earlier prompts' blocks to the host tier, and asking
+    again loads them back on both ranks (the same tokens, not recomputed)."""
+    layers, w = write_openelm(tmp_path / "openelm")
+    ps = prompts()
+    want = [reference_greedy(layers, w, p, 12, 10000.0) for p in ps]
+    llm = LLM(
+        str(tmp_path / "openelm"), dtype="float32", num_kv_blocks=12, block_size=4,
+        host_bytes="1MiB", tensor_parallel_size=2, max_num_seqs=1,
+    )  # fmt: skip
+    try:
+        table = llm.engine.info.kernel_table
+        assert "whole on rank 0" in table and "kv replicated" in table
+        assert [generate(llm, [p])[0] for p in ps] == want
+        host = llm.engine.host
+        assert host is not None and host.saved_blocks > 0
+        assert generate(llm, [ps[0]]) == want[:1]  # its prefix comes back from the host tier
+        assert host.loaded_blocks > 0
+        assert llm.engine.kv.pool.num_free_blocks == 12
+    finally:
+        llm.engine.shutdown()
+
+
+def test_http_and_a_killed_rank(tmp_path: Path) -> None:
+    """Through HTTP with two ranks: the same greedy completion as one rank; then rank 1 is
+    killed: /health turns 503 and the server exits non-zero on its own (no hang)."""
+    write_openelm(tmp_path / "openelm")
+    model = str(tmp_path / "openelm")
+    ps = prompts()[:3]
+    one = LLM(model, dtype="float32", num_kv_blocks=64, block_size=4)
+    want = [r.outputs[0].text for r in one.generate(ps, GREEDY)]
+    with kvserve_server(
+        model, dtype="float32", num_kv_blocks=64, block_size=4, tensor_parallel_size=2
+    ) as server:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
+        name = client.models.list().data[0].id
+        for p, text in zip(ps, want, strict=True):
+            r = client.completions.create(model=name, prompt=p, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+            assert r.choices[0].text == text
+        workers = [
+            c for c in psutil.Process(server.proc.pid).children()
+            if "engine.tp_worker" in " ".join(c.cmdline())
+        ]  # fmt: skip
+        assert len(workers) == 1
+        workers[0].send_signal(signal.SIGKILL)
+        deadline, statuses = time.monotonic() + 30, set()
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                statuses.add(httpx.get(server.base + "/health", timeout=2).status_code)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        assert server.proc.poll() not in (None, 0), "the server outlived its rank"
+        assert 503 in statuses and statuses <= {200, 503}  # 200 only before the loss is seen
+        assert "tensor-parallel rank 1 exited" in server.log()
