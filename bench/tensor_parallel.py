@@ -17,7 +17,6 @@ from statistics import median
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.tensor_parallel import all_reduce
 
 
 def measure(llm: LLM, tp: int) -> dict[str, float]:
@@ -30,10 +29,11 @@ def measure(llm: LLM, tp: int) -> dict[str, float]:
     out = {"prefill_512_s": time.perf_counter() - t}
     reduce_s = [0.0]
     if tp > 1:
+        reduce = llm.engine.tp.reduce
 
         def timed(x):  # noqa: ANN001, ANN202
             t0 = time.perf_counter()
-            y = all_reduce(x)
+            y = reduce(x)
             reduce_s[0] += time.perf_counter() - t0
             return y
 
@@ -49,7 +49,7 @@ def measure(llm: LLM, tp: int) -> dict[str, float]:
         if tp > 1:
             out[f"allreduce_share_b{batch}"] = reduce_s[0] / elapsed
     if tp > 1:
-        llm.engine.model.set_reduce(all_reduce)
+        llm.engine.model.set_reduce(reduce)
     return out
 
 

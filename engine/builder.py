@@ -38,7 +38,7 @@ from engine.spec_cost import MEASURED_ROWS, SpecCostModel, measured_shape
 from engine.spec_cost import measure as measure_spec_cost
 from engine.spec_decode import Proposer
 from engine.structured_output import StructuredOutputs
-from engine.tensor_parallel import TPGroup, WorkerBuild, all_reduce, start_ranks
+from engine.tensor_parallel import TPGroup, WorkerBuild, start_ranks
 from engine.warmup import warm_up
 from models import gguf_linear
 from models.eagle.head import EagleHead, load_eagle_head
@@ -242,7 +242,7 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
                         host.num_blocks if host is not None else 0),
             config.tensor_parallel_timeout_s,
         )  # fmt: skip
-        model.set_reduce(all_reduce)
+        model.set_reduce(tp.reduce)
         kernel_table += "\n" + tp.plan.table(spec, dtype_size)
         kernel_table += "".join(f"\n    rank {r}: {s}" for r, s in enumerate(ranks, start=1))
     eos = spec.eos_token_ids or (

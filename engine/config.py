@@ -198,6 +198,12 @@ class EngineConfig:
         "server; gloo on CPU, NCCL on CUDA); models whose head count varies by layer get a "
         "plan per layer group",
     )
+    tensor_parallel_allreduce: str = setting(
+        "auto",
+        "how CPU ranks sum layer outputs: auto/shm (shared memory, one host), gloo "
+        "(torch.distributed over loopback TCP); CUDA ranks use NCCL",
+        ("auto", "shm", "gloo"),
+    )
     tensor_parallel_timeout_s: float = setting(
         120.0, "how long tensor-parallel ranks may take to start and meet"
     )
@@ -254,6 +260,8 @@ class EngineConfig:
             raise ValueError("quantization must be auto, none, int8, int4 or int8wo")
         if self.pooling not in ("auto", "last", "mean"):
             raise ValueError("pooling must be auto, last or mean")
+        if self.tensor_parallel_allreduce not in ("auto", "shm", "gloo"):
+            raise ValueError("tensor_parallel_allreduce must be auto, shm or gloo")
         if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout_s <= 0:
             raise ValueError("tensor_parallel_size must be >= 1, tensor_parallel_timeout_s > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

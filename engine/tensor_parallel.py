@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.shm_allreduce import ShmAllReduce
 from models.spec import ModelSpec
 from models.tp_plan import RankShard, TPPlan, plan_tensor_parallel
 
@@ -87,8 +88,9 @@ def meet(rank: int, world: int, port: int, device: torch.device, timeout_s: floa
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of a partial layer output over the ranks. A contiguous input is summed in place
-    (the CPU linear returns transposed views; gloo reads raw memory)."""
+    """The sum of a partial layer output over the ranks, by torch.distributed (NCCL on CUDA;
+    gloo on CPU when asked, where shared memory is the default). A contiguous input is summed
+    in place (the CPU linear returns transposed views; gloo reads raw memory)."""
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
         total = x.float()  # gloo sums float32 (and rounding once after the sum is closer)
         dist.all_reduce(total)
@@ -136,11 +138,20 @@ class TPGroup:
             for rank in range(1, self.world)
         ]
         self.conns: list[mpc.Connection] = []
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._closing)
+        # the CPU all-reduce: shared memory (engine/shm_allreduce.py) unless gloo is asked for
+        self.reducer: ShmAllReduce | None = None
+        if device.type == "cpu" and config.tensor_parallel_allreduce != "gloo":
+            self.reducer = ShmAllReduce(0, self.world)
+            self.reducer.lost = lambda: self.lost
+        self.lost: str | None = None  # why a rank is gone, once one is
+        self._finalizer = weakref.finalize(
+            self, _stop, self.procs, self.conns, self._closing, self.reducer
+        )
         try:
             self.conns += self._accept(server, key, timeout)
             port = free_port()
-            self.send("setup", config, plan, port, str(device), threads)
+            shm = self.reducer.name if self.reducer is not None else None
+            self.send("setup", config, plan, port, str(device), threads, shm)
             self._await("joining", timeout)
             meet(0, self.world, port, device, timeout)
         except BaseException:
@@ -185,6 +196,11 @@ class TPGroup:
                     f"tensor-parallel rank {rank} exited with code {proc.returncode} "
                     f"before {what} (its log is above)"
                 )
+
+    @property
+    def reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The sum over ranks the model's layers call."""
+        return self.reducer if self.reducer is not None else all_reduce
 
     def shard(self, spec: ModelSpec) -> RankShard:
         return RankShard(spec, self.plan, 0)
@@ -252,7 +268,8 @@ class TPGroup:
         code = proc.wait()
         if self._closing.is_set():
             return
-        error = RuntimeError(f"tensor-parallel rank {rank} exited (code {code})")
+        self.lost = f"tensor-parallel rank {rank} exited (code {code})"
+        error = RuntimeError(self.lost)
         log.critical("%s: the server cannot serve without it", error)
         if self.on_lost is not None:
             self.on_lost(error)
@@ -296,7 +313,10 @@ def start_ranks(config: Any) -> TPGroup | None:
 
 
 def _stop(
-    procs: list[subprocess.Popen], conns: list[mpc.Connection], closing: threading.Event
+    procs: list[subprocess.Popen],
+    conns: list[mpc.Connection],
+    closing: threading.Event,
+    reducer: ShmAllReduce | None,
 ) -> None:
     closing.set()
     for conn in conns:
@@ -313,3 +333,5 @@ def _stop(
             proc.wait(5)
     for conn in conns:
         conn.close()
+    if reducer is not None:
+        reducer.close(unlink=True)

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 
 import torch
@@ -24,6 +25,7 @@ from engine.builder import block_prefix_copier
 from engine.config import EngineConfig, parse_bytes
 from engine.kv.host import HostTier
 from engine.model_runner import allocate_kv_caches
+from engine.shm_allreduce import ShmAllReduce
 from engine.step_inputs import step_inputs
 from engine.tensor_parallel import WorkerBuild, all_reduce, meet
 from engine.warmup import warm_up
@@ -42,9 +44,9 @@ def main() -> None:
     key = bytes.fromhex(os.environ.pop("KVSERVE_TP_KEY"))
     conn = Client(("127.0.0.1", port), authkey=key)
     conn.send(rank)
-    kind, config, plan, gloo_port, device_name, threads = conn.recv()
+    kind, config, plan, gloo_port, device_name, threads, shm = conn.recv()
     assert kind == "setup", kind
-    worker_main(config, rank, plan, gloo_port, device_name, threads, conn)
+    worker_main(config, rank, plan, gloo_port, device_name, threads, shm, conn)
 
 
 def worker_main(
@@ -54,6 +56,7 @@ def worker_main(
     port: int,
     device_name: str,
     threads: int,
+    shm: str | None,
     conn: Connection,
 ) -> None:
     logging.basicConfig(
@@ -71,9 +74,14 @@ def worker_main(
         assert kind == "load", kind
         dtype = getattr(torch, dtype_name.removeprefix("torch."))
         worker = Worker(config, RankShard, plan, rank, dtype, device)
+        reducer = None
+        if shm is not None:
+            reducer = ShmAllReduce(rank, plan.world, shm)
+            parent = os.getppid()
+            reducer.lost = lambda: "rank 0 exited" if os.getppid() != parent else None
         kind, build = conn.recv()
         assert kind == "build", kind
-        summary = worker.build(build)
+        summary = worker.build(build, reducer if reducer is not None else all_reduce)
         conn.send(("ready", summary))
     except BaseException as e:  # noqa: BLE001 - rank 0 reports it
         log.error("start-up failed:\n%s", traceback.format_exc())
@@ -87,6 +95,8 @@ def worker_main(
     except EOFError:
         pass  # rank 0 is gone: nothing left to serve
     finally:
+        if reducer is not None:
+            reducer.close(unlink=False)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -120,7 +130,7 @@ class Worker:
         if gguf:
             gguf_linear.measure_crossover(self.model, dtype, config.gguf_int8_activations)
 
-    def build(self, build: WorkerBuild) -> str:
+    def build(self, build: WorkerBuild, reduce: Callable[[torch.Tensor], torch.Tensor]) -> str:
         backend_cls = next(b for b in BACKENDS if b.name == build.backend)
         workspace = backend_cls.allocate_workspace(self.device)
         self.block_size = build.block_size
@@ -137,7 +147,7 @@ class Worker:
                 self.kv_caches, backend_cls.block_dim, parse_bytes(0), num_blocks=build.host_blocks
             )
         self.copy_prefix = block_prefix_copier(backend_cls, self.kv_caches)
-        self.model.set_reduce(all_reduce)
+        self.model.set_reduce(reduce)
         kv = sum(c.numel() * c.element_size() for c in self.kv_caches)
         return f"{build.num_blocks} blocks, {kv / 2**20:.1f} MiB of KV"
 
