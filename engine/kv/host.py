@@ -131,7 +131,7 @@ class HostTier:
         if self.mirror is not None:
             self.mirror("kv_out", list(device_blocks), list(slots))
         order = sorted(range(len(slots)), key=slots.__getitem__)  # storage order: long runs
-        src = torch.tensor([device_blocks[i] for i in order], device=self.kv_device)
+        src = torch.tensor([device_blocks[i] for i in order], device=self.device_caches[0].device)
         runs = _runs([slots[i] for i in order])
         for cache, store in zip(self.device_caches, self.storage, strict=True):
             # one gather on the device (a new tensor: the source blocks may be reused at once),
@@ -174,7 +174,7 @@ class HostTier:
             self.mirror("kv_in", list(slots), list(device_blocks))
         order = sorted(range(len(slots)), key=slots.__getitem__)
         runs = _runs([slots[i] for i in order])
-        device = self.kv_device
+        device = self.device_caches[0].device
         dst = torch.tensor([device_blocks[i] for i in order], device=device)
         for cache, store in zip(self.device_caches, self.storage, strict=True):
             # each run of consecutive slots straight from the pinned storage to the device
