@@ -243,6 +243,7 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
             config.tensor_parallel_timeout_s,
         )  # fmt: skip
         model.set_reduce(tp.reduce)
+        tp.share_logits(model.lm_head, spec.vocab_size)
         kernel_table += "\n" + tp.plan.table(spec, dtype_size)
         kernel_table += "".join(f"\n    rank {r}: {s}" for r, s in enumerate(ranks, start=1))
     eos = spec.eos_token_ids or (

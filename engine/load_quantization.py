@@ -212,9 +212,7 @@ def serve_gguf_blocks(
     if shard is not None:  # this rank's slices; a block a column cut would split stays dense
         cut = {}
         for name, (fmt, data) in blocks.items():
-            part = None
-            if name != "lm_head.weight" or shard.rank == 0:
-                part = shard.cut_blocks(name, data, gguf_linear.BLOCK_BYTES[fmt])
+            part = shard.cut_blocks(name, data, gguf_linear.BLOCK_BYTES[fmt])
             if part is not None and part.numel():
                 cut[name] = (fmt, part)
         blocks = cut

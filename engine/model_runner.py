@@ -88,14 +88,16 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int]]:
         """Input ids, positions, attention metadata and the hidden rows that need logits: the
         last row of a chunk that reaches its request's end, and every draft row."""
-        input_ids, positions, meta, rows, _ = self._prepare(out)
+        input_ids, positions, meta, rows, _ = self._prepare(out, shared_logits=False)
         return input_ids, positions, meta, rows
 
     def _prepare(
-        self, out: SchedulerOutput
+        self, out: SchedulerOutput, shared_logits: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int], torch.Tensor | None]:
         """`prepare`, plus the rows as a device index (None when every token samples, as in
-        a decode step: no gather needed), all uploaded in one copy."""
+        a decode step: no gather needed), all uploaded in one copy. Under tensor parallelism
+        the other ranks are sent the step, and the sampling rows when `shared_logits` (the
+        forward then computes their logits by vocabulary part on every rank)."""
         token_ids: list[int] = []
         seqs = []
         logits_rows: list[int] = []
@@ -110,7 +112,7 @@ class ModelRunner:
                 logits_rows.extend(range(end - 1 - item.num_spec, end))
         every_row = logits_rows == list(range(len(token_ids)))
         if self.tp is not None:  # both callers run the forward next, which the ranks join
-            self.tp.send("step", seqs, token_ids)
+            self.tp.send("step", seqs, token_ids, logits_rows if shared_logits else [])
         input_ids, positions, meta, index = step_inputs(
             seqs, self.block_size, self.device, token_ids, None if every_row else logits_rows
         )
@@ -167,4 +169,6 @@ class ModelRunner:
         final = hidden[:, : self.model.spec.hidden_size]
         if index is not None:
             final = final.index_select(0, index)
+        if self.tp is not None:
+            return self.tp.logits(final), hidden
         return self.model.compute_logits(final), hidden

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from engine.shm_allreduce import ShmAllReduce
+from models.layers import Linear
 from models.spec import ModelSpec
 from models.tp_plan import RankShard, TPPlan, plan_tensor_parallel
 
@@ -98,6 +99,20 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     dist.all_reduce(x)
     return x
+
+
+def join_vocab_parts(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    part: tuple[int, int],
+    vocab_size: int,
+    reduce: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Float32 logits [rows, vocab] from each rank's vocabulary part: this rank's part in place,
+    zeros elsewhere, summed over the ranks (every rank runs this on the same rows)."""
+    logits = hidden.new_zeros((hidden.shape[0], vocab_size), dtype=torch.float32)
+    logits[:, part[0] : part[1]] = head(hidden).float()
+    return reduce(logits)
 
 
 def threads_per_rank(world: int) -> int:
@@ -204,6 +219,19 @@ class TPGroup:
 
     def shard(self, spec: ModelSpec) -> RankShard:
         return RankShard(spec, self.plan, 0)
+
+    def share_logits(self, lm_head: Linear, vocab_size: int) -> None:
+        """From now on `logits` computes rank 0's vocabulary part with views of `lm_head`'s
+        rows, the other ranks theirs."""
+        self.vocab_part = RankShard.vocab_part_of(vocab_size, self.world, 0)
+        self.vocab_size = vocab_size
+        self._vocab_head = lm_head.rows(*self.vocab_part)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The step's sampling rows' logits, computed by vocabulary part on every rank."""
+        return join_vocab_parts(
+            self._vocab_head, hidden, self.vocab_part, self.vocab_size, self.reduce
+        )
 
     def largest_block_bytes(self, spec: ModelSpec, dtype_size: int, block_size: int) -> int:
         """One KV block's bytes on the worker rank that holds the most KV."""

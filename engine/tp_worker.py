@@ -27,7 +27,7 @@ from engine.kv.host import HostTier
 from engine.model_runner import allocate_kv_caches
 from engine.shm_allreduce import ShmAllReduce
 from engine.step_inputs import step_inputs
-from engine.tensor_parallel import WorkerBuild, all_reduce, meet
+from engine.tensor_parallel import WorkerBuild, all_reduce, join_vocab_parts, meet
 from engine.warmup import warm_up
 from models.layers import measure_packed_rows, pack_linears
 from models.llama import LlamaForCausalLM
@@ -148,6 +148,7 @@ class Worker:
             )
         self.copy_prefix = block_prefix_copier(backend_cls, self.kv_caches)
         self.model.set_reduce(reduce)
+        self.reduce = reduce
         kv = sum(c.numel() * c.element_size() for c in self.kv_caches)
         return f"{build.num_blocks} blocks, {kv / 2**20:.1f} MiB of KV"
 
@@ -157,9 +158,16 @@ class Worker:
             msg = conn.recv()
             kind = msg[0]
             if kind == "step":
-                _, seqs, token_ids = msg
-                ids, positions, meta, _ = step_inputs(seqs, self.block_size, self.device, token_ids)
-                self.model(ids, positions, self.backend.plan(meta))
+                _, seqs, token_ids, rows = msg
+                ids, positions, meta, index = step_inputs(
+                    seqs, self.block_size, self.device, token_ids, rows
+                )
+                hidden = self.model(ids, positions, self.backend.plan(meta))
+                if rows:  # this rank's part of the sampling rows' logits
+                    join_vocab_parts(
+                        self.model.compute_logits, hidden.index_select(0, index),
+                        self.model.vocab_rows, self.model.spec.vocab_size, self.reduce,
+                    )  # fmt: skip
             elif kind == "kv_out":
                 assert self.host is not None
                 self.host.copy_out(msg[1], msg[2])

@@ -8,7 +8,7 @@ the dequantized float32 model's up to summation order."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,17 @@ class GGUFWeight:
     # oneDNN-packed dense copy for many rows (`pack`, --cpu-packed-weights); without it each
     # dense call dequantizes the blocks first
     packed: torch.Tensor | None = None
+
+    def rows(self, start: int, end: int) -> GGUFWeight:
+        """Output rows [start, end) as a weight of their own (block rows are independent);
+        a packed dense copy is made again for them if this one has one."""
+        part = replace(
+            self, blocks=self.blocks[start:end], out_features=end - start, packed=None,
+            bias=None if self.bias is None else self.bias[start:end],
+        )  # fmt: skip
+        if self.packed is not None:
+            part.pack()
+        return part
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight [out, in] in `dtype`."""

@@ -125,6 +125,21 @@ class Linear(nn.Module):
     def plain_forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear(x, self.weight, self.bias)
 
+    def rows(self, start: int, end: int) -> Linear:
+        """A Linear over output rows [start, end) of this one: views of its weight (a GGUF
+        weight's blocks), packed again if this one is."""
+        part = Linear(self.in_features, 0, bias=self.bias is not None)
+        if self.bias is not None:
+            part.bias = nn.Parameter(self.bias.detach()[start:end], requires_grad=False)
+        if self.quant is not None:
+            part.quant = self.quant.rows(start, end)  # type: ignore[attr-defined]
+            return part
+        part.weight = nn.Parameter(self.weight.detach()[start:end], requires_grad=False)
+        if self.packed is not None:
+            part.pack()
+            part.packed_min_rows = self.packed_min_rows
+        return part
+
     def load_rows(self, start: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy an HF-layout weight [out_rows, in] into output rows [start, start + out_rows)."""
         rows = weight.shape[0]

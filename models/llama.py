@@ -110,14 +110,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, vocab_rows: tuple[int, int] | None = None) -> None:
+        """`vocab_rows` [v0, v1): the lm_head holds (and `compute_logits` gives) only those
+        vocabulary rows (a tensor-parallel rank's part); default all."""
         super().__init__()
         self.spec = spec
+        self.vocab_rows = vocab_rows or (0, spec.vocab_size)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(spec, lay, i) for i, lay in enumerate(spec.layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
+        self.lm_head = Linear(spec.hidden_size, self.vocab_rows[1] - self.vocab_rows[0])
         head_dims = {lay.head_dim for lay in spec.layers}
         with torch.device("cpu"):  # real values even when the model is built on "meta"
             self._inv_freq = {
@@ -192,7 +195,11 @@ class LlamaForCausalLM(nn.Module):
             param.data.copy_(tensor)
             seen.add(name)
         if self.spec.tie_word_embeddings or "lm_head.weight" not in seen:
-            self.lm_head.weight = self.embed_tokens.weight  # tied: one tensor, both roles
+            # tied: one tensor, both roles (the head's rows a view of the embedding's)
+            v0, v1 = self.vocab_rows
+            embedding = self.embed_tokens.weight
+            whole = (v0, v1) == (0, self.spec.vocab_size)
+            self.lm_head.weight = embedding if whole else nn.Parameter(embedding[v0:v1], False)
             seen.add("lm_head.weight")
         missing = {name for name in params if not name.endswith(".bias")} - seen
         if missing:

@@ -72,7 +72,10 @@ def load_model(
     spec is returned either way."""
     spec = load_spec(path)
     part = shard(spec) if shard is not None else None
-    model = empty_model(part.spec if part is not None else spec, dtype, device)
+    if part is not None:
+        model = empty_model(part.spec, dtype, device, part.vocab_rows)
+    else:
+        model = empty_model(spec, dtype, device)
     if is_gguf(path):
         from models.gguf_loader import gguf_weights
 
@@ -86,12 +89,15 @@ def load_model(
 
 
 def empty_model(
-    spec: ModelSpec, dtype: torch.dtype, device: torch.device | str
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    vocab_rows: tuple[int, int] | None = None,
 ) -> LlamaForCausalLM:
     """The model with uninitialised parameters of `dtype` on `device` (built on the meta device:
     nothing is allocated twice); biases zeroed, since a checkpoint may omit them."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec)
+        model = LlamaForCausalLM(spec, vocab_rows)
     model = model.to(dtype=dtype).to_empty(device=device)
     for name, param in model.named_parameters():
         if name.endswith(".bias"):

@@ -4,9 +4,9 @@ the slices of each parameter that follow from it. Pure functions of the model's 
 Megatron's layout: q/k/v and gate/up are split by output rows (column-parallel), o and down by
 input columns (row-parallel), so each rank's partial o/down outputs sum (one all-reduce each) to
 the full layer output; the residual stream, norms and embedding stay whole on every rank. The
-lm_head stays whole on rank 0, which alone samples (the other ranks drop it): logits need no
-gather, and everything that reads them (sampling, prompt logprobs, the draft head) runs there
-unchanged.
+lm_head is split by vocabulary rows for the step's sampling rows (each rank computes its part
+of the logits; one sum joins them); rank 0 also keeps it whole, for everything else that reads
+logits (prompt logprobs, scoring, the draft head), which runs there alone.
 
 Heads are planned per *layer group* (consecutive layers of one head geometry), because models
 such as OpenELM or Laguna change the head count with depth. A group whose query and KV heads
@@ -169,8 +169,25 @@ class RankShard:
             layers.append(LayerSpec(h.q1 - h.q0, h.k1 - h.k0, lay.head_dim, f1 - f0, lay.kv_group))
         return replace(self.full, layers=tuple(layers))
 
+    @property
+    def vocab_part(self) -> tuple[int, int]:
+        """The vocabulary rows [v0, v1) whose logits this rank computes in a step."""
+        return self.vocab_part_of(self.full.vocab_size, self.world, self.rank)
+
+    @staticmethod
+    def vocab_part_of(vocab_size: int, world: int, rank: int) -> tuple[int, int]:
+        return split(vocab_size, world, rank)
+
+    @property
+    def vocab_rows(self) -> tuple[int, int] | None:
+        """The lm_head rows this rank's model holds: rank 0 all of them (None), the others
+        their vocabulary part."""
+        return None if self.rank == 0 else self.vocab_part
+
     def row_ranges(self, name: str) -> list[tuple[int, int]] | None:
         """Output rows of `name` this rank holds (column-parallel), or None if not cut so."""
+        if name == "lm_head.weight" and self.vocab_rows is not None:
+            return [self.vocab_rows]
         parts = name.split(".")
         if parts[0] != "layers":
             return None
@@ -227,11 +244,8 @@ class RankShard:
     def weights(
         self, full: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Cut each (name, tensor) of full parameters; rank > 0 skips the lm_head (rank 0 alone
-        computes logits; the model then ties its unused head to the embedding)."""
+        """Cut each (name, tensor) of full parameters."""
         for name, tensor in full:
-            if name == "lm_head.weight" and self.rank > 0:
-                continue
             part = self.cut(name, tensor)
             if part.numel():  # a layer none of whose heads are here has no q/k/v/o
                 yield name, part

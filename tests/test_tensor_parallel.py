@@ -16,6 +16,7 @@ import pytest
 import torch
 from server_utils import kvserve_server
 from test_geometry import prompts, reference_greedy, write_openelm
+from test_speculative import write_eagle3
 
 from engine.config import EngineConfig
 from engine.llm import LLM
@@ -185,3 +186,50 @@ def test_http_and_a_killed_rank(tmp_path: Path) -> None:
         assert server.proc.poll() not in (None, 0), "the server outlived its rank"
         assert 503 in statuses and statuses <= {200, 503}  # 200 only before the loss is seen
         assert "tensor-parallel rank 1 exited" in server.log()
+
+
+def test_ggml_blocks_are_cut_like_their_dense_weight() -> None:
+    """A GGUF weight's blocks cut for a rank (rows for q/k/v, gate/up and the vocabulary part;
+    columns, on block boundaries, for o and down) dequantize to the cut of the dense weight."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from models.gguf_linear import BLOCK_BYTES
+
+    spec = spec_of([(4, 2), (4, 2)], inter=128)
+    kind = GGMLQuantizationType.Q8_0
+    for rank in range(2):
+        shard = RankShard(spec, plan_tensor_parallel(spec, 2), rank)
+        for name, shape in (
+            ("layers.0.qkv_proj.weight", (128, 64)), ("layers.1.down_proj.weight", (64, 128)),
+            ("layers.0.o_proj.weight", (64, 64)), ("lm_head.weight", (100, 64)),
+        ):  # fmt: skip
+            dense = torch.randn(shape).numpy()
+            blocks = torch.from_numpy(quantize(dense, kind))
+            cut = shard.cut_blocks(name, blocks, BLOCK_BYTES["Q8_0"])
+            got = dequantize(cut.numpy(), kind)
+            want = shard.cut(name, torch.from_numpy(dequantize(blocks.numpy(), kind))).numpy()
+            assert got.shape == want.shape and (got == want).all(), name
+    parts = [RankShard(spec, plan_tensor_parallel(spec, 2), r).vocab_part for r in range(2)]
+    assert parts == [(0, 50), (50, 100)]
+
+
+def test_an_eagle3_head_drafts_on_rank_0(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Speculation stays rank 0's: an EAGLE-3 head (fed by the target's auxiliary hidden
+    states, its KV group in rank 0's pool only) drafts, every rank verifies; greedy output
+    identical to one rank's with the same head."""
+    head = write_eagle3(tmp_path / "eagle3")
+    options = dict(
+        dtype="float32", num_kv_blocks=128, block_size=4, speculative_model=str(head),
+        speculative_method="eagle", num_speculative_tokens=3, spec_cost_model=False,
+    )  # fmt: skip
+    ps = prompts()
+    want = generate(LLM(str(model_dirs["llama"]), **options), ps)
+    two = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **options)
+    try:
+        assert two.engine.info.draft_layout == "eagle3"
+        assert generate(two, ps) == want
+        assert two.engine.stats.generation_tokens == len(ps) * GREEDY.max_tokens
+        assert two.engine.snapshot().spec.by_source["eagle"][0] > 0  # the head did draft
+    finally:
+        two.engine.shutdown()
