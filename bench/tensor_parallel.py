@@ -1,11 +1,13 @@
 """Tensor parallelism on this machine: TP=2 (two ranks, one thread each) against TP=1 (one
 process, two threads) on the default model's weights, through the engine API, side by side in
-one run (rounds alternate 1 2, 2 1). Two CPU cores do not reward TP: each rank reads half the
-weights, but the ranks sum every layer's output twice over loopback, so this is an honest
-figure, not a target. Prints, per setting: a 512-token prefill, decode tok/s at batch 1 and 8,
-and for TP=2 the share of a decode step rank 0 spends in all-reduces (compute skew included).
+one run (the settings' order alternates by round). Two CPU cores do not reward TP: each rank
+reads half the weights with one thread, about as fast as two threads read all of them, and the
+ranks sum every layer's output twice, so this is an honest figure, not a target. Prints, per
+setting: a 512-token prefill, decode tok/s at batch 1 and 8, and for TP=2 the share of a decode
+step rank 0 spends in the layers' sums (waiting for the other rank included). `--gloo` adds TP=2
+summing through torch.distributed's gloo instead of shared memory.
 
-    python bench/tensor_parallel.py [--rounds 2] [--dtype float32] [--quantization none]
+    python bench/tensor_parallel.py [--rounds 2] [--gloo] [--quantization none|auto]
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def measure(llm: LLM, tp: int) -> dict[str, float]:
         elapsed = time.perf_counter() - t
         out[f"decode_b{batch}_tok_s"] = batch * 64 / elapsed
         if tp > 1:
-            out[f"allreduce_share_b{batch}"] = reduce_s[0] / elapsed
+            out[f"sum_share_b{batch}"] = reduce_s[0] / elapsed
     if tp > 1:
         llm.engine.model.set_reduce(reduce)
     return out
@@ -58,26 +60,34 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quantization", default="none", help="none: float weights; auto: GGUF")
+    ap.add_argument("--gloo", action="store_true", help="also TP=2 summing through gloo")
     args = ap.parse_args()
-    results: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+    settings = {"TP=1 (2 threads)": (1, "auto"), "TP=2 shm (1 thread each)": (2, "shm")}
+    if args.gloo:
+        settings["TP=2 gloo (1 thread each)"] = (2, "gloo")
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in settings}
     for r in range(args.rounds):
-        for tp in (1, 2) if r % 2 == 0 else (2, 1):
+        for name in list(settings)[:: 1 if r % 2 == 0 else -1]:
+            tp, allreduce = settings[name]
             llm = LLM(
                 dtype=args.dtype, quantization=args.quantization, tensor_parallel_size=tp,
-                speculative_method="off", max_model_len=2048,
+                tensor_parallel_allreduce=allreduce, speculative_method="off", max_model_len=2048,
             )  # fmt: skip
-            results[tp].append(measure(llm, tp))
+            results[name].append(measure(llm, tp))
             llm.engine.shutdown()
-            print(f"round {r} tp={tp}: {results[tp][-1]}", flush=True)
-    keys = list(results[1][0])
-    print(f"\n{'metric':<22}{'TP=1 (2 threads)':>18}{'TP=2 (1 thread each)':>22}{'TP2/TP1':>9}")
-    for key in keys:
-        a = median(x[key] for x in results[1])
-        b = median(x[key] for x in results[2])
-        print(f"{key:<22}{a:>18.3f}{b:>22.3f}{b / a:>9.2f}")
-    for key in ("allreduce_share_b1", "allreduce_share_b8"):
-        share = median(x[key] for x in results[2])
-        print(f"TP=2 rank 0 in all-reduce, {key[-2:]}: {share:.0%} of decode time")
+            print(f"round {r} {name}: {results[name][-1]}", flush=True)
+    base = next(iter(settings))
+    print(f"\nmedians; ratios against {base}")
+    for name, runs in results.items():
+        cells = []
+        for key in runs[0]:
+            value = median(x[key] for x in runs)
+            if key.startswith("sum_share"):
+                cells.append(f"{key} {value:.0%}")
+            else:
+                ratio = value / median(x[key] for x in results[base])
+                cells.append(f"{key} {value:.3f} ({ratio:.2f}x)")
+        print(f"{name}: " + ", ".join(cells))
 
 
 if __name__ == "__main__":

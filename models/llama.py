@@ -116,7 +116,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.vocab_rows = vocab_rows or (0, spec.vocab_size)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # an uninitialised weight (the checkpoint fills it): Embedding's own random init
+        # imports torch._dynamo on the meta device, ~1.9 s of every start
+        weight = torch.empty(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=weight)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(spec, lay, i) for i, lay in enumerate(spec.layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
