@@ -81,6 +81,9 @@ class ShmAllReduce:
 
     def close(self, unlink: bool) -> None:
         del self.data, self.flags
-        self.shm.close()
+        try:
+            self.shm.close()
+        except BufferError:  # a view outlives us (a step that died mid-sum): the OS unmaps
+            pass
         if unlink:
             self.shm.unlink()

@@ -168,6 +168,14 @@ class HostTier:
         self.load_seconds += elapsed
         self.load_latency_counts[bisect.bisect_left(SWAP_IN_BUCKETS, elapsed)] += 1
 
+    def _whole_blocks_only(self) -> None:
+        """Blocks as bytes (disk, remote store) are whole; under tensor parallelism this rank
+        holds a shard of each (the builder refuses those tiers; this guards the engine API)."""
+        if self.mirror is not None:
+            raise RuntimeError(
+                "KV blocks cannot cross the host tier as bytes under tensor parallelism"
+            )
+
     def copy_in(self, slots: Sequence[int], device_blocks: Sequence[int]) -> None:
         """Storage slots into device blocks, pairwise (mirrored like `copy_out`)."""
         if self.mirror is not None:
@@ -198,6 +206,7 @@ class HostTier:
     ) -> bool:
         """A block arriving from below (disk tier, remote store), one tensor per KV group,
         into a free or evicted slot; False if every slot is protected."""
+        self._whole_blocks_only()
         slot = self._take_slot(protect)
         if slot is None:
             return False
@@ -210,6 +219,7 @@ class HostTier:
     def device_payloads(self, block_ids: Sequence[int]) -> list[bytes]:
         """Device blocks as raw bytes, each block's KV groups one after another: the remote
         store's value format (`insert_payload` reads it back)."""
+        self._whole_blocks_only()
         if not block_ids:
             return []
         idx = torch.tensor(list(block_ids), device=self.device_caches[0].device)
@@ -227,6 +237,7 @@ class HostTier:
 
     def payload(self, block_hash: bytes) -> bytes | None:
         """A block held here, in `device_payloads`' format."""
+        self._whole_blocks_only()
         slot = self.index.get(block_hash)
         if slot is None:
             return None
