@@ -48,11 +48,17 @@ class InProcessServer:
     the live engine; the server sees only the AsyncEngine door. `server` options go to
     ServerConfig."""
 
-    def __init__(self, model_dir: str | Path, max_model_len: int = 512, **server: object) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        max_model_len: int = 512,
+        engine: dict[str, object] | None = None,
+        **server: object,
+    ) -> None:
+        """`engine`: EngineConfig overrides."""
         self.fatal: list[BaseException] = []
-        self.core = LLMEngine(
-            EngineConfig(model=str(model_dir), num_kv_blocks=128, max_model_len=max_model_len)
-        )
+        options = {"num_kv_blocks": 128, "max_model_len": max_model_len, **(engine or {})}
+        self.core = LLMEngine(EngineConfig(model=str(model_dir), **options))  # type: ignore[arg-type]
         self.engine = AsyncEngine(self.core)
         config = Config(ServerConfig(**server), self.core.config)  # type: ignore[arg-type]
         app = build_app(config, engine=self.engine, on_fatal=self.fatal.append)
