@@ -11,10 +11,11 @@ logits (prompt logprobs, scoring, the draft head), which runs there alone.
 Heads are planned per *layer group* (consecutive layers of one head geometry), because models
 such as OpenELM or Laguna change the head count with depth. A group whose query and KV heads
 divide over all N ranks is sharded; one whose KV heads are fewer than the ranks sharing its
-query heads replicates each KV head on the ranks of its query group (GQA); one that fits
-neither goes whole to the largest subset of ranks that divides it, the others holding no heads
-of it (they add zeros to the all-reduce), rotating the subset so uneven groups spread over the
-ranks. KV bytes per token then differ by rank and by group: `table` shows them.
+query heads replicates each KV head on the ranks of its query group (GQA); in one that fits
+neither, each layer goes to the largest subset of ranks that can share it, the subset moving on
+from layer to layer (SmolLM2's 9/3 heads over 2 ranks: even layers whole on rank 0, odd ones on
+rank 1), the others holding no heads of that layer (they add zeros to the sum). KV bytes per
+token then differ by rank and by group: `table` shows them.
 """
 
 from __future__ import annotations
@@ -43,15 +44,33 @@ class HeadShard:
 
 @dataclass(frozen=True, slots=True)
 class GroupPlan:
-    """The plan of consecutive layers [first, last] that share a head geometry."""
+    """The plan of consecutive layers [first, last] that share a head geometry: each layer's
+    heads on `size` ranks; all of them, or (a geometry no split of all fits) a subset that
+    moves on by `size` ranks from layer to layer, starting at rank `offset`."""
 
     first: int
     last: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    mode: str  # "sharded" | "kv replicated" | "whole"
-    ranks: tuple[int, ...]  # the ranks holding its heads
+    size: int
+    offset: int
+    world: int
+
+    @property
+    def mode(self) -> str:
+        kind = "sharded" if self.num_kv_heads % self.size == 0 else "kv replicated"
+        if self.size == self.world:
+            return kind
+        if self.size == 1:
+            return "whole, layer by layer over the ranks"
+        return f"{kind} on {self.size} of {self.world} ranks, moving by layer"
+
+    def ranks_of(self, layer: int) -> tuple[int, ...]:
+        if self.size == self.world:
+            return tuple(range(self.world))
+        start = self.offset + (layer - self.first) * self.size
+        return tuple((start + j) % self.world for j in range(self.size))
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +83,10 @@ class TPPlan:
 
     def heads(self, layer: int, rank: int) -> HeadShard:
         g = self.group_of(layer)
-        if rank not in g.ranks:
+        ranks = g.ranks_of(layer)
+        if rank not in ranks:
             return HeadShard(0, 0, 0, 0)
-        i, m = g.ranks.index(rank), len(g.ranks)
+        i, m = ranks.index(rank), len(ranks)
         per_q = g.num_heads // m
         q0 = i * per_q
         if g.num_kv_heads % m == 0:
@@ -81,16 +101,20 @@ class TPPlan:
         per_rank = [0] * self.world
         lines = [f"  tensor parallel: {self.world} ranks, per layer group:"]
         for g in self.groups:
-            n = g.last - g.first + 1
-            shards = [self.heads(g.first, r) for r in range(self.world)]
-            kv = [2 * (s.k1 - s.k0) * g.head_dim * dtype_size * n for s in shards]
+            kv, held = [0] * self.world, [0] * self.world
+            for layer in range(g.first, g.last + 1):
+                for r in range(self.world):
+                    h = self.heads(layer, r)
+                    kv[r] += 2 * (h.k1 - h.k0) * g.head_dim * dtype_size
+                    held[r] += h.q1 > h.q0
             per_rank = [a + b for a, b in zip(per_rank, kv, strict=True)]
-            held = " ".join(
-                f"r{r}:{s.q1 - s.q0}/{s.k1 - s.k0}" for r, s in enumerate(shards) if s.q1 > s.q0
-            )
+            shard = [self.heads(g.first, r) for r in g.ranks_of(g.first)][0]
+            each = f"{shard.q1 - shard.q0}/{shard.k1 - shard.k0} q/kv heads"
+            layers = " ".join(f"r{r}:{n}" for r, n in enumerate(held))
             lines.append(
                 f"    layers {g.first}-{g.last}: {g.num_heads}/{g.num_kv_heads} heads, {g.mode} "
-                f"(q/kv heads {held}); KV bytes/token by rank {'/'.join(map(str, kv))}"
+                f"({each} a rank; layers by rank {layers}); KV bytes/token by rank "
+                f"{'/'.join(map(str, kv))}"
             )
         lines.append(f"    KV bytes/token by rank, all layers: {'/'.join(map(str, per_rank))}")
         return "\n".join(lines)
@@ -107,7 +131,6 @@ def plan_tensor_parallel(spec: ModelSpec, world: int) -> TPPlan:
             "--tensor-parallel-size 1"
         )
     groups: list[GroupPlan] = []
-    rotate = 0
     for i, lay in enumerate(spec.layers):
         geometry = (lay.num_heads, lay.num_kv_heads, lay.head_dim)
         prev = groups[-1] if groups else None
@@ -115,15 +138,14 @@ def plan_tensor_parallel(spec: ModelSpec, world: int) -> TPPlan:
             groups[-1] = replace(prev, last=i)
             continue
         m = max(k for k in range(1, world + 1) if _splits(lay.num_heads, lay.num_kv_heads, k))
-        if m == world:
-            ranks = tuple(range(world))
-        else:  # a subset, rotated so that the uneven groups spread over the ranks
-            ranks = tuple((rotate + j) % world for j in range(m))
-            rotate = (rotate + m) % world
-        mode = "whole" if m == 1 else ("sharded" if lay.num_kv_heads % m == 0 else "kv replicated")
-        if m < world:
-            mode = f"{mode} on {m} of {world} ranks" if m > 1 else f"whole on rank {ranks[0]}"
-        groups.append(GroupPlan(i, i, *geometry, mode, ranks))
+        groups.append(GroupPlan(i, i, *geometry, size=m, offset=0, world=world))
+    # subsets move on from layer to layer and from group to group, so that the layers that
+    # cannot be split over every rank still spread their attention and KV over all of them
+    rotate = 0
+    for k, g in enumerate(groups):
+        if g.size < world:
+            groups[k] = replace(g, offset=rotate)
+            rotate = (rotate + (g.last - g.first + 1) * g.size) % world
     return TPPlan(world, tuple(groups))
 
 

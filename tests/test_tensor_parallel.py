@@ -51,10 +51,17 @@ def test_plan_per_layer_group() -> None:
     assert {g.mode for g in plan_tensor_parallel(laguna, 16).groups} == {"kv replicated"}
     # OpenELM-style: 4/1 replicates its one KV head, 8/2 shards, 6/3 cannot split over 2
     plan = plan_tensor_parallel(spec_of([(4, 1), (8, 2), (6, 3), (6, 3), (10, 5)]), 2)
+    whole = "whole, layer by layer over the ranks"
     assert [(g.first, g.last, g.mode) for g in plan.groups] == [
-        (0, 0, "kv replicated"), (1, 1, "sharded"), (2, 3, "whole on rank 0"),
-        (4, 4, "whole on rank 1"),  # rotated: the uneven groups spread over the ranks
+        (0, 0, "kv replicated"), (1, 1, "sharded"), (2, 3, whole), (4, 4, whole),
     ]  # fmt: skip
+    # the layers no split fits move from rank to rank, across groups too
+    assert [plan.group_of(i).ranks_of(i) for i in range(5)] == [(0, 1), (0, 1), (0,), (1,), (0,)]
+    # SmolLM2's 9/3 heads over 2 ranks: 15 layers each, the KV evenly
+    smol = spec_of([(9, 3)] * 30)
+    assert "KV bytes/token by rank, all layers: 5760/5760" in plan_tensor_parallel(smol, 2).table(
+        smol, 4
+    )
 
 
 def test_shards_cover_every_head_once() -> None:
@@ -80,7 +87,7 @@ def test_shards_cover_every_head_once() -> None:
     # the whole-on-one-rank layer: rank 1 has no heads, hence no KV, in layer 2
     assert shards[1].spec.layers[2].num_heads == 0 and shards[1].spec.layers[2].num_kv_heads == 0
     table = plan.table(spec, 4)
-    assert "whole on rank 0" in table and "KV bytes/token by rank 384/0" in table
+    assert "whole, layer by layer" in table and "KV bytes/token by rank 384/0" in table
 
 
 def test_refused_layouts_and_settings() -> None:
@@ -89,7 +96,7 @@ def test_refused_layouts_and_settings() -> None:
     assert "calibrates" in refusal(EngineConfig(quantization="int8", tensor_parallel_size=2))
     assert "disk" in refusal(EngineConfig(disk_path="/tmp/x", tensor_parallel_size=2))
     assert refusal(EngineConfig(tensor_parallel_size=2)) is None
-    assert plan_tensor_parallel(spec_of([(4, 2)]), 1).groups[0].ranks == (0,)
+    assert plan_tensor_parallel(spec_of([(4, 2)]), 1).groups[0].ranks_of(0) == (0,)
     assert len(uniform_layers(2, 4, 2, 16, 32)) == 2
 
 
@@ -97,7 +104,7 @@ def test_kernels_command_prints_the_plan(tmp_path: Path, capsys: pytest.CaptureF
     write_openelm(tmp_path / "openelm")
     assert kernels(["--model", str(tmp_path / "openelm"), "--tensor-parallel-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "tensor parallel: 2 ranks" in out and "whole on rank 0" in out
+    assert "tensor parallel: 2 ranks" in out and "whole, layer by layer" in out
 
 
 def test_ranks_that_do_not_meet_fail_with_a_message() -> None:
@@ -142,7 +149,7 @@ def test_uneven_heads_and_host_tier_under_tp(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         table = llm.engine.info.kernel_table
-        assert "whole on rank 0" in table and "kv replicated" in table
+        assert "whole, layer by layer" in table and "kv replicated" in table
         assert [generate(llm, [p])[0] for p in ps] == want
         host = llm.engine.host
         assert host is not None and host.saved_blocks > 0
