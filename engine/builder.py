@@ -103,14 +103,14 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         )
     torch.manual_seed(config.seed)
     model, spec = load_model(model_path, dtype, device, tp.shard if tp is not None else None)
-    # the geometry this rank holds (under tensor parallelism, its heads and FFN columns)
-    local = tp.shard(spec).spec if tp is not None else spec
+    # this rank's part and geometry (under tensor parallelism, its heads and FFN columns)
+    shard = tp.shard(spec) if tp is not None else None
+    local = shard.spec if shard is not None else spec
     draft = _load_draft_head(config, model, dtype, device)
     packed_bytes = 0
     weights = f"{dtype_name(dtype)} (the serving dtype)"
     gguf_note, gguf_served = "", False
     if config.quantization == "auto":
-        shard = tp.shard(spec) if tp is not None else None
         gguf_note, gguf_served = serve_gguf_blocks(model, model_path, spec, device, shard)
     if config.cpu_packed_weights:
         packed_bytes = pack_linears(model) + (pack_linears(draft) if draft is not None else 0)

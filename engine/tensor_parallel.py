@@ -1,19 +1,20 @@
 """Tensor parallelism's processes, seen from rank 0 (the server's engine thread).
 
-Rank 0 starts ranks 1..N-1 itself (spawned processes running engine/tp_worker.py), so no
-external launcher is needed. Two channels join them:
+Rank 0 starts ranks 1..N-1 itself (each a fresh `python -m engine.tp_worker` that dials back
+on loopback), so no external launcher is needed. Two channels join them:
 - a pipe per worker, the control plane: rank 0 sends each step's batch plan (block tables,
   first positions, token ids) and each KV copy it decides (host-tier saves and loads, partial
   block copies), in order; a worker applies them to its own shard of the weights and of the
   KV pool. A worker waits on its pipe while the server idles (no collective timeout to outlive)
   and ends when the pipe closes (rank 0 gone).
-- a `torch.distributed` process group (gloo on CPU, NCCL on CUDA), the data plane: the two
-  all-reduces per layer inside a step's forward.
+- the data plane: the two sums per layer inside a step's forward, through shared memory on CPU
+  (engine/shm_allreduce.py; gloo when asked) and NCCL on CUDA, in a `torch.distributed`
+  process group all ranks join.
 Scheduling, block tables, prefix hashes, tiers, sampling and speculation stay on rank 0.
 
-A worker that dies is seen at once by a watchdog thread (its process sentinel), which calls
-`on_lost` (the async engine turns it into a fatal error: /health 503, the server exits non-zero);
-a step in flight fails in its collective instead of hanging.
+A worker that dies is seen at once by a thread waiting on its process, which records why and
+calls `on_lost` (the async engine turns it into a fatal error: /health 503, the server exits
+non-zero); a step in flight fails in its sum instead of hanging.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from engine.attention import BACKENDS
 from engine.builder import block_prefix_copier
-from engine.config import EngineConfig, parse_bytes
+from engine.config import EngineConfig
 from engine.kv.host import HostTier
 from engine.model_runner import allocate_kv_caches
 from engine.shm_allreduce import ShmAllReduce
@@ -73,7 +73,7 @@ def worker_main(
         kind, dtype_name = conn.recv()  # rank 0's dtype choice (a startup measurement)
         assert kind == "load", kind
         dtype = getattr(torch, dtype_name.removeprefix("torch."))
-        worker = Worker(config, RankShard, plan, rank, dtype, device)
+        worker = Worker(config, plan, rank, dtype, device)
         reducer = None
         if shm is not None:
             reducer = ShmAllReduce(rank, plan.world, shm)
@@ -105,7 +105,6 @@ class Worker:
     def __init__(
         self,
         config: EngineConfig,
-        shard_cls: type[RankShard],
         plan: TPPlan,
         rank: int,
         dtype: torch.dtype,
@@ -117,11 +116,11 @@ class Worker:
         self.config, self.device = config, device
         path = config.model or default_model_path()
         self.model: LlamaForCausalLM
-        self.model, full = load_model(path, dtype, device, lambda s: shard_cls(s, plan, rank))
-        self.spec = shard_cls(full, plan, rank).spec
+        self.model, full = load_model(path, dtype, device, lambda s: RankShard(s, plan, rank))
+        shard = RankShard(full, plan, rank)
+        self.spec = shard.spec
         gguf = False
         if config.quantization == "auto":
-            shard = shard_cls(full, plan, rank)
             _, gguf = serve_gguf_blocks(self.model, path, full, device, shard)
         if config.cpu_packed_weights:
             pack_linears(self.model)
@@ -144,7 +143,7 @@ class Worker:
         self.host = None
         if build.host_blocks:
             self.host = HostTier(
-                self.kv_caches, backend_cls.block_dim, parse_bytes(0), num_blocks=build.host_blocks
+                self.kv_caches, backend_cls.block_dim, 0, num_blocks=build.host_blocks
             )
         self.copy_prefix = block_prefix_copier(backend_cls, self.kv_caches)
         self.model.set_reduce(reduce)
