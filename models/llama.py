@@ -151,9 +151,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [tokens, hidden]. With `aux_layers` (EAGLE-3),
         the inputs of those layers are concatenated after it: [tokens, hidden * (1 + n)]."""
         x = self.embed_tokens(input_ids)
-        rope = {
-            d: rope_cos_sin(positions, inv, x.dtype) for d, inv in self.inv_freq(x.device).items()
-        }
+        rope = {d: rope_cos_sin(positions, inv) for d, inv in self.inv_freq(x.device).items()}
         residual = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):

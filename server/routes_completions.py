@@ -68,8 +68,8 @@ async def completions(request: Request) -> Response:
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
 
+    gen = await start(state, engine, request, plan)  # validates the prompts' token ids first
     prompt_texts = [decode(p) for p in prompts] if body.echo else []
-    gen = await start(state, engine, request, plan)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return gen.stream(CompletionChunks(engine, body, prompt_texts, include_usage))

@@ -113,6 +113,16 @@ def test_deep_nesting_and_huge_numbers_are_400s(server) -> None:
             validate("ErrorResponse", r.json())
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_out_of_vocabulary_token_ids_with_echo_are_a_400(server, stream) -> None:
+    """echo decodes the prompt: only after its token ids are validated (schemathesis found a
+    500 for `{"prompt": [[-1]], "echo": true}`)."""
+    for prompt in ([[-1]], [10**9], [[3, -5]]):
+        body = {"prompt": prompt, "echo": True, "max_tokens": 2, "stream": stream}
+        r = httpx.post(server.base + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 def test_roles_follow_openai_schema(server) -> None:
     url = server.base + "/v1/chat/completions"
 

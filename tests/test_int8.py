@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.load_quantization import WARN_TOP1
+from engine.load_quantization import HELD_OUT, WARN_TOP1, agreement
 from engine.scoring import score_prompt
 from models.layers import Linear
 from models.quant import can_quantize, int8_weight, needs_reduce_range, quantize_linears
@@ -66,7 +66,12 @@ def _last_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     return torch.stack([score_prompt(llm.engine, p)[-1] for p in prompts])
 
 
-def test_engine_logits_and_greedy_against_float32(llama_dir) -> None:
+def test_engine_logits_and_greedy_against_float32(llama_dir, monkeypatch) -> None:
+    import engine.load_quantization as load_quantization
+
+    # a tiny random model's logits are near-tied: its top-1 agreement (0.89 here, cosine 0.998)
+    # measures ties, not accuracy; int8's own floor is tested on SmolLM2 below
+    monkeypatch.setattr(load_quantization, "WARN_TOP1", load_quantization.REFUSE_TOP1)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 19, 40)]
     ref = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32")
@@ -81,30 +86,51 @@ def test_engine_logits_and_greedy_against_float32(llama_dir) -> None:
     assert q.engine.kv.pool.num_free_blocks == q.engine.num_blocks
 
 
+def _judged(llm: LLM) -> torch.Tensor:
+    """Logits at every position of the startup judge's held-out text, through the engine."""
+    texts = [llm.tokenizer.encode(t, add_special_tokens=False)[:256] for t in HELD_OUT]
+    return torch.cat([score_prompt(llm.engine, ids) for ids in texts])
+
+
 @pytest.mark.slow
-def test_a_q8_0_gguf_loads_into_int8(smollm2_path, tmp_path) -> None:
+def test_a_q8_0_gguf_loads_into_int8_accurate_or_refused(smollm2_path, tmp_path) -> None:
+    """int8 W8A8 serves only where it is accurate, and then exactly as the startup judge said:
+    its figures (top-1 agreement and mean cosine on the held-out text) come out again through
+    the serving path. Without VNNI (7-bit activations) it is refused, naming the measurement."""
     from tools.export_gguf import gguf_as
 
     q8 = gguf_as(smollm2_path, tmp_path / "m.Q8_0.gguf", "Q8_0")
-    ref = LLM(smollm2_path, num_kv_blocks=16, dtype="float32")
+    if needs_reduce_range():
+        with pytest.raises(ValueError, match="too inaccurate on this CPU") as refused:
+            LLM(str(q8), num_kv_blocks=16, dtype="float32", quantization="int8")
+        message = str(refused.value)
+        assert "7-bit activations (fbgemm without VNNI)" in message
+        top1 = float(re.search(r"top-1 agreement ([\d.]+)", message).group(1))
+        assert top1 < WARN_TOP1 and "--quantization int8wo" in message
+        return
     q = LLM(str(q8), num_kv_blocks=16, dtype="float32", quantization="int8")
+    table = q.engine.info.kernel_table
+    line = re.search(r"top-1 agreement ([\d.]+), logit cosine ([\d.]+)", table)
+    promised_top1, promised_cosine = float(line.group(1)), float(line.group(2))
+    assert promised_top1 >= WARN_TOP1 and "WARNING" not in table
+    ref = LLM(str(q8), num_kv_blocks=16, dtype="float32", quantization="none")
+    reference, got = _judged(ref), _judged(q)
+    top1, cosine = agreement(reference, got)
+    # the judge's reference is the smoothed float model (the same function up to rounding): a
+    # near-tie may flip one position, and the printed figures are rounded
+    assert abs(top1 - promised_top1) <= 1 / len(reference) + 0.005
+    assert abs(cosine - promised_cosine) <= 0.002
     prompt = ref.tokenizer.encode("The capital of France is")
     a, b = _last_logits(ref, [prompt]), _last_logits(q, [prompt])
-    top1 = float(re.search(r"top-1 agreement ([\d.]+)", q.engine.info.kernel_table).group(1))
-    if top1 >= WARN_TOP1:  # VNNI (8-bit activations): accurate, as measured at startup
-        assert torch.nn.functional.cosine_similarity(a, b).item() > 0.95
-        assert a.argmax() == b.argmax()  # " Paris"
-    else:  # no VNNI: 7-bit activations, and the server says so instead of serving silently
-        assert "WARNING: below" in q.engine.info.kernel_table
-        assert torch.nn.functional.cosine_similarity(a, b).item() > 0.85
+    assert a.argmax() == b.argmax()  # " Paris"
 
 
 def test_startup_accuracy_check_refuses_below_its_floor(llama_dir, monkeypatch) -> None:
     import engine.load_quantization as load_quantization
 
     monkeypatch.setattr(
-        load_quantization, "REFUSE_TOP1", 1.01
-    )  # nothing quantized agrees that well
+        load_quantization, "WARN_TOP1", 1.01
+    )  # int8's floor: nothing quantized agrees that well
     with pytest.raises(ValueError, match="too inaccurate on this CPU"):
         LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", quantization="int8")
 

@@ -153,7 +153,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 // (rotate-half, HF layout), k and v written into their cache slots, then `paged_decode`. In
 // PyTorch that is ~15 small ops per layer (slices, the rotation's muls and cat, two indexed
 // writes, casts); at batch 1 their dispatch costs more than the arithmetic.
-// qkv [n, (H + 2 KVH) * D] (q heads, then k, then v); cos, sin [n, D / 2] in qkv's dtype;
+// qkv [n, (H + 2 KVH) * D] (q heads, then k, then v); cos, sin [n, D / 2] float32 (a bf16
+// table would round every rotation);
 // kv_cache [2, KVH, num_blocks, block_size, D]; slot_block, slot_offset [n] int64.
 at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                              const at::Tensor& kv_cache, const at::Tensor& slot_block,
@@ -163,7 +164,7 @@ at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const
   const auto dt = qkv.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16 only");
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_cache.is_contiguous());
-  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat);
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous());
   TORCH_CHECK(slot_block.scalar_type() == at::kLong && slot_offset.scalar_type() == at::kLong);
   const int64_t n = qkv.size(0), H = num_heads, KVH = kv_cache.size(1), D = kv_cache.size(4);
@@ -178,8 +179,8 @@ at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt, "rope_write_decode", [&] {
     using T = scalar_t;
     const T* src = qkv.data_ptr<T>();
-    const T* cp = cos.data_ptr<T>();
-    const T* sp = sin.data_ptr<T>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
     T* qp = q.data_ptr<T>();
     auto write = [&](auto* kc, auto* vc) {
       using C = std::remove_pointer_t<decltype(kc)>;
@@ -187,13 +188,13 @@ at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const
         for (int64_t task = begin; task < end; ++task) {
           const int64_t i = task / (H + KVH), h = task % (H + KVH);
           const T* x = src + i * (H + 2 * KVH) * D + h * D;
-          const T* c = cp + i * half;
-          const T* s = sp + i * half;
+          const float* c = cp + i * half;
+          const float* s = sp + i * half;
           auto rotate = [&](auto* out) {
             using O = std::remove_pointer_t<decltype(out)>;
             for (int64_t d = 0; d < half; ++d) {
               const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
-              const float cf = static_cast<float>(c[d]), sf = static_cast<float>(s[d]);
+              const float cf = c[d], sf = s[d];
               out[d] = static_cast<O>(x1 * cf - x2 * sf);
               out[d + half] = static_cast<O>(x2 * cf + x1 * sf);
             }

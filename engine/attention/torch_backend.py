@@ -154,7 +154,7 @@ class TorchAttentionStep(AttentionStep):
         backend = self.backend
         if not self.all_decode or self.cpp_decode is None or backend.decode_op is None:
             return None  # (tests turn the C++ decode off by clearing decode_op)
-        if backend.rope_decode_op is None or qkv.dtype != cos.dtype:
+        if backend.rope_decode_op is None or cos.dtype != torch.float32:
             return None
         tables, lens = self.cpp_decode
         return backend.rope_decode_op(

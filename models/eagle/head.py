@@ -152,7 +152,7 @@ class EagleHead(nn.Module):
         v = qkv[:, self.q_dim + self.kv_dim :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if self.inv_freq.device != x.device:  # moved once, not uploaded every draft step
             self.inv_freq = self.inv_freq.to(x.device)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
         o = attn.forward(self.layer_idx, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
         residual = x + self.o_proj(o.reshape(t, self.q_dim))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(residual))
