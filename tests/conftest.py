@@ -164,6 +164,21 @@ def smollm2_path() -> str:
     return path
 
 
+SMOL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def smol_tools_server(smollm2_path):
+    """One SmolLM2 server for the tools, structured-output and agent-framework tests (float32:
+    the same model outputs on every CPU, where `auto` may pick bf16)."""
+    from tests.server_utils import kvserve_server
+
+    with kvserve_server(
+        smollm2_path, dtype="float32", served_model_name=SMOL, max_model_len=2048, num_kv_blocks=96
+    ) as s:
+        yield s
+
+
 # Skips a machine without a GPU is expected to have: the GPU itself, or a GPU-only library.
 PLATFORM_SKIPS = ("needs CUDA", "needs flashinfer", "needs xformers", "xformers does not import")
 

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server_utils import kvserve_server
+from tests.conftest import SMOL
 
 pytestmark = pytest.mark.slow  # a kvserve process on the 135M model
 
@@ -23,12 +23,8 @@ class Weather(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    with kvserve_server(
-        smollm2_path, dtype="float32", served_model_name="smol", max_model_len=2048,
-        num_kv_blocks=96,
-    ) as s:  # fmt: skip
-        yield s
+def server(smol_tools_server):
+    return smol_tools_server  # shared with test_tools_structured.py (one SmolLM2 start)
 
 
 def weather_tool(calls: list[str]):
@@ -47,7 +43,7 @@ def agents_model(server, api: str):
     set_tracing_disabled(True)
     client = AsyncOpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
     model_cls = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
-    return model_cls(model="smol", openai_client=client)
+    return model_cls(model=SMOL, openai_client=client)
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
@@ -93,7 +89,7 @@ def test_pydantic_ai_runs_a_tool_and_returns_its_output_type(server) -> None:
     provider = OpenAIProvider(base_url=server.base + "/v1", api_key="x")
     calls: list[str] = []
     agent = Agent(
-        OpenAIChatModel("smol", provider=provider),
+        OpenAIChatModel(SMOL, provider=provider),
         output_type=Weather,
         tools=[weather_tool(calls)],
         instructions="Look the weather up with get_weather, then report it.",

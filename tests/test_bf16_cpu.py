@@ -146,6 +146,8 @@ def test_bf16_logits_track_float32_on_held_out_text(smol_logits) -> None:
     assert agree >= 0.90, f"argmax agreement {agree:.3f} over {len(ref)} positions"
 
 
+# the bf16 engine on AVX2: test_bf16_loses_no_more_than_bf16_rounding_on_a_llama3_rope_model
+@pytest.mark.main_pass_only
 @pytest.mark.slow
 def test_bf16_engine_generation_on_smollm2(smollm2_path) -> None:
     """Greedy generation in bf16 through the engine's compiled paths (packed bf16 linears, the
@@ -174,9 +176,9 @@ def test_bf16_loses_no_more_than_bf16_rounding_on_a_llama3_rope_model(tmp_path) 
     import copy
 
     import transformers
-    from conftest import build_model
 
     from engine.scoring import score_prompt
+    from tests.conftest import build_model
 
     path = str(build_model("llama", tmp_path / "llama3", rope_theta=500000.0))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

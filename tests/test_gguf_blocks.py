@@ -225,6 +225,7 @@ def test_int4_at_load_is_measured_and_refused_where_it_breaks_the_model(llama_di
         LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", quantization="int4")
 
 
+@pytest.mark.main_pass_only  # its AVX2 kernel: the kernel tests and smol_pair's tests
 @needs_ops
 @pytest.mark.slow
 def test_int4_at_load_serves_smollm2(smollm2_path) -> None:
@@ -237,6 +238,8 @@ def test_int4_at_load_serves_smollm2(smollm2_path) -> None:
     assert "Paris" in out[0].outputs[0].text
 
 
+# settings; the int8 kernel on AVX2: test_int8_activation_kernel_is_within_activation_rounding
+@pytest.mark.main_pass_only
 @needs_ops
 @pytest.mark.slow
 def test_int8_activations_are_considered_only_on_request(smollm2_path) -> None:

@@ -12,7 +12,6 @@ from openai import OpenAI
 from pydantic import BaseModel, Field
 
 from tests.openai_schema import validate
-from tests.server_utils import kvserve_server
 from tests.tool_schemas import ASK, TIME, WEATHER
 
 pytestmark = pytest.mark.slow  # kvserve processes and client libraries
@@ -27,15 +26,8 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    with kvserve_server(
-        smollm2_path,
-        dtype="float32",  # the same model outputs on every CPU (`auto` may pick bf16)
-        served_model_name="SmolLM2-135M-Instruct",
-        max_model_len=2048,
-        num_kv_blocks=96,
-    ) as s:
-        yield s
+def server(smol_tools_server):
+    return smol_tools_server  # shared with test_agents.py (one SmolLM2 start)
 
 
 @pytest.fixture(scope="module")
