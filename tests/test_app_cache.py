@@ -7,6 +7,7 @@ import re
 from array import array
 
 import httpx
+import pytest
 from prometheus_client import CollectorRegistry
 
 from engine.outputs import PrefixSummary
@@ -75,6 +76,7 @@ def test_labels_stay_bounded_under_10000_applications() -> None:
 
 # ---- through the server ----------------------------------------------------------------------
 
+@pytest.mark.slow
 
 def test_a_timestamp_in_the_system_prompt_is_named_and_a_steady_one_keeps_its_hits(server):
     questions = ["Price of an anvil?", "Any rockets left?", "Magnets?", "Skates?", "Holes?"]
@@ -102,6 +104,7 @@ def test_a_timestamp_in_the_system_prompt_is_named_and_a_steady_one_keeps_its_hi
     assert 'kvserve:app_missed_tokens_total{app="stamped",cause="divergence"}' in metrics
     assert 'kvserve:cache_breaks_total{app="stamped"} 4.0' in metrics
 
+@pytest.mark.slow
 
 def test_a_miss_after_eviction_is_counted_as_eviction(server) -> None:
     system = RULES + " Evicted app."
@@ -113,6 +116,7 @@ def test_a_miss_after_eviction_is_counted_as_eviction(server) -> None:
     assert evicted["missed_tokens"]["eviction"] >= 2 * BLOCK, evicted
     assert evicted["missed_tokens"]["divergence"] == 0 and not evicted["breakers"], evicted
 
+@pytest.mark.slow
 
 def test_application_names_are_bounded_labels_on_the_metrics_page(server) -> None:
     for i in range(MAX_APPS + 8):

@@ -109,6 +109,7 @@ def test_fused_ops_bf16_match_float32_math(rows: int) -> None:
     assert xg.grad is not None
 
 
+@pytest.mark.slow
 @pytest.mark.main_pass_only  # a lock file's age, not the ISA
 @pytest.mark.parametrize(
     "module, ext",

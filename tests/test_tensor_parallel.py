@@ -106,6 +106,7 @@ def test_kernels_command_prints_the_plan(tmp_path: Path, capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert "tensor parallel: 2 ranks" in out and "whole, layer by layer" in out
 
+@pytest.mark.slow
 
 def test_ranks_that_do_not_meet_fail_with_a_message() -> None:
     t = time.monotonic()
@@ -121,6 +122,7 @@ def generate(llm: LLM, ps: list[list[int]]) -> list[list[int]]:
     return [r.outputs[0].token_ids for r in llm.generate(ps, GREEDY)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_matches_one_rank(model_dirs: dict[str, Path], arch: str) -> None:
     ps = prompts()
@@ -135,6 +137,7 @@ def test_greedy_matches_one_rank(model_dirs: dict[str, Path], arch: str) -> None
     finally:
         two.engine.shutdown()
 
+@pytest.mark.slow
 
 def test_uneven_heads_and_host_tier_under_tp(tmp_path: Path) -> None:
     """OpenELM-style heads (4/1, 8/2, 6/3 per layer: the last cannot split over 2 ranks) match
@@ -159,6 +162,7 @@ def test_uneven_heads_and_host_tier_under_tp(tmp_path: Path) -> None:
     finally:
         llm.engine.shutdown()
 
+@pytest.mark.slow
 
 def test_http_and_a_killed_rank(tmp_path: Path) -> None:
     """Through HTTP with two ranks: the same greedy completion as one rank; then rank 1 is
@@ -196,6 +200,7 @@ def test_http_and_a_killed_rank(tmp_path: Path) -> None:
         assert statuses <= {200, 503}
         assert "tensor-parallel rank 1 exited" in server.log()
 
+@pytest.mark.slow
 
 def test_a_killed_rank_ends_streams_and_health_says_503(tmp_path: Path) -> None:
     """The same loss in an in-process server (its fatal handler records instead of exiting):
@@ -248,6 +253,7 @@ def test_ggml_blocks_are_cut_like_their_dense_weight() -> None:
     parts = [RankShard(spec, plan_tensor_parallel(spec, 2), r).vocab_part for r in range(2)]
     assert parts == [(0, 50), (50, 100)]
 
+@pytest.mark.slow
 
 def test_an_eagle3_head_drafts_on_rank_0(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """Speculation stays rank 0's: an EAGLE-3 head (fed by the target's auxiliary hidden
