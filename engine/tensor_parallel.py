@@ -19,6 +19,7 @@ non-zero); a step in flight fails in its sum instead of hanging.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -68,10 +69,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def meet(rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> None:
-    """Join the ranks' process group on loopback; RuntimeError if they do not all arrive
-    within `timeout_s`."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+def meet(
+    rank: int, world: int, port: int, device: torch.device, timeout_s: float
+) -> dist.ProcessGroup:
+    """The ranks' process group, met on loopback; RuntimeError if they do not all arrive
+    within `timeout_s`. A group of this engine's own, not torch's default group: engines built
+    one after another, or side by side, in one process each have theirs, and a group ends with
+    its owner (no global state to tear down)."""
     try:
         store = dist.TCPStore(
             "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s)
@@ -83,22 +87,22 @@ def meet(rank: int, world: int, port: int, device: torch.device, timeout_s: floa
             f"tensor-parallel ranks did not meet within {timeout_s:.0f} s "
             f"(rank {rank} of {world}, port {port}): {str(e).splitlines()[0]}"
         ) from None
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )  # fmt: skip
+    store = dist.PrefixStore("kvserve-tp", store)
+    if device.type == "cuda":  # (unrun here: no GPU in this project's CI)
+        return dist.ProcessGroupNCCL(store, rank, world)
+    return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The sum of a partial layer output over the ranks, by torch.distributed (NCCL on CUDA;
     gloo on CPU when asked, where shared memory is the default). A contiguous input is summed
     in place (the CPU linear returns transposed views; gloo reads raw memory)."""
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
         total = x.float()  # gloo sums float32 (and rounding once after the sum is closer)
-        dist.all_reduce(total)
+        group.allreduce([total]).wait()
         return total.to(x.dtype)
     x = x.contiguous()
-    dist.all_reduce(x)
+    group.allreduce([x]).wait()
     return x
 
 
@@ -158,8 +162,10 @@ class TPGroup:
         self.reducer: ShmAllReduce | None = None
         if device.type == "cpu" and config.tensor_parallel_allreduce != "gloo":
             self.reducer = ShmAllReduce(0, self.world)
-            self.reducer.lost = lambda: self.lost
+            this = weakref.ref(self)  # the finalizer below holds the reducer: no cycle to self
+            self.reducer.lost = lambda: getattr(this(), "lost", "rank 0's engine is gone")
         self.lost: str | None = None  # why a rank is gone, once one is
+        self.group: dist.ProcessGroup | None = None
         self._finalizer = weakref.finalize(
             self, _stop, self.procs, self.conns, self._closing, self.reducer
         )
@@ -169,7 +175,7 @@ class TPGroup:
             shm = self.reducer.name if self.reducer is not None else None
             self.send("setup", config, plan, port, str(device), threads, shm)
             self._await("joining", timeout)
-            meet(0, self.world, port, device, timeout)
+            self.group = meet(0, self.world, port, device, timeout)
         except BaseException:
             self.close()
             raise
@@ -216,7 +222,10 @@ class TPGroup:
     @property
     def reduce(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The sum over ranks the model's layers call."""
-        return self.reducer if self.reducer is not None else all_reduce
+        if self.reducer is not None:
+            return self.reducer
+        assert self.group is not None
+        return functools.partial(all_reduce, group=self.group)
 
     def shard(self, spec: ModelSpec) -> RankShard:
         return RankShard(spec, self.plan, 0)
@@ -284,8 +293,9 @@ class TPGroup:
         replies = self._await("ready", timeout_s)
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(
-                target=self._watch, args=(rank, proc), name=f"kvserve-tp{rank}-watch", daemon=True
-            ).start()
+                target=_watch, args=(weakref.ref(self), rank, proc), name=f"kvserve-tp{rank}-watch",
+                daemon=True,
+            ).start()  # fmt: skip
         return replies
 
     def send(self, *msg: Any) -> None:
@@ -293,8 +303,7 @@ class TPGroup:
         for conn in self.conns:
             conn.send(msg)
 
-    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
+    def _rank_exited(self, rank: int, code: int) -> None:
         if self._closing.is_set():
             return
         self.lost = f"tensor-parallel rank {rank} exited (code {code})"
@@ -304,14 +313,22 @@ class TPGroup:
             self.on_lost(error)
 
     def close(self) -> None:
-        """Stop the workers and leave the process group (an engine built later in this process
-        may form a new one)."""
+        """Stop the workers and drop the process group. Also run, without the thread count's
+        restore, when the group is garbage-collected (an engine dropped, not shut down)."""
         if not self._finalizer.alive:
             return
         self._finalizer()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.group = None
         torch.set_num_threads(self._threads_before)
+
+
+def _watch(group: weakref.ref[TPGroup], rank: int, proc: subprocess.Popen) -> None:
+    """Wait for a worker's exit and tell its group, if the group is still there (a weak
+    reference: a watcher must not keep a dropped engine's ranks alive)."""
+    code = proc.wait()
+    owner = group()
+    if owner is not None:
+        owner._rank_exited(rank, code)
 
 
 def refusal(config: Any) -> str | None:

@@ -10,6 +10,7 @@ alone -> "ready". A failure on the way is reported to rank 0 with its reason.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -18,7 +19,6 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 
 import torch
-import torch.distributed as dist
 
 from engine.attention import BACKENDS
 from engine.builder import block_prefix_copier
@@ -69,7 +69,7 @@ def worker_main(
         torch.cuda.set_device(device)
     try:
         conn.send(("joining", None))
-        meet(rank, plan.world, port, device, float(config.tensor_parallel_timeout_s))
+        group = meet(rank, plan.world, port, device, float(config.tensor_parallel_timeout_s))
         kind, dtype_name = conn.recv()  # rank 0's dtype choice (a startup measurement)
         assert kind == "load", kind
         dtype = getattr(torch, dtype_name.removeprefix("torch."))
@@ -81,7 +81,8 @@ def worker_main(
             reducer.lost = lambda: "rank 0 exited" if os.getppid() != parent else None
         kind, build = conn.recv()
         assert kind == "build", kind
-        summary = worker.build(build, reducer if reducer is not None else all_reduce)
+        reduce = reducer if reducer is not None else functools.partial(all_reduce, group=group)
+        summary = worker.build(build, reduce)
         conn.send(("ready", summary))
     except BaseException as e:  # noqa: BLE001 - rank 0 reports it
         log.error("start-up failed:\n%s", traceback.format_exc())
@@ -97,8 +98,6 @@ def worker_main(
     finally:
         if reducer is not None:
             reducer.close(unlink=False)
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 class Worker:

@@ -1,8 +1,9 @@
 """The one client for OpenAI-style server-sent event streams, shared by the benchmarks and tests.
 
 `data(response)` / `adata(response)` yield each `data: ` payload of a streaming httpx response as
-it arrives ("[DONE]" included); `stream(client, path, body)` posts a streaming request and records
-what a benchmark measures: status, TTFT, inter-token latencies, text, usage and any error.
+it arrives ("[DONE]" included), `events(response)` each with its `event: ` name;
+`stream(client, path, body)` posts a streaming request and records what a benchmark measures:
+status, TTFT, inter-token latencies, text, usage and any error.
 """
 
 from __future__ import annotations
@@ -22,6 +23,17 @@ def data(response: httpx.Response) -> Iterator[str]:
     for line in response.iter_lines():
         if line.startswith("data: "):
             yield line[6:]
+
+
+def events(response: httpx.Response) -> Iterator[tuple[str | None, str]]:
+    """(the `event: ` name before it, or None; the payload) of every `data: ` line."""
+    name = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            yield name, line[6:]
+            name = None
 
 
 async def adata(response: httpx.Response) -> AsyncIterator[str]:

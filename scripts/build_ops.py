@@ -3,7 +3,9 @@
 at first use they would build one after another inside whatever started first (a server's
 startup, a test). An op that cannot build here is reported and left to its PyTorch fallback.
 
-    python scripts/build_ops.py [MARCH ...]     # default: native
+    .venv/bin/python scripts/build_ops.py [MARCH ...]     # default: native
+
+The venv's editable install makes `models` and `engine` importable (no sys.path edit).
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ def built(module: str, march: str) -> bool:
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT))
     marches = sys.argv[1:] or ["native"]
     jobs = [(m, a) for a in marches for m in MODULES if not built(m, a)]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 
+from harness import sse
 from tests.openai_schema import validate
 from tests.server_utils import InProcessServer, ServerProcess, kvserve_server, nan_logits
 
@@ -90,8 +91,8 @@ def test_nan_logits_fail_only_their_request(live, monkeypatch) -> None:
         timeout=60,
         json={"prompt": [MARKER], "max_tokens": 5, "stream": True},
     ) as r:
-        lines = [x for x in r.iter_lines() if x.startswith("data: ")]
-    assert "error" in json.loads(lines[-2][6:]) and lines[-1] == "data: [DONE]"
+        payloads = list(sse.data(r))
+    assert "error" in json.loads(payloads[-2]) and payloads[-1] == sse.DONE
 
 
 def test_dead_engine_thread_is_loud(live, monkeypatch) -> None:
@@ -112,11 +113,10 @@ def test_dead_engine_thread_is_loud(live, monkeypatch) -> None:
         timeout=60,
         json={"prompt": [5, 6], "max_tokens": 400, "ignore_eos": True, "stream": True},
     ) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                if len(events) == 3:
-                    armed.set()
+        for payload in sse.data(r):
+            events.append(payload)
+            if len(events) == 3:
+                armed.set()
     assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
     assert httpx.get(live.base + "/health").status_code == 503
     assert len(live.fatal) == 1
@@ -134,11 +134,10 @@ def _stream_in_thread(
             timeout=120,
             json={"prompt": "go", "max_tokens": max_tokens, "ignore_eos": True, "stream": True},
         ) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 5:
-                        started.set()
+            for payload in sse.data(r):
+                events.append(payload)
+                if len(events) == 5:
+                    started.set()
 
     t = threading.Thread(target=stream)
     t.start()
@@ -202,7 +201,7 @@ def test_request_timeout_aborts_cleanly(llama_dir) -> None:
         with httpx.stream(
             "POST", s.base + "/v1/completions", timeout=60, json={**body, "stream": True}
         ) as resp:
-            events = [x[6:] for x in resp.iter_lines() if x.startswith("data: ")]
+            events = list(sse.data(resp))
         assert events[-1] == "[DONE]" and "exceeded" in json.loads(events[-2])["error"]["message"]
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -224,7 +223,7 @@ def test_a_failed_response_stream_ends_with_response_failed(live, monkeypatch) -
     nan_logits(monkeypatch, live.core.runner)
     body = {"input": "hello", "max_output_tokens": 5, "stream": True}
     with httpx.stream("POST", live.base + "/v1/responses", json=body, timeout=60) as r:
-        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+        events = [json.loads(payload) for payload in sse.data(r)]
     assert [e["type"] for e in events] == [
         "response.created",
         "response.in_progress",

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from harness import sse
 from tests.openai_schema import validate
 from tests.server_utils import InProcessServer, nan_logits
 
@@ -47,7 +48,7 @@ def test_top_logprobs_is_capped_by_the_servers_limit_on_every_route(live) -> Non
 
 def stream_events(live: InProcessServer, path: str, body: dict) -> list[dict]:
     with httpx.stream("POST", live.base + path, json={**body, "stream": True}, timeout=60) as r:
-        return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        return [json.loads(payload) for payload in sse.data(r) if payload != sse.DONE]
 
 
 def test_a_mid_stream_failure_has_one_code_on_every_route(live, monkeypatch) -> None:

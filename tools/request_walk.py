@@ -5,7 +5,8 @@ a module the request had already left. Few stays and few returns: a flow that re
 bottom. The engine thread is not followed (its step is the same for every route), and the
 per-output loop is counted once (a lap repeated back to back is one lap).
 
-    python tools/request_walk.py [--model DIR]   # default: a tiny random Llama in a temp dir
+    python -m tools.request_walk [--model DIR]   # from the checkout's root; default: a tiny
+                                                 # random Llama in a temp dir
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ FOLLOWED = ("server/", "engine/async_engine.py", "engine/engine_info.py")
 
 def tiny_model(path: Path) -> Path:
     """The tests' tiny Llama checkpoint, written with their own helper."""
-    sys.path.insert(0, str(ROOT))
     from tests.conftest import build_model
 
     return build_model("llama", path / "llama")
