@@ -1,6 +1,6 @@
 """OpenAI's Responses API as pydantic models: the request (`ResponsesRequest`), the response
 object, its output items and the stream events. Fields OpenAI defines that this server cannot
-honour (hosted tools, background runs, reasoning effort, prompt templates, conversations) are
+honour (hosted tools, background runs, prompt templates, conversations) are
 declared so that setting them is a 400 naming them rather than silently ignored."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class InputItem(_Base):
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputPart] | None = None
     call_id: str | None = None
+    namespace: str | None = None  # a function_call into a namespace tool
     name: str | None = None
     arguments: str | None = None
     output: str | list[InputPart] | None = None
@@ -54,12 +55,26 @@ class InputItem(_Base):
 
 
 class FunctionTool(_Base):
+    """A function tool, or a `namespace` of them (`tools`), or a hosted tool (`HOSTED_TOOLS`)."""
+
     type: str
     name: str | None = Field(default=None, pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: list[FunctionTool] | None = None  # a namespace's functions
 
+    model_config = ConfigDict(extra="allow", strict=True)  # hosted tools' own settings, echoed
+
+
+# Tools OpenAI runs on its side (search, a sandbox, image generation, remote MCP servers). This
+# server runs none of them: they are accepted, echoed in the response's `tools`, and not offered
+# to the model, which therefore never calls them (README: Responses). Codex CLI sends
+# `web_search` by default; a 400 there is a Codex that cannot start.
+HOSTED_TOOLS = frozenset(
+    {"web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
+     "computer_use_preview", "mcp"}
+)  # fmt: skip
 
 class NamedFunction(_Base):
     type: str
@@ -82,12 +97,31 @@ class TextParam(_Base):
 
 
 class Reasoning(_Base):
+    """Honoured for a model that does not reason: there is no thought to spend effort on or
+    to summarise, so the answer has no reasoning item (and no reasoning tokens)."""
+
     effort: str | None = None
     summary: str | None = None
-    generate_summary: str | None = None
+    generate_summary: str | None = None  # the older name of `summary`
 
 
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
+# What OpenAI lets a request include that comes only with items this server never makes
+# (reasoning from a reasoning model, hosted tools' results, images): included, and empty.
+# Codex CLI sends `reasoning.encrypted_content` on every turn (it replays reasoning itself).
+INCLUDE_EMPTY = frozenset(
+    {
+        "reasoning.encrypted_content",
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+    }
+)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
 
 
 class ResponsesRequest(_Base):
@@ -152,6 +186,7 @@ class FunctionCallItem(_Out):
     type: Literal["function_call"]
     id: str
     call_id: str
+    namespace: str | None = None  # a call into a namespace tool's function
     name: str
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"]

@@ -20,6 +20,20 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def model_function_name(namespace: str | None, name: str) -> str:
+    """What the model sees and calls for a function: a namespace's functions are flattened into
+    one list as `namespace.name` (function names may hold dots; a namespace never does)."""
+    return f"{namespace}.{name}" if namespace else name
+
+
+def call_name(name: str, namespaces: frozenset[str]) -> dict[str, str]:
+    """A model call's `name` (and `namespace`) fields as the client named the function."""
+    namespace, dot, rest = name.partition(".")
+    if dot and namespace in namespaces:
+        return {"namespace": namespace, "name": rest}
+    return {"name": name}
+
+
 def _part_text(parts: str | list[InputPart], where: str) -> str:
     if isinstance(parts, str):
         return parts
@@ -60,11 +74,13 @@ def input_items(value: str | list[InputItem]) -> list[dict[str, Any]]:
                 }
             )
         elif item.type == "function_call":
+            assert item.name is not None
             items.append(
                 {
                     "type": "function_call",
                     "id": item.id or new_id("fc"),
                     "call_id": item.call_id,
+                    **({"namespace": item.namespace} if item.namespace else {}),
                     "name": item.name,
                     "arguments": item.arguments,
                     "status": "completed",
@@ -112,7 +128,10 @@ def chat_messages(
             call = {
                 "id": item["call_id"],
                 "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]},
+                "function": {
+                    "name": model_function_name(item.get("namespace"), item["name"]),
+                    "arguments": item["arguments"],
+                },
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
@@ -137,8 +156,10 @@ class OutputItems:
         parser: ToolParser | None,
         max_calls: int | None,
         with_logprobs: bool,
+        namespaces: frozenset[str] = frozenset(),
     ) -> None:
         self.tokenizer = tokenizer
+        self.namespaces = namespaces  # calls named `namespace.name` are mapped back
         self.calls = ToolCallStream(parser) if parser is not None else None
         self.max_calls = max_calls  # None: as many as the model makes
         self.with_logprobs = with_logprobs
@@ -223,7 +244,7 @@ class OutputItems:
                 "type": "function_call",
                 "id": new_id("fc"),
                 "call_id": delta["id"],
-                "name": function["name"],
+                **call_name(function["name"], self.namespaces),
                 "arguments": "",
                 "status": "in_progress",
             }

@@ -28,7 +28,12 @@ from server.errors import APIError
 from server.generation import Choice, usage_of
 from server.protocol import ChatCompletionRequest
 from server.protocol_responses import (
+    HOSTED_TOOLS,
+    INCLUDE_EMPTY,
     INCLUDE_LOGPROBS,
+    REASONING_EFFORTS,
+    REASONING_SUMMARIES,
+    FunctionTool,
     ItemList,
     ResponseDeleted,
     ResponseEvent,
@@ -37,7 +42,13 @@ from server.protocol_responses import (
 )
 from server.request_flow import Generation, api_key_tag, renamed, start
 from server.response_store import ResponseStore
-from server.responses_items import OutputItems, chat_messages, input_items, new_id
+from server.responses_items import (
+    OutputItems,
+    chat_messages,
+    input_items,
+    model_function_name,
+    new_id,
+)
 from server.routes_chat import chat_plan
 from server.state import ServerState
 from server.wire import dump, parse_body, reply
@@ -64,24 +75,41 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
     if body.background:
         raise no("background", "background responses are not supported; stream instead")
     r = body.reasoning
-    if r is not None and (r.effort or r.summary or r.generate_summary):
-        raise no("reasoning", "this model does not reason; leave reasoning unset")
+    if r is not None and r.effort is not None and r.effort not in REASONING_EFFORTS:
+        raise no("reasoning.effort", f"one of {', '.join(REASONING_EFFORTS)}")
+    for field in ("summary", "generate_summary"):
+        value = getattr(r, field, None)
+        if value is not None and value not in REASONING_SUMMARIES:
+            raise no(f"reasoning.{field}", f"one of {', '.join(REASONING_SUMMARIES)}")
     if body.prompt is not None:
         raise no("prompt", "stored prompt templates are not supported; send input")
     if body.conversation is not None:
         raise no("conversation", "conversations are not supported; use previous_response_id")
     for i, name in enumerate(body.include or []):
-        if name != INCLUDE_LOGPROBS:
-            raise no(f"include.{i}", f"only {INCLUDE_LOGPROBS!r} can be included here")
+        if name != INCLUDE_LOGPROBS and name not in INCLUDE_EMPTY:
+            known = ", ".join(sorted({INCLUDE_LOGPROBS, *INCLUDE_EMPTY}))
+            raise no(f"include.{i}", f"unknown include {name!r}; one of {known}")
     if body.service_tier not in (None, "auto", "default"):
         raise no("service_tier", "this server has one tier: auto or default")
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise no("text.verbosity", "verbosity cannot be steered for this model")
     for i, tool in enumerate(body.tools or []):
-        if tool.type != "function":
-            raise no(f"tools.{i}.type", f"{tool.type!r} tools are not available; function is")
-        if tool.name is None:
-            raise no(f"tools.{i}.name", "a function tool needs a name")
+        inner = [(f"tools.{i}", tool)]
+        if tool.type == "namespace":
+            if not tool.name or "." in tool.name:
+                raise no(f"tools.{i}.name", "a namespace needs a name without dots")
+            inner = [(f"tools.{i}.tools.{j}", t) for j, t in enumerate(tool.tools or [])]
+        elif tool.type in HOSTED_TOOLS:
+            continue  # accepted, not offered to the model (HOSTED_TOOLS)
+        for where, function in inner:
+            if function.type != "function":
+                raise no(
+                    f"{where}.type",
+                    f"{function.type!r} tools are not available; function, namespace and the "
+                    f"hosted {', '.join(sorted(HOSTED_TOOLS))} (never called here) are",
+                )
+            if function.name is None:
+                raise no(f"{where}.name", "a function tool needs a name")
     choice = body.tool_choice
     if not isinstance(choice, str | None) and (choice.type != "function" or not choice.name):
         raise no("tool_choice", "name a function: {'type': 'function', 'name': ...}")
@@ -90,6 +118,45 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
         raise APIError(400, "text.format: json_schema needs a schema", param="text.format.schema")
     if body.input is None:
         raise APIError(400, "input is required", param="input")
+
+
+def model_functions(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The functions offered to the model: function tools, and each namespace's functions
+    flattened as `namespace.name`; hosted tools are not offered."""
+    functions = []
+    for tool in body.tools or []:
+        namespace = tool.name if tool.type == "namespace" else None
+        inner = tool.tools or [] if tool.type == "namespace" else [tool]
+        for t in inner if tool.type in ("function", "namespace") else []:
+            assert t.name is not None  # refuse_unsupported
+            functions.append(
+                t.model_dump(include={"description", "parameters", "strict"})
+                | {"name": model_function_name(namespace, t.name)}
+            )
+    return functions
+
+
+def tool_echo(tool: FunctionTool) -> dict[str, Any]:
+    """A tool as the response echoes it (OpenAI's shape: `strict` on functions)."""
+    out = tool.model_dump(exclude_none=True)
+    if tool.type == "function":
+        out["strict"] = tool.strict
+    if tool.tools is not None:
+        out["tools"] = [tool_echo(t) for t in tool.tools]
+    return out
+
+
+def namespaces(body: ResponsesRequest) -> frozenset[str]:
+    return frozenset(t.name for t in body.tools or [] if t.type == "namespace" and t.name)
+
+
+def reasoning_echo(body: ResponsesRequest) -> dict[str, Any] | None:
+    """The request's reasoning settings as OpenAI echoes them (honoured: this model does not
+    reason, so no reasoning item follows from them)."""
+    r = body.reasoning
+    if r is None:
+        return None
+    return {"effort": r.effort, "summary": r.summary or r.generate_summary}
 
 
 def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -116,11 +183,7 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
         "response_format": response_format,
         "parallel_tool_calls": body.parallel_tool_calls,
         "tools": [
-            {
-                "type": "function",
-                "function": t.model_dump(include={"name", "description", "parameters", "strict"}),
-            }
-            for t in body.tools or []
+            {"type": "function", "function": function} for function in model_functions(body)
         ]
         or None,
         "tool_choice": (
@@ -173,7 +236,7 @@ def response_body(
         "output": output,
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
-        "reasoning": None,
+        "reasoning": reasoning_echo(body),
         "safety_identifier": body.safety_identifier,
         "prompt_cache_key": body.prompt_cache_key,
         "service_tier": "default",
@@ -181,7 +244,7 @@ def response_body(
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": text,
         "tool_choice": tool_choice or "auto",
-        "tools": [t.model_dump(exclude_none=True) | {"strict": t.strict} for t in body.tools or []],
+        "tools": [tool_echo(t) for t in body.tools or []],
         "top_logprobs": body.top_logprobs or 0,
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "truncation": body.truncation or "disabled",
@@ -228,7 +291,9 @@ async def create_response(request: Request) -> Response:
     max_calls = 1 if body.parallel_tool_calls is False else body.max_tool_calls
 
     def builder() -> OutputItems:
-        return OutputItems(engine.tokenizer, plan.calls_parser, max_calls, with_logprobs)
+        return OutputItems(
+            engine.tokenizer, plan.calls_parser, max_calls, with_logprobs, namespaces(body)
+        )
 
     def finish(ch: Choice, output: list[dict[str, Any]]) -> dict[str, Any]:
         usage = responses_usage(usage_of(gen.choices, 1), engine.info.block_size,

@@ -1,4 +1,4 @@
-"""GPU appliance round 2 (#34), on CPU with the GPU faked where needed: a failed warm-up frees its
+"""GPU startup on CPU, with the GPU faked where needed: a failed warm-up frees its
 pool before the next is sized, a pool that cannot hold one sequence is refused with its numbers,
 an unwritable FlashInfer cache is a startup reason, host-tier copies are awaited on the KV
 device's stream, the CUDA block size follows the backend that can serve, and a quantization

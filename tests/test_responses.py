@@ -15,6 +15,7 @@ import httpx
 import pytest
 from openai import NotFoundError, OpenAI
 
+from harness import sse
 from tests.openai_schema import validate
 from tests.server_utils import kvserve_server
 
@@ -85,15 +86,11 @@ def events(server, body: dict) -> list[dict]:
     out = []
     with http(server) as c, c.stream("POST", "/v1/responses", json=body) as r:
         assert r.status_code == 200, r.read()
-        kind = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                ev = json.loads(line[6:])
-                assert ev["type"] == kind
-                validate(EVENT_SCHEMAS[ev["type"]], ev)
-                out.append(ev)
+        for kind, payload in sse.events(r):
+            ev = json.loads(payload)
+            assert ev["type"] == kind
+            validate(EVENT_SCHEMAS[ev["type"]], ev)
+            out.append(ev)
     assert [e["sequence_number"] for e in out] == list(range(len(out)))
     check_item_ids(out)
     return out
@@ -311,6 +308,82 @@ def test_logprobs_included_on_request(client) -> None:
     assert len(lps) == r.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in lps)
 
 
+def test_reasoning_and_empty_includes_are_honoured_for_a_model_that_does_not_reason(
+    server,
+) -> None:
+    """Codex CLI's every request: reasoning effort and summary, `reasoning.encrypted_content`
+    included, not stored. Nothing to reason or summarise: no reasoning item, no reasoning
+    tokens, the settings echoed; whole and streamed."""
+    body = {
+        "model": MODEL, "input": "Hi", "max_output_tokens": 4, "temperature": 0, "store": False,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "include": ["reasoning.encrypted_content", "web_search_call.action.sources"],
+    }  # fmt: skip
+    with http(server) as c:
+        r = c.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        whole = r.json()
+        validate("Response", whole)
+        assert [item["type"] for item in whole["output"]] == ["message"]
+        assert whole["reasoning"] == {"effort": "medium", "summary": "auto"}
+        assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+        with c.stream("POST", "/v1/responses", json={**body, "stream": True}) as s:
+            done = [json.loads(p) for p in sse.data(s)][-1]
+        assert done["type"] == f"response.{whole['status']}"  # incomplete: 4 tokens
+        assert [item["type"] for item in done["response"]["output"]] == ["message"]
+        assert done["response"]["output"][0]["content"][0]["text"] == (
+            whole["output"][0]["content"][0]["text"]
+        )
+
+
+def test_namespace_tools_are_flattened_and_calls_mapped_back_hosted_tools_not_offered(
+    server,
+) -> None:
+    """Codex CLI's tools: a `namespace` of functions (offered to the model as
+    `namespace.name`, its calls answered with `namespace` and `name` apart, and replayed the
+    same way), and a hosted `web_search` this server cannot run (accepted, echoed, never
+    offered: a `required` call lands on the namespace's function, the only one there is)."""
+    namespace = {
+        "type": "namespace", "name": "weather_v1", "description": "Weather tools",
+        "tools": [WEATHER],
+    }  # fmt: skip
+    web = {"type": "web_search", "external_web_access": False}
+    body = {
+        "model": MODEL, "input": "What is the weather in Paris?", "tools": [web, namespace],
+        "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0,
+        "max_output_tokens": 80,
+    }  # fmt: skip
+    with http(server) as c:
+        r = c.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        first = r.json()
+        validate("Response", first)
+        (call,) = [o for o in first["output"] if o["type"] == "function_call"]
+        assert (call["namespace"], call["name"]) == ("weather_v1", "get_weather")
+        assert set(json.loads(call["arguments"])) == {"city"}
+        assert first["tools"][0] == web and first["tools"][1]["tools"][0]["name"] == "get_weather"
+        # the client replays the call itself (store: false, as Codex does) ...
+        replay = {
+            **body, "tool_choice": "auto", "store": False, "max_output_tokens": 8,
+            "input": [
+                {"role": "user", "content": "What is the weather in Paris?"},
+                {k: call[k] for k in ("type", "call_id", "namespace", "name", "arguments")},
+                {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"},
+            ],
+        }  # fmt: skip
+        r = c.post("/v1/responses", json=replay)
+        assert r.status_code == 200, r.text
+        # ... and a stored continuation renders it the same way: the same prompt tokens
+        follow = c.post("/v1/responses", json={
+            **replay, "input": replay["input"][2:], "previous_response_id": first["id"],
+        })  # fmt: skip
+        assert follow.status_code == 200, follow.text
+        assert follow.json()["usage"]["input_tokens"] == r.json()["usage"]["input_tokens"]
+        bad = {**body, "tools": [{"type": "namespace", "name": "ns", "tools": [web]}]}
+        r = c.post("/v1/responses", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.tools.0.type"
+
+
 def test_what_cannot_be_honoured_is_a_400_and_stores_nothing(server) -> None:
     def rows() -> int:
         with sqlite3.connect(server.db) as db:
@@ -319,10 +392,10 @@ def test_what_cannot_be_honoured_is_a_400_and_stores_nothing(server) -> None:
     before = rows()
     bad = [
         ({"background": True}, "background"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"reasoning": {"generate_summary": "auto"}}, "reasoning"),
-        ({"include": ["file_search_call.results"]}, "include.0"),
-        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"reasoning": {"generate_summary": "everything"}}, "reasoning.generate_summary"),
+        ({"include": ["message.output_text.logprobs", "no.such.field"]}, "include.1"),
+        ({"tools": [{"type": "custom", "name": "x"}]}, "tools.0.type"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
