@@ -21,27 +21,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from engine.draft_state import DraftState
 from engine.request import Request
 from engine.spec_cost import SpecCostModel
 from engine.spec_decode import SpecStats, useful_depth
 from engine.suffix_index import NGRAM_SIZES, RecentOutputs, SuffixIndex
 
-SOURCES = ("grammar", "suffix", "eagle")
-PRIOR_ACCEPTANCE = {"grammar": 0.9, "suffix": 0.6, "eagle": 0.7}
 MAX_SALTS = 64  # tenants / applications with recent outputs kept
 RECENT_TOKENS_PER_SALT = 1 << 15
 SHORT_MATCH = 3  # a match of fewer tokens drafts at most this many: it is a weak guess
-
-
-@dataclass(slots=True)
-class DraftState:
-    """A request's drafting state (owned by its Request, freed with it)."""
-
-    index: SuffixIndex
-    acceptance: dict[str, float] = field(default_factory=lambda: dict(PRIOR_ACCEPTANCE))
-    source: str | None = None  # the source of the drafts now in `spec_token_ids`
 
 
 def expected_accepted(alpha: float, length: int) -> float:

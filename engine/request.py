@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
-    from engine.drafting import DraftState
+    from engine.draft_state import DraftState
 
 
 class RequestStatus(enum.Enum):

@@ -15,8 +15,8 @@ from engine.pooling import normalize
 from engine.request import Request
 from engine.sampler import SamplerOutput, TokenLogprobs, sample
 from engine.scheduler import ScheduledRequest
-from engine.spec_decode import verify
 from engine.token_bitmask import apply_bitmask
+from engine.verify import verify
 
 log = logging.getLogger("kvserve.engine")
 

@@ -1,5 +1,5 @@
-"""EAGLE speculative decoding: the proposer (draft head, batched across requests) and the lossless
-verifier.
+"""EAGLE speculative decoding: the proposer (draft head, batched across requests). The lossless
+verifier every draft source shares is engine/verify.py.
 
 Per engine step, after the target's forward and verification:
 1. Catch-up: the head runs over every position the target just computed and kept (p), with the
@@ -11,9 +11,10 @@ Per engine step, after the target's forward and verification:
 Draft KV at a position is written in the same step as the target's KV there, so blocks shared
 through the prefix cache carry both.
 
-Verification (`verify`): one target forward over [last token, d_1..d_k]; greedy rows accept while
-the draft equals the target's argmax; sampled rows accept d with probability min(1, p(d)/q(d)) and
-otherwise resample from norm(max(0, p - q)); a bonus token on full acceptance. p and q both go
+Verification (engine/verify.py): one target forward over [last token, d_1..d_k]; greedy rows
+accept while the draft equals the target's argmax; sampled rows accept d with probability
+min(1, p(d)/q(d)) and otherwise resample from norm(max(0, p - q)); a bonus token on full
+acceptance. p and q both go
 through the request's temperature/top_k/top_p/min_p; logit_bias, min_tokens and penalties see the
 drafted prefix of each row, so every emitted token is distributed exactly as without speculation.
 """
@@ -29,104 +30,14 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionStep
 from engine.request import Request
 from engine.sampler import (
-    SamplerOutput,
-    TokenLogprobs,
-    apply_logits_processors,
     sampling_probs,
-    token_logprobs,
 )
-from engine.sampling_params import SamplingParams
 from engine.spec_cost import SpecCostModel
 from engine.step_inputs import step_metadata
 from models.eagle.head import EagleHead
 
 if TYPE_CHECKING:
     from engine.structured_output import StructuredOutputs
-
-
-@dataclass(slots=True)
-class DraftedRow:
-    """A request as sampling sees it at verification row j: its tokens plus drafts d_1..d_j."""
-
-    request: Request
-    extra: list[int]
-
-    @property
-    def sampling_params(self) -> SamplingParams:
-        return self.request.sampling_params
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.request.num_output_tokens + len(self.extra)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.request.all_token_ids + self.extra
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.request.output_token_ids + self.extra
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self.request.eos_token_ids
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        return self.request.generator
-
-
-def verify(logits: torch.Tensor, requests: list[Request]) -> list[SamplerOutput]:
-    """logits: the target's rows for each request's [last token, d_1..d_k] (k = its number of
-    `spec_token_ids`), concatenated in request order. Returns the emitted tokens per request."""
-    views = [DraftedRow(r, r.spec_token_ids[:j]) for r in requests for j in range(r.num_spec + 1)]
-    want_lp = any(r.sampling_params.logprobs is not None for r in requests)
-    raw = logits.log_softmax(-1) if want_lp else None
-    processed = apply_logits_processors(logits, views)
-    results, row = [], 0
-    for r in requests:
-        k, params = r.num_spec, r.sampling_params
-        rows = processed[row : row + k + 1]
-        if params.greedy:
-            target = rows.argmax(-1).tolist()
-            m = 0
-            while m < k and r.spec_token_ids[m] == target[m]:
-                m += 1
-            tokens = r.spec_token_ids[:m] + [target[m]]
-        else:
-            tokens = _rejection_sample(r, sampling_probs(rows, [params] * (k + 1)))
-        lps: list[TokenLogprobs | None] = [None] * len(tokens)
-        if raw is not None and params.logprobs is not None:
-            lps = [token_logprobs(raw[row + j], t, params.logprobs) for j, t in enumerate(tokens)]
-        results.append(SamplerOutput(tokens, lps))
-        row += k + 1
-    return results
-
-
-def _rejection_sample(r: Request, p: torch.Tensor) -> list[int]:
-    """Leviathan et al.'s rule over draft tokens drawn from r.spec_probs (q); without q the
-    drafts were chosen deterministically (q one-hot at the draft): d is kept with probability
-    p(d), else the token is drawn from p without d."""
-    q, gen = r.spec_probs, r.generator
-    # drawn where p and the generator live (the engine's device), then read once
-    uniforms = torch.rand(r.num_spec, generator=gen, device=p.device).tolist() if r.num_spec else []
-    tokens: list[int] = []
-    for j, d in enumerate(r.spec_token_ids):
-        pj, qj = float(p[j, d]), (float(q[j, d]) if q is not None else 1.0)
-        if uniforms[j] * qj < pj:  # P(u < p/q) = p/q exactly for u in [0, 1)
-            tokens.append(d)
-            continue
-        if q is not None:
-            residual = (p[j] - q[j]).clamp_(min=0)
-        else:
-            residual = p[j].clone()
-            residual[d] = 0
-        if float(residual.sum()) <= 0:
-            residual = p[j]
-        tokens.append(int(torch.multinomial(residual, 1, generator=gen)))
-        return tokens
-    tokens.append(int(torch.multinomial(p[r.num_spec], 1, generator=gen)))
-    return tokens
 
 
 MIN_GAIN = 0.1  # expected accepted tokens a draft position must bring to be drafted

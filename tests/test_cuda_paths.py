@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 import engine.runner_output as runner_output_module
 from engine import LLM, SamplingParams
 from engine.request import Request
-from engine.spec_decode import verify
+from engine.verify import verify
 
 # ---- item 4: seeded generators live on the engine's device --------------------------------------
 

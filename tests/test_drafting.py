@@ -14,8 +14,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.request import Request
 from engine.sampling_params import GrammarSpec
-from engine.spec_decode import verify
 from engine.suffix_index import RecentOutputs, SuffixIndex
+from engine.verify import verify
 from tests.test_constrained_decoding import PROMPTS, SCHEMA
 from tests.test_speculative import prompts
 

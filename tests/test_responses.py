@@ -308,6 +308,14 @@ def test_logprobs_included_on_request(client) -> None:
     assert len(lps) == r.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in lps)
 
 
+def created(c: httpx.Client, body: dict) -> dict:
+    """A response made through HTTP, checked against OpenAI's schema."""
+    r = c.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    validate("Response", r.json())
+    return r.json()
+
+
 def test_reasoning_and_empty_includes_are_honoured_for_a_model_that_does_not_reason(
     server,
 ) -> None:
@@ -320,10 +328,7 @@ def test_reasoning_and_empty_includes_are_honoured_for_a_model_that_does_not_rea
         "include": ["reasoning.encrypted_content", "web_search_call.action.sources"],
     }  # fmt: skip
     with http(server) as c:
-        r = c.post("/v1/responses", json=body)
-        assert r.status_code == 200, r.text
-        whole = r.json()
-        validate("Response", whole)
+        whole = created(c, body)
         assert [item["type"] for item in whole["output"]] == ["message"]
         assert whole["reasoning"] == {"effort": "medium", "summary": "auto"}
         assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
@@ -354,10 +359,7 @@ def test_namespace_tools_are_flattened_and_calls_mapped_back_hosted_tools_not_of
         "max_output_tokens": 80,
     }  # fmt: skip
     with http(server) as c:
-        r = c.post("/v1/responses", json=body)
-        assert r.status_code == 200, r.text
-        first = r.json()
-        validate("Response", first)
+        first = created(c, body)
         (call,) = [o for o in first["output"] if o["type"] == "function_call"]
         assert (call["namespace"], call["name"]) == ("weather_v1", "get_weather")
         assert set(json.loads(call["arguments"])) == {"city"}

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cpu_decode
+import engine.attention.cpu_decode as cpu_decode
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name
 from engine.attention.range_decode import RangeDecodePlan
