@@ -26,6 +26,17 @@ class ToolPlan:
     def parses(self) -> bool:
         return self.choice != "none"
 
+    @property
+    def determined_name(self) -> str | None:
+        """The function a forced call must name, where the grammar leaves one choice (a named
+        tool_choice, or `required` with one tool): a call the token cap cuts before its name is
+        still that call."""
+        if self.choice == "named":
+            return self.name
+        if self.choice == "required" and len(self.tools) == 1:
+            return self.tools[0].function.name
+        return None
+
 
 def tool_plan(body: Any) -> ToolPlan | None:
     """`tools`/`tool_choice`/`parallel_tool_calls`, or the legacy `functions`/`function_call`

@@ -157,10 +157,11 @@ class OutputItems:
         max_calls: int | None,
         with_logprobs: bool,
         namespaces: frozenset[str] = frozenset(),
+        determined_name: str | None = None,  # a forced call's name (with_determined_name)
     ) -> None:
         self.tokenizer = tokenizer
         self.namespaces = namespaces  # calls named `namespace.name` are mapped back
-        self.calls = ToolCallStream(parser) if parser is not None else None
+        self.calls = ToolCallStream(parser, determined_name) if parser is not None else None
         self.max_calls = max_calls  # None: as many as the model makes
         self.with_logprobs = with_logprobs
         self.items: list[dict[str, Any]] = []

@@ -27,6 +27,7 @@ from server.tool_parsers import (
     ToolParser,
     final_calls,
     parser_for_template,
+    with_determined_name,
 )
 from server.wire import parse_body, reply
 
@@ -112,7 +113,7 @@ async def chat_completions(request: Request) -> Response:
         msg: dict = {"role": "assistant", "content": ch.text, "refusal": None}
         if plan.calls_parser is None or plan.tools is None:
             return msg, reason
-        parsed = plan.calls_parser.parse(ch.text)
+        parsed = with_determined_name(plan.calls_parser.parse(ch.text), plan.tools.determined_name)
         if not parsed.calls:  # no call begun: the text as written
             return msg, reason
         # a begun call's markup is never content, even when the cap cut it off before its name
@@ -160,7 +161,8 @@ class ChatChunks(ChoiceChunks):
 
     def opening(self, choice: Choice) -> dict:
         if self.parser is not None:
-            self.calls[choice.index] = ToolCallStream(self.parser)
+            assert self.plan is not None
+            self.calls[choice.index] = ToolCallStream(self.parser, self.plan.determined_name)
         return {
             "index": choice.index,
             "delta": {"role": "assistant", "content": ""},

@@ -291,8 +291,9 @@ async def create_response(request: Request) -> Response:
     max_calls = 1 if body.parallel_tool_calls is False else body.max_tool_calls
 
     def builder() -> OutputItems:
+        forced = plan.tools.determined_name if plan.tools is not None else None
         return OutputItems(
-            engine.tokenizer, plan.calls_parser, max_calls, with_logprobs, namespaces(body)
+            engine.tokenizer, plan.calls_parser, max_calls, with_logprobs, namespaces(body), forced
         )
 
     def finish(ch: Choice, output: list[dict[str, Any]]) -> dict[str, Any]:

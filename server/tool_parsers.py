@@ -203,6 +203,20 @@ class ToolCall:
         }
 
 
+def with_determined_name(parsed: Parsed, name: str | None) -> Parsed:
+    """A finished output as the calls it holds, where the grammar determined the first call's
+    name (`ToolPlan.determined_name`): cut off inside its opening or its name, it is still that
+    call, with the arguments generated so far (none)."""
+    if name is None or any(c.name for c in parsed.calls):
+        return parsed
+    if parsed.calls:
+        first = parsed.calls[0]
+        return Parsed(parsed.content, [ParsedCall(name, first.arguments, False)], True)
+    if parsed.in_call:  # the text ends inside the call's opening marker
+        return Parsed(parsed.content, [ParsedCall(name, "", False)], True)
+    return parsed
+
+
 def final_calls(parsed: Parsed, ids: list[str] | None = None) -> list[ToolCall]:
     """The calls of a finished output: every call whose name is complete, its arguments as
     generated even when the output was cut off inside them (OpenAI returns those too, with
@@ -219,8 +233,9 @@ class ToolCallStream:
     """Successive parses of a growing output as OpenAI deltas: content text, and per call its
     header (index, id, type, name) once the name is known, then arguments fragments."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, determined_name: str | None = None) -> None:
         self.parser = parser
+        self.determined_name = determined_name  # a forced call's name (with_determined_name)
         self.text = ""
         self.content_sent = 0
         self.ids: list[str] = []
@@ -229,6 +244,8 @@ class ToolCallStream:
     def feed(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
         self.text += delta
         parsed = self.parser.parse(self.text)
+        if finished:
+            parsed = with_determined_name(parsed, self.determined_name)
         content = parsed.content
         if finished and parsed.in_call and not parsed.calls:
             content = self.text  # a held-back marker prefix that never became a call: text

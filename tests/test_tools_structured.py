@@ -467,3 +467,40 @@ def test_response_format_beside_required_tools_is_a_call_or_an_answer(server, cl
         check_weather_args(calls[0]["arguments"])
     else:
         City.model_validate_json(items[0]["content"][0]["text"])
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3, 6])
+@pytest.mark.parametrize("forced", ["required", "named"])
+def test_a_forced_call_cut_before_its_name_is_still_that_call(server, client, forced, max_tokens):
+    """The grammar determines the name (one tool under `required`, or a named tool_choice):
+    cut by the token cap inside the call's opening, the answer is that call with the
+    arguments generated so far and finish_reason length, on chat (whole and streamed) and
+    Responses (an Agents SDK otherwise takes `None` as the final output)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(
+        model="SmolLM2-135M-Instruct", messages=ASK, temperature=0, max_tokens=max_tokens,
+        tools=[WEATHER] if forced == "required" else [WEATHER, TIME],
+        tool_choice="required" if forced == "required" else named,
+    )  # fmt: skip
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.message.content is None, c
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    streamed = {"name": None, "arguments": ""}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            streamed["name"] = streamed["name"] or (tc.function.name if tc.function else None)
+            streamed["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        assert not chunk.choices[0].delta.content
+    assert streamed == {"name": "get_weather", "arguments": call.function.arguments}
+    body = {
+        "model": "SmolLM2-135M-Instruct", "input": ASK[0]["content"],
+        "tools": [{"type": "function", **WEATHER["function"]}], "temperature": 0,
+        "tool_choice": "required" if forced == "required" else {
+            "type": "function", "name": "get_weather"},
+        "max_output_tokens": max_tokens,
+    }  # fmt: skip
+    out = httpx.post(server.base + "/v1/responses", json=body, timeout=60).json()
+    assert out["status"] == "incomplete", out
+    assert [(i["type"], i.get("name")) for i in out["output"]] == [("function_call", "get_weather")]
