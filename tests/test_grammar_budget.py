@@ -153,8 +153,11 @@ def test_over_budget_compiles_are_killed_and_a_plain_request_stays_fast(server) 
     for t in threads:
         t.start()
     time.sleep(0.3)  # the first compile has started
-    r, busy = post(server, plain)
-    assert r.status_code == 200
+    # the median of three, as for `idle`: one sample on two shared cores is noise
+    during = [post(server, plain) for _ in range(3)]
+    assert all(r.status_code == 200 for r, _ in during)
+    busy = statistics.median(took for _, took in during)
+    assert time.monotonic() - start < 6 * BUDGET_S  # measured while compiles still ran
     for t in threads:
         t.join()
     assert busy <= 2 * idle, (busy, idle)
