@@ -14,9 +14,9 @@ through the prefix cache carry both.
 Verification (engine/verify.py): one target forward over [last token, d_1..d_k]; greedy rows
 accept while the draft equals the target's argmax; sampled rows accept d with probability
 min(1, p(d)/q(d)) and otherwise resample from norm(max(0, p - q)); a bonus token on full
-acceptance. p and q both go
-through the request's temperature/top_k/top_p/min_p; logit_bias, min_tokens and penalties see the
-drafted prefix of each row, so every emitted token is distributed exactly as without speculation.
+acceptance. p and q both go through the request's temperature/top_k/top_p/min_p; logit_bias,
+min_tokens and penalties see the drafted prefix of each row, so every emitted token is
+distributed exactly as without speculation.
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionStep
 from engine.request import Request
-from engine.sampler import (
-    sampling_probs,
-)
+from engine.sampler import sampling_probs
 from engine.spec_cost import SpecCostModel
 from engine.step_inputs import step_metadata
 from models.eagle.head import EagleHead

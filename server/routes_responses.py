@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -94,22 +94,17 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise no("text.verbosity", "verbosity cannot be steered for this model")
     for i, tool in enumerate(body.tools or []):
-        inner = [(f"tools.{i}", tool)]
-        if tool.type == "namespace":
-            if not tool.name or "." in tool.name:
-                raise no(f"tools.{i}.name", "a namespace needs a name without dots")
-            inner = [(f"tools.{i}.tools.{j}", t) for j, t in enumerate(tool.tools or [])]
-        elif tool.type in HOSTED_TOOLS:
-            continue  # accepted, not offered to the model (HOSTED_TOOLS)
-        for where, function in inner:
-            if function.type != "function":
-                raise no(
-                    f"{where}.type",
-                    f"{function.type!r} tools are not available; function, namespace and the "
-                    f"hosted {', '.join(sorted(HOSTED_TOOLS))} (never called here) are",
-                )
-            if function.name is None:
-                raise no(f"{where}.name", "a function tool needs a name")
+        if tool.type == "namespace" and (not tool.name or "." in tool.name):
+            raise no(f"tools.{i}.name", "a namespace needs a name without dots")
+    for where, _, function in offered_functions(body):
+        if function.type != "function":
+            raise no(
+                f"{where}.type",
+                f"{function.type!r} tools are not available; function, namespace and the "
+                f"hosted {', '.join(sorted(HOSTED_TOOLS))} (never called here) are",
+            )
+        if function.name is None:
+            raise no(f"{where}.name", "a function tool needs a name")
     choice = body.tool_choice
     if not isinstance(choice, str | None) and (choice.type != "function" or not choice.name):
         raise no("tool_choice", "name a function: {'type': 'function', 'name': ...}")
@@ -120,19 +115,30 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
         raise APIError(400, "input is required", param="input")
 
 
+def offered_functions(
+    body: ResponsesRequest,
+) -> Iterator[tuple[str, str | None, FunctionTool]]:
+    """Each tool the model is offered, with where the client put it and its namespace: the
+    top-level tools and each namespace's, hosted tools skipped (HOSTED_TOOLS)."""
+    for i, tool in enumerate(body.tools or []):
+        if tool.type in HOSTED_TOOLS:
+            continue
+        if tool.type == "namespace":
+            for j, inner in enumerate(tool.tools or []):
+                yield f"tools.{i}.tools.{j}", tool.name, inner
+        else:
+            yield f"tools.{i}", None, tool
+
+
 def model_functions(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The functions offered to the model: function tools, and each namespace's functions
-    flattened as `namespace.name`; hosted tools are not offered."""
+    """The functions offered to the model, a namespace's flattened as `namespace.name`."""
     functions = []
-    for tool in body.tools or []:
-        namespace = tool.name if tool.type == "namespace" else None
-        inner = tool.tools or [] if tool.type == "namespace" else [tool]
-        for t in inner if tool.type in ("function", "namespace") else []:
-            assert t.name is not None  # refuse_unsupported
-            functions.append(
-                t.model_dump(include={"description", "parameters", "strict"})
-                | {"name": model_function_name(namespace, t.name)}
-            )
+    for _, namespace, tool in offered_functions(body):
+        assert tool.name is not None  # refuse_unsupported
+        functions.append(
+            tool.model_dump(include={"description", "parameters", "strict"})
+            | {"name": model_function_name(namespace, tool.name)}
+        )
     return functions
 
 
