@@ -193,6 +193,10 @@ def _skip_reasons(config) -> dict[str, int]:
     return counts
 
 
+def _strict() -> bool:
+    return os.environ.get("KVSERVE_STRICT_SKIPS") == "1"
+
+
 def _not_platform(counts: dict[str, int]) -> list[str]:
     return [r for r in counts if not r.startswith(PLATFORM_SKIPS)]
 
@@ -200,8 +204,7 @@ def _not_platform(counts: dict[str, int]) -> list[str]:
 def pytest_sessionfinish(session, exitstatus) -> None:
     """With KVSERVE_STRICT_SKIPS=1 (scripts/test.sh) a skip for any reason but a missing GPU
     fails the run: the suite then ran only in part."""
-    strict = os.environ.get("KVSERVE_STRICT_SKIPS") == "1"
-    if strict and exitstatus == 0 and _not_platform(_skip_reasons(session.config)):
+    if _strict() and exitstatus == 0 and _not_platform(_skip_reasons(session.config)):
         session.exitstatus = 1
 
 
@@ -214,7 +217,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     for reason, n in sorted(counts.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{n:4d}  {reason}")
     missing = _not_platform(counts)
-    if missing and os.environ.get("KVSERVE_STRICT_SKIPS") == "1":
+    if missing and _strict():
         terminalreporter.write_line(
             "FAILED: tests skipped for something this machine could have (install it, or list "
             f"the reason as platform-only in tests/conftest.py): {missing}",
