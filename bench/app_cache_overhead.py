@@ -38,7 +38,7 @@ def observe_us(prompt_len: int = 1100, suffix: int = 60, n: int = 2000) -> tuple
     shared prefix carries a changing token near its start (a break every time)."""
     from prometheus_client import CollectorRegistry
 
-    from engine.outputs import PrefixSummary
+    from engine.core.outputs import PrefixSummary
     from server.app_cache import AppCacheStats
 
     rng = random.Random(0)

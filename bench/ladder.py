@@ -96,8 +96,10 @@ async def drive(base: str, system: str, questions, gap: float, max_tokens: int) 
     async with httpx.AsyncClient(base_url=base, timeout=900) as client:
         start = time.monotonic()
         per_session = await asyncio.gather(
-            *(run_session(client, f"user-{i}", system, q, gap, max_tokens)
-              for i, q in enumerate(questions))  # fmt: skip
+            *(
+                run_session(client, f"user-{i}", system, q, gap, max_tokens)
+                for i, q in enumerate(questions)
+            )  # fmt: skip
         )
         wall = time.monotonic() - start
     results = [r for s in per_session for r in s]

@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from engine import LLM, SamplingParams
-from engine.scoring import score_prompt
+from engine.core.scoring import score_prompt
 from harness.workload import chat_prompts
 
 # not the calibration text (models/quant.py): other subjects, other shapes

@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 
 from engine import LLM, SamplingParams
-from engine.sampling_params import GrammarSpec
+from engine.core.sampling_params import GrammarSpec
 from models.eagle.prompts import heldout_prompts
 
 DOCUMENT = (

@@ -14,7 +14,7 @@ import statistics
 import time
 
 from engine import LLM, SamplingParams
-from engine.sampling_params import GrammarSpec
+from engine.core.sampling_params import GrammarSpec
 from harness.workload import chat_prompts
 
 SCHEMA = {

@@ -17,8 +17,8 @@ import random
 import time
 from statistics import median
 
+from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 
 
 def measure(llm: LLM, tp: int) -> dict[str, float]:

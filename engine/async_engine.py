@@ -22,13 +22,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.engine_info import EngineInfo
-from engine.grammar_budget import GrammarBudget
+from engine.core.engine_info import EngineInfo
+from engine.core.llm_engine import LLMEngine
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import GrammarSpec, ParamError, SamplingParams
+from engine.core.snapshot import EngineSnapshot
+from engine.grammar.budget import GrammarBudget
 from engine.kv.remote import KVStoreError, Prefetch, RedisBlockStore
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import GrammarSpec, ParamError, SamplingParams
-from engine.snapshot import EngineSnapshot
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -186,7 +186,7 @@ class AsyncEngine:
 
     def budget_grammar_compiles(self, budget_s: float, workers: int) -> None:
         """From now on a grammar compiles within `budget_s` seconds, at most `workers` at once
-        (engine/grammar_budget.py); worker processes start now."""
+        (engine/grammar/budget.py); worker processes start now."""
         if self._structured is not None and budget_s > 0:
             self.grammar_budget = GrammarBudget(self._structured, budget_s, workers)
 

@@ -157,15 +157,15 @@ class EngineConfig:
     )
     speculative_method: str = setting(
         "auto",
-        "where drafts come from (engine/drafting.py): suffix (this request's prompt and output, "
-        "recent outputs), grammar (tokens a constraint forces), eagle (the draft head), auto "
-        "(each request's best expected source each step: grammar, suffix, and eagle when "
+        "where drafts come from (engine/spec/drafting.py): suffix (this request's prompt and "
+        "output, recent outputs), grammar (tokens a constraint forces), eagle (the draft head), "
+        "auto (each request's best expected source each step: grammar, suffix, and eagle when "
         "--speculative-model names a head), off",
         ("auto", "suffix", "grammar", "eagle", "off"),
     )
     spec_cost_model: bool = setting(
         True,
-        "adaptive k by the verify and draft step costs measured at startup (engine/spec_cost.py)"
+        "adaptive k by the verify and draft step costs measured at startup (engine/spec/cost.py)"
         ", within spec_max_verify_rows; off: batch x (1 + k) stays within that cap",
     )
     spec_max_verify_rows: int = setting(16, "most verify rows (batch x (1 + k)) in one step")

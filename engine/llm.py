@@ -10,9 +10,9 @@ import torch
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, GenerationResult
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.core.outputs import CompletionOutput, GenerationResult
+from engine.core.sampling_params import SamplingParams
 
 # vLLM's prompt forms: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}
 Prompt = str | list[int] | Mapping[str, Any]
@@ -115,7 +115,7 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None
     ) -> list[torch.Tensor]:
         """One L2-normalised embedding (float32) per prompt: the pooled final hidden state
-        (engine/pooling.py), batched through the engine like prefills. `pooling`: "last" or
+        (engine/runner/pooling.py), batched through the engine like prefills. `pooling`: "last" or
         "mean"; None: the engine's (`EngineConfig.pooling`, resolved from the checkpoint)."""
         if isinstance(prompts, str | Mapping) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)

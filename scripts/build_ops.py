@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # the modules that own a `CppOps` (models/cpp_ext.py), as `_OPS`
 MODULES = ("models.cpu_fused", "models.gguf_linear", "engine.attention.cpu_decode",
-           "engine.token_bitmask")  # fmt: skip
+           "engine.grammar.token_bitmask")  # fmt: skip
 
 
 def build(module: str, march: str) -> str:

@@ -22,7 +22,7 @@ from server.config import Config, load_config  # noqa: E402
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
-    from engine.engine_info import EngineInfo
+    from engine.core.engine_info import EngineInfo
 
 
 def kv_line(info: EngineInfo) -> str:
@@ -80,7 +80,7 @@ def kernels(argv: list[str]) -> int:
     import torch
 
     from engine.attention import DeviceFacts, select_backend
-    from engine.builder import block_size_for
+    from engine.build.builder import block_size_for
     from models.loader import checkpoint_dtype, default_model_path, load_spec
 
     config = load_config(argv).engine

@@ -20,12 +20,12 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine
-from engine.grammar_budget import default_workers
+from engine.grammar.budget import default_workers
 from server.config import Config
 from server.errors import CLIENT_ERRORS, APIError, error_body, to_api_error
 from server.openapi import build_openapi
 from server.response_store import ResponseStore
-from server.routes_admin import (
+from server.routes.admin import (
     detokenize,
     get_model,
     health,
@@ -39,10 +39,10 @@ from server.routes_admin import (
     tokenize,
     version,
 )
-from server.routes_chat import chat_completions
-from server.routes_completions import completions
-from server.routes_embeddings import embeddings
-from server.routes_responses import (
+from server.routes.chat import chat_completions
+from server.routes.completions import completions
+from server.routes.embeddings import embeddings
+from server.routes.responses import (
     cancel_response,
     create_response,
     delete_response,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter
 
-from engine.outputs import PrefixSummary
+from engine.core.outputs import PrefixSummary
 
 log = logging.getLogger("kvserve.cache")
 

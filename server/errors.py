@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 from engine.async_engine import EngineDeadError, EngineShutdownError
-from engine.sampling_params import ParamError
+from engine.core.sampling_params import ParamError
 
 _TYPES = {
     400: "invalid_request_error",

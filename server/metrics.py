@@ -16,7 +16,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from engine.snapshot import EngineSnapshot, SpecSnapshot
+from engine.core.snapshot import EngineSnapshot, SpecSnapshot
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 

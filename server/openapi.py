@@ -6,9 +6,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from server import protocol as p
-from server import protocol_embeddings as pe
-from server import protocol_responses as pr
+from server.protocol import embeddings as pe
+from server.protocol import openai as p
+from server.protocol import responses as pr
 
 REF = "#/components/schemas/{model}"
 

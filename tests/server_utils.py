@@ -14,7 +14,7 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from harness.launch import ROOT, Server, free_port
 from server.app import build_app
 from server.config import Config, ServerConfig

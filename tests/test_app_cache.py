@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engine.outputs import PrefixSummary
+from engine.core.outputs import PrefixSummary
 from server.app_cache import MAX_APPS, AppCacheStats, find_break
 from tests.server_utils import server_fixture
 
@@ -76,8 +76,8 @@ def test_labels_stay_bounded_under_10000_applications() -> None:
 
 # ---- through the server ----------------------------------------------------------------------
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_a_timestamp_in_the_system_prompt_is_named_and_a_steady_one_keeps_its_hits(server):
     questions = ["Price of an anvil?", "Any rockets left?", "Magnets?", "Skates?", "Holes?"]
     for i, q in enumerate(questions):
@@ -104,8 +104,8 @@ def test_a_timestamp_in_the_system_prompt_is_named_and_a_steady_one_keeps_its_hi
     assert 'kvserve:app_missed_tokens_total{app="stamped",cause="divergence"}' in metrics
     assert 'kvserve:cache_breaks_total{app="stamped"} 4.0' in metrics
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_a_miss_after_eviction_is_counted_as_eviction(server) -> None:
     system = RULES + " Evicted app."
     ask(server, "evicted", system, "Anvils?")
@@ -116,8 +116,8 @@ def test_a_miss_after_eviction_is_counted_as_eviction(server) -> None:
     assert evicted["missed_tokens"]["eviction"] >= 2 * BLOCK, evicted
     assert evicted["missed_tokens"]["divergence"] == 0 and not evicted["breakers"], evicted
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_application_names_are_bounded_labels_on_the_metrics_page(server) -> None:
     for i in range(MAX_APPS + 8):
         ask(server, f"many-{i}", "Hi.", "?")

@@ -19,8 +19,8 @@ from engine import LLM, SamplingParams
 from engine.attention import DeviceFacts
 from engine.attention.torch_backend import TorchBackend
 from engine.config import choose_dtype
-from engine.model_runner import allocate_kv_caches
-from engine.step_inputs import step_metadata
+from engine.runner.model_runner import allocate_kv_caches
+from engine.runner.step_inputs import step_metadata
 from models.layers import onednn_pack_refusal
 from models.loader import checkpoint_dtype, load_model
 
@@ -84,7 +84,7 @@ def test_auto_engine_follows_probe_and_checkpoint(llama_dir, monkeypatch) -> Non
     """Built under injected facts: a float32 checkpoint stays float32 on a fast-bf16 CPU; the same
     model read as a bf16 checkpoint is served in bf16 through the compiled paths, and the
     banner's reason and the kernel matrix say why."""
-    import engine.builder as builder
+    import engine.build.builder as builder
     from server.__main__ import banner
     from server.config import load_config
 
@@ -177,7 +177,7 @@ def test_bf16_loses_no_more_than_bf16_rounding_on_a_llama3_rope_model(tmp_path) 
 
     import transformers
 
-    from engine.scoring import score_prompt
+    from engine.core.scoring import score_prompt
     from tests.conftest import build_model
 
     path = str(build_model("llama", tmp_path / "llama3", rope_theta=500000.0))

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.sampling_params import GrammarSpec, ParamError
-from engine.scoring import score_prompt
+from engine.core.sampling_params import GrammarSpec, ParamError
+from engine.core.scoring import score_prompt
 from tests.test_speculative import PIN_K, write_eagle1
 
 PROMPTS = [[5, 6, 7, 8, 9], [30, 31, 32] * 7, [100, 7, 200, 9, 11, 12]]

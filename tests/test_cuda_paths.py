@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import engine.runner_output as runner_output_module
+import engine.runner.runner_output as runner_output_module
 from engine import LLM, SamplingParams
-from engine.request import Request
-from engine.verify import verify
+from engine.core.request import Request
+from engine.spec.verify import verify
 
 # ---- item 4: seeded generators live on the engine's device --------------------------------------
 
@@ -64,7 +64,7 @@ class _GeneratorDraws(TorchFunctionMode):
 def test_every_seeded_draw_lands_on_its_generators_device() -> None:
     """Rejection sampling (speculation) and the sampler draw with per-request generators; each
     draw must be placed on the generator's device explicitly or by the tensor it uses."""
-    from engine.sampler import sample
+    from engine.runner.sampler import sample
 
     vocab = 32
     params = SamplingParams(temperature=0.9, seed=11, max_tokens=8)

@@ -1,4 +1,4 @@
-"""Drafts without a head (engine/drafting.py): suffix drafts from the request's own tokens and
+"""Drafts without a head (engine/spec/drafting.py): suffix drafts from the request's own tokens and
 recent outputs, grammar drafts from a constraint's forced tokens. Lossless: greedy output is
 identical with them on and off, and a deterministic draft's verification draws every token
 from the target's own distribution."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.request import Request
-from engine.sampling_params import GrammarSpec
-from engine.suffix_index import RecentOutputs, SuffixIndex
-from engine.verify import verify
+from engine.core.request import Request
+from engine.core.sampling_params import GrammarSpec
+from engine.spec.suffix_index import RecentOutputs, SuffixIndex
+from engine.spec.verify import verify
 from tests.test_constrained_decoding import PROMPTS, SCHEMA
 from tests.test_speculative import prompts
 
@@ -118,7 +118,7 @@ def test_grammar_drafts_are_lossless_and_taken(llama_dir, plain) -> None:
 def test_recent_outputs_are_kept_per_cache_salt() -> None:
     """A tenant's suffix drafts never come from another tenant's outputs (a draft that is kept
     makes a request faster: a timing channel, like a shared prefix cache's)."""
-    from engine.drafting import Drafter
+    from engine.spec.drafting import Drafter
 
     drafter = Drafter(("suffix",), 4, 64)
 

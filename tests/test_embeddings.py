@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.pooling import resolve_pooling
+from engine.runner.pooling import resolve_pooling
 from tests.openai_schema import validate
 from tests.server_utils import server_fixture
 

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine import LLM, SamplingParams
-from engine.scoring import score_prompt
+from engine.core.scoring import score_prompt
 from models import gguf_linear
 from models.gguf_linear import FORMATS, GGUFWeight
 
@@ -184,7 +184,7 @@ def test_int8_activation_head_tracks_the_float_head(smol_pair) -> None:
 
 def _final_hidden(llm: LLM, ids: list[int]) -> torch.Tensor:
     """The model's final hidden rows (after the norm) for a prompt, one prefill."""
-    from engine.step_inputs import step_metadata
+    from engine.runner.step_inputs import step_metadata
 
     runner = llm.engine.runner
     bs = llm.engine.block_size

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import engine.builder as builder
+import engine.build.builder as builder
 from engine.attention import DeviceFacts
 from engine.config import EngineConfig
 from engine.kv.host import HostTier

@@ -19,8 +19,8 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
-import engine.object_properties as object_properties
-from server.schema_limits import schema_limit_error
+import engine.grammar.object_properties as object_properties
+from server.protocol.schema_limits import schema_limit_error
 from tests.server_utils import kvserve_server
 
 BUDGET_S = 1.0
@@ -71,8 +71,8 @@ def post(server, body: dict, timeout: float = 60) -> tuple[httpx.Response, float
 
 # ---- first: the first constrained request of the server's life ---------------------------------
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_the_first_constrained_request_is_as_fast_as_the_tenth(server) -> None:
     times = []
     for i in range(10):  # a new schema each time: each compiles
@@ -112,8 +112,8 @@ def test_each_schema_limit_is_a_400_naming_it(server, what) -> None:
     assert error["param"] == "response_format" and error["code"] == "schema_too_large"
     assert what in error["message"] and "limit of" in error["message"], error
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_tool_parameters_are_held_to_the_same_limits(server) -> None:
     tools = [
         {"type": "function", "function": {"name": "ok", "parameters": wide(3)}},
@@ -137,8 +137,8 @@ def over_budget(i: int) -> dict:
     """Optional properties beside additional ones: xgrammar's quadratic chain (minutes)."""
     return wide(3_000, tag=f"o{i}_", additionalProperties=True)
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_over_budget_compiles_are_killed_and_a_plain_request_stays_fast(server) -> None:
     plain = chat(None, max_tokens=8)
     idle = statistics.median(post(server, plain)[1] for _ in range(3))
@@ -176,8 +176,8 @@ def test_over_budget_compiles_are_killed_and_a_plain_request_stays_fast(server) 
     r, took = post(server, chat(over_budget(0)))
     assert r.status_code == 400 and took < BUDGET_S
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_wide_schemas_compile_within_budget_and_generate_valid_json(server) -> None:
     for schema in (wide(2_000, required=True), wide(400)):
         r, _ = post(server, chat(schema, max_tokens=12))
@@ -299,8 +299,8 @@ def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_clients_that_stop_reading_hold_no_slot_no_blocks_and_lose_nothing(server) -> None:
     before = rss_bytes(server.proc.pid)
     socks = [open_stream(server, max_tokens=100) for _ in range(2)]
@@ -322,8 +322,8 @@ def test_clients_that_stop_reading_hold_no_slot_no_blocks_and_lose_nothing(serve
         for s in socks:
             s.close()
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_200_idle_open_streams_do_not_slow_the_others(server) -> None:
     plain = chat(None, max_tokens=8)
     idle = statistics.median(post(server, plain)[1] for _ in range(3))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.load_quantization import HELD_OUT, WARN_TOP1, agreement
-from engine.scoring import score_prompt
+from engine.core.scoring import score_prompt
+from engine.weights.quantization import HELD_OUT, WARN_TOP1, agreement
 from models.layers import Linear
 from models.quant import can_quantize, int8_weight, needs_reduce_range, quantize_linears
 
@@ -67,7 +67,7 @@ def _last_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
 
 
 def test_engine_logits_and_greedy_against_float32(llama_dir, monkeypatch) -> None:
-    import engine.load_quantization as load_quantization
+    import engine.weights.quantization as load_quantization
 
     # a tiny random model's logits are near-tied: its top-1 agreement (0.89 here, cosine 0.998)
     # measures ties, not accuracy; int8's own floor is tested on SmolLM2 below
@@ -126,7 +126,7 @@ def test_a_q8_0_gguf_loads_into_int8_accurate_or_refused(smollm2_path, tmp_path)
 
 
 def test_startup_accuracy_check_refuses_below_its_floor(llama_dir, monkeypatch) -> None:
-    import engine.load_quantization as load_quantization
+    import engine.weights.quantization as load_quantization
 
     monkeypatch.setattr(
         load_quantization, "WARN_TOP1", 1.01

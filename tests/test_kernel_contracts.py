@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import engine.builder as builder
+import engine.build.builder as builder
 from engine import LLM, SamplingParams
 from engine.attention import DeviceFacts, select_backend
 from engine.attention.base import StepMetadata
@@ -443,7 +443,7 @@ def _simulated_capture(self) -> None:
     """CudaGraphs.capture without CUDA: the same static buffers, graph-mode FlashInfer wrappers
     (bound to the real constructor: use_cuda_graph=True with fixed page-table buffers) and
     padding; "replay" reruns the model on the static buffers."""
-    from engine.cuda_graphs import _Graph, pad_metadata
+    from engine.runner.cuda_graphs import _Graph, pad_metadata
 
     for size in self.sizes:
         step = self.backend.graph_step(size, size * self.max_pages_per_seq)
@@ -468,7 +468,7 @@ def test_cuda_graph_decode_path_matches_eager(head64_dir, fake_flashinfer, monke
     into the scratch block past the pool, every geometry planned before replay) equal the eager
     path's, for batch sizes that fill a bucket and that need padding; --enforce-eager keeps it
     off."""
-    from engine.cuda_graphs import CudaGraphs
+    from engine.runner.cuda_graphs import CudaGraphs
 
     cuda_facts(monkeypatch)
     monkeypatch.setattr(

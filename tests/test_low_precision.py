@@ -18,8 +18,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention.torch_backend import TorchBackend
-from engine.model_runner import allocate_kv_caches
-from engine.step_inputs import step_metadata
+from engine.runner.model_runner import allocate_kv_caches
+from engine.runner.step_inputs import step_metadata
 from models.loader import load_model
 
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)

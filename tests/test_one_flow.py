@@ -1,4 +1,4 @@
-"""Every route goes through one generation flow (server/request_flow.py): what one route
+"""Every route goes through one generation flow (server/flow/request_flow.py): what one route
 honours, the others honour the same way. Each test here pins a place where the routes' own
 copies of the flow had drifted apart."""
 
@@ -128,7 +128,7 @@ def test_a_chat_template_error_on_responses_names_the_input_it_came_from(live, m
     """/v1/responses renders through the chat path; its errors name `input`, not `messages`."""
     from models.chat_template import TemplateError
     from server.errors import APIError
-    from server.routes_responses import _as_input_error
+    from server.routes.responses import _as_input_error
 
     tokenizer = live.core.tokenizer
     render = tokenizer.apply_chat_template

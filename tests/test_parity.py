@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.scoring import score_prompt
+from engine.core.scoring import score_prompt
 from tests.conftest import ARCHS
 
 PROMPTS = [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.scoring import score_prompt
+from engine.core.scoring import score_prompt
 
 PROMPTS = [[5, 17, 99, 3, 44, 8, 120, 7, 61, 33, 11, 250, 18], [40, 41], [7], list(range(3, 40))]
 TOP = 3

@@ -109,8 +109,8 @@ def check_item_ids(evs: list[dict]) -> None:
 
 
 def test_text_after_a_call_keeps_each_event_on_its_item() -> None:
-    from server.responses_items import OutputItems
-    from server.tool_parsers import PARSERS
+    from server.flow.responses_items import OutputItems
+    from server.flow.tool_parsers import PARSERS
 
     out = OutputItems(None, PARSERS["hermes"], None, False)
     text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\nthen some text'
@@ -336,8 +336,9 @@ def test_reasoning_and_empty_includes_are_honoured_for_a_model_that_does_not_rea
             done = [json.loads(p) for p in sse.data(s)][-1]
         assert done["type"] == f"response.{whole['status']}"  # incomplete: 4 tokens
         assert [item["type"] for item in done["response"]["output"]] == ["message"]
-        assert done["response"]["output"][0]["content"][0]["text"] == (
-            whole["output"][0]["content"][0]["text"]
+        assert (
+            done["response"]["output"][0]["content"][0]["text"]
+            == (whole["output"][0]["content"][0]["text"])
         )
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.scoring import score_prompt
+from engine.core.scoring import score_prompt
 
 pytestmark = pytest.mark.slow  # the 135M model
 

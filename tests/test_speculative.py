@@ -356,7 +356,7 @@ def test_cost_model_picks_k_by_measured_costs() -> None:
     """Memory-bound verification (5 rows cost 1 row's time) makes k = 4 pay at batch 1; at
     batch 16 every extra row costs its full price, and drafts that are rarely accepted cost
     more than they return."""
-    from engine.spec_cost import SpecCostModel
+    from engine.spec.cost import SpecCostModel
 
     rows = (1, 2, 4, 8, 16, 32, 64)
     model = SpecCostModel(rows, tuple(0.010 * max(1, r / 8) for r in rows), (0.001,) * len(rows))

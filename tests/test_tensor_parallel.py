@@ -19,9 +19,9 @@ from test_geometry import prompts, reference_greedy, write_openelm
 from test_speculative import write_eagle3
 
 from engine.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.tensor_parallel import free_port, meet, refusal
+from engine.parallel.tensor_parallel import free_port, meet, refusal
 from harness import sse
 from models.spec import LayerSpec, ModelSpec, uniform_layers
 from models.tp_plan import RankShard, plan_tensor_parallel
@@ -107,8 +107,8 @@ def test_kernels_command_prints_the_plan(tmp_path: Path, capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert "tensor parallel: 2 ranks" in out and "whole, layer by layer" in out
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_ranks_that_do_not_meet_fail_with_a_message() -> None:
     t = time.monotonic()
     with pytest.raises(RuntimeError, match="did not meet within 1 s"):
@@ -138,8 +138,8 @@ def test_greedy_matches_one_rank(model_dirs: dict[str, Path], arch: str) -> None
     finally:
         two.engine.shutdown()
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_uneven_heads_and_host_tier_under_tp(tmp_path: Path) -> None:
     """OpenELM-style heads (4/1, 8/2, 6/3 per layer: the last cannot split over 2 ranks) match
     the reference; a 12-block pool pushes earlier prompts' blocks to the host tier, and asking
@@ -163,8 +163,8 @@ def test_uneven_heads_and_host_tier_under_tp(tmp_path: Path) -> None:
     finally:
         llm.engine.shutdown()
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_http_and_a_killed_rank(tmp_path: Path) -> None:
     """Through HTTP with two ranks: the same greedy completion as one rank; then rank 1 is
     killed: /health turns 503 and the server exits non-zero on its own (no hang)."""
@@ -184,7 +184,7 @@ def test_http_and_a_killed_rank(tmp_path: Path) -> None:
             assert r.choices[0].text == text
         workers = [
             c for c in psutil.Process(server.proc.pid).children()
-            if "engine.tp_worker" in " ".join(c.cmdline())
+            if "engine.parallel.worker" in " ".join(c.cmdline())
         ]  # fmt: skip
         assert len(workers) == 1
         # one poll before the loss, so the set below is never empty (a 5xx there fails too)
@@ -203,8 +203,8 @@ def test_http_and_a_killed_rank(tmp_path: Path) -> None:
         assert 200 in statuses and statuses <= {200, 503}, statuses
         assert "tensor-parallel rank 1 exited" in server.log()
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_streams_and_health_says_503(tmp_path: Path) -> None:
     """The same loss in an in-process server (its fatal handler records instead of exiting):
     a stream in flight ends with an error event, /health is 503, new requests get 503."""
@@ -255,8 +255,8 @@ def test_ggml_blocks_are_cut_like_their_dense_weight() -> None:
     parts = [RankShard(spec, plan_tensor_parallel(spec, 2), r).vocab_part for r in range(2)]
     assert parts == [(0, 50), (50, 100)]
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_an_eagle3_head_drafts_on_rank_0(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """Speculation stays rank 0's: an EAGLE-3 head (fed by the target's auxiliary hidden
     states, its KV group in rank 0's pool only) drafts, every rank verifies; greedy output

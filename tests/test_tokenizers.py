@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 from models.chat_template import TemplateError, render_chat
 from models.tokenizer import load_tokenizer
 from tests.conftest import CORPUS

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from models.eagle.prompts import HELDOUT_SUBJECTS, SUBJECTS, train_prompts
 from tools.eagle_train import generate_data
 

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from models.eagle.head import EagleConfig, EagleHead, load_eagle_head
 from models.eagle.prompts import train_prompts
 from models.eagle.shipped import write_probe

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLLOWED = ("server/", "engine/async_engine.py", "engine/engine_info.py")
+FOLLOWED = ("server/", "engine/async_engine.py", "engine/core/engine_info.py")
 
 
 def tiny_model(path: Path) -> Path:

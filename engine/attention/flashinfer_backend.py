@@ -16,7 +16,7 @@ pinned int workspace, so making them per step would allocate 16 MiB per geometry
 A step plans a geometry lazily, at its first layer of that geometry: the draft head's steps
 plan only the draft layer's geometry, not every target geometry again.
 
-Decode steps may also run as CUDA graphs (engine/cuda_graphs.py): `graph_step` gives a step
+Decode steps may also run as CUDA graphs (engine/runner/cuda_graphs.py): `graph_step` gives a step
 whose wrappers were made with `use_cuda_graph=True` over fixed page-table buffers.
 """
 

@@ -17,11 +17,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.core.outputs import PrefixSummary
+from engine.core.request import Request
 from engine.kv.hashing import BlockHasher, extra_keys
 from engine.kv.host import HostTier
 from engine.kv.pool import BlockPool, KVBlock
-from engine.outputs import PrefixSummary
-from engine.request import Request
 
 
 @dataclass(slots=True)
@@ -106,7 +106,7 @@ class KVCacheManager:
         """Longest cached prefix of the request, in whole blocks, leaving at least the last token
         to compute so the request gets logits. Mean-pooling embedding requests and requests
         that score their prompt take no hits: they need every position's hidden state
-        (engine/pooling.py) or logits."""
+        (engine/runner/pooling.py) or logits."""
         hit = PrefixHit()
         if not self.enable_caching or request.num_computed_tokens > 0:
             return hit

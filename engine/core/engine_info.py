@@ -1,0 +1,98 @@
+"""`EngineInfo`: what an engine is, as plain immutable data (built by engine/build/builder.py), and
+the request validation that needs nothing else. The banner, /v1/models, /health and the
+asyncio side's validation read this, never the engine's live objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.sampling_params import ParamError, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the engine is, as plain data: the banner, /v1/models, /health and request
+    validation on the asyncio side read this, never the engine's live objects."""
+
+    model_path: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+    dtype_reason: str  # why this dtype (explicit, or what `auto` measured and read)
+    device: str
+    packed_weight_bytes: int
+    num_blocks: int
+    block_size: int
+    kv_block_bytes: int
+    prefix_caching: bool
+    kv_bytes_per_token: int  # target model only
+    kv_bytes_per_token_unshared: int  # what one KV group per layer would take
+    num_kv_groups: int
+    draft_kv_bytes_per_token: int
+    attention_backend: str
+    device_label: str
+    compiled_decode: bool  # the C++ paged-decode op serves CPU decode steps
+    cuda_graphs: tuple[int, ...]  # decode batch sizes captured as CUDA graphs (empty: eager)
+    kernel_table: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    draft_layout: str | None
+    draft_source: str  # the head's directory, and whether it was the shipped one
+    num_speculative_tokens: int
+    draft_sources: tuple[str, ...]  # engine/spec/drafting.py; () when speculation is off
+    spec_max_verify_rows: int
+    spec_cost: str  # measured verify/draft step costs (adaptive k), "" when not measured
+    has_host_tier: bool
+    pooling: str = "last"  # embedding requests' pooling (engine/runner/pooling.py)
+    # the remote store's key namespace for this instance's blocks (engine/kv/identity.py)
+    kv_namespace: bytes = b""
+    host_block_bytes: int = 0  # one block's bytes across KV groups (a remote store value)
+    tensor_parallel_size: int = 1
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """A prompt and its sampling parameters fit this engine, or ParamError says why."""
+        field = "input" if params.pooling else "prompt"  # embeddings name their input `input`
+        if not prompt_token_ids:
+            raise ParamError(field, f"{field} must contain at least one token")
+        vocab = self.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ParamError(field, f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.pooling:  # prefill only: no output tokens
+            self._validate_length(len(prompt_token_ids))
+            return
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ParamError(
+                "max_tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({len(prompt_token_ids)} in the messages, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.",
+            )
+        if -(-total // self.block_size) > self.num_blocks:
+            raise ParamError(
+                "max_tokens",
+                f"{total} tokens need more than the {self.num_blocks * self.block_size} tokens of "
+                "KV cache this server has",
+            )
+        for token_id in params.logit_bias:
+            if not 0 <= token_id < vocab:
+                raise ParamError("logit_bias", f"token id {token_id} is outside the vocabulary")
+
+    def _validate_length(self, n: int) -> None:
+        if n > self.max_model_len:
+            raise ParamError(
+                "input",
+                f"This model's maximum context length is {self.max_model_len} tokens; an input "
+                f"has {n} tokens. Please reduce the length of the input.",
+            )
+        if -(-n // self.block_size) > self.num_blocks:
+            raise ParamError(
+                "input",
+                f"an input of {n} tokens needs more than the "
+                f"{self.num_blocks * self.block_size} tokens of KV cache this server has",
+            )

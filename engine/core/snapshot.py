@@ -1,0 +1,53 @@
+"""A plain-data picture of a running engine for /v1/stats, /metrics and the page. Taken on the
+engine thread between steps (`LLMEngine.snapshot`, through `AsyncEngine.snapshot`), so it is
+consistent and the asyncio side never reads live engine objects. Taking one changes nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierSnapshot:
+    used_bytes: int
+    capacity_bytes: int
+    block_bytes: int
+    saved_blocks: int
+    loaded_blocks: int
+    evicted_blocks: int
+    # swap-in copy latencies: counts per bucket (upper bounds `load_buckets`, then +Inf), sum
+    load_buckets: tuple[float, ...] = ()
+    load_latency_counts: tuple[int, ...] = ()
+    load_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SpecSnapshot:
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    mean_acceptance_length: float
+    current_k: int
+    accepted_per_position: list[int]
+    # per draft source (engine/spec/drafting.py): (draft tokens, accepted tokens)
+    by_source: dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_usage: float
+    num_blocks: int
+    block_size: int
+    # one character per block: "2" in use, "1" cached and free, "0" free
+    block_map: str
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    cached_tokens_by_source: dict[str, int]
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+    host: HostTierSnapshot | None
+    spec: SpecSnapshot | None

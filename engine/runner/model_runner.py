@@ -1,0 +1,174 @@
+"""Turns a `SchedulerOutput` into one flat (unpadded) forward and the logits rows to sample.
+
+All per-step metadata (token ids, positions, slot mapping, block tables) is built here once, with
+per-sequence (not per-token) Python work, and handed to the attention backend's `plan`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
+from engine.core.scheduler import SchedulerOutput
+from engine.kv.manager import KVCacheManager
+from engine.parallel.tensor_parallel import TPGroup
+from engine.runner.cuda_graphs import CudaGraphs
+from engine.runner.runner_output import GrammarMask, RunnerOutput, pool, sample_step, score_prompts
+from engine.runner.step_inputs import step_inputs
+from models.llama import LlamaForCausalLM
+
+log = logging.getLogger("kvserve.engine")
+
+
+def allocate_kv_caches(
+    backend: type[AttentionBackend],
+    groups: list[tuple[int, int]],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """One tensor per KV group, in the backend's layout."""
+    return [
+        torch.zeros(
+            backend.kv_cache_shape(num_blocks, block_size, h, d), dtype=dtype, device=device
+        )
+        for h, d in groups
+    ]
+
+
+class ModelRunner:
+    """`aux_layers` (EAGLE-3) makes the forward also return those layers' inputs, for the draft."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        kv: KVCacheManager,
+        device: torch.device,
+        aux_layers: tuple[int, ...] = (),
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv = kv
+        self.device = device
+        self.block_size = kv.block_size
+        self.aux_layers = aux_layers
+        # The last step's positions and attention plan: the draft head's catch-up reuses them
+        # when it covers exactly the step's tokens (no rejected drafts), saving a second plan.
+        self.last_plan: tuple[torch.Tensor, AttentionStep] | None = None
+        self.graphs: CudaGraphs | None = None
+        # tensor parallelism: the other ranks run each step's forward on their shards
+        self.tp: TPGroup | None = None
+
+    def capture_cuda_graphs(
+        self, max_num_seqs: int, max_model_len: int, scratch_block: int
+    ) -> None:
+        """Capture decode steps as CUDA graphs (engine/runner/cuda_graphs.py); a failure leaves the
+        runner eager, loudly."""
+        graphs = CudaGraphs(
+            self.model, self.backend, self.block_size, max_num_seqs, max_model_len,
+            scratch_block, self.aux_layers, self.device,
+        )  # fmt: skip
+        try:
+            graphs.capture()
+        except Exception:  # noqa: BLE001 - eager still serves
+            log.exception("CUDA graph capture failed; decode steps stay eager")
+            return
+        self.graphs = graphs
+        log.info("captured CUDA graphs for decode batch sizes %s", list(graphs.sizes))
+
+    def graph_sizes(self) -> tuple[int, ...]:
+        return self.graphs.sizes if self.graphs is not None else ()
+
+    def prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int]]:
+        """Input ids, positions, attention metadata and the hidden rows that need logits: the
+        last row of a chunk that reaches its request's end, and every draft row."""
+        input_ids, positions, meta, rows, _ = self._prepare(out, shared_logits=False)
+        return input_ids, positions, meta, rows
+
+    def _prepare(
+        self, out: SchedulerOutput, shared_logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int], torch.Tensor | None]:
+        """`prepare`, plus the rows as a device index (None when every token samples, as in
+        a decode step: no gather needed), all uploaded in one copy. Under tensor parallelism
+        the other ranks are sent the step, and the sampling rows when `shared_logits` (the
+        forward then computes their logits by vocabulary part on every rank)."""
+        token_ids: list[int] = []
+        seqs = []
+        logits_rows: list[int] = []
+        for item in out.scheduled:
+            r, n = item.request, item.num_new_tokens
+            start = r.num_computed_tokens
+            token_ids.extend(r.all_token_ids[start : start + n - item.num_spec])
+            token_ids.extend(r.spec_token_ids[: item.num_spec])
+            seqs.append((self.kv.block_ids(r.request_id), start, n))
+            if item.samples:
+                end = len(token_ids)
+                logits_rows.extend(range(end - 1 - item.num_spec, end))
+        every_row = logits_rows == list(range(len(token_ids)))
+        if self.tp is not None:  # both callers run the forward next, which the ranks join
+            self.tp.send("step", seqs, token_ids, logits_rows if shared_logits else [])
+        input_ids, positions, meta, index = step_inputs(
+            seqs, self.block_size, self.device, token_ids, None if every_row else logits_rows
+        )
+        assert input_ids is not None
+        return input_ids, positions, meta, logits_rows, index
+
+    @torch.inference_mode()
+    def all_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Float32 logits for every scheduled token (prompt scoring), without sampling."""
+        input_ids, positions, meta, _ = self.prepare(out)
+        hidden = self.model(input_ids, positions, self.backend.plan(meta))
+        return self.model.compute_logits(hidden)
+
+    def execute(self, out: SchedulerOutput, grammar: GrammarMask | None = None) -> RunnerOutput:
+        """The step: forward, pool, mask with `grammar`, sample or verify. A failed forward
+        fails the batch's requests (in the output); the engine keeps serving."""
+        result = RunnerOutput()
+        try:
+            logits, hidden = self.forward(out)
+        except Exception:  # noqa: BLE001 - one batch's failure, not the engine's
+            if self.tp is not None:
+                raise  # the ranks are out of step (or one is gone): nothing can serve on
+            log.exception(
+                "forward pass failed; failing the %d requests of this batch", len(out.scheduled)
+            )
+            result.failed = [(s.request, "the forward pass failed") for s in out.scheduled]
+            return result
+        result.hidden = hidden
+        width = self.model.spec.hidden_size  # the final-normed state, not EAGLE-3's aux
+        pool(hidden, out.scheduled, width, result)
+        score_prompts(hidden, out.scheduled, lambda h: self._logits(h[:, :width]), result)
+        sample_step(logits, out.scheduled, grammar, result)
+        return result
+
+    @torch.inference_mode()
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step's forward. Returns the logits [rows, vocab] (float32) of the rows that
+        sample, in scheduled order, and every token's hidden state (the draft head's features:
+        [tokens, hidden], or [tokens, hidden * (1 + len(aux_layers))])."""
+        input_ids, positions, meta, rows, index = self._prepare(out)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+            self.last_plan = None  # the graph's plan lives in its own buffers
+        else:
+            attn = self.backend.plan(meta)
+            self.last_plan = (positions, attn)
+            hidden = self.model(input_ids, positions, attn, self.aux_layers)
+        if not rows:
+            return hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32), hidden
+        final = hidden[:, : self.model.spec.hidden_size]
+        if index is not None:
+            final = final.index_select(0, index)
+        if self.tp is not None:
+            return self.tp.logits(final), hidden
+        return self.model.compute_logits(final), hidden

@@ -1,0 +1,187 @@
+"""Batched sampling over the logits rows of one step.
+
+Order of processing (as vLLM and OpenAI document it): logit_bias, min_tokens (stop ids masked),
+penalties (repetition on prompt+output; presence/frequency on output), then temperature, top_k,
+top_p, min_p, and a draw. Greedy rows take the argmax of the processed logits.
+
+Draws use the exponential race (argmax p / E with E ~ Exp(1)), one vector of exponentials per
+row; a seeded request draws its vector from its own generator, so its tokens do not depend on
+which other requests share the batch. Logprobs are the model's raw log-softmax (before any
+processing), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.core.sampling_params import SamplingParams
+
+
+class SamplingContext(Protocol):
+    """What sampling reads of a request: a `Request`, or a view of one with draft tokens
+    appended (speculative verification)."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def all_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def generator(self) -> torch.Generator | None: ...
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # top-N alternatives, best first
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingContext]) -> None:
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.needs_penalties]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    for i in rows:  # per request: a vector op over the vocab each, not per token
+        r, params = requests[i], requests[i].sampling_params
+        row = logits[i]
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(r.all_token_ids, device=logits.device).clamp_(0, vocab - 1).unique()
+            vals = row[seen]
+            rp = params.repetition_penalty
+            row[seen] = torch.where(vals > 0, vals / rp, vals * rp)
+        if params.presence_penalty or params.frequency_penalty:
+            out = r.output_token_ids
+            if out:
+                counts = torch.bincount(
+                    torch.tensor(out, device=logits.device).clamp_(0, vocab - 1), minlength=vocab
+                ).to(row.dtype)
+                row -= params.frequency_penalty * counts
+                row -= params.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    truncate: bool = True,
+    use_min_p: bool = True,
+) -> torch.Tensor:
+    """`truncate` / `use_min_p`: whether any row has top_k/top_p / min_p, known on the host
+    (asking the device tensors would cost a sync each)."""
+    vocab = logits.shape[1]
+    if truncate:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        drop = ranks >= k[:, None]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        cum_before = probs.cumsum(-1) - probs  # mass strictly above each token
+        drop |= cum_before >= top_p[:, None]
+        drop[:, 0] = False  # always keep the best token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if use_min_p:
+        probs = logits.softmax(-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def apply_logits_processors(
+    logits: torch.Tensor, requests: Sequence[SamplingContext]
+) -> torch.Tensor:
+    """logit_bias, min_tokens and penalties; returns `logits` itself when none apply."""
+    params = [r.sampling_params for r in requests]
+    if any(
+        p.logit_bias or (p.min_tokens and r.num_output_tokens < p.min_tokens) or p.needs_penalties
+        for p, r in zip(params, requests)
+    ):
+        logits = logits.clone()
+        for i, (p, r) in enumerate(zip(params, requests)):
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias.keys()), device=logits.device)
+                vals = torch.tensor(
+                    list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device
+                )
+                logits[i].index_add_(0, ids, vals)
+            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+                if stops:
+                    logits[i, list(stops)] = float("-inf")
+        _apply_penalties(logits, requests)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top_k, top_p, min_p, softmax: the distribution a (non-greedy) row draws
+    from. Speculative verification applies the same to the target's and the draft's rows."""
+    # one upload for the four per-row settings (float64 holds top_k exactly)
+    table = torch.tensor(
+        [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], dtype=torch.float64
+    ).to(logits.device)
+    sub = _apply_top_k_top_p_min_p(
+        logits / table[:, 0, None].to(logits.dtype),
+        table[:, 1].long(),
+        table[:, 2].to(logits.dtype),
+        table[:, 3].to(logits.dtype),
+        truncate=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        use_min_p=any(p.min_p > 0 for p in params),
+    )
+    return sub.softmax(-1)
+
+
+def sample(logits: torch.Tensor, requests: Sequence[SamplingContext]) -> SamplerOutput:
+    """logits: [len(requests), vocab] float32; row i belongs to requests[i]."""
+    n = len(requests)
+    params = [r.sampling_params for r in requests]
+    want_logprobs = [p.logprobs is not None for p in params]
+    raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
+    logits = apply_logits_processors(logits, requests)
+
+    token_ids = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        probs = sampling_probs(logits.index_select(0, rows), [params[i] for i in sampled_rows])
+        noise = torch.empty_like(probs)
+        seeded = [j for j, i in enumerate(sampled_rows) if requests[i].generator is not None]
+        if len(seeded) < len(sampled_rows):
+            noise.exponential_()
+        for j in seeded:
+            noise[j].exponential_(generator=requests[sampled_rows[j]].generator)
+        token_ids[rows] = (probs / noise).argmax(dim=-1)
+
+    ids = token_ids.tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * n
+    if raw_logprobs is not None:
+        for i, p in enumerate(params):
+            logprobs[i] = token_logprobs(raw_logprobs[i], ids[i], p.logprobs)
+    return SamplerOutput(ids, logprobs)
+
+
+def token_logprobs(row: torch.Tensor, token_id: int, top_n: int | None) -> TokenLogprobs | None:
+    """The chosen token's logprob and the top-N alternatives from a raw log-softmax row."""
+    if top_n is None:
+        return None
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        vals, idx = row.topk(top_n)
+        top = list(zip(idx.tolist(), vals.tolist()))
+    return TokenLogprobs(token_id, float(row[token_id]), top)

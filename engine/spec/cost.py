@@ -1,0 +1,158 @@
+"""What a verification step and a draft step cost on this device, measured at startup, and the
+number of drafts per request that maximises expected tokens per second (adaptive speculation).
+
+Verifying `batch x (1 + k)` rows costs about as much as `batch` rows while the matmuls are
+memory-bound (the weights are read once either way); past that point each extra row costs
+compute and speculation stops paying. Where that point lies depends on the device, the dtype
+and the packed weights, so it is measured, not configured: `measure` times one target step of
+1, 2, 4, ... rows (forward + logits) and one draft step of 1, 2, 4, ... rows, and `best_k`
+weighs the expected accepted tokens (acceptance alpha per draft: 1 + alpha + ... + alpha^k)
+against `target(batch x (1 + k)) + k x draft(batch)`.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.runner.step_inputs import step_metadata
+from models.eagle.head import EagleHead
+from models.llama import LlamaForCausalLM
+
+MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # fine where kernels switch
+
+
+@dataclass(frozen=True, slots=True)
+class SpecCostModel:
+    rows: tuple[int, ...]
+    target_s: tuple[float, ...]  # one target step of rows[i] rows
+    draft_s: tuple[float, ...]  # one draft step of rows[i] rows
+
+    @staticmethod
+    def _at(rows: tuple[int, ...], secs: tuple[float, ...], r: int) -> float:
+        """Piecewise-linear in rows, extrapolated linearly past the last measurement."""
+        i = min(max(bisect_left(rows, r), 1), len(rows) - 1)
+        r0, r1, s0, s1 = rows[i - 1], rows[i], secs[i - 1], secs[i]
+        return max(s0 + (s1 - s0) * (r - r0) / (r1 - r0), 1e-9)
+
+    def target(self, rows: int) -> float:
+        return self._at(self.rows, self.target_s, rows)
+
+    def draft(self, rows: int) -> float:
+        return self._at(self.rows, self.draft_s, rows)
+
+    def best_k(self, batch: int, acceptance: float, k_max: int, max_rows: int) -> int:
+        """The k in 0..k_max (batch x (1 + k) <= max_rows) with the most tokens per second."""
+        best_k, best = 0, batch / self.target(batch)
+        alpha = min(max(acceptance, 0.0), 0.99)
+        for k in range(1, k_max + 1):
+            if batch * (1 + k) > max_rows:
+                break
+            tokens = batch * sum(alpha**j for j in range(k + 1))
+            rate = tokens / (self.target(batch * (1 + k)) + k * self.draft(batch))
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def table(self) -> str:
+        return ", ".join(
+            f"{r}: {1000 * t:.1f}/{1000 * d:.1f} ms"
+            for r, t, d in zip(self.rows, self.target_s, self.draft_s, strict=True)
+        )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_times(steps: list, repeats: int, device: torch.device) -> list[float]:
+    """The median time of each step, the steps interleaved round by round so that a burst of
+    load on a shared machine lands on all of them alike (and a noisy startup cannot make
+    verification look dearer than it is)."""
+    for step in steps:  # first calls: allocations, lazy packing
+        step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for i, step in enumerate(steps):
+            _sync(device)
+            t = time.perf_counter()
+            step()
+            _sync(device)
+            times[i].append(time.perf_counter() - t)
+    return [sorted(ts)[len(ts) // 2] for ts in times]
+
+
+def measured_shape(
+    rows: tuple[int, ...], has_head: bool, num_blocks: int, block_size: int, context: int = 128
+) -> tuple[int, tuple[int, ...]]:
+    """The context and row counts `measure` times in a pool of `num_blocks`."""
+    # the scratch writes must stay inside the pool (the ops do not bound-check block ids):
+    # a small pool measures at a shorter context, and only the row counts that fit
+    context = max(1, min(context, num_blocks * block_size // 2))
+    need = -(-(context + 1) // block_size)  # blocks of one drafting sequence
+
+    def fits(r: int) -> bool:  # the r-row target chunk, and r drafting sequences (a head's)
+        drafts_fit = not has_head or r * need <= num_blocks
+        return -(-(context + r) // block_size) <= num_blocks and drafts_fit
+
+    return context, tuple(r for r in rows if fits(r)) or (1,)
+
+
+@torch.inference_mode()
+def measure(
+    model: LlamaForCausalLM,
+    head: EagleHead | None,
+    backend: AttentionBackend,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    rows: tuple[int, ...] = MEASURED_ROWS,
+    context: int = 128,
+    repeats: int = 3,
+) -> SpecCostModel:
+    """Time target and draft steps on scratch blocks at startup (no request owns any block yet;
+    the KV written there is never read as anyone's). Without a head, drafts cost nothing to
+    make (suffix and grammar drafts)."""
+    context, rows = measured_shape(rows, head is not None, num_blocks, block_size, context)
+    target_s = _median_times(
+        [_target_step(model, backend, r, context, block_size, device) for r in rows],
+        repeats,
+        device,
+    )
+    draft_s = [0.0] * len(rows)
+    if head is not None:
+        draft_s = _median_times(
+            [_draft_step(model, head, backend, r, context, block_size, device) for r in rows],
+            repeats,
+            device,
+        )
+    return SpecCostModel(rows, tuple(target_s), tuple(draft_s))
+
+
+def _target_step(model, backend, rows: int, context: int, block_size: int, device):
+    """One sequence's chunk of `rows` tokens after `context` (a verification's rows)."""
+    table = list(range(-(-(context + rows) // block_size)))
+    positions, meta = step_metadata([(table, context, rows)], block_size, device)
+    ids = torch.zeros(rows, dtype=torch.long, device=device)
+    return lambda: model.compute_logits(model(ids, positions, backend.plan(meta)))
+
+
+def _draft_step(model, head, backend, rows: int, context: int, block_size: int, device):
+    """One draft step of `rows` sequences (the head's forward and its logits)."""
+    need = -(-(context + 1) // block_size)
+    seqs = [(list(range(i * need, (i + 1) * need)), context, 1) for i in range(rows)]
+    positions, meta = step_metadata(seqs, block_size, device)
+    ids = torch.zeros(rows, dtype=torch.long, device=device)
+    dtype = model.embed_tokens.weight.dtype
+    features = torch.zeros(rows, head.cfg.hidden_size, dtype=dtype, device=device)
+
+    def step() -> None:
+        hidden = head(ids, features, positions, backend.plan(meta), from_target=False)
+        head.logits(hidden).argmax(-1)
+
+    return step

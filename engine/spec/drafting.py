@@ -1,0 +1,203 @@
+"""Where each request's draft tokens come from, each step: the source with the most expected
+accepted tokens among those the server has.
+
+- grammar: the tokens a request's constraint forces next (a JSON key, punctuation, a tool's
+  name: xgrammar's jump-forward tokens). Its tokenization may differ from the model's, so they
+  are drafts like any other and verified.
+- suffix: the continuation of the longest n-gram ending the request that occurred earlier in
+  its prompt and output, else in the recent outputs of requests with the same cache salt
+  (engine/spec/suffix_index.py): a tenant's drafts never come from another's outputs, so the time a
+  request takes says nothing about what others were told.
+- eagle: the draft head's chain (engine/spec/eagle.py `Proposer`, run before this picks).
+
+A source's running acceptance per request (alpha: the share of its drafts the target kept)
+bounds how deep it drafts (draft j survives with probability ~alpha^j; below MIN_GAIN a row
+costs more than it returns) and gives its expected accepted length, alpha + ... + alpha^L.
+Grammar and suffix drafts are deterministic (q is one-hot): the verifier accepts draft d with
+probability p(d) and otherwise samples p without d, so sampling stays exactly the target's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from engine.core.request import Request
+from engine.spec.cost import SpecCostModel
+from engine.spec.draft_state import DraftState
+from engine.spec.eagle import SpecStats, useful_depth
+from engine.spec.suffix_index import NGRAM_SIZES, RecentOutputs, SuffixIndex
+
+MAX_SALTS = 64  # tenants / applications with recent outputs kept
+RECENT_TOKENS_PER_SALT = 1 << 15
+SHORT_MATCH = 3  # a match of fewer tokens drafts at most this many: it is a weak guess
+
+
+def expected_accepted(alpha: float, length: int) -> float:
+    return sum(alpha**j for j in range(1, length + 1))
+
+
+class Drafter:
+    """Picks each decoding request's drafts among `sources` after the step's outputs, records
+    how many the verifier kept, and remembers finished outputs for suffix drafts."""
+
+    def __init__(
+        self,
+        sources: tuple[str, ...],
+        max_tokens: int,
+        max_verify_rows: int,
+        cost: SpecCostModel | None = None,
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> None:
+        self.sources = sources
+        self.max_tokens = max_tokens
+        self.max_verify_rows = max_verify_rows
+        self.cost = cost
+        # recent outputs per cache salt, the least recently used salt dropped past MAX_SALTS
+        self.recent: OrderedDict[str | None, RecentOutputs] = OrderedDict()
+        self.stats = {s: SpecStats() for s in sources}
+        self.current_k = max_tokens
+        # grammar drafts as the model's tokenizer spells the forced text: kept more often than
+        # xgrammar's longest-match tokens (JSON extraction: 49/49 vs 42/54 drafts kept,
+        # bench/speculative.py), which serve where there is no tokenizer
+        self.encode = encode
+
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """The verifier kept `num_accepted` of the request's `num_drafted` drafts."""
+        state = request.drafts
+        if state is None or state.source is None or not num_drafted:
+            return
+        self.stats[state.source].record(num_drafted, num_accepted)
+        a = state.acceptance[state.source]
+        state.acceptance[state.source] = 0.7 * a + 0.3 * (num_accepted / num_drafted)
+
+    def total_stats(self) -> SpecStats:
+        total = SpecStats()
+        for st in self.stats.values():
+            total.num_drafts += st.num_drafts
+            total.num_draft_tokens += st.num_draft_tokens
+            total.num_accepted_tokens += st.num_accepted_tokens
+            for j, n in enumerate(st.accepted_per_position):
+                if j == len(total.accepted_per_position):
+                    total.accepted_per_position.append(0)
+                total.accepted_per_position[j] += n
+        return total
+
+    def finished(self, request: Request) -> None:
+        if "suffix" in self.sources and request.num_output_tokens > 1:
+            salt = request.sampling_params.cache_salt
+            recent = self.recent.pop(salt, None) or RecentOutputs(RECENT_TOKENS_PER_SALT)
+            recent.add(request.output_token_ids)
+            self.recent[salt] = recent
+            while len(self.recent) > MAX_SALTS:
+                self.recent.popitem(last=False)
+
+    def propose(self, requests: list[Request]) -> None:
+        """Set each request's `spec_token_ids` (and `spec_probs`) for the next step. EAGLE's
+        drafts, when that source is on, are already there (the proposer ran first). Each
+        request's best candidate is found at full depth; then one k for the step caps them all
+        (`step_k`), and the pick is applied."""
+        if 2 * len(requests) > self.max_verify_rows:
+            # not even one draft each fits the step's rows: no candidates to look for (each
+            # request's suffix index catches up when it is next asked)
+            for r in requests:
+                if r.drafts is not None:
+                    r.drafts.source = None
+            self.current_k = 0
+            return
+        picks = []
+        for r in requests:
+            if r.drafts is None:
+                r.drafts = DraftState(SuffixIndex(r.all_token_ids))
+            picks.append(self._best(r, self._room(r, self.max_tokens)))
+        k = self.step_k(picks)
+        for r, (source, drafts, _) in zip(requests, picks):
+            self._apply(r, source, drafts[:k])
+
+    def step_k(self, picks: list[tuple[str, list[int], float]]) -> int:
+        """The most drafts per request this step. By the measured verify cost: the k with the
+        most expected tokens per second over these candidates (a request with a draft of
+        length L at acceptance alpha brings 1 + alpha + ... + alpha^min(k, L) tokens for
+        1 + min(k, L) rows; suffix and grammar drafts cost nothing to make). Without costs,
+        the row cap alone: batch x (1 + k) <= max_verify_rows."""
+        n = len(picks)
+        if n == 0:
+            return 0  # no step to size: the last k stays what /metrics shows
+        if self.cost is None:
+            k = max(0, min(self.max_tokens, self.max_verify_rows // n - 1))
+            self.current_k = k
+            return k
+        longest = max(len(d) for _, d, _ in picks)
+        best_k, best_rate = 0, n / self.cost.target(n)
+        eagle = any(source == "eagle" for source, _, _ in picks)
+        for k in range(1, longest + 1):
+            rows = sum(1 + min(k, len(d)) for _, d, _ in picks)
+            if rows > self.max_verify_rows:
+                break
+            tokens = n + sum(expected_accepted(alpha, min(k, len(d))) for _, d, alpha in picks)
+            secs = self.cost.target(rows) + (k * self.cost.draft(n) if eagle else 0.0)
+            if tokens / secs > best_rate:
+                best_k, best_rate = k, tokens / secs
+        self.current_k = best_k
+        return best_k
+
+    @staticmethod
+    def _room(r: Request, k: int) -> int:
+        params = r.sampling_params
+        room = min(params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
+        return max(0, min(k, room - 1))
+
+    def _best(self, r: Request, k: int) -> tuple[str, list[int], float]:
+        """The candidate draft with the most expected accepted tokens: (source, drafts, the
+        source's acceptance for this request), or ("", [], 0.0) when no source has one."""
+        state = r.drafts
+        assert state is not None
+        best: tuple[float, str, list[int]] = (0.0, "", [])
+        if "eagle" in self.sources and r.spec_token_ids:
+            eagle = r.spec_token_ids[:k]
+            best = (expected_accepted(state.acceptance["eagle"], len(eagle)), "eagle", eagle)
+        params = r.sampling_params
+        # A seeded sampled request is not drafted for: how many uniforms verification draws
+        # depends on the drafts, and suffix drafts on what other requests wrote, so its tokens
+        # would depend on more than its seed (greedy output never depends on drafts).
+        reproducible = params.seed is None or params.greedy
+        for source in ("grammar", "suffix"):
+            if source not in self.sources or k == 0 or not reproducible:
+                continue
+            alpha = state.acceptance[source]
+            drafts = self._draft(source, r, min(k, useful_depth(alpha)))
+            gain = expected_accepted(alpha, len(drafts))
+            if drafts and gain > best[0]:
+                best = (gain, source, drafts)
+        _, source, drafts = best
+        return source, drafts, state.acceptance[source] if source else 0.0
+
+    @staticmethod
+    def _apply(r: Request, source: str, drafts: list[int]) -> None:
+        assert r.drafts is not None
+        r.drafts.source = source or None
+        if source != "eagle":
+            r.spec_token_ids, r.spec_probs = drafts, None
+        elif len(drafts) < r.num_spec:
+            del r.spec_token_ids[len(drafts) :]
+            if r.spec_probs is not None:
+                r.spec_probs = r.spec_probs[: len(drafts)]
+
+    def _draft(self, source: str, r: Request, k: int) -> list[int]:
+        if source == "grammar":
+            m = r.matcher
+            if m is None or m.is_terminated():
+                return []
+            if self.encode is None:
+                return m.find_jump_forward_tokens()[:k]
+            text = m.find_jump_forward_string()
+            ids = self.encode(text) if text else []
+            # the last token may be the start of a longer one the model would write
+            return ids[: min(k, len(ids) - 1)] if len(ids) > 1 else []
+        assert r.drafts is not None
+        drafts, n = r.drafts.index.match(k)
+        if not drafts:
+            recent = self.recent.get(r.sampling_params.cache_salt)
+            if recent is not None:
+                drafts, n = recent.match(r.all_token_ids[-max(NGRAM_SIZES) :], k)
+        return drafts[: k if n >= SHORT_MATCH else min(k, n)]

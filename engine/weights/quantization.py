@@ -1,0 +1,238 @@
+"""Weights at load: a GGUF's blocks served as stored (`serve_gguf_blocks`, before packing), and
+weights quantized at load and measured before they serve (after the attention backend's warm-up,
+through the same plan + forward, writing KV only into blocks no request owns).
+
+`--quantization int4 | int8wo`: every linear layer's weight rounded to ggml blocks (Q4_1, Q8_0;
+the lm_head Q8_0) and served by the GGUF block kernel (models/gguf_linear.py), activations at the
+serving dtype. `--quantization int8`: smooth the float model on calibration text (SmoothQuant, so
+per-tensor activation quantization keeps its accuracy), then give its linear layers int8 weights
+(models/quant.py).
+
+The result is measured before it serves: the float and quantized models' logits over held-out text
+(`HELD_OUT`, none of it calibration) give top-1 agreement and mean cosine, printed in the kernel
+matrix. Weight-only formats warn below `WARN_TOP1` (bf16, a format users accept, agrees with
+float32 on ~97% of SmolLM2's positions; 0.9 is the bar the bf16 tests hold it to) and refuse below
+`REFUSE_TOP1` (more than a third of next tokens changed is another model). int8 W8A8 is accurate or
+refused, with no warning band: on a CPU without VNNI fbgemm's activations drop to 7 bits (Zen 3,
+and `FBGEMM_ENABLE_INSTRUCTIONS=AVX2`), per-tensor ranges then crush a prompt's ordinary tokens
+under its first token's outliers (SmolLM2: top-1 0.81, and one prompt's last logits at cosine
+0.72), and such a server would answer differently from the model it names; it refuses, naming the
+measurement and `int8wo` (Q8_0 weights, llama.cpp's int8 activations) as what serves there.
+Everything measured is deterministic (fixed calibration and held-out text, a fixed probe): a
+build gives the same figures on every start of the same CPU and settings."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.attention.matrix import dtype_name
+from engine.runner.step_inputs import step_metadata
+from models import gguf_linear
+from models.gguf_loader import gguf_blocks
+from models.llama import LlamaForCausalLM
+from models.quant import CALIBRATION, input_ranges, needs_reduce_range, quantize_linears, smooth
+from models.spec import ModelSpec
+from models.tokenizer import Tokenizer
+from models.tp_plan import RankShard
+
+log = logging.getLogger("kvserve.int8")
+
+# Held-out text for the accuracy check: none of it is in CALIBRATION.
+HELD_OUT = [
+    "The mitochondria is the part of the cell that produces most of its chemical energy.",
+    "for i in range(10):\n    total += values[i] * weights[i]\nprint(total / len(values))",
+    "In 1969, Neil Armstrong became the first person to walk on the surface of the Moon.",
+    "Dear team, the meeting moves to Thursday at 3 pm; please bring the budget figures.",
+]
+WARN_TOP1 = 0.90
+REFUSE_TOP1 = 0.67
+
+
+def agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """(top-1 agreement, mean cosine) of two [positions, vocab] logit tensors."""
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    cosine = torch.nn.functional.cosine_similarity(ref, got, dim=-1).mean().item()
+    return top1, cosine
+
+
+def forward_fn(
+    model: LlamaForCausalLM, backend: AttentionBackend, block_size: int, device: torch.device
+) -> Callable[[list[int]], torch.Tensor]:
+    """A prompt's final hidden rows, through the plan + forward, writing KV only into the
+    pool's first blocks (no request owns any yet at startup)."""
+
+    def run(ids: list[int]) -> torch.Tensor:
+        table = list(range(-(-len(ids) // block_size)))
+        positions, meta = step_metadata([(table, 0, len(ids))], block_size, device)
+        return model(torch.tensor(ids, device=device), positions, backend.plan(meta))
+
+    return run
+
+
+def held_out_logits(
+    model: LlamaForCausalLM,
+    run: Callable[[list[int]], torch.Tensor],
+    tokenizer: Tokenizer | None,
+    limit: int,
+) -> Callable[[], torch.Tensor]:
+    """A function giving the model's logits at every position of HELD_OUT (random ids without a
+    tokenizer), for measuring a quantization before it serves."""
+    if tokenizer is not None:
+        held_out = [tokenizer.encode(t, add_special_tokens=False)[:limit] for t in HELD_OUT]
+    else:
+        g = torch.Generator().manual_seed(1)
+        vocab = model.spec.vocab_size
+        held_out = [torch.randint(0, vocab, (min(48, limit),), generator=g).tolist()]
+
+    def logits() -> torch.Tensor:
+        return torch.cat([model.compute_logits(run(ids)) for ids in held_out])
+
+    return logits
+
+
+def judge(
+    method: str,
+    reference: torch.Tensor,
+    got: torch.Tensor,
+    detail: str,
+    refuse_below: float | None = None,
+    instead: str = "the float model",
+) -> str:
+    """The accuracy line for the kernel matrix; raises below `refuse_below` (default
+    REFUSE_TOP1), warns below WARN_TOP1 (see the module docstring)."""
+    floor = REFUSE_TOP1 if refuse_below is None else refuse_below
+    top1, cosine = agreement(reference, got)
+    accuracy = (
+        f"vs the unquantized model on {len(reference)} held-out positions: "
+        f"top-1 agreement {top1:.2f}, logit cosine {cosine:.3f}"
+    )
+    if top1 < floor:
+        raise ValueError(
+            f"--quantization {method} is too inaccurate on this CPU ({accuracy}, {detail}; "
+            f"below {floor}): serve {instead} instead"
+        )
+    if top1 < WARN_TOP1:
+        log.warning("%s weights are inaccurate here: %s", method, accuracy)
+        return f"{accuracy} -- WARNING: below {WARN_TOP1}, answers will differ visibly"
+    return accuracy
+
+
+@torch.inference_mode()
+def quantize_model(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    tokenizer: Tokenizer | None,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    alpha: float = 0.8,  # SmolLM2, alpha 0.5 / 0.65 / 0.8 / 0.9: top-1 0.88 / 0.86 / 0.93 / 0.88
+) -> str:
+    """Smooth, quantize, and describe the result for the kernel matrix."""
+    limit = min(256, num_blocks * block_size)
+    if tokenizer is not None:
+        prompts = [tokenizer.encode(t, add_special_tokens=False)[:limit] for t in CALIBRATION]
+    else:  # token ids only: a spread of ids stands in for text
+        g = torch.Generator().manual_seed(0)
+        vocab = model.spec.vocab_size
+        prompts = [torch.randint(0, vocab, (min(64, limit),), generator=g).tolist()] * 4
+
+    run = forward_fn(model, backend, block_size, device)
+    logits = held_out_logits(model, run, tokenizer, limit)
+
+    smooth(model, input_ranges(model, run, prompts), alpha)
+    reference = logits()  # smoothing computes the same function: this is the float model
+    int8_bytes = quantize_linears(model)
+    bits = 7 if needs_reduce_range() else 8
+    why = f"{bits}-bit activations" + (" (fbgemm without VNNI)" if bits == 7 else "")
+    instead = "--quantization int8wo (Q8_0 weights; --gguf-int8-activations for int8 activations)"
+    accuracy = judge("int8", reference, logits(), why, WARN_TOP1, instead)
+    dtype = dtype_name(model.lm_head.weight.dtype)
+    described = (
+        f"int8 W8A8 dynamic (fbgemm, per-channel weights, SmoothQuant alpha {alpha} on "
+        f"{sum(map(len, prompts))} calibration tokens; {int8_bytes / 2**20:.0f} MiB; {bits}-bit "
+        f"activations by probe; lm_head {dtype}); {accuracy}"
+    )
+    log.info("weights: %s", described)
+    return described
+
+
+# --quantization -> the ggml format of the decoder's weights (the lm_head takes Q8_0: its logits
+# set every token, and llama.cpp's own quantizations keep it at 6-8 bits too)
+WEIGHT_ONLY = {"int4": "Q4_1", "int8wo": "Q8_0"}
+
+
+@torch.inference_mode()
+def quantize_weight_only(
+    model: LlamaForCausalLM,
+    method: str,
+    backend: AttentionBackend,
+    tokenizer: Tokenizer | None,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    pack: bool,
+    int8_activations: bool = False,
+) -> str:
+    """Round every float linear weight to ggml blocks, measure the result on held-out text,
+    and describe it for the kernel matrix."""
+    logits = held_out_logits(
+        model,
+        forward_fn(model, backend, block_size, device),
+        tokenizer,
+        min(256, num_blocks * block_size),
+    )
+    reference = logits()
+    fmt = WEIGHT_ONLY[method]
+    held = gguf_linear.attach(model, gguf_linear.quantize_to_blocks(model, fmt))
+    if pack:
+        for module in model.modules():
+            if isinstance(getattr(module, "quant", None), gguf_linear.GGUFWeight):
+                module.quant.pack()
+    accuracy = judge(method, reference, logits(), f"{fmt} weights")
+    dtype = model.embed_tokens.weight.dtype
+    crossover = gguf_linear.measure_crossover(model, dtype, int8_activations)
+    stored = ", ".join(f"{f} {size / 2**20:.0f} MiB" for f, size in sorted(held.items()))
+    described = (
+        f"weight-only {method}: ggml blocks rounded at load ({stored}; lm_head Q8_0); {accuracy}; "
+        f"{crossover}"
+    )
+    log.info("weights: %s", described)
+    return described
+
+
+def serve_gguf_blocks(
+    model: LlamaForCausalLM,
+    model_path: str,
+    spec: ModelSpec,
+    device: torch.device,
+    shard: RankShard | None = None,
+) -> tuple[str, bool]:
+    """`--quantization auto` on a GGUF: its Q4_0/Q4_1/Q8_0 matrices served as stored (CPU, with
+    the C++ kernel built). Returns what was done, for the kernel matrix's weights line, and
+    whether any weight now takes the block kernel (its crossover is then to be measured)."""
+    if not model_path.endswith(".gguf"):
+        return "", False
+    if device.type != "cpu":
+        return "GGUF blocks dequantized (the block kernel is a CPU path)", False
+    if gguf_linear.load() is None:
+        return "GGUF blocks dequantized (the C++ block kernel could not be built)", False
+    blocks = gguf_blocks(model_path, spec, gguf_linear.FORMATS)
+    if spec.tie_word_embeddings and "embed_tokens.weight" in blocks:
+        # the head multiplies by the embedding's blocks; lookups keep the dense embedding
+        blocks["lm_head.weight"] = blocks.pop("embed_tokens.weight")
+    if shard is not None:  # this rank's slices; a block a column cut would split stays dense
+        cut = {}
+        for name, (fmt, data) in blocks.items():
+            part = shard.cut_blocks(name, data, gguf_linear.BLOCK_BYTES[fmt])
+            if part is not None and part.numel():
+                cut[name] = (fmt, part)
+        blocks = cut
+    held = gguf_linear.attach(model, blocks)
+    if not held:
+        return "", False
+    stored = ", ".join(f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in sorted(held.items()))
+    return f"GGUF blocks as stored ({stored}): block kernel for few rows, dense GEMM above", True

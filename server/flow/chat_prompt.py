@@ -1,0 +1,151 @@
+"""Chat messages and tools to the prompt the model's template expects.
+
+A template that knows tools (it reads a `tools` variable) receives them, and history with
+assistant `tool_calls` (arguments as objects, as `transformers`' `apply_chat_template` wants
+them) and `tool` messages, as they are. A template that knows no tools gets our documented
+fallback, in the Hermes format the `hermes` parser reads: the tool list and calling convention in
+the system prompt, earlier calls as `<tool_call>` blocks in the assistant's text, and tool results
+as `<tool_response>` blocks in a user turn. `developer` becomes `system` where the template has no
+such role; legacy `function` messages become tool results.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from models.chat_template import TemplateError
+from models.tokenizer import Tokenizer
+from server.errors import APIError
+from server.protocol.openai import ChatMessage
+from server.protocol.structured import ChatTool
+
+FALLBACK_TOOL_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateTraits:
+    knows_tools: bool
+    knows_developer: bool
+
+    @staticmethod
+    def of(template: str | None) -> TemplateTraits:
+        source = template or ""
+        return TemplateTraits("tools" in source, "developer" in source)
+
+
+def _arguments_object(arguments: str) -> Any:
+    """A call's arguments as the template wants them: the JSON value when they are JSON, else
+    the text as sent (OpenAI takes any string: a call cut off at the token cap comes back
+    unfinished, and the next turn must still render it)."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def _tool_call_block(name: str, arguments: Any) -> str:
+    """A call in the fallback (Hermes) format, as the model wrote it: unfinished arguments
+    text is rendered back verbatim."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    call = '{"name": ' + json.dumps(name) + ', "arguments": ' + args + "}"
+    return "<tool_call>\n" + call + "\n</tool_call>"
+
+
+def template_messages(
+    messages: list[ChatMessage], traits: TemplateTraits, tools: list[ChatTool] | None
+) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        bad = m.non_text_part()
+        if bad is not None:
+            j, kind = bad
+            raise APIError(
+                400,
+                f"messages.{i}.content.{j}: this model takes text only; a {kind!r} part "
+                "cannot be read",
+                param=f"messages.{i}.content.{j}",
+                code="unsupported_content",
+            )
+        role = m.role
+        if role == "developer" and not traits.knows_developer:
+            role = "system"
+        entry: dict[str, Any] = {"role": role, "content": m.text()}
+        if m.name and role != "function":
+            entry["name"] = m.name
+        calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        if m.function_call is not None:
+            calls.append(("call_0", m.function_call.name, m.function_call.arguments))
+        if role == "function":  # legacy function result
+            role, entry = "tool", {"role": "tool", "content": m.text(), "name": m.name}
+        if traits.knows_tools:
+            if calls:
+                entry["tool_calls"] = [
+                    {
+                        "id": cid,
+                        "type": "function",
+                        "function": {"name": n, "arguments": _arguments_object(a)},
+                    }
+                    for cid, n, a in calls
+                ]
+                if m.content is None:
+                    entry["content"] = None
+            if role == "tool" and m.tool_call_id:
+                entry["tool_call_id"] = m.tool_call_id
+        else:
+            if calls:
+                blocks = [_tool_call_block(n, _arguments_object(a)) for _, n, a in calls]
+                entry["content"] = "\n".join([t for t in [m.text()] if t] + blocks)
+            if role == "tool":
+                entry = {
+                    "role": "user",
+                    "content": f"<tool_response>\n{m.text()}\n</tool_response>",
+                }
+        out.append(entry)
+    if tools and not traits.knows_tools:
+        listing = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
+        prompt = FALLBACK_TOOL_PROMPT.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def render_prompt(
+    tokenizer: Tokenizer | None,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tools: list[ChatTool] | None = None,
+    **template_kwargs: Any,
+) -> list[int]:
+    """Token ids of the rendered conversation."""
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer; use /v1/completions with token ids")
+    traits = TemplateTraits.of(tokenizer.chat_template)
+    rendered = template_messages(messages, traits, tools)
+    if tools and traits.knows_tools:
+        template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    try:
+        text = tokenizer.apply_chat_template(
+            rendered, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+    except (TemplateError, ValueError) as e:
+        raise APIError(400, str(e), param="messages") from None
+    except TypeError as e:  # a template concatenating a null content
+        raise APIError(400, f"chat template failed: {e}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)

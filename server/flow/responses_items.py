@@ -1,0 +1,292 @@
+"""Responses API items: the request's `input` as stored item resources (each with an id), items
+as chat messages for the template, and `OutputItems`, which turns a growing model output into
+output items (a message, function calls) and the stream events that build them. The same
+machine serves streamed and whole responses, so both end with the same items."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from engine.runner.sampler import TokenLogprobs
+from models.tokenizer import Tokenizer
+from server.errors import APIError
+from server.flow.generation import chat_logprobs
+from server.flow.tool_parsers import ToolCallStream, ToolParser
+from server.protocol.responses import InputItem, InputPart
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def model_function_name(namespace: str | None, name: str) -> str:
+    """What the model sees and calls for a function: a namespace's functions are flattened into
+    one list as `namespace.name` (function names may hold dots; a namespace never does)."""
+    return f"{namespace}.{name}" if namespace else name
+
+
+def call_name(name: str, namespaces: frozenset[str]) -> dict[str, str]:
+    """A model call's `name` (and `namespace`) fields as the client named the function."""
+    namespace, dot, rest = name.partition(".")
+    if dot and namespace in namespaces:
+        return {"namespace": namespace, "name": rest}
+    return {"name": name}
+
+
+def _part_text(parts: str | list[InputPart], where: str) -> str:
+    if isinstance(parts, str):
+        return parts
+    texts = []
+    for j, part in enumerate(parts):
+        if part.type not in ("input_text", "output_text", "text") or part.text is None:
+            raise APIError(
+                400,
+                f"{where}.{j}: this model takes text only; a {part.type!r} part cannot be read",
+                param=f"{where}.{j}",
+                code="unsupported_content",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def input_items(value: str | list[InputItem]) -> list[dict[str, Any]]:
+    """`input` as item resources: a string is one user message; ids are kept or assigned."""
+    if isinstance(value, str):
+        value = [InputItem(type="message", role="user", content=value)]
+    items: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"input.{i}"
+        if item.type == "message":
+            assert item.role is not None and item.content is not None
+            text = _part_text(item.content, f"{where}.content")
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            part: dict[str, Any] = {"type": kind, "text": text}
+            if kind == "output_text":
+                part |= {"annotations": [], "logprobs": []}
+            items.append(
+                {
+                    "type": "message",
+                    "id": item.id or new_id("msg"),
+                    "status": "completed",
+                    "role": item.role,
+                    "content": [part],
+                }
+            )
+        elif item.type == "function_call":
+            assert item.name is not None
+            items.append(
+                {
+                    "type": "function_call",
+                    "id": item.id or new_id("fc"),
+                    "call_id": item.call_id,
+                    **({"namespace": item.namespace} if item.namespace else {}),
+                    "name": item.name,
+                    "arguments": item.arguments,
+                    "status": "completed",
+                }
+            )
+        elif item.type == "function_call_output":
+            assert item.output is not None
+            items.append(
+                {
+                    "type": "function_call_output",
+                    "id": item.id or new_id("fco"),
+                    "call_id": item.call_id,
+                    "output": _part_text(item.output, f"{where}.output"),
+                    "status": "completed",
+                }
+            )
+        else:
+            raise APIError(
+                400,
+                f"{where}.type: {item.type!r} items are not supported here (messages, "
+                "function_call and function_call_output are)",
+                param=f"{where}.type",
+                code="unsupported_item",
+            )
+    return items
+
+
+def chat_messages(
+    items: list[dict[str, Any]], instructions: str | None
+) -> tuple[list[dict[str, Any]], list[int | None]]:
+    """The conversation as chat-completions messages: function calls join the assistant turn
+    they follow, their outputs become tool messages. Also the item each message came from (None
+    for the instructions), so that an error in a message names what the client sent."""
+    messages: list[dict[str, Any]] = []
+    sources: list[int | None] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+        sources.append(None)
+    for k, item in enumerate(items):
+        before = len(messages)
+        if item["type"] == "message":
+            text = "".join(p["text"] for p in item["content"])
+            messages.append({"role": item["role"], "content": text})
+        elif item["type"] == "function_call":
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {
+                    "name": model_function_name(item.get("namespace"), item["name"]),
+                    "arguments": item["arguments"],
+                },
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:  # function_call_output
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+            )
+        sources.extend([k] * (len(messages) - before))
+    return messages, sources
+
+
+class OutputItems:
+    """Output items built from the model's text as it grows, with the stream events for each
+    step. `feed` returns events as (type, fields) pairs, sequence numbers left to the caller."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        parser: ToolParser | None,
+        max_calls: int | None,
+        with_logprobs: bool,
+        namespaces: frozenset[str] = frozenset(),
+        determined_name: str | None = None,  # a forced call's name (with_determined_name)
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.namespaces = namespaces  # calls named `namespace.name` are mapped back
+        self.calls = ToolCallStream(parser, determined_name) if parser is not None else None
+        self.max_calls = max_calls  # None: as many as the model makes
+        self.with_logprobs = with_logprobs
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item still being written
+        self.call_items: dict[int, dict[str, Any]] = {}  # parser call index -> item
+        self.held = ""  # whitespace not yet known to belong to a message
+
+    def feed(
+        self, text: str, logprobs: list[TokenLogprobs], finished: bool, status: str = "completed"
+    ) -> list[tuple[str, dict[str, Any]]]:
+        events: list[tuple[str, dict[str, Any]]] = []
+        lps = self._logprobs(logprobs)
+        if self.calls is None:
+            content, call_deltas = text, []
+        else:
+            # at the end, text held back as a possible call is released as text, unless a call
+            # was already opened: that one is closed as incomplete instead
+            content, call_deltas = self.calls.feed(text, finished and not self.call_items)
+            if self.max_calls is not None:
+                call_deltas = [d for d in call_deltas if d["index"] < self.max_calls]
+        if self.calls is not None and not content.strip():
+            # whitespace around calls (the newlines between <tool_call> blocks) is no message
+            self.held += content
+        elif content or (lps and self.calls is None):
+            events += self._text(self.held + content, lps)
+            self.held = ""
+        for delta in call_deltas:
+            events += self._call(delta)
+        if finished:
+            if not self.items:
+                events += self._text("", [])
+            events += self._close(status)
+        return events
+
+    def _logprobs(self, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
+        if not self.with_logprobs or not entries or self.tokenizer is None:
+            return []
+        return chat_logprobs(self.tokenizer, entries)["content"]
+
+    def _at(self, item: dict[str, Any]) -> dict[str, Any]:
+        """Where an item's events point: its place in the output and its id."""
+        return {"output_index": self.items.index(item), "item_id": item["id"]}
+
+    def _open(self, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """Close the open item, start `item`, and announce it."""
+        events = self._close("completed")
+        self.open = item
+        self.items.append(item)
+        added = {"output_index": len(self.items) - 1, "item": _copy(item)}
+        return [*events, ("response.output_item.added", added)]
+
+    def _text(self, delta: str, lps: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+        events = []
+        if self.open is None or self.open["type"] != "message":
+            message = {
+                "type": "message",
+                "id": new_id("msg"),
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            events += self._open(message)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            message["content"].append(part)
+            at = {**self._at(message), "content_index": 0}
+            events.append(("response.content_part.added", {**at, "part": dict(part)}))
+        assert self.open is not None
+        part = self.open["content"][0]
+        part["text"] += delta
+        part["logprobs"] += lps
+        if delta or lps:
+            at = {**self._at(self.open), "content_index": 0}
+            events.append(("response.output_text.delta", {**at, "delta": delta, "logprobs": lps}))
+        return events
+
+    def _call(self, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        events = []
+        function = delta["function"]
+        if "name" in function:  # a new call: its header
+            call = {
+                "type": "function_call",
+                "id": new_id("fc"),
+                "call_id": delta["id"],
+                **call_name(function["name"], self.namespaces),
+                "arguments": "",
+                "status": "in_progress",
+            }
+            events += self._open(call)
+            self.call_items[delta["index"]] = call
+        fragment = function.get("arguments", "")
+        if fragment:
+            item = self.call_items[delta["index"]]
+            item["arguments"] += fragment
+            at = self._at(item)
+            events.append(("response.function_call_arguments.delta", {**at, "delta": fragment}))
+        return events
+
+    def _close(self, status: str) -> list[tuple[str, dict[str, Any]]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        where = self._at(item)
+        events: list[tuple[str, dict[str, Any]]] = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            at = {**where, "content_index": 0}
+            events.append(
+                ("response.output_text.done", {**at, "text": part["text"], "logprobs": []})
+            )
+            events.append(("response.content_part.done", {**at, "part": dict(part)}))
+        else:
+            events.append(
+                (
+                    "response.function_call_arguments.done",
+                    {**where, "name": item["name"], "arguments": item["arguments"]},
+                )
+            )
+        item["status"] = status
+        events.append(("response.output_item.done", {"output_index": where["output_index"],
+                                                      "item": _copy(item)}))  # fmt: skip
+        return events
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    out = dict(item)
+    if "content" in out:
+        out["content"] = [dict(p) for p in out["content"]]
+    return out

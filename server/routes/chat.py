@@ -1,0 +1,203 @@
+"""POST /v1/chat/completions, streaming or not, with tools and structured outputs."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.async_engine import AsyncEngine
+from engine.core.outputs import RequestOutput
+from server.errors import APIError
+from server.flow.chat_prompt import render_prompt
+from server.flow.constraints import ToolPlan, grammar_for, tool_plan
+from server.flow.generation import Choice, chat_logprobs, finish_reason
+from server.flow.request_flow import ChoiceChunks, GenerationPlan, session_id, start
+from server.flow.tool_parsers import (
+    PARSERS,
+    ToolCallStream,
+    ToolParser,
+    final_calls,
+    parser_for_template,
+    with_determined_name,
+)
+from server.protocol.openai import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+)
+from server.protocol.wire import parse_body, reply
+from server.state import ServerState
+
+
+def tool_parser(state: ServerState, engine: AsyncEngine) -> ToolParser:
+    name = state.config.server.tool_call_parser
+    if name != "auto":
+        return PARSERS[name]
+    return parser_for_template(engine.tokenizer.chat_template if engine.tokenizer else None)
+
+
+@dataclass
+class ChatPlan:
+    """A chat request's generation plan and what formatting its output needs: the tool plan,
+    and the parser that finds calls in the text (None when calls are not parsed)."""
+
+    generation: GenerationPlan
+    tools: ToolPlan | None
+    calls_parser: ToolParser | None
+    legacy: bool  # `functions` (not `tools`): calls come back as `function_call`
+
+
+def chat_plan(
+    state: ServerState,
+    engine: AsyncEngine,
+    body: ChatCompletionRequest,
+    req_id: str,
+    session: str | None,
+    prompt_ids: list[int] | None = None,
+) -> ChatPlan:
+    """The plan of a chat request (the Responses API's too, mapped onto chat first).
+    `prompt_ids`: the rendered prompt, when the caller rendered it already."""
+    cfg = state.config.server
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise APIError(
+                400, "logprobs must be true when top_logprobs is set", param="top_logprobs"
+            )
+        if body.top_logprobs > cfg.max_top_logprobs:
+            raise APIError(
+                400, f"top_logprobs must be at most {cfg.max_top_logprobs}", param="top_logprobs"
+            )
+    parser = tool_parser(state, engine)
+    tools = tool_plan(body)
+    grammar = grammar_for(body, tools, parser.name)
+    if prompt_ids is None:
+        prompt_ids = render_prompt(
+            engine.tokenizer,
+            body.messages,
+            body.add_generation_prompt,
+            tools.tools if tools else None,
+            **(body.chat_template_kwargs or {}),
+        )
+    generation = GenerationPlan(
+        req_id=req_id,
+        body=body,
+        prompts=[prompt_ids],
+        max_tokens=body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens or None,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        grammar=grammar,
+        session=session,
+        kv_transfer_params=body.kv_transfer_params,
+    )
+    calls_parser = parser if tools is not None and tools.parses else None
+    return ChatPlan(generation, tools, calls_parser, body.functions is not None)
+
+
+async def chat_completions(request: Request) -> Response:
+    state: ServerState = request.app.state.kv
+    body = await parse_body(request, ChatCompletionRequest, state.config.server.max_body_bytes)
+    state.check_model(body.model)
+    engine = state.ready_engine()
+    req_id = f"chatcmpl-{uuid.uuid4().hex}"
+    plan = chat_plan(state, engine, body, req_id, session_id(request, body.user))
+    gen = await start(state, engine, request, plan.generation)
+    with_logprobs = plan.generation.logprobs is not None
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return gen.stream(ChatChunks(engine, with_logprobs, include_usage, plan))
+
+    def message(ch: Choice) -> tuple[dict, str | None]:
+        reason = finish_reason(ch.finish_reason)
+        msg: dict = {"role": "assistant", "content": ch.text, "refusal": None}
+        if plan.calls_parser is None or plan.tools is None:
+            return msg, reason
+        parsed = with_determined_name(plan.calls_parser.parse(ch.text), plan.tools.determined_name)
+        if not parsed.calls:  # no call begun: the text as written
+            return msg, reason
+        # a begun call's markup is never content, even when the cap cut it off before its name
+        msg["content"] = parsed.content.strip() or None
+        calls = final_calls(parsed)[: None if plan.tools.parallel else 1]
+        if not calls:
+            return msg, reason
+        if plan.legacy:
+            msg["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+            return msg, "function_call" if reason == "stop" else reason
+        msg["tool_calls"] = [c.to_openai() for c in calls]
+        return msg, "tool_calls" if reason == "stop" else reason
+
+    def respond(usage: dict) -> Response:
+        out = []
+        for ch in gen.choices:
+            msg, reason = message(ch)
+            lps = chat_logprobs(engine.tokenizer, ch.logprobs) if with_logprobs else None
+            out.append(
+                {"index": ch.index, "message": msg, "logprobs": lps, "finish_reason": reason}
+            )
+        return reply(
+            ChatCompletionResponse,
+            {**gen.head, "object": "chat.completion", "choices": out, "usage": usage},
+        )
+
+    return await gen.collect(request, respond)
+
+
+class ChatChunks(ChoiceChunks):
+    """Chat stream chunks; with tools, each choice's text goes through a `ToolCallStream` so
+    calls arrive as OpenAI's tool_calls deltas (or legacy function_call deltas)."""
+
+    model = ChatCompletionChunk
+    object = "chat.completion.chunk"
+
+    def __init__(
+        self, engine: AsyncEngine, logprobs: bool, include_usage: bool, plan: ChatPlan
+    ) -> None:
+        super().__init__(include_usage)
+        self.tokenizer = engine.tokenizer
+        self.logprobs = logprobs
+        self.parser, self.plan, self.legacy = plan.calls_parser, plan.tools, plan.legacy
+        self.calls: dict[int, ToolCallStream] = {}
+
+    def opening(self, choice: Choice) -> dict:
+        if self.parser is not None:
+            assert self.plan is not None
+            self.calls[choice.index] = ToolCallStream(self.parser, self.plan.determined_name)
+        return {
+            "index": choice.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+
+    def delta(self, choice: Choice, out: RequestOutput) -> dict | None:
+        lp = chat_logprobs(self.tokenizer, out.logprobs) if self.logprobs else None
+        stream = self.calls.get(choice.index)
+        if stream is None:
+            if not (out.new_text or out.logprobs):
+                return None
+            delta: dict = {"content": out.new_text}
+        else:
+            content, calls = stream.feed(out.new_text, out.finished)
+            if self.legacy or (self.plan is not None and not self.plan.parallel):
+                calls = [c for c in calls if c["index"] == 0]
+            delta = {}
+            if content:
+                delta["content"] = content
+            if calls and self.legacy:  # the first call only: its name, then arguments
+                function: dict = {}
+                for c in calls:
+                    function.update(c["function"])
+                delta["function_call"] = function
+            elif calls:
+                delta["tool_calls"] = calls
+            if not delta and not out.logprobs:
+                return None
+        return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": None}
+
+    def closing(self, choice: Choice, out: RequestOutput) -> dict:
+        reason = finish_reason(out.finish_reason)
+        stream = self.calls.get(choice.index)
+        if stream is not None and stream.num_calls and reason == "stop":
+            reason = "function_call" if self.legacy else "tool_calls"
+        return {"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": reason}
