@@ -119,13 +119,13 @@ def main() -> None:
         ("schema", GrammarSpec("json_schema", json.dumps(SCHEMA))),
     ):
         before = (
-            spec_llm.engine.proposer.stats.num_drafts,
-            spec_llm.engine.proposer.stats.num_accepted_tokens,
+            spec_llm.engine.drafter.stats["eagle"].num_drafts,
+            spec_llm.engine.drafter.stats["eagle"].num_accepted_tokens,
         )
         params = SamplingParams(temperature=0, max_tokens=96, grammar=grammar)
         for p in prompts[:6]:
             spec_llm.generate([p], params)
-        st = spec_llm.engine.proposer.stats
+        st = spec_llm.engine.drafter.stats["eagle"]
         drafts, accepted = st.num_drafts - before[0], st.num_accepted_tokens - before[1]
         length = 1 + accepted / max(drafts, 1)
         print(f"EAGLE k=4, batch 1, {label}: mean acceptance length {length:.2f}")

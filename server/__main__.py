@@ -80,7 +80,7 @@ def kernels(argv: list[str]) -> int:
     import torch
 
     from engine.attention import DeviceFacts, select_backend
-    from engine.build.builder import block_size_for
+    from engine.build.pool import block_size_for
     from models.loader import checkpoint_dtype, default_model_path, load_spec
 
     config = load_config(argv).engine

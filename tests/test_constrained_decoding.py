@@ -115,7 +115,7 @@ def test_speculation_is_lossless_under_a_grammar(llm, spec) -> None:
     plain = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, [greedy] * 3)]
     drafted = [r.outputs[0].token_ids for r in spec.generate(PROMPTS, [greedy] * 3)]
     assert drafted == plain
-    assert spec.engine.proposer.stats.num_drafts > 0
+    assert spec.engine.drafter.stats["eagle"].num_drafts > 0
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import engine.build.builder as builder
+import engine.build.pool as kv_phase
+import engine.build.weights as weights_phase
 from engine.attention import DeviceFacts
 from engine.config import EngineConfig
 from engine.kv.host import HostTier
@@ -30,7 +32,7 @@ def test_a_failed_warm_up_frees_its_pool_before_device_memory_is_released(
 
     pools: list[list[weakref.ref]] = []
     alive_at_release: list[int] = []
-    real_allocate, real_warm_up = builder.allocate_kv_caches, builder.warm_up
+    real_allocate, real_warm_up = kv_phase.allocate_kv_caches, kv_phase.warm_up
 
     def allocate(*args, **kwargs):
         caches = real_allocate(*args, **kwargs)
@@ -51,10 +53,10 @@ def test_a_failed_warm_up_frees_its_pool_before_device_memory_is_released(
         kwargs.pop("failed", None)
         return select_backend(*args[:7], **kwargs)
 
-    monkeypatch.setattr(builder, "allocate_kv_caches", allocate)
-    monkeypatch.setattr(builder, "warm_up", warm_up)
-    monkeypatch.setattr(builder, "release_device_memory", release)
-    monkeypatch.setattr(builder, "select_backend", any_backend)
+    monkeypatch.setattr(kv_phase, "allocate_kv_caches", allocate)
+    monkeypatch.setattr(kv_phase, "warm_up", warm_up)
+    monkeypatch.setattr(kv_phase, "release_device_memory", release)
+    monkeypatch.setattr(kv_phase, "select_backend", any_backend)
     from engine import LLM
 
     llm = LLM(str(llama_dir), num_kv_blocks=16, num_speculative_tokens=0)
@@ -69,9 +71,9 @@ def test_a_cuda_pool_that_cannot_hold_one_sequence_is_refused(monkeypatch) -> No
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(0.95 * gib), 80 * gib))
     config = EngineConfig(gpu_memory_utilization=0.9)
     with pytest.raises(ValueError, match=r"less than one 4096-token sequence: 0.95 of 80.00 GiB"):
-        builder._num_blocks(config, torch.device("cuda"), 2**20, 4096, 16)
+        kv_phase.num_blocks_for(config, torch.device("cuda"), 2**20, 4096, 16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))
-    assert builder._num_blocks(config, torch.device("cuda"), 2**20, 4096, 16) > 256
+    assert kv_phase.num_blocks_for(config, torch.device("cuda"), 2**20, 4096, 16) > 256
 
 
 def test_an_unwritable_flashinfer_cache_is_a_startup_reason(monkeypatch, tmp_path) -> None:
@@ -125,11 +127,11 @@ def test_cuda_pages_of_64_where_only_xformers_serves_fast(monkeypatch) -> None:
     spec = ModelSpec("LlamaForCausalLM", 128, 256, uniform_layers(2, 8, 2, 64, 128))
     xformers_only = replace(SM90, libraries=frozenset({"xformers"}))
     cuda = torch.device("cuda")
-    size = builder.block_size_for(EngineConfig(), spec, xformers_only, torch.bfloat16, cuda)
+    size = kv_phase.block_size_for(EngineConfig(), spec, xformers_only, torch.bfloat16, cuda)
     assert size == 64
-    assert builder.block_size_for(EngineConfig(), spec, SM90, torch.bfloat16, cuda) == 16
+    assert kv_phase.block_size_for(EngineConfig(), spec, SM90, torch.bfloat16, cuda) == 16
     forced = EngineConfig(block_size=16)
-    assert builder.block_size_for(forced, spec, xformers_only, torch.bfloat16, cuda) == 16
+    assert kv_phase.block_size_for(forced, spec, xformers_only, torch.bfloat16, cuda) == 16
 
 
 # ---- item 6: a quantization the device cannot run is refused before loading --------------------
@@ -145,7 +147,7 @@ def test_quantization_on_cuda_is_refused_before_the_weights_load(
     cpu_facts = DeviceFacts.detect(torch.device("cpu"))
     monkeypatch.setattr(EngineConfig, "resolved_device", lambda self: torch.device("cuda"))
     monkeypatch.setattr(DeviceFacts, "detect", staticmethod(lambda device: cpu_facts))
-    monkeypatch.setattr(builder, "load_model", no_load)
+    monkeypatch.setattr(weights_phase, "load_model", no_load)
     config = EngineConfig(model=str(llama_dir), quantization=quantization, dtype="float32")
     with pytest.raises(ValueError, match=f"--quantization {quantization}"):
         builder.build_engine(config)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import engine.build.builder as builder
+import engine.build.pool as kv_phase
 from engine import LLM, SamplingParams
 from engine.attention import DeviceFacts, select_backend
 from engine.attention.base import StepMetadata
@@ -161,13 +161,13 @@ def test_flashinfer_workspace_is_zeroed_and_allocated_before_the_pool(monkeypatc
         "allocate_workspace",
         classmethod(lambda cls, d: order.append("ws") or torch.zeros(16, dtype=torch.uint8)),
     )
-    real = builder._num_blocks
-    monkeypatch.setattr(builder, "_num_blocks", lambda *a: order.append("pool") or real(*a))
-    monkeypatch.setattr(builder, "warm_up", lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
-    monkeypatch.setattr(builder.DeviceFacts, "detect", staticmethod(lambda device: SM90))
+    real = kv_phase.num_blocks_for
+    monkeypatch.setattr(kv_phase, "num_blocks_for", lambda *a: order.append("pool") or real(*a))
+    monkeypatch.setattr(kv_phase, "warm_up", lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
+    monkeypatch.setattr(kv_phase.DeviceFacts, "detect", staticmethod(lambda device: SM90))
     with pytest.raises(ValueError, match="forced"):
-        builder._choose_and_warm_up(
-            builder.EngineConfig(attention_backend="flashinfer", num_kv_blocks=8),
+        kv_phase.choose_and_warm_up(
+            kv_phase.EngineConfig(attention_backend="flashinfer", num_kv_blocks=8),
             None, two_geometry_spec(), SM90, torch.bfloat16, torch.device("cpu"), 16, 1024, 64,
             torch.bfloat16,
         )  # fmt: skip
@@ -206,7 +206,7 @@ def head64_dir(tmp_path_factory) -> str:
 
 def cuda_facts(monkeypatch) -> None:
     """The builder sees an sm90 GPU with FlashInfer; tensors stay on the CPU."""
-    monkeypatch.setattr(builder.DeviceFacts, "detect", staticmethod(lambda device: SM90))
+    monkeypatch.setattr(kv_phase.DeviceFacts, "detect", staticmethod(lambda device: SM90))
 
 
 @needs_real_flashinfer
@@ -472,7 +472,7 @@ def test_cuda_graph_decode_path_matches_eager(head64_dir, fake_flashinfer, monke
 
     cuda_facts(monkeypatch)
     monkeypatch.setattr(
-        builder, "use_cuda_graphs", lambda config, device, cls: not config.enforce_eager
+        kv_phase, "use_cuda_graphs", lambda config, device, cls: not config.enforce_eager
     )
     monkeypatch.setattr(CudaGraphs, "capture", _simulated_capture)
     prompts = [[5, 17, 99, 3], [250, 44, 8], list(range(30, 60)), [7] * 20, [1, 2]]

@@ -12,8 +12,11 @@ from hypothesis import strategies as st
 
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.batch import SchedulerOutput
+from engine.core.scheduler import Scheduler
 from engine.kv.manager import KVCacheManager
+from engine.runner.runner_output import RunnerOutput
+from engine.runner.sampler import SamplerOutput
 
 EOS = 0
 VOCAB = 50
@@ -36,9 +39,12 @@ def request(rid: str, prompt: list[int], max_tokens: int, ignore_eos: bool = Tru
     return Request(rid, prompt, params, frozenset({EOS}), max_model_len=256)
 
 
-def fake_run(out: SchedulerOutput, rng: random.Random) -> dict[str, list[int]]:
+def fake_run(out: SchedulerOutput, rng: random.Random) -> RunnerOutput:
     """What a runner would sample: one token for each chunk that reaches its request's end."""
-    return {s.request.request_id: [rng.randrange(VOCAB)] for s in out.scheduled if s.samples}
+    sampled = [
+        (s, SamplerOutput([rng.randrange(VOCAB)], [None])) for s in out.scheduled if s.samples
+    ]
+    return RunnerOutput(sampled=sampled)
 
 
 def check(sched: Scheduler, out: SchedulerOutput | None = None) -> None:
@@ -108,7 +114,7 @@ def test_random_add_step_abort_keeps_the_invariants(ops, num_blocks, short, cach
             for _ in range(a):
                 out = sched.schedule()
                 check(sched, out)
-                sched.update(out, fake_run(out, rng))
+                sched.update_from_output(out, fake_run(out, rng))
                 check(sched)
         elif added:
             sched.finish(added[a % len(added)].request_id, FinishReason.ABORT)
@@ -120,7 +126,7 @@ def test_random_add_step_abort_keeps_the_invariants(ops, num_blocks, short, cach
             break
         out = sched.schedule()
         check(sched, out)
-        sched.update(out, fake_run(out, rng))
+        sched.update_from_output(out, fake_run(out, rng))
     assert not sched.has_unfinished()
     for r in added:
         assert r.status == RequestStatus.FINISHED
@@ -141,7 +147,7 @@ def test_a_full_pool_preempts_the_newest_and_it_recomputes() -> None:
         out = sched.schedule()
         preempted += out.preempted
         check(sched, out)
-        sched.update(out, fake_run(out, rng))
+        sched.update_from_output(out, fake_run(out, rng))
     assert preempted and set(preempted) <= {"b"}  # the most recently admitted goes first
     assert a.num_output_tokens == b.num_output_tokens == 12
     assert b.num_preemptions >= 1
@@ -158,7 +164,7 @@ def test_a_cached_prefix_is_found_again_and_counted() -> None:
         while sched.has_unfinished():
             out = sched.schedule()
             check(sched, out)
-            sched.update(out, fake_run(out, rng))
+            sched.update_from_output(out, fake_run(out, rng))
     assert r.num_cached_tokens == 12  # the second found the first's full blocks
     assert sched.kv.pool.num_free_blocks == 16
 

@@ -100,7 +100,7 @@ def test_shipped_eagle_head_is_lossless_and_accepts(smol: LLM, smollm2_path) -> 
     params = SamplingParams(temperature=0.0, max_tokens=48)
     want = [r.outputs[0].token_ids for r in smol.chat(convs, params)]
     assert [r.outputs[0].token_ids for r in spec.chat(convs, params)] == want
-    stats = spec.engine.proposer.stats
+    stats = spec.engine.drafter.stats["eagle"]
     assert stats.num_accepted_tokens > 0.1 * stats.num_draft_tokens  # a random head: ~0
 
 

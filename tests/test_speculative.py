@@ -156,7 +156,7 @@ def test_greedy_identical(llama_dir, heads, reference, head, kw) -> None:
     llm = spec_llm(llama_dir, heads[head], 3, **kw)
     outs = [r.outputs[0].token_ids for r in llm.generate(ps, GREEDY)]
     assert outs == ref
-    stats = llm.engine.proposer.stats
+    stats = llm.engine.drafter.stats["eagle"]
     assert stats.num_draft_tokens > 0
     assert llm.engine.kv.prefix_hits > 0  # shared prefixes hit; the draft's KV came along
     if "num_kv_blocks" in kw:
@@ -169,7 +169,7 @@ def test_oracle_drafts_accept_and_stay_identical(llama_dir, heads, reference, mo
     long acceptances, bonus tokens, max_tokens and stop-token endings inside a verified chunk."""
     ps, ref = reference
     llm = spec_llm(llama_dir, heads["random"], 4)
-    proposer = llm.engine.proposer
+    proposer = llm.engine.drafter.eagle
     expected = {}
     original = proposer._draft_tokens
     rng = random.Random(0)
@@ -200,7 +200,7 @@ def test_oracle_drafts_accept_and_stay_identical(llama_dir, heads, reference, mo
             assert out == ref[i][: ref[i].index(stops[i]) + 1]
         else:
             assert out == ref[i][: 5 + i]
-    stats = proposer.stats
+    stats = llm.engine.drafter.stats["eagle"]
     assert stats.mean_acceptance_length > 2.0
     assert stats.accepted_per_position[3] > 0  # full acceptances: bonus tokens
     assert llm.engine.kv.pool.num_free_blocks == 256
@@ -243,7 +243,7 @@ def test_sampling_distribution_unchanged(llama_dir, heads) -> None:
     plain = LLM(str(llama_dir), **kw).generate([prompt] * n, params)
     speculating = spec_llm(llama_dir, heads["identity"], 2, **kw)
     spec = speculating.generate([prompt] * n, params)
-    stats = speculating.engine.proposer.stats
+    stats = speculating.engine.drafter.stats["eagle"]
     assert stats.num_draft_tokens >= n  # every request verified drafts
     assert 0.1 * n < stats.num_accepted_tokens < 0.9 * n  # both paths ran often
     for pos in (1, 2):
@@ -323,7 +323,7 @@ def test_stop_strings_inside_a_verified_chunk(llama_dir, heads, reference, monke
     ]
     want = [(r.outputs[0].text, r.outputs[0].token_ids) for r in plain.generate(ps, params)]
     llm = spec_llm(llama_dir, heads["random"], 4)
-    proposer = llm.engine.proposer
+    proposer = llm.engine.drafter.eagle
     expected = {str(i): ref[i] for i in range(len(ps))}
     original = proposer._draft_tokens
 
@@ -342,7 +342,7 @@ def test_stop_strings_inside_a_verified_chunk(llama_dir, heads, reference, monke
     results = llm.generate(ps, params)
     assert [(r.outputs[0].text, r.outputs[0].token_ids) for r in results] == want
     assert sum(1 for r in results if r.outputs[0].finish_reason == "stop") > 6
-    assert proposer.stats.mean_acceptance_length > 2.0
+    assert llm.engine.drafter.stats["eagle"].mean_acceptance_length > 2.0
     assert llm.engine.kv.pool.num_free_blocks == 256
 
 
@@ -372,7 +372,7 @@ def test_step_costs_are_measured_at_startup(llama_dir, heads) -> None:
         str(llama_dir), speculative_model=str(heads["identity"]), num_speculative_tokens=3,
         num_kv_blocks=256, block_size=16, spec_cost_model=True, speculative_method="eagle",
     )  # fmt: skip
-    cost = llm.engine.proposer.cost
+    cost = llm.engine.drafter.cost
     assert cost is not None and cost.rows[0] == 1 and len(cost.rows) >= 4
     assert all(t > 0 for t in cost.target_s + cost.draft_s)
     assert llm.engine.info.spec_cost == cost.table()

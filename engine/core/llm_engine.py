@@ -1,8 +1,7 @@
-"""The synchronous engine: adds, aborts and steps requests. One step is
-schedule -> execute (forward, pool, sample: engine/runner/model_runner.py) -> update -> outputs ->
-propose. Building lives in `engine/build/builder.py`, text and stop strings in
-`engine/core/output_processor.py`. Single-threaded by design; `AsyncEngine` drives it from its
-own thread."""
+"""The synchronous engine: adds, aborts and steps requests. One step is schedule -> run
+(forward, pool, sample: engine/runner/model_runner.py) -> update (the scheduler's one exit) ->
+emit (engine/core/output_processor.py) -> draft (engine/spec/). Building lives in
+`engine/build/`. Single-threaded by design; `AsyncEngine` drives it from its own thread."""
 
 from __future__ import annotations
 
@@ -11,17 +10,13 @@ from dataclasses import dataclass
 
 from engine.build.builder import build_engine
 from engine.config import EngineConfig
+from engine.core.batch import StepUpdate
 from engine.core.engine_info import EngineInfo
-from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import RequestOutput
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import ParamError, SamplingParams
-from engine.core.scheduler import SchedulerOutput
 from engine.core.snapshot import EngineSnapshot, HostTierSnapshot, SpecSnapshot
 from engine.kv.host import SWAP_IN_BUCKETS
-from engine.kv.manager import KVCacheManager
-from engine.runner.runner_output import RunnerOutput
-from engine.spec.eagle import CatchUp, record_acceptance
 
 log = logging.getLogger("kvserve.engine")
 
@@ -42,10 +37,10 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
         self.host, self.kv, self.scheduler = parts.host, parts.kv, parts.scheduler
-        self.runner, self.proposer, self.drafter = parts.runner, parts.proposer, parts.drafter
+        self.runner, self.drafter = parts.runner, parts.drafter
         self.structured = parts.structured
         self.tp = parts.tp
-        self.outputs = OutputProcessor(parts.tokenizer, parts.scheduler, parts.kv.export_prompt)
+        self.outputs = parts.outputs
         self.stats = EngineStats()
 
     @property
@@ -173,138 +168,27 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One batch: schedule -> execute -> update -> outputs -> propose. A failure that
-        belongs to one request (non-finite logits, detokenizer error) fails that request only;
-        a failed forward fails the requests of that batch; the engine keeps serving. Failures
-        in scheduling itself are engine bugs and propagate."""
+        """One batch: schedule -> run -> update -> emit -> draft. A failure that belongs to one
+        request (non-finite logits, detokenizer error) fails that request only; a failed
+        forward fails the requests of that batch; the engine keeps serving. Failures in
+        scheduling itself are engine bugs and propagate."""
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
-        start = StepStart.of(scheduled, self.kv if self.proposer is not None else None)
         grammar = self.structured.step_mask(scheduled.scheduled) if self.structured else None
         ran = self.runner.execute(scheduled, grammar)
-        outputs = self._update(scheduled, ran, start)
-        outputs += self._outputs(ran, start)
+        update = self.scheduler.update_from_output(scheduled, ran)
+        self._count(update)
+        outputs = self.outputs.emit(update)
         if self.drafter is not None:
-            self._draft(scheduled, ran, start, outputs)
+            self.drafter.step(update, ran.hidden, ran.plan)
         return outputs
 
-    def _update(
-        self, scheduled: SchedulerOutput, ran: RunnerOutput, start: StepStart
-    ) -> list[RequestOutput]:
-        """The step's results enter the requests: failures end theirs (their outputs are
-        returned), tokens are appended (the scheduler), grammars advance, embeddings end."""
-        failed = [self._fail(request, why) for request, why in ran.failed]
+    def _count(self, update: StepUpdate) -> None:
         self.stats.steps += 1
         self.stats.prompt_tokens += sum(
-            max(0, min(s.request.num_prompt_tokens - s.request.num_computed_tokens,
+            max(0, min(s.request.num_prompt_tokens - update.first[s.request.request_id],
                        s.num_new_tokens))
-            for s in scheduled.scheduled
+            for s in update.scheduled.scheduled
         )  # fmt: skip
-        self.scheduler.update(scheduled, ran.token_ids())
-        if self.structured is not None:
-            emitted = [(s.request, start.new_tokens(s.request)) for s, _ in ran.sampled]
-            for request in self.structured.advance(emitted):
-                self.scheduler.finish(request.request_id, FinishReason.STOP)
-        for request, _ in ran.pooled:  # an embedding request ends with its prefill
-            self.scheduler.finish(request.request_id, FinishReason.STOP)
-        return failed
-
-    def _outputs(self, ran: RunnerOutput, start: StepStart) -> list[RequestOutput]:
-        for request, first, entries in ran.scored:
-            self.outputs.add_prompt_logprobs(request, first, entries)
-        outputs = [self.outputs.pooled_output(r, vector) for r, vector in ran.pooled]
-        for s, res in ran.sampled:
-            request = s.request
-            tokens = start.new_tokens(request)
-            self.stats.generation_tokens += len(tokens)
-            try:
-                outputs.append(
-                    self.outputs.step_output(request, tokens, res.logprobs[: len(tokens)])
-                )
-            except Exception:
-                log.exception("request %s: output processing failed", request.request_id)
-                outputs.append(self._fail(request, "detokenization failed"))
-        return outputs
-
-    def _draft(
-        self,
-        scheduled: SchedulerOutput,
-        ran: RunnerOutput,
-        start: StepStart,
-        outputs: list[RequestOutput],
-    ) -> None:
-        """Record how many drafts the target kept; let the draft head catch up and draft (when
-        it is a source); pick each decoding request's drafts for the next step."""
-        assert self.drafter is not None
-        for s, res in ran.sampled:
-            if s.num_spec:
-                kept = len(res.token_ids) - 1
-                drafts = s.request.drafts
-                if self.proposer is not None and drafts is not None and drafts.source == "eagle":
-                    self.proposer.stats.record(s.num_spec, kept)  # the head's own adaptive k
-                    record_acceptance(s.request, s.num_spec, kept)
-                self.drafter.record(s.request, s.num_spec, kept)
-        if self.proposer is not None and ran.hidden is not None:
-            self._propose(scheduled, ran, start, outputs)
-        decoding = [s.request for s, _ in ran.sampled if not s.request.is_finished]
-        self.drafter.propose(decoding)
-        for request in self.scheduler.finished_this_step.values():
-            self.drafter.finished(request)
-
-    def _propose(
-        self,
-        scheduled: SchedulerOutput,
-        ran: RunnerOutput,
-        start: StepStart,
-        outputs: list[RequestOutput],
-    ) -> None:
-        """Catch the draft's KV up over what the target kept this step; draft for next step.
-        Finished requests catch up too: their cached blocks keep complete draft KV."""
-        assert self.proposer is not None and ran.hidden is not None
-        failed = {o.request_id for o in outputs if o.error is not None}
-        sampled = {s.request.request_id for s, _ in ran.sampled}
-        items, row = [], 0
-        for s in scheduled.scheduled:
-            r = s.request
-            first = start.counts[r.request_id][0]
-            kept = r.num_computed_tokens - first
-            if r.request_id not in failed and kept > 0:
-                # only a chunk that sampled proposes: it alone got lookahead slots
-                features = ran.hidden[row : row + kept]
-                items.append(CatchUp(r, first, features, r.request_id in sampled))
-            row += s.num_new_tokens
-        proposing = [i.request for i in items if i.propose and not i.request.is_finished]
-        acceptance = sum(r.spec_acceptance for r in proposing) / max(1, len(proposing))
-        k = self.proposer.choose_k(len(proposing), acceptance)
-        whole_step = len(items) == len(scheduled.scheduled) and all(
-            i.features.shape[0] == s.num_new_tokens for i, s in zip(items, scheduled.scheduled)
-        )
-        self.proposer.run(items, start.tables, k, self.runner.last_plan if whole_step else None)
-
-    def _fail(self, request: Request, message: str) -> RequestOutput:
-        self.scheduler.finish(request.request_id, FinishReason.ERROR)
-        return self.outputs.final_output(request, error=message)
-
-
-@dataclass(slots=True)
-class StepStart:
-    """Where each scheduled request stood before the step: (num_computed_tokens, num_tokens)
-    by request id, and, for the proposer, the block tables (a request that finishes this step
-    frees its table, but its draft KV still catches up into those blocks)."""
-
-    counts: dict[str, tuple[int, int]]
-    tables: dict[str, list[int]]
-
-    @classmethod
-    def of(cls, scheduled: SchedulerOutput, kv: KVCacheManager | None) -> StepStart:
-        counts = {
-            s.request.request_id: (s.request.num_computed_tokens, s.request.num_tokens)
-            for s in scheduled.scheduled
-        }
-        tables = {rid: kv.block_ids(rid) for rid in counts} if kv is not None else {}
-        return cls(counts, tables)
-
-    def new_tokens(self, request: Request) -> list[int]:
-        """The tokens the step appended to `request`."""
-        return request.all_token_ids[self.counts[request.request_id][1] :]
+        self.stats.generation_tokens += sum(len(e.token_ids) for e in update.emitted)

@@ -1,7 +1,8 @@
-"""From sampled tokens to what a caller sees: incremental text, stop strings, and the one
-`RequestOutput` factory. Runs on the engine thread after the scheduler has appended the step's
-tokens and before the draft head proposes, so a stop string ends a request before anything is
-drafted from tokens that will be dropped."""
+"""From a step's update to what a caller sees: incremental text, stop strings, and the one
+`RequestOutput` factory. Runs on the engine thread: the scheduler's one exit asks
+`match_stop` where a stop string cuts a request's new tokens (so it ends before anything is
+drafted from tokens that will be dropped), then `emit` turns the `StepUpdate` into outputs.
+Nothing here ends a request."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from collections.abc import Callable
 
 import torch
 
+from engine.core.batch import StepUpdate
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.outputs import RequestOutput
-from engine.core.request import FinishReason, Request
-from engine.core.scheduler import Scheduler
+from engine.core.request import Request
 from engine.runner.sampler import TokenLogprobs
 from models.tokenizer import Tokenizer
 
@@ -55,11 +56,9 @@ class OutputProcessor:
     def __init__(
         self,
         tokenizer: Tokenizer | None,
-        scheduler: Scheduler,
         export_kv: Callable[[Request], list[tuple[bytes, bytes]]],
     ) -> None:
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
         # a finished request whose params ask for it carries its prompt's KV blocks out (P/D);
         # its blocks were freed this step but stay cached: nothing evicts them before the next
         # allocation
@@ -83,36 +82,38 @@ class OutputProcessor:
             params.include_stop_str_in_output,
         )
 
-    def add_prompt_logprobs(
-        self, request: Request, first: int, entries: list[TokenLogprobs]
-    ) -> None:
-        """A chunk's prompt logprobs: entries for the tokens at first + 1, first + 2, ..."""
-        held = self.prompt_logprobs.get(request.request_id)
-        if held is not None:
-            held[first + 1 : first + 1 + len(entries)] = entries
+    def match_stop(self, request: Request, tokens: list[int]) -> tuple[int, str] | None:
+        """Feed the request's new tokens to its detokenizer; where a stop string ends inside
+        them: (how many tokens to keep, the string). Under speculation several tokens arrive
+        at once."""
+        detok = self.detokenizers.get(request.request_id)
+        if detok is None:
+            return None
+        for j, token in enumerate(tokens):
+            matched = detok.add([token])
+            if matched is not None:
+                return j + 1, matched
+        return None
+
+    def emit(self, update: StepUpdate) -> list[RequestOutput]:
+        """The step's outputs: failures (with why), embeddings, and each sampling request's
+        delta; prompt logprobs ride on a request's first output after its prefill."""
+        outputs = [self.final_output(r, error=why) for r, why in update.failed]
+        for request, first, entries in update.scored:
+            held = self.prompt_logprobs.get(request.request_id)
+            if held is not None:  # entries for the tokens at first + 1, first + 2, ...
+                held[first + 1 : first + 1 + len(entries)] = entries
+        outputs += [self.pooled_output(r, vector) for r, vector in update.pooled]
+        outputs += [self.step_output(e.request, e.token_ids, e.logprobs) for e in update.emitted]
+        return outputs
 
     def step_output(
-        self, request: Request, tokens: list[int], lps: list[TokenLogprobs | None]
+        self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs]
     ) -> RequestOutput:
-        """The step's delta for a request. Under speculation several tokens arrive at once; a
-        stop string matched inside them cuts the request there (through the scheduler)."""
+        """The step's delta for a request whose tokens the scheduler has applied."""
         detok = self.detokenizers.get(request.request_id)
-        if detok is not None:
-            for j, token in enumerate(tokens):
-                matched = detok.add([token])
-                if matched is None:
-                    continue
-                kept = j + 1
-                self.scheduler.finish(
-                    request.request_id,
-                    FinishReason.STOP,
-                    matched,
-                    num_tokens=request.num_tokens - (len(tokens) - kept),
-                )
-                tokens, lps = tokens[:kept], lps[:kept]
-                break
         text = detok.flush(request.is_finished) if detok is not None else ""
-        out = request_output(request, tokens, text, [lp for lp in lps if lp is not None])
+        out = request_output(request, tokens, text, logprobs)
         # the first output after the prefill carries the whole prompt's
         out.prompt_logprobs = self.prompt_logprobs.pop(request.request_id, None)
         if request.is_finished:

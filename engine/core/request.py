@@ -60,7 +60,6 @@ class Request:
     # requests their draft distributions q [k, vocab].
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
-    spec_acceptance: float = 0.7  # running per-draft acceptance rate (adaptive k)
     drafts: DraftState | None = None  # which source drafts, and how well each did
     # constrained decoding: the grammar's state after this request's output tokens
     matcher: GrammarMatcher | None = None

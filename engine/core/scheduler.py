@@ -16,51 +16,37 @@ cache needs only its suffix), then running requests' long prefill chunks, then t
 waiting queue. A prefix hit's TTFT then no longer waits behind other requests' long prompts; the
 long prefills lose only the tokens the short ones take from one step's budget.
 
-The scheduler owns every request's token list and status: a request finishes only through
-`finish` (token stops in `update`, stop strings found by output processing, aborts, failures).
+The scheduler owns every request's token list and status, and a step has one exit:
+`update_from_output` applies the runner's output (counters, tokens, token stops, stop strings
+through the output processor's detokenizers, grammar ends, embeddings, failures) and returns
+the step's `StepUpdate`. A request finishes only through `finish`, called from there or by an
+abort from outside the step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Protocol
 
+from engine.core.batch import Emitted, ScheduledRequest, SchedulerOutput, StepUpdate
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.kv.manager import KVCacheManager
+from engine.runner.runner_output import RunnerOutput
+
+log = logging.getLogger("kvserve.engine")
+
+# A request's new tokens -> (how many to keep, the stop string matched), when a stop string
+# ends inside them (the output processor's detokenizers match them on the text)
+StopStrings = Callable[[Request, list[int]], "tuple[int, str] | None"]
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # includes num_spec draft tokens
-    num_spec: int = 0
-
-    @property
-    def reaches_end(self) -> bool:
-        """True when this chunk reaches the end of the request's tokens."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens - self.num_spec == r.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk yields logits: it reaches the end of a generating request."""
-        return self.reaches_end and self.request.sampling_params.pooling is None
-
-    @property
-    def pools(self) -> bool:
-        """True when this chunk ends an embedding request's prefill (engine/runner/pooling.py)."""
-        return self.reaches_end and self.request.sampling_params.pooling is not None
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+class Grammars(Protocol):
+    def advance(self, request: Request, tokens: list[int]) -> bool:
+        """The request's grammar takes its new tokens; True when it has reached its end."""
+        ...
 
 
 class Scheduler:
@@ -72,8 +58,12 @@ class Scheduler:
         preempt_by_swap: bool = False,
         num_lookahead_tokens: int = 0,
         short_prefill_tokens: int = 0,
+        stop_strings: StopStrings | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.kv = kv
+        self.stop_strings = stop_strings
+        self.grammars = grammars
         self.short_prefill_tokens = short_prefill_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
         self.preempt_by_swap = preempt_by_swap
@@ -82,8 +72,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # requests that ended since the last schedule(): output processing may still cut them
+        # requests that ended since the last schedule(), with their block tables before the free
         self.finished_this_step: dict[str, Request] = {}
+        self.freed_tables: dict[str, list[int]] = {}
         self.num_preemptions = 0
 
     # ---- queue management --------------------------------------------------------------------
@@ -114,6 +105,7 @@ class Scheduler:
             elif request.status == RequestStatus.WAITING:
                 self.waiting.remove(request)
             request.status = RequestStatus.FINISHED
+            self.freed_tables[request_id] = self.kv.block_ids(request_id)
             self.kv.free(request)
             self.finished_this_step[request_id] = request
         request.finish_reason = reason
@@ -143,6 +135,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.kv.begin_step()
         self.finished_this_step.clear()
+        self.freed_tables.clear()
 
         if self.short_prefill_tokens > 0:
             budget = self._schedule_running(out, budget, prefills=False)
@@ -234,23 +227,71 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
-        """Advance counters after the forward, append the step's tokens (one, or under
-        speculation the accepted drafts plus the target's own token), stop at the first
-        token-level stop (the request finishes: its blocks are freed now), and roll
-        `num_computed_tokens` back over rejected drafts."""
+    def update_from_output(self, out: SchedulerOutput, ran: RunnerOutput) -> StepUpdate:
+        """The one exit of a step. Failures end their requests; counters advance and roll back
+        over rejected drafts; each sampling request's tokens are appended up to the first
+        token stop, cut at a stop string, and taken by its grammar; embedding requests end
+        with their prefill. Returns what the step emitted and who finished."""
+        update = StepUpdate(out, pooled=ran.pooled, scored=ran.scored)
+        for request, why in ran.failed:
+            self.finish(request.request_id, FinishReason.ERROR)
+            update.failed.append((request, why))
+        sampled = {s.request.request_id: res for s, res in ran.sampled}
         for item in out.scheduled:
             request = item.request
+            update.first[request.request_id] = request.num_computed_tokens
             request.num_computed_tokens += item.num_new_tokens - item.num_spec
             request.spec_token_ids, request.spec_probs = [], None
-            tokens = sampled.get(request.request_id)
-            if not tokens:
+            res = sampled.get(request.request_id)
+            if res is None or request.is_finished:
                 continue
-            for j, token in enumerate(tokens):
-                if j:  # an accepted draft: its KV (computed in this forward) is kept
-                    request.num_computed_tokens += 1
-                request.append_token(token)
-                reason = request.check_stop()
-                if reason is not None:
-                    self.finish(request.request_id, reason)
-                    break
+            tokens = self._append(request, res.token_ids)
+            tokens = self._cut_at_stop_string(request, tokens, update)
+            if tokens is None:
+                continue
+            if self.grammars is not None and request.matcher is not None:
+                if self.grammars.advance(request, tokens) and not request.is_finished:
+                    self.finish(request.request_id, FinishReason.STOP)
+            logprobs = [lp for lp in res.logprobs[: len(tokens)] if lp is not None]
+            kept = len(res.token_ids) - 1  # drafts the verifier accepted
+            update.emitted.append(Emitted(request, tokens, logprobs, item.num_spec, kept))
+        for request, _ in ran.pooled:
+            self.finish(request.request_id, FinishReason.STOP)
+        update.finished = list(self.finished_this_step.values())
+        update.tables = dict(self.freed_tables)
+        return update
+
+    def _append(self, request: Request, tokens: list[int]) -> list[int]:
+        """Append the step's tokens (one, or under speculation the accepted drafts plus the
+        target's own) up to the first token stop (the request finishes there)."""
+        for j, token in enumerate(tokens):
+            if j:  # an accepted draft: its KV (computed in this forward) is kept
+                request.num_computed_tokens += 1
+            request.append_token(token)
+            reason = request.check_stop()
+            if reason is not None:
+                self.finish(request.request_id, reason)
+                return tokens[: j + 1]
+        return tokens
+
+    def _cut_at_stop_string(
+        self, request: Request, tokens: list[int], update: StepUpdate
+    ) -> list[int] | None:
+        """The tokens kept once stop strings are matched on their text (what follows a stop
+        string was never generated, as far as anyone can tell); None when detokenizing them
+        failed (the request fails alone)."""
+        if self.stop_strings is None:
+            return tokens
+        try:
+            cut = self.stop_strings(request, tokens)
+        except Exception:  # noqa: BLE001 - one request's text, not the engine's
+            log.exception("request %s: detokenization failed", request.request_id)
+            self.finish(request.request_id, FinishReason.ERROR)
+            update.failed.append((request, "detokenization failed"))
+            return None
+        if cut is None:
+            return tokens
+        kept, matched = cut
+        self.finish(request.request_id, FinishReason.STOP, matched,
+                    num_tokens=request.num_tokens - (len(tokens) - kept))  # fmt: skip
+        return tokens[:kept]

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.core.batch import ScheduledRequest, SchedulerOutput
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine

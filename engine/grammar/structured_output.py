@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.core.batch import ScheduledRequest
 from engine.core.request import Request
 from engine.core.sampling_params import GrammarSpec, ParamError
-from engine.core.scheduler import ScheduledRequest
 from engine.grammar.object_properties import balance_object_properties
 from engine.grammar.token_bitmask import apply_bitmask
 from engine.runner.runner_output import GrammarMask, logits_spans
@@ -257,19 +257,16 @@ class StructuredOutputs:
         if rows:
             apply_bitmask(logits, self.fill(matchers), rows)
 
-    def advance(self, emitted: list[tuple[Request, list[int]]]) -> list[Request]:
-        """Each constrained request's grammar takes the tokens it emitted this step; returns
-        the requests whose grammar has reached its end (they end, even under ignore_eos)."""
-        ended = []
-        for r, tokens in emitted:
-            if r.matcher is None:
-                continue
-            for token in tokens:
-                if r.matcher.is_terminated():
-                    break
-                if not r.matcher.accept_token(token):
-                    log.error("request %s: grammar refused sampled token %d", r.request_id, token)
-                    break
-            if r.matcher.is_terminated() and not r.is_finished:
-                ended.append(r)
-        return ended
+    def advance(self, request: Request, tokens: list[int]) -> bool:
+        """A constrained request's grammar takes the tokens it emitted this step; True when the
+        grammar has reached its end (the request ends, even under ignore_eos)."""
+        m = request.matcher
+        if m is None:
+            return False
+        for token in tokens:
+            if m.is_terminated():
+                break
+            if not m.accept_token(token):
+                log.error("request %s: grammar refused sampled token %d", request.request_id, token)
+                break
+        return m.is_terminated()

@@ -38,9 +38,12 @@ class HostTier:
         capacity_bytes: int,
         disk: DiskTier | None = None,
         num_blocks: int | None = None,
+        mirror: Callable[[str, list[int], list[int]], None] | None = None,
     ) -> None:
         """`num_blocks` overrides the count `capacity_bytes` gives (tensor parallelism: every
-        rank holds the same slots, each of its own shard's size)."""
+        rank holds the same slots, each of its own shard's size); `mirror(direction, a, b)`
+        tells the other ranks each copy ("out": device blocks a into slots b; "in": slots a
+        into device blocks b), so every rank copies its own shard."""
         self.device_caches = device_caches
         self.block_dim = block_dim
         shapes = [c.shape[:block_dim] + c.shape[block_dim + 1 :] for c in device_caches]
@@ -50,8 +53,7 @@ class HostTier:
         self.num_blocks = max(0, capacity_bytes // self.block_bytes) if self.block_bytes else 0
         if num_blocks is not None:
             self.num_blocks = num_blocks
-        # tensor parallelism: tells the other ranks each copy between device and storage
-        self.mirror: Callable[..., None] | None = None
+        self.mirror = mirror
         pin = bool(device_caches) and device_caches[0].is_cuda
         # Written once here so the pages are resident from the start: the tier's memory is
         # reserved at startup (an over-sized --host-bytes fails now, not mid-run), and the
@@ -129,7 +131,7 @@ class HostTier:
         """Device blocks into storage slots, pairwise. Under tensor parallelism rank 0 decides
         and every rank copies its own shard (`mirror`)."""
         if self.mirror is not None:
-            self.mirror("kv_out", list(device_blocks), list(slots))
+            self.mirror("out", list(device_blocks), list(slots))
         order = sorted(range(len(slots)), key=slots.__getitem__)  # storage order: long runs
         src = torch.tensor([device_blocks[i] for i in order], device=self.device_caches[0].device)
         runs = _runs([slots[i] for i in order])
@@ -179,7 +181,7 @@ class HostTier:
     def copy_in(self, slots: Sequence[int], device_blocks: Sequence[int]) -> None:
         """Storage slots into device blocks, pairwise (mirrored like `copy_out`)."""
         if self.mirror is not None:
-            self.mirror("kv_in", list(slots), list(device_blocks))
+            self.mirror("in", list(slots), list(device_blocks))
         order = sorted(range(len(slots)), key=slots.__getitem__)
         runs = _runs([slots[i] for i in order])
         device = self.device_caches[0].device

@@ -32,14 +32,23 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from engine.config import EngineConfig
+from engine.parallel.messages import (
+    CopyPrefix,
+    KVCopy,
+    Report,
+    Setup,
+    Stop,
+    ToWorker,
+    WorkerBuild,
+)
 from engine.parallel.shm_allreduce import ShmAllReduce
 from models.layers import Linear
 from models.spec import ModelSpec
@@ -50,17 +59,6 @@ log = logging.getLogger("kvserve.engine")
 # A collective waits at most this long for the other ranks (they are all inside the same step,
 # so this bounds one layer's compute, not an idle server).
 COLLECTIVE_TIMEOUT_S = 300
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerBuild:
-    """What rank 0 decided that a worker's pool must match: every rank holds the same blocks."""
-
-    backend: str
-    block_size: int
-    num_blocks: int
-    kv_dtype: torch.dtype
-    host_blocks: int
 
 
 def free_port() -> int:
@@ -129,7 +127,7 @@ def threads_per_rank(world: int) -> int:
 class TPGroup:
     """Rank 0's handle on the other ranks: start, broadcast, watch, stop."""
 
-    def __init__(self, plan: TPPlan, config: Any, device: torch.device):
+    def __init__(self, plan: TPPlan, config: EngineConfig, device: torch.device):
         self.plan = plan
         self.world = plan.world
         self.on_lost: Callable[[BaseException], None] | None = None
@@ -179,7 +177,7 @@ class TPGroup:
             self.conns += self._accept(server, key, timeout)
             port = free_port()
             shm = self.reducer.name if self.reducer is not None else None
-            self.send("setup", config, plan, port, str(device), threads, shm)
+            self.send(Setup(config, plan, port, str(device), threads, shm))
             self._await("joining", timeout)
             self.group = meet(0, self.world, port, device, timeout)
         except BaseException:
@@ -262,12 +260,16 @@ class TPGroup:
         """The partial-block copy (src, dst, tokens), done on every rank."""
 
         def copy_everywhere(src: int, dst: int, num_tokens: int) -> None:
-            self.send("copy_prefix", src, dst, num_tokens)
+            self.send(CopyPrefix(src, dst, num_tokens))
             copy(src, dst, num_tokens)
 
         return copy_everywhere
 
-    def _await(self, what: str, timeout_s: float) -> list[Any]:
+    def mirror_kv(self, direction: Literal["out", "in"], a: list[int], b: list[int]) -> None:
+        """A host-tier copy rank 0 decided, done by every rank on its own shard."""
+        self.send(KVCopy(direction, a, b))
+
+    def _await(self, what: str, timeout_s: float) -> list[str | None]:
         """Each worker's next message, which must be `what`; a worker that reports a failure,
         dies or stays silent past `timeout_s` is a RuntimeError naming it."""
         deadline = time.monotonic() + timeout_s
@@ -280,22 +282,22 @@ class TPGroup:
                         f"tensor-parallel rank {rank} was not {what} within {timeout_s:.0f} s"
                     )
             try:
-                kind, payload = conn.recv()
+                report: Report = conn.recv()
             except EOFError:
                 code = self.procs[rank - 1].wait(5)
                 raise RuntimeError(
                     f"tensor-parallel rank {rank} died (code {code}) before {what}"
                 ) from None
-            if kind == "failed":
-                raise RuntimeError(f"tensor-parallel rank {rank} failed: {payload}")
-            assert kind == what, (kind, what)
-            replies.append(payload)
+            if report.state == "failed":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed: {report.detail}")
+            assert report.state == what, (report, what)
+            replies.append(report.detail)
         return replies
 
-    def start_serving(self, build: WorkerBuild, timeout_s: float) -> list[Any]:
+    def start_serving(self, build: WorkerBuild, timeout_s: float) -> list[str | None]:
         """Hand the workers rank 0's pool decisions, wait until each has built and warmed up
         its shard, then watch them. Returns each worker's summary."""
-        self.send("build", build)
+        self.send(build)
         replies = self._await("ready", timeout_s)
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(
@@ -304,7 +306,7 @@ class TPGroup:
             ).start()  # fmt: skip
         return replies
 
-    def send(self, *msg: Any) -> None:
+    def send(self, msg: ToWorker) -> None:
         """One message to every worker, in order with all the others."""
         for conn in self.conns:
             conn.send(msg)
@@ -337,7 +339,7 @@ def _watch(group: weakref.ref[TPGroup], rank: int, proc: subprocess.Popen) -> No
         owner._rank_exited(rank, code)
 
 
-def refusal(config: Any) -> str | None:
+def refusal(config: EngineConfig) -> str | None:
     """Why these settings cannot run tensor parallel, or None."""
     if config.quantization in ("int8", "int4", "int8wo"):
         return (
@@ -349,7 +351,7 @@ def refusal(config: Any) -> str | None:
     return None
 
 
-def start_ranks(config: Any) -> TPGroup | None:
+def start_ranks(config: EngineConfig) -> TPGroup | None:
     """The other ranks, started and met (None for one rank); ValueError for a model or
     settings that cannot be split."""
     n = config.tensor_parallel_size
@@ -373,7 +375,7 @@ def _stop(
     closing.set()
     for conn in conns:
         try:
-            conn.send(("stop",))
+            conn.send(Stop())
         except (OSError, ValueError):
             pass  # already gone
     deadline = time.monotonic() + 5

@@ -11,8 +11,9 @@ import logging
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
-from engine.core.scheduler import SchedulerOutput
+from engine.core.batch import SchedulerOutput
 from engine.kv.manager import KVCacheManager
+from engine.parallel.messages import Step
 from engine.parallel.tensor_parallel import TPGroup
 from engine.runner.cuda_graphs import CudaGraphs
 from engine.runner.runner_output import GrammarMask, RunnerOutput, pool, sample_step, score_prompts
@@ -49,6 +50,7 @@ class ModelRunner:
         kv: KVCacheManager,
         device: torch.device,
         aux_layers: tuple[int, ...] = (),
+        tp: TPGroup | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -56,12 +58,9 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.aux_layers = aux_layers
-        # The last step's positions and attention plan: the draft head's catch-up reuses them
-        # when it covers exactly the step's tokens (no rejected drafts), saving a second plan.
-        self.last_plan: tuple[torch.Tensor, AttentionStep] | None = None
         self.graphs: CudaGraphs | None = None
         # tensor parallelism: the other ranks run each step's forward on their shards
-        self.tp: TPGroup | None = None
+        self.tp = tp
 
     def capture_cuda_graphs(
         self, max_num_seqs: int, max_model_len: int, scratch_block: int
@@ -112,7 +111,7 @@ class ModelRunner:
                 logits_rows.extend(range(end - 1 - item.num_spec, end))
         every_row = logits_rows == list(range(len(token_ids)))
         if self.tp is not None:  # both callers run the forward next, which the ranks join
-            self.tp.send("step", seqs, token_ids, logits_rows if shared_logits else [])
+            self.tp.send(Step(seqs, token_ids, logits_rows if shared_logits else []))
         input_ids, positions, meta, index = step_inputs(
             seqs, self.block_size, self.device, token_ids, None if every_row else logits_rows
         )
@@ -131,7 +130,7 @@ class ModelRunner:
         fails the batch's requests (in the output); the engine keeps serving."""
         result = RunnerOutput()
         try:
-            logits, hidden = self.forward(out)
+            logits, hidden, result.plan = self.forward(out)
         except Exception:  # noqa: BLE001 - one batch's failure, not the engine's
             if self.tp is not None:
                 raise  # the ranks are out of step (or one is gone): nothing can serve on
@@ -152,23 +151,26 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, AttentionStep] | None]:
         """Run the step's forward. Returns the logits [rows, vocab] (float32) of the rows that
-        sample, in scheduled order, and every token's hidden state (the draft head's features:
-        [tokens, hidden], or [tokens, hidden * (1 + len(aux_layers))])."""
+        sample, in scheduled order, every token's hidden state (the draft head's features:
+        [tokens, hidden], or [tokens, hidden * (1 + len(aux_layers))]), and the positions and
+        plan it ran with (None under a CUDA graph)."""
         input_ids, positions, meta, rows, index = self._prepare(out)
+        plan = None
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
-            self.last_plan = None  # the graph's plan lives in its own buffers
         else:
             attn = self.backend.plan(meta)
-            self.last_plan = (positions, attn)
+            plan = (positions, attn)
             hidden = self.model(input_ids, positions, attn, self.aux_layers)
         if not rows:
-            return hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32), hidden
+            empty = hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32)
+            return empty, hidden, plan
         final = hidden[:, : self.model.spec.hidden_size]
         if index is not None:
             final = final.index_select(0, index)
-        if self.tp is not None:
-            return self.tp.logits(final), hidden
-        return self.model.compute_logits(final), hidden
+        logits = self.tp.logits(final) if self.tp is not None else self.model.compute_logits(final)
+        return logits, hidden, plan

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention.base import AttentionStep
+from engine.core.batch import ScheduledRequest
 from engine.core.request import Request
-from engine.core.scheduler import ScheduledRequest
 from engine.grammar.token_bitmask import apply_bitmask
 from engine.runner.pooling import normalize
 from engine.runner.sampler import SamplerOutput, TokenLogprobs, sample
@@ -37,7 +38,9 @@ class RunnerOutput:
     their normalised vectors (float32, CPU); `scored`: the prompt logprobs this step's chunks
     computed, for requests that score their prompt; `failed`: requests that failed alone, with why;
     `hidden`: every scheduled token's hidden state (the draft head's features), None when the
-    forward itself failed."""
+    forward itself failed; `plan`: the forward's positions and attention plan (None for a CUDA
+    graph's, which lives in its own buffers), which the draft head's catch-up reuses when it
+    covers exactly the step's tokens."""
 
     sampled: list[tuple[ScheduledRequest, SamplerOutput]] = field(default_factory=list)
     pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
@@ -45,9 +48,7 @@ class RunnerOutput:
     scored: list[tuple[Request, int, list[TokenLogprobs]]] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)
     hidden: torch.Tensor | None = None
-
-    def token_ids(self) -> dict[str, list[int]]:
-        return {s.request.request_id: r.token_ids for s, r in self.sampled}
+    plan: tuple[torch.Tensor, AttentionStep] | None = None
 
 
 def logits_spans(scheduled: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int, int]]:

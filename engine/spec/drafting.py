@@ -8,13 +8,17 @@ accepted tokens among those the server has.
   its prompt and output, else in the recent outputs of requests with the same cache salt
   (engine/spec/suffix_index.py): a tenant's drafts never come from another's outputs, so the time a
   request takes says nothing about what others were told.
-- eagle: the draft head's chain (engine/spec/eagle.py `Proposer`, run before this picks).
+- eagle: the draft head's chain (engine/spec/eagle.py), run by this drafter before it picks,
+  as deep as the measured costs make worthwhile.
 
 A source's running acceptance per request (alpha: the share of its drafts the target kept)
 bounds how deep it drafts (draft j survives with probability ~alpha^j; below MIN_GAIN a row
 costs more than it returns) and gives its expected accepted length, alpha + ... + alpha^L.
 Grammar and suffix drafts are deterministic (q is one-hot): the verifier accepts draft d with
 probability p(d) and otherwise samples p without d, so sampling stays exactly the target's.
+
+The drafter is the one speculation controller: one acceptance record per request and source
+(`DraftState`), one k per step (`current_k`, what /metrics exports), one cost model.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+import torch
+
+from engine.core.batch import StepUpdate
 from engine.core.request import Request
 from engine.spec.cost import SpecCostModel
-from engine.spec.draft_state import DraftState
-from engine.spec.eagle import SpecStats, useful_depth
+from engine.spec.draft_state import DraftState, SpecStats, expected_accepted, useful_depth
+from engine.spec.eagle import EagleDrafts, StepPlan
 from engine.spec.suffix_index import NGRAM_SIZES, RecentOutputs, SuffixIndex
 
 MAX_SALTS = 64  # tenants / applications with recent outputs kept
@@ -33,13 +40,11 @@ RECENT_TOKENS_PER_SALT = 1 << 15
 SHORT_MATCH = 3  # a match of fewer tokens drafts at most this many: it is a weak guess
 
 
-def expected_accepted(alpha: float, length: int) -> float:
-    return sum(alpha**j for j in range(1, length + 1))
-
-
 class Drafter:
-    """Picks each decoding request's drafts among `sources` after the step's outputs, records
-    how many the verifier kept, and remembers finished outputs for suffix drafts."""
+    """After each step: records how many drafts the verifier kept, runs the draft head (when
+    it is a source), picks each decoding request's drafts among `sources`, and remembers
+    finished outputs for suffix drafts. `cost`: the measured step costs (None: the row cap
+    alone sizes k); `encode`: the model's tokenizer, for grammar drafts."""
 
     def __init__(
         self,
@@ -48,7 +53,9 @@ class Drafter:
         max_verify_rows: int,
         cost: SpecCostModel | None = None,
         encode: Callable[[str], list[int]] | None = None,
+        eagle: EagleDrafts | None = None,
     ) -> None:
+        self.eagle = eagle
         self.sources = sources
         self.max_tokens = max_tokens
         self.max_verify_rows = max_verify_rows
@@ -62,14 +69,42 @@ class Drafter:
         # bench/speculative.py), which serve where there is no tokenizer
         self.encode = encode
 
+    def step(self, update: StepUpdate, hidden: torch.Tensor | None, plan: StepPlan | None) -> None:
+        """Everything speculation does after a step's update: record what verification kept,
+        let the head catch up and chain (`hidden`: the step's features, None when its forward
+        failed), pick each decoding request's drafts for the next step."""
+        for e in update.emitted:
+            if e.num_drafted:
+                self.record(e.request, e.num_drafted, e.num_accepted)
+        decoding = [e.request for e in update.emitted if not e.request.is_finished]
+        for r in decoding:
+            if r.drafts is None:
+                r.drafts = DraftState(SuffixIndex(r.all_token_ids))
+        if self.eagle is not None and hidden is not None:
+            self.eagle.catch_up_and_draft(update, hidden, plan, self.eagle_depth(decoding))
+        self.propose(decoding)
+        for request in update.finished:
+            self.finished(request)
+
+    def eagle_depth(self, proposing: list[Request]) -> int:
+        """How deep the head chains this step for `proposing` requests at their mean eagle
+        acceptance: by the measured costs (drafting itself costs a head step per depth), else
+        the row cap alone; `propose` may cut it further."""
+        if not proposing:
+            return self.max_tokens
+        alpha = sum(r.drafts.acceptance["eagle"] for r in proposing if r.drafts) / len(proposing)
+        n = len(proposing)
+        if self.cost is not None:
+            return self.cost.best_k(n, alpha, self.max_tokens, self.max_verify_rows)
+        return max(0, min(self.max_tokens, self.max_verify_rows // n - 1))
+
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """The verifier kept `num_accepted` of the request's `num_drafted` drafts."""
         state = request.drafts
         if state is None or state.source is None or not num_drafted:
             return
         self.stats[state.source].record(num_drafted, num_accepted)
-        a = state.acceptance[state.source]
-        state.acceptance[state.source] = 0.7 * a + 0.3 * (num_accepted / num_drafted)
+        state.record(state.source, num_drafted, num_accepted)
 
     def total_stats(self) -> SpecStats:
         total = SpecStats()
@@ -94,7 +129,7 @@ class Drafter:
 
     def propose(self, requests: list[Request]) -> None:
         """Set each request's `spec_token_ids` (and `spec_probs`) for the next step. EAGLE's
-        drafts, when that source is on, are already there (the proposer ran first). Each
+        drafts, when that source is on, are already there (the head ran first). Each
         request's best candidate is found at full depth; then one k for the step caps them all
         (`step_k`), and the pick is applied."""
         if 2 * len(requests) > self.max_verify_rows:

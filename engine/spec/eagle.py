@@ -1,5 +1,7 @@
-"""EAGLE speculative decoding: the proposer (draft head, batched across requests). The lossless
-verifier every draft source shares is engine/spec/verify.py.
+"""EAGLE drafts: the draft head as one draft source of the drafter (engine/spec/drafting.py),
+batched across requests. It decides nothing: the drafter gives it each step's chain length and
+reads each request's acceptance from its `DraftState`. The lossless verifier every draft source
+shares is engine/spec/verify.py.
 
 Per engine step, after the target's forward and verification:
 1. Catch-up: the head runs over every position the target just computed and kept (p), with the
@@ -21,62 +23,24 @@ distributed exactly as without speculation.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionStep
+from engine.core.batch import StepUpdate
 from engine.core.request import Request
 from engine.runner.sampler import sampling_probs
 from engine.runner.step_inputs import step_metadata
-from engine.spec.cost import SpecCostModel
+from engine.spec.draft_state import useful_depth
 from models.eagle.head import EagleHead
 
 if TYPE_CHECKING:
     from engine.grammar.structured_output import StructuredOutputs
 
-
-MIN_GAIN = 0.1  # expected accepted tokens a draft position must bring to be drafted
-
-
-def useful_depth(alpha: float) -> int:
-    """The deepest draft worth a verify row at per-draft acceptance alpha: draft j survives
-    with probability about alpha^j, and below MIN_GAIN it costs more than it returns. At least
-    one, so a source whose acceptance recovers is noticed."""
-    alpha = min(alpha, 0.99)
-    return max(1, int(math.log(MIN_GAIN) / math.log(alpha))) if alpha > 0 else 1
-
-
-def record_acceptance(r: Request, num_drafted: int, num_accepted: int) -> None:
-    """Update a request's running acceptance rate after a verification round."""
-    if num_drafted:
-        r.spec_acceptance = 0.7 * r.spec_acceptance + 0.3 * (num_accepted / num_drafted)
-
-
-@dataclass(slots=True)
-class SpecStats:
-    num_drafts: int = 0  # verification rounds that carried at least one draft token
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted == 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_tokens += num_accepted
-        while len(self.accepted_per_position) < num_drafted:
-            self.accepted_per_position.append(0)
-        for j in range(num_accepted):
-            self.accepted_per_position[j] += 1
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens emitted per verification round (accepted drafts + the target's own token)."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+StepPlan = tuple[torch.Tensor, AttentionStep]  # a forward's positions and attention plan
 
 
 @dataclass(slots=True)
@@ -89,45 +53,62 @@ class CatchUp:
     propose: bool  # draft k tokens after catching up
 
 
-class Proposer:
-    """Runs the head over the pool's extra KV group. Adaptive k: verification stays in the
-    memory-bound regime while the step's target rows (batch x (1 + k)) are few; beyond
-    `max_verify_rows` the matmuls turn compute-bound and speculation no longer pays, so k shrinks
-    with the batch (down to 0). `current_k` is exported in /metrics."""
+def catch_up_items(update: StepUpdate, hidden: torch.Tensor) -> list[CatchUp]:
+    """What the head catches up over after a step: each scheduled request's positions the
+    target computed and kept, with their features; a request that sampled (and did not fail or
+    finish) then proposes. Finished requests catch up too: their cached blocks keep complete
+    draft KV."""
+    failed = {r.request_id for r, _ in update.failed}
+    sampled = {e.request.request_id for e in update.emitted}
+    items, row = [], 0
+    for s in update.scheduled.scheduled:
+        r = s.request
+        first = update.first[r.request_id]
+        kept = r.num_computed_tokens - first
+        if r.request_id not in failed and kept > 0:
+            # only a chunk that sampled proposes: it alone got lookahead slots
+            features = hidden[row : row + kept]
+            propose = r.request_id in sampled and not r.is_finished
+            items.append(CatchUp(r, first, features, propose))
+        row += s.num_new_tokens
+    return items
+
+
+class EagleDrafts:
+    """Runs the head over the pool's extra KV group: the catch-up over the step's kept
+    positions, then a chain of at most k drafts for each proposing request."""
 
     def __init__(
         self,
         head: EagleHead,
         backend: AttentionBackend,
         block_size: int,
-        num_speculative_tokens: int,
-        max_verify_rows: int,
         device: torch.device,
+        block_ids: Callable[[str], list[int]],
+        grammars: StructuredOutputs | None,
     ) -> None:
         self.head = head
         self.backend = backend
         self.block_size = block_size
-        self.k = num_speculative_tokens
-        self.max_verify_rows = max_verify_rows
         self.device = device
-        self.current_k = num_speculative_tokens
-        self.stats = SpecStats()
-        # constrained requests draft inside their grammar (set by the builder)
-        self.structured: StructuredOutputs | None = None
-        self.cost: SpecCostModel | None = None  # measured by the builder (engine/spec/cost.py)
+        self.block_ids = block_ids  # a live request's block table (the KV manager's)
+        self.grammars = grammars  # constrained requests draft inside their grammar
 
-    def choose_k(self, num_decoding: int, acceptance: float = 0.7) -> int:
-        """k for this step's `num_decoding` proposing requests, whose per-draft acceptance
-        averages `acceptance`: by the measured cost model, else the row cap alone."""
-        if num_decoding <= 0:
-            return self.k
-        if self.cost is not None:
-            self.current_k = self.cost.best_k(
-                num_decoding, acceptance, self.k, self.max_verify_rows
-            )
-        else:
-            self.current_k = max(0, min(self.k, self.max_verify_rows // num_decoding - 1))
-        return self.current_k
+    def catch_up_and_draft(
+        self, update: StepUpdate, hidden: torch.Tensor, plan: StepPlan | None, k: int
+    ) -> None:
+        """The step's catch-up and each proposing request's chain; `plan`: the target step's
+        positions and attention plan, reused when the catch-up covers exactly its tokens."""
+        items = catch_up_items(update, hidden)
+        scheduled = update.scheduled.scheduled
+        whole_step = len(items) == len(scheduled) and all(
+            i.features.shape[0] == s.num_new_tokens for i, s in zip(items, scheduled)
+        )
+        tables = {}
+        for i in items:
+            rid = i.request.request_id
+            tables[rid] = update.tables[rid] if rid in update.tables else self.block_ids(rid)
+        self.run(items, tables, k, plan if whole_step else None)
 
     @torch.inference_mode()
     def run(
@@ -135,7 +116,7 @@ class Proposer:
         items: list[CatchUp],
         tables: dict[str, list[int]],
         k: int,
-        step_plan: tuple[torch.Tensor, AttentionStep] | None = None,
+        step_plan: StepPlan | None = None,
     ) -> None:
         """Catch the draft KV up over `items`, then set `spec_token_ids`/`spec_probs` on the
         requests that propose (at most k each, fewer near max_tokens / max_model_len).
@@ -199,7 +180,8 @@ class Proposer:
         if r.is_finished or k == 0:
             return 0
         room = min(params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
-        return max(0, min(k, useful_depth(r.spec_acceptance), room - 1))
+        assert r.drafts is not None  # the drafter gives every decoding request its state
+        return max(0, min(k, useful_depth(r.drafts.acceptance["eagle"]), room - 1))
 
     def _draft_tokens(
         self, hidden: torch.Tensor, reqs: list[Request], live: list[int], advanced: list[int]
@@ -212,9 +194,9 @@ class Proposer:
         constrained = [
             i for i in live if reqs[i].matcher is not None and not reqs[i].matcher.is_terminated()
         ]
-        if constrained and self.structured is not None and token_map is None:
+        if constrained and self.grammars is not None and token_map is None:
             matchers = [reqs[i].matcher for i in constrained]
-            self.structured.mask_logits(logits, constrained, matchers)
+            self.grammars.mask_logits(logits, constrained, matchers)
         greedy = logits.argmax(-1)
         out = (token_map[greedy] if token_map is not None else greedy).tolist()
         sampled = [i for i in live if not reqs[i].sampling_params.greedy]
