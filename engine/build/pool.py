@@ -1,0 +1,297 @@
+"""The KV phase of a build: the cache's dtype, the block size, how many blocks the pool
+holds, the attention backend chosen from the kernel matrix and warmed up over its pool (the next
+one tried when a warm-up fails), and the host and disk tiers below the pool. A tensor-parallel
+worker allocates and warms its shard's pool with the same `pool_for`."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from engine.attention import BackendChoice, DeviceFacts, select_backend
+from engine.attention.base import AttentionBackend
+from engine.attention.matrix import dtype_name
+from engine.build.warmup import warm_up
+from engine.config import DTYPE_NAMES, EngineConfig, parse_bytes
+from engine.kv.disk import DiskTier
+from engine.kv.host import HostTier
+from engine.runner.model_runner import allocate_kv_caches
+from models.eagle.head import EagleHead
+from models.llama import LlamaForCausalLM
+from models.spec import ModelSpec
+
+log = logging.getLogger("kvserve.engine")
+
+
+def use_cuda_graphs(
+    config: EngineConfig, device: torch.device, backend_cls: type[AttentionBackend]
+) -> bool:
+    """Decode steps run as CUDA graphs on CUDA, unless --enforce-eager, where the backend can
+    capture them (FlashInfer; the torch and xformers paths plan data-dependent shapes), and not
+    under tensor parallelism (the graphs would have to capture the ranks' all-reduces)."""
+    return (
+        device.type == "cuda"
+        and not config.enforce_eager
+        and backend_cls.supports_cuda_graphs
+        and config.tensor_parallel_size == 1
+    )
+
+
+def kv_cache_dtype(
+    config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.dtype, str]:
+    """The KV cache's dtype and why: the serving dtype, or bfloat16 under a float32 model on CPU
+    (half the bytes per token: twice the tokens in the same pool and tiers; the C++ decode op
+    and the torch paths read it into float32 arithmetic)."""
+    requested = config.kv_cache_dtype
+    if requested == "auto" or DTYPE_NAMES.get(requested) == dtype:
+        return dtype, f"{dtype_name(dtype)} (the serving dtype)"
+    if requested in ("fp8", "int8"):
+        raise ValueError(
+            f"--kv-cache-dtype {requested}: quantized KV (per-block scales) is not available "
+            "yet; bfloat16 halves a float32 cache"
+        )
+    if requested != "bfloat16" or dtype != torch.float32:
+        raise ValueError(
+            f"--kv-cache-dtype {requested} under {dtype_name(dtype)} weights: a cache narrower "
+            "than the model is bfloat16 under float32"
+        )
+    if device.type != "cpu":
+        raise ValueError(
+            "--kv-cache-dtype bfloat16 under float32 is a CPU path; on CUDA serve bf16"
+        )
+    return torch.bfloat16, "bfloat16 under float32 activations (half the bytes of float32 KV)"
+
+
+def choose_and_warm_up(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    pool_spec: ModelSpec,
+    facts: DeviceFacts,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    kv_block_bytes: int,
+    max_model_len: int,
+    kv_dtype: torch.dtype,
+) -> tuple[BackendChoice, AttentionBackend, int, bool]:
+    """Pick the attention backend from the kernel matrix, allocate its workspace, size and
+    allocate the KV pool, and warm the backend up (engine/build/warmup.py). A backend that fails
+    its warm-up is passed over loudly, with the reason in the matrix's "warm-up" row, and the next
+    one is tried; a forced one is a startup error, and so is a slow fallback under
+    --require-fast-kernels. Returns the choice, the backend over its pool, the number of
+    usable blocks and whether decode steps will be captured as CUDA graphs (those reserve one
+    extra block past the pool, where padded rows write)."""
+    failed: dict[str, str] = {}
+    while True:
+        choice = select_backend(
+            pool_spec,
+            facts,
+            dtype,
+            block_size,
+            config.attention_backend,
+            config.allow_slow_dtype,
+            config.require_fast_kernels,
+            failed,
+        )
+        backend_cls = choice.backend
+        graphs = use_cuda_graphs(config, device, backend_cls)
+        # the backend's workspace first: the pool is sized from the memory left after it
+        workspace = backend_cls.allocate_workspace(device)
+        num_blocks = num_blocks_for(config, device, kv_block_bytes, max_model_len, block_size)
+        backend = _over_pool(backend_cls, pool_spec, num_blocks + int(graphs), block_size,
+                             kv_dtype, device, workspace)  # fmt: skip
+        reason = _warm_up_failure(model, backend, pool_spec, num_blocks, block_size, device)
+        if reason is not None:
+            if config.attention_backend != "auto":
+                raise ValueError(f"attention backend {backend_cls.name!r} (forced) {reason}")
+            failed[backend_cls.name] = reason
+            # the failed pool must be gone before the next is sized from the free memory
+            del backend, workspace
+            release_device_memory(device)
+            continue
+        if failed:
+            log.warning(
+                "attention: %s passed over after failed warm-ups; serving with %s",
+                ", ".join(failed),
+                backend_cls.name,
+            )
+        return choice, backend, num_blocks, graphs
+
+
+def pool_for(
+    model: LlamaForCausalLM,
+    backend_cls: type[AttentionBackend],
+    spec: ModelSpec,
+    num_blocks: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+) -> AttentionBackend:
+    """A backend rank 0 chose, over a pool of the blocks rank 0 sized, warmed up: a
+    tensor-parallel worker's KV phase (its shard's geometry, rank 0's decisions)."""
+    workspace = backend_cls.allocate_workspace(device)
+    backend = _over_pool(backend_cls, spec, num_blocks, block_size, kv_dtype, device, workspace)
+    warm_up(model, backend, spec, num_blocks, block_size, device)
+    return backend
+
+
+def _over_pool(
+    backend_cls: type[AttentionBackend],
+    spec: ModelSpec,
+    num_blocks: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    workspace: torch.Tensor | None,
+) -> AttentionBackend:
+    caches = allocate_kv_caches(backend_cls, spec.kv_groups, num_blocks, block_size, kv_dtype,
+                                device)  # fmt: skip
+    return backend_cls(spec, caches, block_size, workspace)
+
+
+def block_size_for(
+    config: EngineConfig,
+    spec: ModelSpec,
+    facts: DeviceFacts,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """--block-size, else the device's default (CPU 64; CUDA 16, FlashInfer's pages), except
+    that on CUDA pages of 64 are taken where only they let a fast backend serve: xformers'
+    paged operator reads whole 64-token key blocks, and at 16 the torch fallback would."""
+    size = config.resolved_block_size()
+    if config.block_size is not None or device.type != "cuda":
+        return size
+    for candidate in (size, 64):
+        try:
+            choice = select_backend(spec, facts, dtype, candidate, config.attention_backend,
+                                    config.allow_slow_dtype)  # fmt: skip
+        except ValueError:
+            continue  # nothing serves at this size; the real selection says why
+        if choice.backend.name != "torch":
+            return candidate
+    return size
+
+
+def _warm_up_failure(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    pool_spec: ModelSpec,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+) -> str | None:
+    """Why the backend's warm-up failed, or None. The traceback is logged as text and not kept:
+    its frames hold the backend and its KV pool, which must be freed before the next try."""
+    try:
+        warm_up(model, backend, pool_spec, num_blocks, block_size, device)
+    except Exception as e:  # noqa: BLE001 - any failure disqualifies the backend
+        reason = f"warm-up failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        log.error("attention backend %s %s\n%s", backend.name, reason, traceback.format_exc())
+        return reason
+    return None
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Hand freed device memory back to the driver (the caching allocator keeps it otherwise,
+    and the free memory the next pool is sized from would not include it)."""
+    gc.collect()  # tensors held only by reference cycles
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def num_blocks_for(
+    config: EngineConfig,
+    device: torch.device,
+    block_bytes: int,
+    max_model_len: int,
+    block_size: int,
+) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - total * (1 - config.gpu_memory_utilization)
+    else:
+        budget = parse_bytes(config.kv_cache_memory)
+    # Never more than every sequence at full length could use.
+    per_sequence = -(-max_model_len // block_size)
+    blocks = min(int(budget // block_bytes), config.max_num_seqs * per_sequence)
+    if device.type == "cuda" and blocks < per_sequence:
+        # a pool that cannot hold one full-length sequence is a server that cannot hold a
+        # conversation: refuse with the numbers instead of serving from a block or two
+        raise ValueError(
+            f"the KV pool would hold {max(blocks, 0) * block_size} tokens, less than one "
+            f"{max_model_len}-token sequence: {free / 2**30:.2f} of {total / 2**30:.2f} GiB are "
+            f"free at --gpu-memory-utilization {config.gpu_memory_utilization}; lower "
+            "--max-model-len, raise the utilization, or free the GPU"
+        )
+    return max(1, blocks)
+
+
+def host_tier(
+    config: EngineConfig,
+    model_path: str,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    block_size: int,
+    backend_cls: type[AttentionBackend],
+    kv_caches: list[torch.Tensor],
+    draft: EagleHead | None,
+    sizing_bytes: int,
+    mirror: Callable[[str, list[int], list[int]], None] | None = None,
+) -> HostTier | None:
+    """The host tier (and the disk tier under it) the config asks for; `mirror`: tells the
+    other tensor-parallel ranks each copy between device and storage."""
+    host_bytes = parse_bytes(config.host_bytes)
+    if host_bytes <= 0 or not config.enable_prefix_caching:
+        return None
+    disk = None
+    if config.disk_path:
+        layout = block_layout(backend_cls, kv_caches)
+        fingerprint = json.dumps(
+            {
+                "model": os.path.abspath(model_path),
+                "spec": repr(spec),
+                "dtype": str(dtype),
+                "block_size": block_size,
+                "backend": backend_cls.name,
+                "draft": os.path.abspath(config.speculative_model or "-") if draft else None,
+                "layout": repr(layout),
+                # hashes chain from the disk tier's root seed, so a warm restart reuses it
+            },
+            sort_keys=True,
+        )
+        disk = DiskTier(config.disk_path, fingerprint, layout, parse_bytes(config.disk_bytes))
+    # as many slots on every tensor-parallel rank, sized by the largest rank's blocks
+    return HostTier(kv_caches, backend_cls.block_dim, host_bytes, disk, host_bytes // sizing_bytes,
+                    mirror)  # fmt: skip
+
+
+def block_layout(
+    backend_cls: type[AttentionBackend], kv_caches: list[torch.Tensor]
+) -> list[tuple[torch.Size, torch.dtype]]:
+    """One block's shape and dtype in each KV group (the pool's size left out)."""
+    bd = backend_cls.block_dim
+    return [(c.shape[:bd] + c.shape[bd + 1 :], c.dtype) for c in kv_caches]
+
+
+def block_prefix_copier(backend_cls: type[AttentionBackend], kv_caches: list[torch.Tensor]):
+    """copy(src, dst, n): the first n slots of block src into block dst, in every KV group
+    (token-granular prefix reuse of a partially matching cached block)."""
+    bd, sd = backend_cls.block_dim, backend_cls.slot_dim - 1
+
+    def copy(src: int, dst: int, num_tokens: int) -> None:
+        for cache in kv_caches:
+            cache.select(bd, dst).narrow(sd, 0, num_tokens).copy_(
+                cache.select(bd, src).narrow(sd, 0, num_tokens)
+            )
+
+    return copy

@@ -1,0 +1,116 @@
+"""The speculation phase of a build: the draft head (named, or shipped for these very weights),
+the draft sources `speculative_method` asks for, their step costs measured on this device (kept
+per process by the weights' identity), and the one controller over them (`Drafter`)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.config import EngineConfig
+from engine.grammar.structured_output import StructuredOutputs
+from engine.kv.manager import KVCacheManager
+from engine.spec.cost import MEASURED_ROWS, SpecCostModel, measured_shape
+from engine.spec.cost import measure as measure_spec_cost
+from engine.spec.drafting import Drafter
+from engine.spec.eagle import EagleDrafts
+from models.eagle.head import EagleHead, load_eagle_head
+from models.eagle.shipped import shipped_head_for
+from models.llama import LlamaForCausalLM
+from models.tokenizer import Tokenizer
+
+log = logging.getLogger("kvserve.engine")
+
+# Step costs measured in this process, by what they depend on: an engine built again on the
+# same weights, kernels and pool shape (tests, notebooks) reuses the measurement.
+_MEASURED_COSTS: dict[tuple, SpecCostModel] = {}
+
+
+def load_draft_head(
+    config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+) -> EagleHead | None:
+    if config.num_speculative_tokens <= 0 or config.speculative_method == "off":
+        return None
+    if config.speculative_method == "auto" and not config.speculative_model:
+        # the shipped head keeps ~0.4 of its first drafts and its catch-up runs every step:
+        # measured below 1x beside suffix drafts (bench/speculative.py), so auto takes a head
+        # only when one is named
+        return None
+    if config.speculative_method not in ("auto", "eagle"):
+        return None
+    path = config.speculative_model
+    if not path:
+        # the model, not the flag, decides: a shipped head trained for these very weights
+        path = shipped_head_for(model.embed_tokens.weight)
+        if path is None:
+            raise ValueError(
+                "speculative_method eagle needs speculative_model (a draft head directory): "
+                "no shipped head was trained for this model (its weights match none)"
+            )
+    head = load_eagle_head(path, model, dtype, device)
+    head.source = path if config.speculative_model else f"{path} (shipped; matched by weights)"
+    log.info(
+        "speculative decoding: %s head from %s, k=%d",
+        head.cfg.layout,
+        head.source,
+        config.num_speculative_tokens,
+    )
+    return head
+
+
+def build_drafter(
+    config: EngineConfig,
+    weights_key: tuple,
+    model: LlamaForCausalLM,
+    head: EagleHead | None,
+    backend: AttentionBackend,
+    kv: KVCacheManager,
+    grammars: StructuredOutputs | None,
+    tokenizer: Tokenizer | None,
+    device: torch.device,
+) -> Drafter | None:
+    """The drafter over the sources `speculative_method` asks for, of those this server has
+    (None: speculation off)."""
+    method, k = config.speculative_method, config.num_speculative_tokens
+    if method == "off" or k <= 0:
+        return None
+    sources = ("grammar", "suffix", "eagle") if method == "auto" else (method,)
+    sources = tuple(s for s in sources if s != "eagle" or head is not None)
+    log.info("speculative decoding: drafts from %s, at most %d per request", sources, k)
+    cost = None
+    if config.spec_cost_model:
+        cost = _step_costs(config, weights_key, model, head, backend, kv.pool.num_blocks, device)
+    eagle = None
+    if head is not None:
+        eagle = EagleDrafts(head, backend, kv.block_size, device, kv.block_ids, grammars)
+    encode = None
+    if tokenizer is not None:
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    return Drafter(sources, k, config.spec_max_verify_rows, cost, encode, eagle)
+
+
+def _step_costs(
+    config: EngineConfig,
+    weights_key: tuple,
+    model: LlamaForCausalLM,
+    head: EagleHead | None,
+    backend: AttentionBackend,
+    num_blocks: int,
+    device: torch.device,
+) -> SpecCostModel:
+    block_size = backend.block_size
+    # steps of more rows than a step may verify never enter a choice of k
+    rows = tuple(r for r in MEASURED_ROWS if r <= max(2, config.spec_max_verify_rows))
+    key = (
+        weights_key, str(backend.kv_caches[0].dtype), type(backend).__name__, str(device),
+        block_size, getattr(head, "source", None),
+        measured_shape(rows, head is not None, num_blocks, block_size),
+    )  # fmt: skip
+    cost = _MEASURED_COSTS.get(key)
+    if cost is None:
+        cost = measure_spec_cost(model, head, backend, num_blocks, block_size, device, rows)
+        _MEASURED_COSTS[key] = cost
+    log.info("speculation step costs (rows: target/draft): %s", cost.table())
+    return cost

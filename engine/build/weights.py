@@ -1,0 +1,98 @@
+"""The weights phase of a build, the same on every tensor-parallel rank: refuse what cannot serve
+here before anything loads, load this rank's shard, keep a GGUF's blocks as stored, pack the
+dense linears, and measure which path serves how many rows. `weights_key` is the one identity
+of "these weights under these settings" that every startup memo is keyed by."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.matrix import dtype_name
+from engine.config import EngineConfig
+from engine.weights.quantization import WEIGHT_ONLY, serve_gguf_blocks
+from models import gguf_linear
+from models.layers import measure_packed_rows, onednn_pack_refusal, pack_linears
+from models.llama import LlamaForCausalLM
+from models.loader import load_model
+from models.quant import can_quantize
+from models.spec import ModelSpec
+from models.tp_plan import RankShard
+
+log = logging.getLogger("kvserve.engine")
+
+
+def weights_key(config: EngineConfig, model_path: str, dtype: torch.dtype) -> tuple:
+    """What a measurement on these weights depends on, up to the kernels and the threads: an
+    engine built again in this process on the same file and settings (tests, notebooks, a
+    second engine beside the first) reuses what the first measured."""
+    return (
+        os.path.abspath(model_path), os.path.getmtime(model_path), str(dtype),
+        config.quantization, config.gguf_int8_activations, config.cpu_packed_weights,
+        torch.get_num_threads(), config.tensor_parallel_size,
+    )  # fmt: skip
+
+
+def refuse_before_loading(config: EngineConfig, device: torch.device) -> None:
+    """What cannot serve here is refused before the weights load (minutes for a large model)."""
+    if config.quantization == "int8" and (why_not := can_quantize(device)) is not None:
+        raise ValueError(f"--quantization int8: {why_not}")
+    if config.quantization in WEIGHT_ONLY and (device.type != "cpu" or gguf_linear.load() is None):
+        raise ValueError(
+            f"--quantization {config.quantization}: the block kernel is a CPU path and needs "
+            "kvserve's C++ ops (a compiler); serve the float model instead"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedWeights:
+    """A rank's model as it serves: `spec` is the whole model's geometry, `local` this rank's
+    part (its heads and FFN columns; the whole model without tensor parallelism); `notes` what
+    the banner's weights line says."""
+
+    model: LlamaForCausalLM
+    spec: ModelSpec
+    local: ModelSpec
+    shard: RankShard | None
+    notes: str
+    packed_bytes: int
+
+
+def load_weights(
+    config: EngineConfig,
+    model_path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard_of: Callable[[ModelSpec], RankShard] | None,
+) -> LoadedWeights:
+    """Load, keep GGUF blocks as stored, pack and measure, for this rank (`shard_of`: its part
+    of a spec under tensor parallelism)."""
+    torch.manual_seed(config.seed)
+    model, spec = load_model(model_path, dtype, device, shard_of)
+    shard = shard_of(spec) if shard_of is not None else None
+    notes = f"{dtype_name(dtype)} (the serving dtype)"
+    gguf_note, gguf_served = "", False
+    if config.quantization == "auto":
+        gguf_note, gguf_served = serve_gguf_blocks(model, model_path, spec, device, shard)
+    packed_bytes = 0
+    if config.cpu_packed_weights:
+        packed_bytes = pack_linears(model)
+        if device.type == "cpu" and (refusal := onednn_pack_refusal(dtype)) is not None:
+            log.warning("no oneDNN-packed weights for %s here: %s", dtype_name(dtype), refusal)
+            notes += f"; unpacked: oneDNN refuses packed {dtype_name(dtype)} here ({refusal})"
+        elif device.type == "cpu" and (rows := measure_packed_rows(model)):
+            log.info("linear layers: %s", rows)
+            notes += f"; {rows}"
+    if gguf_served:  # measured with the dense copies in place
+        key = weights_key(config, model_path, dtype)
+        crossover = gguf_linear.measure_crossover(model, dtype, config.gguf_int8_activations, key)
+        log.info("GGUF block kernel against the dense path: %s", crossover)
+        gguf_note += f"; {crossover}"
+    if gguf_note:
+        notes = f"{gguf_note}; other weights {notes}"
+    local = shard.spec if shard is not None else spec
+    return LoadedWeights(model, spec, local, shard, notes, packed_bytes)
