@@ -294,7 +294,7 @@ class AsyncEngine:
         if kind == "add":
             _, request_id, ids, params = msg
             try:
-                self._core.add_request(request_id, ids, params, validated=True)
+                self._core.add_request(request_id, ids, params)
             except Exception as e:  # invalid after all: fail just this request
                 out.append((request_id, e))
         elif kind == "abort":

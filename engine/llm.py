@@ -85,6 +85,7 @@ class LLM:
         for prompt, params in zip(prompts, params_list, strict=True):
             rid = str(next(self._ids))
             ids = self._encode(prompt)  # type: ignore[arg-type]
+            self.engine.validate_prompt(ids, params)
             self.engine.add_request(rid, ids, params)
             order.append(rid)
             results[rid] = GenerationResult(
@@ -132,6 +133,7 @@ class LLM:
                     if isinstance(prompt, str) and self.tokenizer is not None
                     else self._encode(prompt)  # type: ignore[arg-type]
                 )
+                self.engine.validate_prompt(ids, params)
                 self.engine.add_request(rid, ids, params)
                 order.append(rid)
             while self.engine.has_unfinished():

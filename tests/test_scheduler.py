@@ -10,9 +10,9 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.core.batch import SchedulerOutput
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
-from engine.core.batch import SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.kv.manager import KVCacheManager
 from engine.runner.runner_output import RunnerOutput

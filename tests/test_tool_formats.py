@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
+from engine.grammar.structured_output import CALL_FORMATS
 from tests.server_utils import InProcessServer
 from tests.tool_schemas import ASK, TIME, WEATHER
 
@@ -16,10 +18,16 @@ pytestmark = pytest.mark.slow  # in-process servers
 
 
 @pytest.fixture(scope="module", params=["hermes", "llama3_json", "mistral"])
-def client(request, llama_dir):
+def served(request, llama_dir):
     server = InProcessServer(llama_dir, max_model_len=2048, tool_call_parser=request.param)
-    yield openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
+    yield server, request.param
     server.stop()
+
+
+@pytest.fixture
+def client(served):
+    server, _ = served
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
 
 
 def check(call, name: str | None = None) -> None:
@@ -62,11 +70,21 @@ def test_forced_calls_in_the_format(client, choice) -> None:
     ]
 
 
-def test_strict_tools_shape_the_calls_the_model_chooses(client) -> None:
+def test_strict_tools_shape_the_calls_the_model_chooses(served, client) -> None:
+    """Under `auto` the model chooses whether to call; a random model would not, so the
+    format's trigger is favoured by logit_bias: once the model writes it, the strict schema
+    alone decides what follows (the bias cannot push a token the grammar masks)."""
+    server, parser = served
+    trigger = CALL_FORMATS[parser].trigger
+    body = {"prompt": trigger, "add_special_tokens": False}
+    ids = httpx.post(server.base + "/tokenize", json=body).json()["tokens"]
     strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
     r = client.chat.completions.create(
         model="", messages=ASK, tools=[strict], tool_choice="auto", temperature=0,
-        max_tokens=120,
+        max_tokens=120, parallel_tool_calls=False, logit_bias={str(i): 100 for i in ids},
     )  # fmt: skip
-    for call in r.choices[0].message.tool_calls or []:
+    calls = r.choices[0].message.tool_calls
+    assert calls, r.choices[0]
+    assert r.choices[0].finish_reason == "tool_calls"
+    for call in calls:
         check(call, "get_weather")

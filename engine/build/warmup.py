@@ -33,8 +33,8 @@ def warm_up(
     device: torch.device,
 ) -> None:
     from engine.core.request import Request
-    from engine.runner.sampler import sample
     from engine.core.sampling_params import SamplingParams
+    from engine.runner.sampler import sample
 
     dtype = backend.kv_caches[0].dtype
     length = min(block_size + 2, num_blocks * block_size)  # two pages where the pool has them

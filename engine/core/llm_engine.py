@@ -61,15 +61,11 @@ class LLMEngine:
         self.info.validate(prompt_token_ids, params)
 
     def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        validated: bool = False,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Request:
-        """`validated`: the caller (AsyncEngine.submit) has already run `info.validate`."""
-        if not validated:
-            self.info.validate(prompt_token_ids, params)
+        """Admit a request the caller's door has validated (`info.validate`: the offline `LLM`
+        and `AsyncEngine.submit` each do, once, where they can answer the caller), as vLLM's
+        engine core leaves validation to its input processor."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id}")
         request = Request(

@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -71,27 +71,36 @@ def check_limits(state: ServerState, body: Any) -> None:
 
 def make_choices(
     engine: AsyncEngine,
-    body: Any,
-    prompts: list[list[int]],
-    logprobs: int | None,
-    req_id: str,
-    max_tokens: int | None,
-    grammar: GrammarSpec | None = None,
+    plan: GenerationPlan,
+    cache_salt: str | None,
+    app: str | None,
+    exports_kv: bool,
 ) -> list[Choice]:
-    """n choices per prompt (validated against the engine once, when submitted)."""
+    """n choices per prompt, each with its sampling parameters made whole (validated against
+    the engine once, when submitted). A prompt's first choice scores the prompt (echo), counts
+    its cache hit for `app`, and carries its KV out at its end when `exports_kv` (P/D)."""
+    body, grammar = plan.body, plan.grammar[0] if plan.grammar else None
     choices = []
-    for p_idx, ids in enumerate(prompts):
-        budget = (
-            max_tokens if max_tokens is not None else max(1, engine.info.max_model_len - len(ids))
-        )
+    for p_idx, ids in enumerate(plan.prompts):
+        budget = plan.max_tokens
+        if budget is None:
+            budget = max(1, engine.info.max_model_len - len(ids))
         for i in range(body.n):
-            params = body.sampling_params(budget, logprobs, seed_offset=i, grammar=grammar)
+            params = body.sampling_params(budget, plan.logprobs, seed_offset=i, grammar=grammar)
+            first = i == 0
+            params = replace(
+                params,
+                cache_salt=cache_salt,
+                prompt_logprobs=plan.prompt_logprobs if first else None,
+                export_kv=exports_kv and first,
+            )
             index = p_idx * body.n + i
-            choices.append(Choice(index, ids, params, f"{req_id}-{index}"))
+            choices.append(Choice(index, ids, params, f"{plan.req_id}-{index}",
+                                  app=app if first else None))  # fmt: skip
     return choices
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationPlan:
     """What a route made of its body, in the engine's terms: the one flow (`start`) needs
     nothing else. `body` is the chat or completions request the sampling fields come from;
@@ -137,15 +146,11 @@ async def start(
         check_limits(state, body)
         if plan.grammar is not None:
             await compile_grammar(state, engine, *plan.grammar)
-        body.cache_salt = effective_salt(state, request, body.cache_salt)
-        choices = make_choices(
-            engine, body, plan.prompts, plan.logprobs, plan.req_id, plan.max_tokens,
-            plan.grammar[0] if plan.grammar else None,
-        )  # fmt: skip
+        state.kv_transfer.check(plan.kv_transfer_params)
+        salt = effective_salt(state, request, body.cache_salt)
         app = app_name(request, body) if state.config.server.app_cache_stats else None
-        for c in choices[:: body.n]:  # a prompt is scored once, by its first choice
-            c.app = app
-            c.params.prompt_logprobs = plan.prompt_logprobs
+        exports = state.kv_transfer.publishes(plan.kv_transfer_params)
+        choices = make_choices(engine, plan, salt, app, exports)
         publish = await kv_handover(state, engine, choices, body.n, plan.kv_transfer_params)
     except (APIError, ParamError) as e:
         raise renamed(to_api_error(e), plan.param_names) from None
@@ -337,10 +342,10 @@ async def kv_handover(
     params: dict | None,
 ) -> Callable[[], Awaitable[dict]] | None:
     """Disaggregation around one request (server/kv_transfer.py): a decode instance fetches the
-    prompts' published KV now, before admission; a prefill instance marks each prompt's first
-    choice to hand its blocks back when it ends, and gets the publishing step to run then."""
+    prompts' published KV now, before admission; on a prefill instance each prompt's first
+    choice hands its blocks back when it ends (`export_kv`, set when the choices were made), and
+    the publishing step runs then."""
     transfer = state.kv_transfer
-    transfer.check(params)
     firsts = choices[::n]  # one choice per prompt
     if transfer.fetches(params):
         for c in firsts:
@@ -348,8 +353,6 @@ async def kv_handover(
             await transfer.fetch(engine, c.prompt_ids, c.params.cache_salt, sent)
     if not transfer.publishes(params):
         return None
-    for c in firsts:
-        c.params.export_kv = True
 
     async def publish() -> dict:
         answers = [await transfer.publish(engine, c.kv_blocks or []) for c in firsts]

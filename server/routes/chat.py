@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.async_engine import AsyncEngine
 from engine.core.outputs import RequestOutput
-from server.errors import APIError
-from server.flow.chat_prompt import render_prompt
-from server.flow.constraints import ToolPlan, grammar_for, tool_plan
+from server.flow.chat_plan import ChatPlan, chat_plan
 from server.flow.generation import Choice, chat_logprobs, finish_reason
-from server.flow.request_flow import ChoiceChunks, GenerationPlan, session_id, start
-from server.flow.tool_parsers import (
-    PARSERS,
-    ToolCallStream,
-    ToolParser,
-    final_calls,
-    parser_for_template,
-    with_determined_name,
-)
+from server.flow.request_flow import ChoiceChunks, session_id, start
+from server.flow.tool_parsers import ToolCallStream, final_calls, with_determined_name
 from server.protocol.openai import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -30,69 +20,6 @@ from server.protocol.openai import (
 )
 from server.protocol.wire import parse_body, reply
 from server.state import ServerState
-
-
-def tool_parser(state: ServerState, engine: AsyncEngine) -> ToolParser:
-    name = state.config.server.tool_call_parser
-    if name != "auto":
-        return PARSERS[name]
-    return parser_for_template(engine.tokenizer.chat_template if engine.tokenizer else None)
-
-
-@dataclass
-class ChatPlan:
-    """A chat request's generation plan and what formatting its output needs: the tool plan,
-    and the parser that finds calls in the text (None when calls are not parsed)."""
-
-    generation: GenerationPlan
-    tools: ToolPlan | None
-    calls_parser: ToolParser | None
-    legacy: bool  # `functions` (not `tools`): calls come back as `function_call`
-
-
-def chat_plan(
-    state: ServerState,
-    engine: AsyncEngine,
-    body: ChatCompletionRequest,
-    req_id: str,
-    session: str | None,
-    prompt_ids: list[int] | None = None,
-) -> ChatPlan:
-    """The plan of a chat request (the Responses API's too, mapped onto chat first).
-    `prompt_ids`: the rendered prompt, when the caller rendered it already."""
-    cfg = state.config.server
-    if body.top_logprobs is not None:
-        if not body.logprobs:
-            raise APIError(
-                400, "logprobs must be true when top_logprobs is set", param="top_logprobs"
-            )
-        if body.top_logprobs > cfg.max_top_logprobs:
-            raise APIError(
-                400, f"top_logprobs must be at most {cfg.max_top_logprobs}", param="top_logprobs"
-            )
-    parser = tool_parser(state, engine)
-    tools = tool_plan(body)
-    grammar = grammar_for(body, tools, parser.name)
-    if prompt_ids is None:
-        prompt_ids = render_prompt(
-            engine.tokenizer,
-            body.messages,
-            body.add_generation_prompt,
-            tools.tools if tools else None,
-            **(body.chat_template_kwargs or {}),
-        )
-    generation = GenerationPlan(
-        req_id=req_id,
-        body=body,
-        prompts=[prompt_ids],
-        max_tokens=body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens or None,
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        grammar=grammar,
-        session=session,
-        kv_transfer_params=body.kv_transfer_params,
-    )
-    calls_parser = parser if tools is not None and tools.parses else None
-    return ChatPlan(generation, tools, calls_parser, body.functions is not None)
 
 
 async def chat_completions(request: Request) -> Response:

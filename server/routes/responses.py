@@ -23,8 +23,8 @@ from starlette.responses import Response
 from engine.async_engine import AsyncEngine
 from engine.core.outputs import RequestOutput
 from server.errors import APIError
-from server.flow.chat_prompt import render_prompt
-from server.flow.constraints import tool_plan
+from server.flow.chat_plan import RenderedChat, chat_plan, render_chat
+from server.flow.constraints import ToolPlan, tool_plan
 from server.flow.generation import Choice, usage_of
 from server.flow.request_flow import Generation, api_key_tag, renamed, start
 from server.flow.responses_items import (
@@ -50,7 +50,6 @@ from server.protocol.responses import (
 )
 from server.protocol.wire import dump, parse_body, reply
 from server.response_store import ResponseStore
-from server.routes.chat import chat_plan
 from server.state import ServerState
 
 # chat's parameter names as the Responses API spells them, for errors raised by shared code
@@ -284,11 +283,11 @@ async def create_response(request: Request) -> Response:
     resp_id = new_id("resp")
     conversation = conversation or resp_id
     try:
-        chat, ids = _render(engine, body, items, len(history))
-        plan = chat_plan(state, engine, chat, resp_id, f"response:{conversation}", ids)
+        chat, rendered = _render(engine, body, items, len(history))
+        session = f"response:{conversation}"
+        plan = chat_plan(state, engine, chat, resp_id, session, rendered, _PARAM_NAMES)
     except APIError as e:
         raise renamed(e, _PARAM_NAMES) from None
-    plan.generation.param_names = _PARAM_NAMES
     gen = await start(state, engine, request, plan.generation)
     with_logprobs = plan.generation.logprobs is not None
     created = int(time.time())
@@ -333,22 +332,25 @@ async def create_response(request: Request) -> Response:
 
 def _render(
     engine: AsyncEngine, body: ResponsesRequest, items: list[dict[str, Any]], num_stored: int
-) -> tuple[ChatCompletionRequest, list[int]]:
+) -> tuple[ChatCompletionRequest, RenderedChat]:
     """The chat request and its prompt; with `truncation: auto`, the oldest items are dropped
     until the prompt leaves room for the output. `items`: the `num_stored` items of the
-    previous response, then the client's `input`."""
+    previous response, then the client's `input`. The tool plan is made once: it depends on
+    the tools, not on the items."""
     room = engine.info.max_model_len - (body.max_output_tokens or 1)
+    tools: ToolPlan | None = None
+    planned = False
     while True:
         messages, sources = chat_messages(items, body.instructions)
         try:
             chat = chat_request(body, messages)
-            plan = tool_plan(chat)
-            tools = plan.tools if plan else None
-            ids = render_prompt(engine.tokenizer, chat.messages, True, tools)
+            if not planned:
+                tools, planned = tool_plan(chat), True
+            ids = render_chat(engine, chat, tools)
         except APIError as e:
             raise _as_input_error(e, sources, num_stored) from None
         if len(ids) <= room or body.truncation != "auto" or len(items) <= 1:
-            return chat, ids
+            return chat, RenderedChat(ids, tools)
         dropped = 1
         while dropped < len(items) - 1 and items[dropped]["type"] != "message":
             dropped += 1  # no orphaned call outputs

@@ -1,0 +1,97 @@
+"""A chat request's plan: its prompt rendered through the model's template, its tool plan and
+grammar, and the parser that reads calls back from the text. Chat completions make it from
+their body; the Responses API from its items mapped onto chat (server/routes/responses.py),
+having rendered and truncated the prompt itself. Made once, immutable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.async_engine import AsyncEngine
+from server.errors import APIError
+from server.flow.chat_prompt import render_prompt
+from server.flow.constraints import ToolPlan, grammar_for, tool_plan
+from server.flow.request_flow import GenerationPlan
+from server.flow.tool_parsers import PARSERS, ToolParser, parser_for_template
+from server.protocol.openai import ChatCompletionRequest
+from server.state import ServerState
+
+
+def tool_parser(state: ServerState, engine: AsyncEngine) -> ToolParser:
+    name = state.config.server.tool_call_parser
+    if name != "auto":
+        return PARSERS[name]
+    return parser_for_template(engine.tokenizer.chat_template if engine.tokenizer else None)
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A chat request's prompt and the tool plan it was rendered with."""
+
+    prompt_ids: list[int]
+    tools: ToolPlan | None
+
+
+def render_chat(
+    engine: AsyncEngine, body: ChatCompletionRequest, tools: ToolPlan | None
+) -> list[int]:
+    return render_prompt(
+        engine.tokenizer,
+        body.messages,
+        body.add_generation_prompt,
+        tools.tools if tools else None,
+        **(body.chat_template_kwargs or {}),
+    )
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request's generation plan and what formatting its output needs: the tool plan,
+    and the parser that finds calls in the text (None when calls are not parsed)."""
+
+    generation: GenerationPlan
+    tools: ToolPlan | None
+    calls_parser: ToolParser | None
+    legacy: bool  # `functions` (not `tools`): calls come back as `function_call`
+
+
+def chat_plan(
+    state: ServerState,
+    engine: AsyncEngine,
+    body: ChatCompletionRequest,
+    req_id: str,
+    session: str | None,
+    rendered: RenderedChat | None = None,
+    param_names: dict[str, str] | None = None,
+) -> ChatPlan:
+    """The plan of a chat request. `rendered`: the prompt and tool plan, when the caller made
+    them already; `param_names`: shared code's parameter names as the caller's API spells
+    them."""
+    cfg = state.config.server
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise APIError(
+                400, "logprobs must be true when top_logprobs is set", param="top_logprobs"
+            )
+        if body.top_logprobs > cfg.max_top_logprobs:
+            raise APIError(
+                400, f"top_logprobs must be at most {cfg.max_top_logprobs}", param="top_logprobs"
+            )
+    parser = tool_parser(state, engine)
+    if rendered is None:
+        tools = tool_plan(body)
+        rendered = RenderedChat(render_chat(engine, body, tools), tools)
+    tools = rendered.tools
+    generation = GenerationPlan(
+        req_id=req_id,
+        body=body,
+        prompts=[rendered.prompt_ids],
+        max_tokens=body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens or None,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        grammar=grammar_for(body, tools, parser.name),
+        session=session,
+        kv_transfer_params=body.kv_transfer_params,
+        param_names=param_names or {},
+    )
+    calls_parser = parser if tools is not None and tools.parses else None
+    return ChatPlan(generation, tools, calls_parser, body.functions is not None)
