@@ -27,6 +27,18 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Release what the engine holds outside this process's memory (tensor-parallel ranks,
+        their process group and shared memory; the host tier's flush to disk). A dropped `LLM`
+        releases its ranks when collected; `with LLM(...) as llm:` releases all at the end."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, Mapping):
             keys = set(prompt) & {"prompt", "prompt_token_ids"}

@@ -128,7 +128,7 @@ def test_a_chat_template_error_on_responses_names_the_input_it_came_from(live, m
     """/v1/responses renders through the chat path; its errors name `input`, not `messages`."""
     from models.chat_template import TemplateError
     from server.errors import APIError
-    from server.routes.responses import _as_input_error
+    from server.flow.responses_plan import as_input_error as _as_input_error
 
     tokenizer = live.core.tokenizer
     render = tokenizer.apply_chat_template

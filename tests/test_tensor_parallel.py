@@ -296,12 +296,13 @@ def test_engines_one_after_another_and_side_by_side(model_dirs: dict[str, Path])
     gc.collect()
     for proc in workers:
         assert proc.wait(timeout=30) is not None  # its ranks ended with it
-    a = LLM(qwen2, tensor_parallel_size=2, **options)
-    b = LLM(llama, tensor_parallel_size=2, **options)
-    try:
+    with (
+        LLM(qwen2, tensor_parallel_size=2, **options) as a,
+        LLM(llama, tensor_parallel_size=2, **options) as b,
+    ):
         assert generate(a, ps) == want[qwen2]
         assert generate(b, ps) == want[llama]
         assert generate(a, ps) == want[qwen2]  # interleaved, each on its own group
-    finally:
-        a.engine.shutdown()
-        b.engine.shutdown()
+        workers = [*a.engine.tp.procs, *b.engine.tp.procs]
+    for proc in workers:  # the context managers shut both down
+        assert proc.poll() is not None

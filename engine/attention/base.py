@@ -39,6 +39,25 @@ class StepMetadata:
         return len(self.query_lens)
 
 
+def paged_layer_cache(
+    backend: AttentionBackend,
+    layer_idx: int,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    slot_block: torch.Tensor,
+    slot_offset: torch.Tensor,
+    kv_dim: int,
+) -> torch.Tensor:
+    """A layer's KV group with the step's new K/V written into their slots, for the page
+    layouts whose K and V halves (along `kv_dim`) are [blocks, block_size, kv_heads, head_dim]
+    (FlashInfer's, xformers'). k and v are None for a layer reading a shared KV group."""
+    cache = backend.kv_caches[backend.layer_group[layer_idx]]
+    if k is not None and v is not None:
+        cache.select(kv_dim, 0)[slot_block, slot_offset] = k
+        cache.select(kv_dim, 1)[slot_block, slot_offset] = v
+    return cache
+
+
 class AttentionBackend(ABC):
     """A backend owns the layout of the KV tensors it attends over (`kv_cache_shape`); the pool
     allocates one tensor per KV group in that layout, and `block_dim` says which dimension

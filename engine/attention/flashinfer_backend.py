@@ -27,13 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
+from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata, paged_layer_cache
 from engine.attention.matrix import (
     DeviceFacts,
     ModelNeeds,
     Verdict,
     dtype_name,
     gpu_library_verdict,
+    model_refusals,
 )
 from models.spec import ModelSpec
 
@@ -115,10 +116,7 @@ class FlashInferStep(AttentionStep):
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
         backend = self.backend
-        cache = backend.kv_caches[backend.layer_group[layer_idx]]
-        if k is not None and v is not None:  # None: a layer reading a shared KV group
-            cache[self.slot_block, 0, self.slot_offset] = k
-            cache[self.slot_block, 1, self.slot_offset] = v
+        cache = paged_layer_cache(backend, layer_idx, k, v, self.slot_block, self.slot_offset, 1)
         wrapper = self._wrapper(backend.layer_geometry[layer_idx])
         return wrapper.run(q.contiguous(), cache)
 
@@ -193,16 +191,9 @@ class FlashInferBackend(AttentionBackend):
             verdict["dtype"] = f"{dtype_name(dtype)}: kernels are built for float16/bfloat16"
         elif dtype == torch.bfloat16 and facts.capability is not None and facts.capability < (8, 0):
             verdict["dtype"] = "bfloat16 needs sm80+"
-        bad_dims = [d for d in needs.head_dims if d not in HEAD_DIMS]
-        if bad_dims:
-            verdict["head_dim"] = f"head_dim {bad_dims} not in {HEAD_DIMS}"
-        if needs.uneven_gqa:
-            verdict["GQA group size"] = "query heads not a multiple of KV heads"
         if block_size not in PAGE_SIZES:
             verdict["block size"] = f"page size {block_size} not in {PAGE_SIZES}"
-        if needs.tree_masks:
-            verdict["tree masks"] = "custom masks are prefill-only; not wired here"
-        return verdict
+        return verdict | model_refusals(needs, head_dims=HEAD_DIMS)
 
     @classmethod
     def workspace_bytes(cls) -> int:

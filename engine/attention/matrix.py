@@ -219,6 +219,32 @@ def gpu_library_verdict(facts: DeviceFacts, library: str) -> Verdict:
     return {}
 
 
+def model_refusals(
+    needs: ModelNeeds,
+    *,
+    head_dims: tuple[int, ...] | None = None,
+    sliding_window: bool = True,
+    soft_cap: bool = True,
+    tree_masks: bool = False,
+) -> Verdict:
+    """The model-shape requirements a backend cannot serve, in the matrix's one wording: each
+    backend says what its kernels support (`head_dims`: the head sizes they are built for,
+    None for any) and gets its rows' reasons."""
+    verdict: Verdict = {}
+    bad_dims = [d for d in needs.head_dims if head_dims is not None and d not in head_dims]
+    if bad_dims:
+        verdict["head_dim"] = f"head_dim {bad_dims} not in {head_dims}"
+    if needs.uneven_gqa:
+        verdict["GQA group size"] = "query heads not a multiple of KV heads"
+    if needs.sliding_window and not sliding_window:
+        verdict["sliding window"] = "no paged local-attention mask in its kernels"
+    if needs.soft_cap and not soft_cap:
+        verdict["soft-capping"] = "logit soft-capping is not supported"
+    if needs.tree_masks and not tree_masks:
+        verdict["tree masks"] = "custom (tree) masks are not supported"
+    return verdict
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import engine.attention.cpu_decode as cpu_decode
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
-from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name
+from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name, model_refusals
 from engine.attention.range_decode import RangeDecodePlan
 from models.spec import ModelSpec
 
@@ -299,13 +299,7 @@ class TorchBackend(AttentionBackend):
                 f"{dtype_name(dtype)} on a CPU without native bf16/fp16: {speed} "
                 "(use --dtype float32, or --allow-slow-dtype to serve it anyway)"
             )
-        if needs.uneven_gqa:
-            verdict["GQA group size"] = "query heads not a multiple of KV heads"
-        if needs.soft_cap:
-            verdict["soft-capping"] = "logit soft-capping is not implemented"
-        if needs.tree_masks:
-            verdict["tree masks"] = "custom (tree) masks are not implemented"
-        return verdict
+        return verdict | model_refusals(needs, soft_cap=False)
 
     @classmethod
     def is_fast_on(cls, facts: DeviceFacts) -> bool:

@@ -25,13 +25,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
+from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata, paged_layer_cache
 from engine.attention.matrix import (
     DeviceFacts,
     ModelNeeds,
     Verdict,
     dtype_name,
     gpu_library_verdict,
+    model_refusals,
 )
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)
@@ -95,11 +96,9 @@ class XFormersStep(AttentionStep):
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
-        backend = self.backend
-        cache = backend.kv_caches[backend.layer_group[layer_idx]]
-        if k is not None and v is not None:  # None: a layer reading a shared KV group
-            cache[0, self.slot_block, self.slot_offset] = k
-            cache[1, self.slot_block, self.slot_offset] = v
+        cache = paged_layer_cache(
+            self.backend, layer_idx, k, v, self.slot_block, self.slot_offset, 0
+        )
         scale = 1.0 / math.sqrt(q.shape[-1])
         if self.bias is not None:
             qd = q if self.all_decode else q.index_select(0, self.decode_rows)
@@ -181,23 +180,13 @@ class XFormersBackend(AttentionBackend):
             verdict["compute capability"] = f"{cap} < sm80 (Triton split-K paged decode)"
         if dtype not in (torch.float16, torch.bfloat16):
             verdict["dtype"] = f"{dtype_name(dtype)}: the paged operator takes float16/bfloat16"
-        bad_dims = [d for d in needs.head_dims if d not in HEAD_DIMS]
-        if bad_dims:
-            verdict["head_dim"] = f"head_dim {bad_dims} not in {HEAD_DIMS}"
-        if needs.uneven_gqa:
-            verdict["GQA group size"] = "query heads not a multiple of KV heads"
         if block_size % BLOCK_N:
             verdict["block size"] = (
                 f"page size {block_size} is not a multiple of the Triton split-K BLOCK_N "
                 f"({BLOCK_N}); use --block-size 64 or 128"
             )
-        if needs.sliding_window:
-            verdict["sliding window"] = "no paged local-attention mask in the split-K operator"
-        if needs.soft_cap:
-            verdict["soft-capping"] = "logit soft-capping is not supported"
-        if needs.tree_masks:
-            verdict["tree masks"] = "custom (tree) masks are not supported"
-        return verdict
+        return verdict | model_refusals(needs, head_dims=HEAD_DIMS, sliding_window=False,
+                                        soft_cap=False)  # fmt: skip
 
     def plan(self, meta: StepMetadata) -> XFormersStep:
         return XFormersStep(self, meta)

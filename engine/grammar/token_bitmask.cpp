@@ -1,6 +1,6 @@
 // torch.ops.kvserve_token_bitmask.apply_(logits, bitmask, rows): set logits[rows[i], t] to -inf
 // wherever bit t of bitmask[i] is 0 (xgrammar's layout: int32 words, bit t % 32 of word t / 32).
-// Built at first use by engine/token_bitmask.py; its consumer is the sampler.
+// Built at first use by engine/grammar/token_bitmask.py; its consumer is the sampler.
 //
 // Why: a constrained row allows few tokens, so nearly every bit is 0. Unpacking the mask to a
 // [rows, vocab] bool tensor and masked_fill costs ~3 ns per element here (10+ ms for 64 rows of

@@ -11,7 +11,7 @@ from engine.async_engine import AsyncEngine
 from server.errors import APIError
 from server.flow.chat_prompt import render_prompt
 from server.flow.constraints import ToolPlan, grammar_for, tool_plan
-from server.flow.request_flow import GenerationPlan
+from server.flow.plan import GenerationPlan
 from server.flow.tool_parsers import PARSERS, ToolParser, parser_for_template
 from server.protocol.openai import ChatCompletionRequest
 from server.state import ServerState

@@ -7,10 +7,9 @@ handled once. Routes only translate in and format out."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -23,99 +22,17 @@ from engine.core.sampling_params import GrammarSpec, ParamError, SamplingParams
 from engine.grammar.budget import GrammarBusyError
 from server.errors import APIError, RequestFailed, RequestTimeout, error_body, to_api_error
 from server.flow.generation import Choice, usage_of
+from server.flow.plan import (
+    GenerationPlan,
+    app_name,
+    check_limits,
+    effective_salt,
+    make_choices,
+    renamed,
+)
 from server.protocol.openai import ErrorResponse
 from server.protocol.wire import SSE_DONE, sse
 from server.state import VERSION, ServerState, log
-
-
-def api_key_tag(request: Request) -> str:
-    """A short hash of the caller's Authorization header: who a request came from, without
-    keeping the key."""
-    return hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()[:16]
-
-
-def app_name(request: Request, body: Any) -> str:
-    """Which application a request belongs to, for the per-application cache statistics
-    (server/app_cache.py): X-App, else the API key's tag, else prompt_cache_key, else user."""
-    named = request.headers.get("x-app")
-    if not named and request.headers.get("authorization"):
-        named = "key:" + api_key_tag(request)[:8]
-    named = named or getattr(body, "prompt_cache_key", None) or getattr(body, "user", None)
-    return (named or "default")[:64]
-
-
-def effective_salt(state: ServerState, request: Request, salt: str | None) -> str | None:
-    """With salt_cache_per_key, the caller's API key enters the cache salt, so tenants holding
-    different keys never share KV blocks (and cannot probe each other's prompts by timing)."""
-    if not state.config.server.salt_cache_per_key:
-        return salt
-    return f"key:{api_key_tag(request)}|{salt or ''}"
-
-
-def session_id(request: Request, user: str | None) -> str | None:
-    return request.headers.get("x-session-id") or user
-
-
-def check_limits(state: ServerState, body: Any) -> None:
-    cfg = state.config.server
-    if body.n > cfg.max_n:
-        raise APIError(400, f"n must be at most {cfg.max_n}", param="n")
-    stops = body.stop or []
-    if len(stops) > cfg.max_stop_sequences:
-        raise APIError(400, f"at most {cfg.max_stop_sequences} stop sequences", param="stop")
-    if any(len(s) > cfg.max_stop_length for s in stops):
-        raise APIError(
-            400, f"stop sequences are limited to {cfg.max_stop_length} characters", param="stop"
-        )
-
-
-def make_choices(
-    engine: AsyncEngine,
-    plan: GenerationPlan,
-    cache_salt: str | None,
-    app: str | None,
-    exports_kv: bool,
-) -> list[Choice]:
-    """n choices per prompt, each with its sampling parameters made whole (validated against
-    the engine once, when submitted). A prompt's first choice scores the prompt (echo), counts
-    its cache hit for `app`, and carries its KV out at its end when `exports_kv` (P/D)."""
-    body, grammar = plan.body, plan.grammar[0] if plan.grammar else None
-    choices = []
-    for p_idx, ids in enumerate(plan.prompts):
-        budget = plan.max_tokens
-        if budget is None:
-            budget = max(1, engine.info.max_model_len - len(ids))
-        for i in range(body.n):
-            params = body.sampling_params(budget, plan.logprobs, seed_offset=i, grammar=grammar)
-            first = i == 0
-            params = replace(
-                params,
-                cache_salt=cache_salt,
-                prompt_logprobs=plan.prompt_logprobs if first else None,
-                export_kv=exports_kv and first,
-            )
-            index = p_idx * body.n + i
-            choices.append(Choice(index, ids, params, f"{plan.req_id}-{index}",
-                                  app=app if first else None))  # fmt: skip
-    return choices
-
-
-@dataclass(frozen=True)
-class GenerationPlan:
-    """What a route made of its body, in the engine's terms: the one flow (`start`) needs
-    nothing else. `body` is the chat or completions request the sampling fields come from;
-    `param_names` spells shared code's parameter names the way the route's API does."""
-
-    req_id: str
-    body: Any
-    prompts: list[list[int]]
-    max_tokens: int | None
-    logprobs: int | None
-    grammar: tuple[GrammarSpec, str] | None = None
-    session: str | None = None  # a session's turns keep their KV warm (server/sessions.py)
-    kv_transfer_params: dict | None = None
-    prompt_logprobs: int | None = None  # score each prompt too (echo), with this many top
-    param_names: dict[str, str] = field(default_factory=dict)
 
 
 async def compile_grammar(
@@ -166,13 +83,6 @@ async def start(
             )
 
     return Generation.admit(state, engine, choices, body.n, plan.req_id, on_done, publish)
-
-
-def renamed(e: APIError | None, names: dict[str, str]) -> APIError:
-    assert e is not None
-    if e.param in names:
-        e.param = names[e.param]
-    return e
 
 
 class StreamFormat(Protocol):

@@ -11,7 +11,8 @@ from engine.async_engine import AsyncEngine
 from engine.core.outputs import RequestOutput
 from server.flow.chat_plan import ChatPlan, chat_plan
 from server.flow.generation import Choice, chat_logprobs, finish_reason
-from server.flow.request_flow import ChoiceChunks, session_id, start
+from server.flow.plan import session_id
+from server.flow.request_flow import ChoiceChunks, start
 from server.flow.tool_parsers import ToolCallStream, final_calls, with_determined_name
 from server.protocol.openai import (
     ChatCompletionChunk,

@@ -12,7 +12,8 @@ from engine.core.outputs import RequestOutput
 from server.errors import APIError
 from server.flow.constraints import grammar_for
 from server.flow.generation import Choice, completion_logprobs, finish_reason
-from server.flow.request_flow import ChoiceChunks, GenerationPlan, start
+from server.flow.plan import GenerationPlan
+from server.flow.request_flow import ChoiceChunks, start
 from server.protocol.openai import CompletionRequest, CompletionResponse
 from server.protocol.wire import parse_body, reply
 from server.state import ServerState

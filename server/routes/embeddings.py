@@ -16,7 +16,8 @@ from engine.core.sampling_params import SamplingParams
 from engine.runner.pooling import normalize
 from server.errors import APIError, RequestFailed
 from server.flow.generation import Choice
-from server.flow.request_flow import Generation, admission_limit, effective_salt
+from server.flow.plan import effective_salt
+from server.flow.request_flow import Generation, admission_limit
 from server.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from server.protocol.wire import parse_body, reply
 from server.state import ServerState, log
