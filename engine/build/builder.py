@@ -114,8 +114,6 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         f"{pool.choice.table}\n  dtype {dtype_name(dtype)}: {dtype_reason}\n  weights: {notes}"
         f"\n  kv cache: {pool.kv_reason}"
     )
-    if tp is not None:  # the ranks build their pools and warm up, then each step is shared
-        kernel_table += _start_serving(config, tp, weights, pool, host)
     spec = weights.spec
     eos = spec.eos_token_ids or (
         [tokenizer.eos_token_id] if tokenizer and tokenizer.eos_token_id is not None else []
@@ -138,6 +136,10 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         runner.capture_cuda_graphs(config.max_num_seqs, pool.max_model_len, pool.num_blocks)
     drafter = build_drafter(config, weights_key(config, model_path, dtype), weights.model,
                             draft, pool.backend, kv, grammars, tokenizer, device)  # fmt: skip
+    # the ranks build their pools and warm up; from then on each forward is shared (the step
+    # costs above are measured before: rank 0 alone, the others not yet listening)
+    if tp is not None:
+        kernel_table += _start_serving(config, tp, weights, pool, host)
     info = _engine_info(config, model_path, weights, pool, draft, drafter, host, dtype,
                         dtype_reason, facts, packed, kernel_table, runner)  # fmt: skip
     return EngineParts(
