@@ -23,6 +23,7 @@ from engine.async_engine import AsyncEngine
 from engine.grammar.budget import default_workers
 from server.config import Config
 from server.errors import CLIENT_ERRORS, APIError, error_body, to_api_error
+from server.flow.messages_output import error_body as anthropic_error
 from server.openapi import build_openapi
 from server.response_store import ResponseStore
 from server.routes.admin import (
@@ -42,6 +43,7 @@ from server.routes.admin import (
 from server.routes.chat import chat_completions
 from server.routes.completions import completions
 from server.routes.embeddings import embeddings
+from server.routes.messages import count_tokens, create_message
 from server.routes.responses import (
     cancel_response,
     create_response,
@@ -71,14 +73,15 @@ class GuardMiddleware:
         headers = {k.decode().lower(): v for k, v in scope["headers"]}
         if self.keys and scope["method"] != "OPTIONS" and not _public(scope["path"]):
             auth = headers.get("authorization", b"")
-            token = auth[7:] if auth[:7].lower() == b"bearer " else b""
+            # Anthropic's clients send `x-api-key` (Claude Code: `Authorization` with
+            # ANTHROPIC_AUTH_TOKEN); either is the key
+            token = auth[7:] if auth[:7].lower() == b"bearer " else headers.get("x-api-key", b"")
             # compare against every key so the time taken does not say which one nearly matched
             if not sum(hmac.compare_digest(token, key) for key in self.keys):
-                resp = APIError(
-                    401,
-                    "Incorrect or missing API key. Pass it as 'Authorization: Bearer <key>'.",
-                    code="invalid_api_key",
-                ).response()
+                message = "Incorrect or missing API key. Pass it as 'Authorization: Bearer <key>'."
+                resp = APIError(401, message, code="invalid_api_key").response()
+                if scope["path"].startswith("/v1/messages"):
+                    resp = JSONResponse(anthropic_error(401, message), status_code=401)
                 return await resp(scope, receive, send)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
@@ -195,6 +198,8 @@ def build_app(
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
+        Route("/v1/messages", create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics),

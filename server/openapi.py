@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from server.protocol import anthropic as pa
 from server.protocol import embeddings as pe
 from server.protocol import openai as p
 from server.protocol import responses as pr
@@ -31,8 +32,8 @@ def _json(model: type[BaseModel]) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": _ref(model)}}}
 
 
-def _errors(*codes: int) -> dict[str, Any]:
-    return {str(c): {"description": "error", **_json(p.ErrorResponse)} for c in codes}
+def _errors(*codes: int, shape: type[BaseModel] = p.ErrorResponse) -> dict[str, Any]:
+    return {str(c): {"description": "error", **_json(shape)} for c in codes}
 
 
 def build_openapi(version: str) -> dict[str, Any]:
@@ -41,6 +42,8 @@ def build_openapi(version: str) -> dict[str, Any]:
         p.CompletionRequest,
         pe.EmbeddingRequest,
         pr.ResponsesRequest,
+        pa.MessagesRequest,
+        pa.CountTokensRequest,
         p.TokenizeRequest,
         p.DetokenizeRequest,
     ]
@@ -59,6 +62,10 @@ def build_openapi(version: str) -> dict[str, Any]:
         p.DetokenizeResponse,
         p.ErrorResponse,
         p.StatusResponse,
+        pa.AnthropicMessage,
+        pa.AnthropicStreamEvent,
+        pa.AnthropicTokenCount,
+        pa.AnthropicError,
     ]
     schemas: dict[str, Any] = {}
     for model in requests:
@@ -67,6 +74,7 @@ def build_openapi(version: str) -> dict[str, Any]:
         schemas[model.__name__] = s
     schemas.update(_schema(responses))
     api_errors = _errors(400, 401, 404, 413, 429, 500, 503)
+    anthropic_errors = _errors(400, 401, 404, 413, 429, 500, 503, shape=pa.AnthropicError)
     # each server-sent event: `data` is a JSON chunk (or the literal [DONE])
     sse = {
         "text/event-stream": {
@@ -79,7 +87,11 @@ def build_openapi(version: str) -> dict[str, Any]:
     }
 
     def post(
-        req: type[BaseModel], resp: type[BaseModel], summary: str, streams: bool = False
+        req: type[BaseModel],
+        resp: type[BaseModel],
+        summary: str,
+        streams: bool = False,
+        errors: dict[str, Any] = api_errors,
     ) -> dict[str, Any]:
         ok = {"description": "ok", **_json(resp)}
         if streams:
@@ -94,7 +106,7 @@ def build_openapi(version: str) -> dict[str, Any]:
                     "required": True,
                     "content": {"application/json": {"schema": _ref(req)}},
                 },
-                "responses": {"200": ok, **api_errors},
+                "responses": {"200": ok, **errors},
             }
         }
 
@@ -113,7 +125,7 @@ def build_openapi(version: str) -> dict[str, Any]:
         "info": {
             "title": "kvserve",
             "version": version,
-            "description": "OpenAI-compatible inference server",
+            "description": "OpenAI-compatible inference server (and Anthropic's Messages API)",
         },
         "paths": {
             "/v1/chat/completions": post(
@@ -144,6 +156,19 @@ def build_openapi(version: str) -> dict[str, Any]:
                 "parameters": [response_id],
                 **get(pr.ItemList, "The items a stored response was generated from"),
             },
+            "/v1/messages": post(
+                pa.MessagesRequest,
+                pa.AnthropicMessage,
+                "Create a message (Anthropic's Messages API)",
+                streams=True,
+                errors=anthropic_errors,
+            ),
+            "/v1/messages/count_tokens": post(
+                pa.CountTokensRequest,
+                pa.AnthropicTokenCount,
+                "Count a message's input tokens",
+                errors=anthropic_errors,
+            ),
             "/v1/models": get(p.ModelList, "List models"),
             "/tokenize": post(p.TokenizeRequest, p.TokenizeResponse, "Tokenize text or messages"),
             "/detokenize": post(p.DetokenizeRequest, p.DetokenizeResponse, "Token ids to text"),

@@ -37,8 +37,8 @@ def nan_logits(monkeypatch: pytest.MonkeyPatch, runner: object) -> None:
     original = runner.forward  # type: ignore[attr-defined]
 
     def forward(out):  # noqa: ANN001, ANN202
-        logits, hidden = original(out)
-        return torch.full_like(logits, float("nan")), hidden
+        logits, hidden, plan = original(out)
+        return torch.full_like(logits, float("nan")), hidden, plan
 
     monkeypatch.setattr(runner, "forward", forward)
 

@@ -1,9 +1,11 @@
-"""Coding-agent CLIs as clients, run headless as their users run them: Codex CLI (`codex exec`,
-from npm, installed by scripts/setup.sh into .agents/) over `/v1/responses` with a provider entry
-in its own CODEX_HOME. Codex's first request carries ~30,000 tokens of instructions and tool
-schemas in the tests' tiny tokenizer (reasoning settings, `include`, `namespace` and hosted tools
-among them), so the tiny model is served with a 32k context; on SmolLM2's 2k-8k the CLI shows
-the server's 400 with both numbers."""
+"""Coding-agent CLIs as clients, run headless as their users run them, both from npm (installed
+by scripts/setup.sh into .agents/): Codex CLI (`codex exec`) over `/v1/responses` with a provider
+entry in its own CODEX_HOME, and Claude Code (`claude -p`) over `/v1/messages` with
+ANTHROPIC_BASE_URL. Codex's first request carries ~30,000 tokens of instructions and tool schemas
+in the tests' tiny tokenizer (reasoning settings, `include`, `namespace` and hosted tools among
+them), Claude Code's ~39,000 (system turns, adaptive thinking, output_config, cache_control), so
+the tiny model is served with a long context; on SmolLM2's 2k-8k each CLI shows the server's 400
+with both numbers."""
 
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ pytestmark = pytest.mark.slow  # servers and a CLI
 
 ROOT = Path(__file__).resolve().parent.parent
 CODEX = ROOT / ".agents" / "node_modules" / ".bin" / "codex"
+# the native binary of Claude Code's platform package (its wrapper's install script is skipped)
+CLAUDE = next(iter(sorted((ROOT / ".agents" / "node_modules" / "@anthropic-ai").glob(
+    "claude-code-linux-*/claude"))), None)  # fmt: skip
 
 
 def codex(base: str, model: str, prompt: str, home: Path, cwd: Path) -> subprocess.CompletedProcess:
@@ -58,6 +63,77 @@ def test_codex_exec_gets_an_answer(codex_bin, tmp_path) -> None:
 
 def test_codex_shows_the_context_limit_of_a_small_model(codex_bin, smol_tools_server, tmp_path):
     done = codex(smol_tools_server.base, SMOL, "Say hello.", tmp_path / "home", tmp_path / "w")
+    said = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "maximum context length is 2048 tokens" in said, said[-2000:]
+
+
+def claude(
+    base: str, model: str, prompt: str, home: Path, cwd: Path
+) -> subprocess.CompletedProcess:
+    """`claude -p` as a user of a self-hosted model runs it: the base URL and a token, every
+    model alias pointed at the served name, no traffic beyond the server."""
+    home.mkdir(parents=True, exist_ok=True)
+    cwd.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": base, "ANTHROPIC_AUTH_TOKEN": "x",
+        "ANTHROPIC_SMALL_FAST_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64", "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+    }  # fmt: skip
+    assert CLAUDE is not None
+    return subprocess.run(
+        [str(CLAUDE), "-p", prompt, "--model", model],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def claude_bin() -> Path:
+    if CLAUDE is None:
+        pytest.fail("Claude Code not installed: run ./scripts/setup.sh --test (needs npm)")
+    return CLAUDE
+
+
+def terse_model(out: Path, context: int) -> Path:
+    """The tests' tiny Llama, made to end its answers after a few tokens (a random model never
+    samples its end token within Claude Code's cap, and the CLI takes a capped answer for an
+    error): its layers add nothing to the residual stream, every token's embedding carries one
+    large component, and only the end token's head row reads it, for P(end) ~ 1/4 a token."""
+    import torch
+    import transformers
+
+    path = build_model("llama", out, max_position_embeddings=context)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 8.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[eos].zero_()
+        model.lm_head.weight[eos, 0] = 0.66 / float(model.model.norm.weight[0])
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="200KB")
+    return path
+
+
+def test_claude_code_gets_an_answer(claude_bin, tmp_path) -> None:
+    model = terse_model(tmp_path / "tiny", 65536)
+    with kvserve_server(
+        model, served_model_name="kv-model", max_model_len=65536, num_kv_blocks=1100
+    ) as server:
+        done = claude(server.base, "kv-model", "Say hello.", tmp_path / "home", tmp_path / "w")
+        log = server.log()
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    assert done.stdout.strip()  # the model's few tokens, as the CLI prints an answer
+    assert '"POST /v1/messages?beta=true HTTP/1.1" 200' in log and " 400 " not in log
+
+
+def test_claude_code_shows_the_context_limit_of_a_small_model(
+    claude_bin, smol_tools_server, tmp_path
+) -> None:
+    done = claude(smol_tools_server.base, SMOL, "Say hello.", tmp_path / "home", tmp_path / "w")
     said = done.stdout + done.stderr
     assert done.returncode != 0
     assert "maximum context length is 2048 tokens" in said, said[-2000:]

@@ -56,13 +56,13 @@ def test_nan_logits_fail_only_their_request(live, monkeypatch) -> None:
     original = runner.forward
 
     def execute(out):
-        logits, hidden = original(out)
+        logits, hidden, plan = original(out)
         logits = logits.clone()
         rows = [s.request for s in out.scheduled if s.samples]
         for i, r in enumerate(rows):
             if MARKER in r.prompt_token_ids:
                 logits[i] = float("nan")
-        return logits, hidden
+        return logits, hidden, plan
 
     monkeypatch.setattr(runner, "forward", execute)
     results: dict[str, httpx.Response] = {}

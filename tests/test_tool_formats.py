@@ -5,21 +5,36 @@ model's template teaches, and come back as OpenAI tool calls, whole and streamed
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from tokenizers import AddedToken, Tokenizer
 
 from engine.grammar.structured_output import CALL_FORMATS
+from tests.conftest import build_model
 from tests.server_utils import InProcessServer
 from tests.tool_schemas import ASK, TIME, WEATHER
 
 pytestmark = pytest.mark.slow  # in-process servers
 
 
+@pytest.fixture(scope="module")
+def trigger_model(tmp_path_factory) -> Path:
+    """The tests' tiny Llama, its tokenizer spelling each format's call trigger as one token,
+    as tool-calling models' do (Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`)."""
+    out = build_model("llama", tmp_path_factory.mktemp("triggers") / "llama")
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    triggers = [f.trigger for f in CALL_FORMATS.values()]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in triggers])
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
 @pytest.fixture(scope="module", params=["hermes", "llama3_json", "mistral"])
-def served(request, llama_dir):
-    server = InProcessServer(llama_dir, max_model_len=2048, tool_call_parser=request.param)
+def served(request, trigger_model):
+    server = InProcessServer(trigger_model, max_model_len=2048, tool_call_parser=request.param)
     yield server, request.param
     server.stop()
 
@@ -72,12 +87,13 @@ def test_forced_calls_in_the_format(client, choice) -> None:
 
 def test_strict_tools_shape_the_calls_the_model_chooses(served, client) -> None:
     """Under `auto` the model chooses whether to call; a random model would not, so the
-    format's trigger is favoured by logit_bias: once the model writes it, the strict schema
-    alone decides what follows (the bias cannot push a token the grammar masks)."""
+    format's trigger (one token) is favoured by logit_bias: once the model writes it, the strict
+    schema alone decides what follows (the bias cannot push a token the grammar masks)."""
     server, parser = served
     trigger = CALL_FORMATS[parser].trigger
     body = {"prompt": trigger, "add_special_tokens": False}
     ids = httpx.post(server.base + "/tokenize", json=body).json()["tokens"]
+    assert len(ids) == 1, ids
     strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
     r = client.chat.completions.create(
         model="", messages=ASK, tools=[strict], tool_choice="auto", temperature=0,

@@ -354,16 +354,26 @@ class CompletionResponse(_Out):
 
 
 class ModelCard(_Out):
+    """A model in the shape both SDKs read: OpenAI's (object, created, owned_by) and
+    Anthropic's (type, display_name, created_at) side by side, so a client of either lists it."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int
+    type: Literal["model"]
+    display_name: str
+    created_at: str  # RFC 3339
 
 
 class ModelList(_Out):
     object: Literal["list"]
     data: list[ModelCard]
+    # Anthropic's paging fields (one page: every model this server serves)
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
 
 
 class TokenizeResponse(_Out):

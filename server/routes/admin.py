@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import time
 from typing import TypeVar
@@ -95,18 +96,25 @@ async def version(request: Request) -> Response:
 
 def model_card(state: ServerState) -> dict:
     engine = state.ready_engine()
+    created = datetime.datetime.fromtimestamp(state.created, datetime.UTC)
     return {
         "id": state.model_name,
         "object": "model",
         "created": state.created,
         "owned_by": "kvserve",
         "max_model_len": engine.info.max_model_len,
+        "type": "model",
+        "display_name": state.model_name,
+        "created_at": created.isoformat().replace("+00:00", "Z"),
     }
 
 
 async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.kv
-    return reply(ModelList, {"object": "list", "data": [model_card(state)]})
+    card = model_card(state)
+    body = {"object": "list", "data": [card], "has_more": False,
+            "first_id": card["id"], "last_id": card["id"]}  # fmt: skip
+    return reply(ModelList, body)
 
 
 async def get_model(request: Request) -> Response:

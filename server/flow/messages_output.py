@@ -1,0 +1,180 @@
+"""What an Anthropic Messages request gets back: the message (text and tool_use content blocks,
+the stop reason, usage split the way Anthropic counts cache reads and writes) and its event
+stream (message_start, ping, content blocks started, extended and stopped, message_delta,
+message_stop; an `error` event when generation fails after the headers went out)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.core.outputs import RequestOutput
+from server.flow.chat_plan import ChatPlan
+from server.flow.generation import Choice
+from server.flow.request_flow import Generation
+from server.flow.tool_parsers import ToolCallStream, final_calls, with_determined_name
+from server.protocol.anthropic import AnthropicStreamEvent
+from server.protocol.wire import dump
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "api_error",
+}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def stop_reason(
+    choice: Choice, made_calls: bool, stop_sequences: list[str]
+) -> tuple[str, str | None]:
+    """Anthropic's stop reason (and the stop sequence that ended the turn, if one did)."""
+    if choice.finish_reason == "length":
+        return "max_tokens", None
+    if made_calls:
+        return "tool_use", None
+    if isinstance(choice.stop_reason, str) and choice.stop_reason in stop_sequences:
+        return "stop_sequence", choice.stop_reason
+    return "end_turn", None
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    """A call's input object; arguments cut off by max_tokens are not an object yet."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def content_blocks(choice: Choice, plan: ChatPlan) -> list[dict[str, Any]]:
+    """A finished choice's text and calls as content blocks."""
+    if plan.calls_parser is None or plan.tools is None:
+        return [{"type": "text", "text": choice.text}] if choice.text else []
+    parsed = with_determined_name(plan.calls_parser.parse(choice.text), plan.tools.determined_name)
+    text = parsed.content.strip() if parsed.calls else choice.text
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    calls = final_calls(parsed)[: None if plan.tools.parallel else 1]
+    for call in calls:
+        blocks.append({"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
+                       "name": call.name, "input": _tool_input(call.arguments)})  # fmt: skip
+    return blocks
+
+
+def messages_usage(
+    usage: dict, block_size: int, prefix_caching: bool, cache_control: bool
+) -> dict[str, int]:
+    """Anthropic's split of the prompt: `cache_read_input_tokens` served from the prefix cache
+    (any tier), `cache_creation_input_tokens` written to it in whole blocks when the request
+    marks cache breakpoints, `input_tokens` the rest."""
+    prompt = usage["prompt_tokens"]
+    read = usage["prompt_tokens_details"]["cached_tokens"]
+    written = 0
+    if prefix_caching and cache_control:
+        written = max(0, prompt // block_size * block_size - read)
+    return {
+        "input_tokens": prompt - read - written,
+        "output_tokens": usage["completion_tokens"],
+        "cache_creation_input_tokens": written,
+        "cache_read_input_tokens": read,
+    }
+
+
+def message_body(
+    msg_id: str, model: str, content: list[dict[str, Any]], reason: tuple[str | None, str | None],
+    usage: dict[str, int],
+) -> dict[str, Any]:  # fmt: skip
+    return {
+        "id": msg_id, "type": "message", "role": "assistant", "model": model,
+        "content": content, "stop_reason": reason[0], "stop_sequence": reason[1], "usage": usage,
+    }  # fmt: skip
+
+
+def event(kind: str, fields: dict[str, Any]) -> bytes:
+    data = dump(AnthropicStreamEvent, {"type": kind, **fields})
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+class MessagesEvents:
+    """The Messages stream of one choice: text arrives as text_delta events of a text block;
+    with tools, the text goes through a `ToolCallStream`, each call opening a tool_use block
+    whose input arrives as input_json_delta fragments."""
+
+    def __init__(
+        self, msg_id: str, plan: ChatPlan, stop_sequences: list[str], usage_of: Any
+    ) -> None:
+        self.msg_id, self.plan, self.stop_sequences = msg_id, plan, stop_sequences
+        self.usage_of = usage_of  # the request's usage -> Anthropic's usage
+        parser = plan.calls_parser
+        determined = plan.tools.determined_name if plan.tools is not None else None
+        self.calls = ToolCallStream(parser, determined) if parser is not None else None
+        self.index = -1  # the content block now open (-1: none yet)
+        self.open_kind: str | None = None
+        self.call_blocks: dict[int, int] = {}  # call index -> content block index
+        self.model = ""
+
+    def _open(self, block: dict[str, Any]) -> list[bytes]:
+        out = self._close()
+        self.index += 1
+        self.open_kind = block["type"]
+        return [*out, event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def _close(self) -> list[bytes]:
+        if self.open_kind is None:
+            return []
+        self.open_kind = None
+        return [event("content_block_stop", {"index": self.index})]
+
+    def _text(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        out = [] if self.open_kind == "text" else self._open({"type": "text", "text": ""})
+        delta = {"type": "text_delta", "text": text}
+        return [*out, event("content_block_delta", {"index": self.index, "delta": delta})]
+
+    def begin(self, gen: Generation) -> list[bytes]:
+        self.model = gen.head["model"]
+        prompt = len(gen.choices[0].prompt_ids)
+        usage = {"input_tokens": prompt, "output_tokens": 0}
+        start = message_body(self.msg_id, self.model, [], (None, None), usage)
+        return [event("message_start", {"message": start}), event("ping", {})]
+
+    def step(self, choice: Choice, out: RequestOutput) -> list[bytes]:
+        if self.calls is None:
+            return self._text(out.new_text)
+        content, deltas = self.calls.feed(out.new_text, out.finished)
+        events = self._text(content)
+        parallel = self.plan.tools is None or self.plan.tools.parallel
+        for d in deltas:
+            if d["index"] > 0 and not parallel:
+                continue
+            if "id" in d:
+                block = {"type": "tool_use", "id": "toolu_" + d["id"].removeprefix("call_"),
+                         "name": d["function"]["name"], "input": {}}  # fmt: skip
+                events += self._open(block)
+                self.call_blocks[d["index"]] = self.index
+            fragment = d["function"].get("arguments", "")
+            if fragment:
+                delta = {"type": "input_json_delta", "partial_json": fragment}
+                at = self.call_blocks[d["index"]]
+                events.append(event("content_block_delta", {"index": at, "delta": delta}))
+        return events
+
+    def end(self, gen: Generation, usage: dict) -> list[bytes]:
+        made_calls = self.calls is not None and self.calls.num_calls > 0
+        reason, sequence = stop_reason(gen.choices[0], made_calls, self.stop_sequences)
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        final = {"delta": delta, "usage": self.usage_of(usage)}
+        return [*self._close(), event("message_delta", final), event("message_stop", {})]
+
+    def fail(self, gen: Generation, error: dict) -> list[bytes]:
+        return [event("error", error_body(500, error["message"]))]

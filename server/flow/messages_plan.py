@@ -1,0 +1,189 @@
+"""An Anthropic Messages request as a chat plan: its system prompt, messages and content blocks
+become chat messages (tool_use blocks the assistant's tool calls, tool_result blocks tool
+messages), its tools, tool_choice and sampling fields chat's own, so the template, the grammar
+that forces calls and the sampler are the ones every route uses. What a text model cannot take
+(images, documents, server tools) is a 400 naming the block; an error the chat path raises about
+`messages.i` is named by the Messages request's own index."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pydantic import ValidationError
+
+from server.errors import APIError
+from server.protocol.anthropic import TEXT_BLOCKS, AnthropicContentBlock, MessagesRequest
+from server.protocol.openai import ChatCompletionRequest
+
+# chat's parameter names as the Messages API spells them, for errors raised by shared code
+PARAM_NAMES = {
+    "max_completion_tokens": "max_tokens",
+    "response_format": "output_config.format",
+    "stop": "stop_sequences",
+    "tool_choice": "tool_choice",
+    "user": "metadata.user_id",
+}
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def _refuse(param: str, why: str) -> APIError:
+    return APIError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
+
+
+def _text_of(blocks: str | list[AnthropicContentBlock] | None, where: str) -> str:
+    """The text of a string or of text blocks (a tool result's content, a system prompt)."""
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    parts = []
+    for j, block in enumerate(blocks):
+        if block.type != "text":
+            raise _refuse(f"{where}.{j}.type", f"{block.type!r} blocks cannot go here; text can")
+        parts.append(block.text or "")
+    return "".join(parts)
+
+
+def uses_cache_control(body: MessagesRequest) -> bool:
+    """Whether the request marks cache breakpoints (its usage then counts cache writes)."""
+    blocks: list[Any] = list(body.tools or [])
+    if isinstance(body.system, list):
+        blocks += body.system
+    for m in body.messages:
+        if isinstance(m.content, list):
+            blocks += m.content
+    return body.cache_control is not None or any(b.cache_control is not None for b in blocks)
+
+
+def chat_messages(body: MessagesRequest) -> tuple[list[dict[str, Any]], list[str]]:
+    """The conversation as chat-completions messages, and for each the Messages parameter it
+    came from (`system` or `messages.i`)."""
+    out: list[dict[str, Any]] = []
+    sources: list[str] = []
+    system = _text_of(body.system, "system")
+    if system:
+        out.append({"role": "system", "content": system})
+        sources.append("system")
+    for i, m in enumerate(body.messages):
+        where = f"messages.{i}"
+        before = len(out)
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+        elif m.role == "system":
+            out.append({"role": "system", "content": _text_of(m.content, f"{where}.content")})
+        elif m.role == "user":
+            out += _user_turn(m.content, where)
+        else:
+            out.append(_assistant_turn(m.content, where))
+        sources += [where] * (len(out) - before)
+    return out, sources
+
+
+def _check_block(block: AnthropicContentBlock, where: str) -> None:
+    if block.type not in TEXT_BLOCKS:
+        raise _refuse(f"{where}.type", f"{block.type!r} blocks are not supported by this "
+                      "text model; send text, tool_use or tool_result")  # fmt: skip
+
+
+def _user_turn(blocks: list[AnthropicContentBlock], where: str) -> list[dict[str, Any]]:
+    """Tool results become tool messages (in order), the rest of the text one user message."""
+    out: list[dict[str, Any]] = []
+    text = []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content.{j}"
+        _check_block(block, at)
+        if block.type == "tool_result":
+            result = _text_of(block.content, f"{at}.content")
+            if block.is_error:
+                result = f"Error: {result}"
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": result})
+        elif block.type == "text":
+            text.append(block.text or "")
+        else:
+            raise _refuse(f"{at}.type", f"a user turn cannot hold {block.type!r} blocks")
+    if text or not out:
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _assistant_turn(blocks: list[AnthropicContentBlock], where: str) -> dict[str, Any]:
+    """Text and tool_use blocks as one assistant message; replayed thinking is history this
+    model's template has no place for (it does not reason), so it is left out of the prompt."""
+    text, calls = [], []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content.{j}"
+        _check_block(block, at)
+        if block.type == "text":
+            text.append(block.text or "")
+        elif block.type == "tool_use":
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": arguments}})  # fmt: skip
+        elif block.type == "tool_result":
+            raise _refuse(f"{at}.type", "tool_result blocks belong in a user turn")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    if calls:
+        message["tool_calls"] = calls
+    elif message["content"] is None:
+        message["content"] = ""
+    return message
+
+
+def chat_request(body: MessagesRequest) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat request the Messages request is served as, and where each message came from."""
+    messages, sources = chat_messages(body)
+    for i, tool in enumerate(body.tools or []):
+        if tool.type not in (None, "custom"):
+            raise _refuse(f"tools.{i}.type", f"server tool {tool.type!r} is not available here; "
+                          "client tools (name, input_schema) are")  # fmt: skip
+        if tool.input_schema is None:
+            raise APIError(
+                400, f"tools.{i}.input_schema: required", param=f"tools.{i}.input_schema"
+            )
+    choice = body.tool_choice
+    tool_choice: Any = None
+    if choice is not None:
+        tool_choice = _TOOL_CHOICES.get(choice.type) or {
+            "type": "function", "function": {"name": choice.name},
+        }  # fmt: skip
+    tools = [
+        {"type": "function", "function": {"name": t.name, "description": t.description,
+                                          "parameters": t.input_schema}}
+        for t in body.tools or []
+    ]  # fmt: skip
+    parallel = not (choice is not None and choice.disable_parallel_tool_use)
+    fmt = body.output_config.format if body.output_config else None
+    response_format = None
+    if fmt is not None:
+        response_format = {"type": "json_schema",
+                           "json_schema": {"name": "output", "schema": fmt.schema_}}  # fmt: skip
+    data: dict[str, Any] = {
+        "messages": messages,
+        "max_completion_tokens": body.max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "stop": body.stop_sequences or None,
+        "user": body.metadata.user_id if body.metadata else None,
+        "tools": tools or None,
+        "tool_choice": tool_choice if tools else None,
+        "parallel_tool_calls": parallel if tools else None,
+        "response_format": response_format,
+    }
+    if choice is not None and choice.type != "none" and not tools:
+        raise APIError(400, "tool_choice: needs tools to choose from", param="tool_choice")
+    try:
+        return ChatCompletionRequest.model_validate(data), sources
+    except ValidationError as e:
+        raise APIError(400, f"messages: {e.errors()[0]['msg']}", param="messages") from None
+
+
+def as_messages_error(e: APIError, sources: list[str]) -> APIError:
+    """An error the chat path raised about `messages.k...`, named by the Messages request."""
+    match = re.match(r"messages\.(\d+)", e.param or "")
+    if match is None or int(match.group(1)) >= len(sources):
+        return e
+    param = sources[int(match.group(1))] + (e.param or "")[match.end() :]
+    e.message = e.message.replace(match.group(0), sources[int(match.group(1))], 1)
+    e.param = param
+    return e
