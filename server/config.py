@@ -60,6 +60,11 @@ class ServerConfig:
         "tool-call format (vLLM's names); auto: from the chat template",
         ("auto", "hermes", "llama3_json", "mistral"),
     )
+    reasoning_parser: str = setting(
+        "auto",
+        "thoughts apart from answers (<think>...</think>); auto: when the chat template thinks",
+        ("auto", "none"),
+    )
     log_level: str = setting("info", "log level", ("debug", "info", "warning", "error", "critical"))
     request_timeout_s: float = setting(0.0, "abort a request running longer than this; 0: off")
     app_cache_stats: bool = setting(

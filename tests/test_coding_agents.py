@@ -49,13 +49,21 @@ def codex_bin() -> Path:
     return CODEX
 
 
+def run_against(
+    model: Path, context: int, cli, tmp_path: Path
+) -> tuple[subprocess.CompletedProcess, str]:
+    """A CLI's one prompt against `model` served with `context` tokens; its result and the
+    server's log."""
+    blocks = context // 64 + 64  # the CPU's 64-token blocks: one full context and some
+    with kvserve_server(model, served_model_name="kv-model", max_model_len=context,
+                        num_kv_blocks=blocks) as server:  # fmt: skip
+        done = cli(server.base, "kv-model", "Say hello.", tmp_path / "home", tmp_path / "w")
+        return done, server.log()
+
+
 def test_codex_exec_gets_an_answer(codex_bin, tmp_path) -> None:
     model = build_model("llama", tmp_path / "tiny", max_position_embeddings=32768)
-    with kvserve_server(
-        model, served_model_name="kv-model", max_model_len=32768, num_kv_blocks=1024
-    ) as server:
-        done = codex(server.base, "kv-model", "Say hello.", tmp_path / "home", tmp_path / "w")
-        log = server.log()
+    done, log = run_against(model, 32768, codex, tmp_path)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
     assert "tokens used" in done.stdout + done.stderr
     assert '"POST /v1/responses HTTP/1.1" 200' in log and " 400 " not in log
@@ -119,12 +127,7 @@ def terse_model(out: Path, context: int) -> Path:
 
 
 def test_claude_code_gets_an_answer(claude_bin, tmp_path) -> None:
-    model = terse_model(tmp_path / "tiny", 65536)
-    with kvserve_server(
-        model, served_model_name="kv-model", max_model_len=65536, num_kv_blocks=1100
-    ) as server:
-        done = claude(server.base, "kv-model", "Say hello.", tmp_path / "home", tmp_path / "w")
-        log = server.log()
+    done, log = run_against(terse_model(tmp_path / "tiny", 65536), 65536, claude, tmp_path)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
     assert done.stdout.strip()  # the model's few tokens, as the CLI prints an answer
     assert '"POST /v1/messages?beta=true HTTP/1.1" 200' in log and " 400 " not in log

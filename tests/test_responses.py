@@ -403,7 +403,7 @@ def test_what_cannot_be_honoured_is_a_400_and_stores_nothing(server) -> None:
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content.0"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+        ({"input": [{"type": "image_generation_call", "id": "ig_1"}]}, "input.0.type"),
         ({"input": None}, "input"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"max_output_tokens": 5000}, None),  # past the context: 400 from the engine's check

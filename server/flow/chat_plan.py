@@ -12,6 +12,7 @@ from server.errors import APIError
 from server.flow.chat_prompt import render_prompt
 from server.flow.constraints import ToolPlan, grammar_for, tool_plan
 from server.flow.plan import GenerationPlan
+from server.flow.reasoning import ReasoningPlan, opened_by_prompt, thinks
 from server.flow.tool_parsers import PARSERS, ToolParser, parser_for_template
 from server.protocol.openai import ChatCompletionRequest
 from server.state import ServerState
@@ -53,6 +54,23 @@ class ChatPlan:
     tools: ToolPlan | None
     calls_parser: ToolParser | None
     legacy: bool  # `functions` (not `tools`): calls come back as `function_call`
+    reasoning: ReasoningPlan | None = None  # None: the model does not think
+
+
+def reasoning_plan(
+    state: ServerState, engine: AsyncEngine, prompt_ids: list[int]
+) -> ReasoningPlan | None:
+    """Whether (and where) this request's output holds a thought: the template thinks and the
+    server reads thoughts; generation starts inside one when the prompt opened it."""
+    tok = engine.tokenizer
+    if (
+        state.config.server.reasoning_parser == "none"
+        or tok is None
+        or not thinks(tok.chat_template)
+    ):
+        return None
+    tail = tok.decode(prompt_ids[-16:], skip_special_tokens=False)
+    return ReasoningPlan(inside=opened_by_prompt(tail))
 
 
 def chat_plan(
@@ -94,4 +112,6 @@ def chat_plan(
         param_names=param_names or {},
     )
     calls_parser = parser if tools is not None and tools.parses else None
-    return ChatPlan(generation, tools, calls_parser, body.functions is not None)
+    # a grammar shapes the output from its first token: no room for a thought
+    reasoning = None if generation.grammar else reasoning_plan(state, engine, rendered.prompt_ids)
+    return ChatPlan(generation, tools, calls_parser, body.functions is not None, reasoning)

@@ -87,6 +87,8 @@ def template_messages(
         entry: dict[str, Any] = {"role": role, "content": m.text()}
         if m.name and role != "function":
             entry["name"] = m.name
+        if m.reasoning_content is not None and role == "assistant":
+            entry["reasoning_content"] = m.reasoning_content
         calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
         if m.function_call is not None:
             calls.append(("call_0", m.function_call.name, m.function_call.arguments))

@@ -5,12 +5,14 @@ message_stop; an `error` event when generation fails after the headers went out)
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
 from engine.core.outputs import RequestOutput
 from server.flow.chat_plan import ChatPlan
 from server.flow.generation import Choice
+from server.flow.reasoning import ReasoningStream, split_reasoning
 from server.flow.request_flow import Generation
 from server.flow.tool_parsers import ToolCallStream, final_calls, with_determined_name
 from server.protocol.anthropic import AnthropicStreamEvent
@@ -56,13 +58,28 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def signature(thinking: str) -> str:
+    """A thinking block's signature: what the thought hashes to (a replayed thought is left
+    out of the prompt either way; the field must be there for clients that check it)."""
+    return "kvserve-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
+
+
 def content_blocks(choice: Choice, plan: ChatPlan) -> list[dict[str, Any]]:
-    """A finished choice's text and calls as content blocks."""
+    """A finished choice's thought, text and calls as content blocks."""
+    blocks: list[dict[str, Any]] = []
+    answer = choice.text
+    if plan.reasoning is not None:
+        thought, answer = split_reasoning(answer, plan.reasoning)
+        if thought is not None:
+            blocks.append(
+                {"type": "thinking", "thinking": thought, "signature": signature(thought)}
+            )
     if plan.calls_parser is None or plan.tools is None:
-        return [{"type": "text", "text": choice.text}] if choice.text else []
-    parsed = with_determined_name(plan.calls_parser.parse(choice.text), plan.tools.determined_name)
-    text = parsed.content.strip() if parsed.calls else choice.text
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        return blocks + ([{"type": "text", "text": answer}] if answer else [])
+    parsed = with_determined_name(plan.calls_parser.parse(answer), plan.tools.determined_name)
+    text = parsed.content.strip() if parsed.calls else answer
+    if text:
+        blocks.append({"type": "text", "text": text})
     calls = final_calls(parsed)[: None if plan.tools.parallel else 1]
     for call in calls:
         blocks.append({"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
@@ -120,6 +137,8 @@ class MessagesEvents:
         self.index = -1  # the content block now open (-1: none yet)
         self.open_kind: str | None = None
         self.call_blocks: dict[int, int] = {}  # call index -> content block index
+        self.thought = ReasoningStream(plan.reasoning) if plan.reasoning is not None else None
+        self.thought_text = ""
         self.model = ""
 
     def _open(self, block: dict[str, Any]) -> list[bytes]:
@@ -131,8 +150,24 @@ class MessagesEvents:
     def _close(self) -> list[bytes]:
         if self.open_kind is None:
             return []
+        out = []
+        if self.open_kind == "thinking":  # a thought's signature closes it
+            delta = {"type": "signature_delta", "signature": signature(self.thought_text)}
+            out.append(event("content_block_delta", {"index": self.index, "delta": delta}))
         self.open_kind = None
-        return [event("content_block_stop", {"index": self.index})]
+        return [*out, event("content_block_stop", {"index": self.index})]
+
+    def _thinking(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        out = (
+            []
+            if self.open_kind == "thinking"
+            else self._open({"type": "thinking", "thinking": "", "signature": ""})
+        )
+        self.thought_text += text
+        delta = {"type": "thinking_delta", "thinking": text}
+        return [*out, event("content_block_delta", {"index": self.index, "delta": delta})]
 
     def _text(self, text: str) -> list[bytes]:
         if not text:
@@ -149,10 +184,14 @@ class MessagesEvents:
         return [event("message_start", {"message": start}), event("ping", {})]
 
     def step(self, choice: Choice, out: RequestOutput) -> list[bytes]:
+        text, events = out.new_text, []
+        if self.thought is not None:
+            thought, text = self.thought.feed(text, out.finished)
+            events = self._thinking(thought)
         if self.calls is None:
-            return self._text(out.new_text)
-        content, deltas = self.calls.feed(out.new_text, out.finished)
-        events = self._text(content)
+            return events + self._text(text)
+        content, deltas = self.calls.feed(text, out.finished)
+        events += self._text(content)
         parallel = self.plan.tools is None or self.plan.tools.parallel
         for d in deltas:
             if d["index"] > 0 and not parallel:

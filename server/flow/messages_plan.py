@@ -169,6 +169,11 @@ def chat_request(body: MessagesRequest) -> tuple[ChatCompletionRequest, list[str
         "tool_choice": tool_choice if tools else None,
         "parallel_tool_calls": parallel if tools else None,
         "response_format": response_format,
+        # Anthropic's default is not to think; `thinking` turns it on (for a template that
+        # thinks: others ignore the variable)
+        "chat_template_kwargs": {
+            "enable_thinking": body.thinking is not None and body.thinking.type != "disabled"
+        },
     }
     if choice is not None and choice.type != "none" and not tools:
         raise APIError(400, "tool_choice: needs tools to choose from", param="tool_choice")

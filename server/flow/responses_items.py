@@ -5,6 +5,7 @@ machine serves streamed and whole responses, so both end with the same items."""
 
 from __future__ import annotations
 
+import base64
 import uuid
 from typing import Any
 
@@ -12,6 +13,7 @@ from engine.runner.sampler import TokenLogprobs
 from models.tokenizer import Tokenizer
 from server.errors import APIError
 from server.flow.generation import chat_logprobs
+from server.flow.reasoning import ReasoningPlan, ReasoningStream
 from server.flow.tool_parsers import ToolCallStream, ToolParser
 from server.protocol.responses import InputItem, InputPart
 
@@ -48,6 +50,42 @@ def _part_text(parts: str | list[InputPart], where: str) -> str:
             )
         texts.append(part.text)
     return "".join(texts)
+
+
+def seal(thought: str) -> str:
+    """A thought as `encrypted_content`: opaque to the client, restored exactly on replay (not
+    secret: the client may read its own model's thought anyway)."""
+    return base64.b64encode(thought.encode()).decode()
+
+
+def unseal(content: str) -> str | None:
+    try:
+        return base64.b64decode(content, validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None  # another server's sealed thought: nothing to restore
+
+
+def _reasoning_item(item: InputItem) -> dict[str, Any]:
+    parts = item.content if isinstance(item.content, list) else []
+    return {
+        "type": "reasoning",
+        "id": item.id or new_id("rs"),
+        "summary": [{"type": "summary_text", "text": p.text or ""} for p in item.summary or []],
+        "content": [{"type": "reasoning_text", "text": p.text or ""} for p in parts] or None,
+        "encrypted_content": item.encrypted_content,
+    }
+
+
+def thought_of(item: dict[str, Any]) -> str | None:
+    """The thought a replayed reasoning item carries: sealed, else its text, else its summary."""
+    if item.get("encrypted_content"):
+        sealed = unseal(item["encrypted_content"])
+        if sealed is not None:
+            return sealed
+    for key in ("content", "summary"):
+        if item.get(key):
+            return "".join(p["text"] for p in item[key])
+    return None
 
 
 def input_items(value: str | list[InputItem]) -> list[dict[str, Any]]:
@@ -97,11 +135,13 @@ def input_items(value: str | list[InputItem]) -> list[dict[str, Any]]:
                     "status": "completed",
                 }
             )
+        elif item.type == "reasoning":
+            items.append(_reasoning_item(item))
         else:
             raise APIError(
                 400,
                 f"{where}.type: {item.type!r} items are not supported here (messages, "
-                "function_call and function_call_output are)",
+                "function_call, function_call_output and reasoning are)",
                 param=f"{where}.type",
                 code="unsupported_item",
             )
@@ -112,15 +152,20 @@ def chat_messages(
     items: list[dict[str, Any]], instructions: str | None
 ) -> tuple[list[dict[str, Any]], list[int | None]]:
     """The conversation as chat-completions messages: function calls join the assistant turn
-    they follow, their outputs become tool messages. Also the item each message came from (None
-    for the instructions), so that an error in a message names what the client sent."""
+    they follow, their outputs become tool messages, a reasoning item is the thought of the
+    assistant turn after it. Also the item each message came from (None for the
+    instructions), so that an error in a message names what the client sent."""
     messages: list[dict[str, Any]] = []
     sources: list[int | None] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
         sources.append(None)
+    thought: str | None = None
     for k, item in enumerate(items):
         before = len(messages)
+        if item["type"] == "reasoning":
+            thought = thought_of(item)
+            continue
         if item["type"] == "message":
             text = "".join(p["text"] for p in item["content"])
             messages.append({"role": item["role"], "content": text})
@@ -142,6 +187,9 @@ def chat_messages(
             messages.append(
                 {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
             )
+        last = messages[-1] if messages else None
+        if thought is not None and last is not None and last["role"] == "assistant":
+            last["reasoning_content"], thought = thought, None
         sources.extend([k] * (len(messages) - before))
     return messages, sources
 
@@ -158,8 +206,13 @@ class OutputItems:
         with_logprobs: bool,
         namespaces: frozenset[str] = frozenset(),
         determined_name: str | None = None,  # a forced call's name (with_determined_name)
+        reasoning: ReasoningPlan | None = None,
+        summary: bool = False,  # the thought as the reasoning item's summary too
+        sealed: bool = False,  # and as its encrypted_content
     ) -> None:
         self.tokenizer = tokenizer
+        self.thought = ReasoningStream(reasoning) if reasoning is not None else None
+        self.summary, self.sealed = summary, sealed
         self.namespaces = namespaces  # calls named `namespace.name` are mapped back
         self.calls = ToolCallStream(parser, determined_name) if parser is not None else None
         self.max_calls = max_calls  # None: as many as the model makes
@@ -174,6 +227,15 @@ class OutputItems:
     ) -> list[tuple[str, dict[str, Any]]]:
         events: list[tuple[str, dict[str, Any]]] = []
         lps = self._logprobs(logprobs)
+        if self.thought is not None:
+            thought, text = self.thought.feed(text, finished)
+            events += self._reasoning(thought)
+            if (
+                not text
+                and not finished
+                and (not self.items or self.items[-1]["type"] == "reasoning")
+            ):
+                return events  # still thinking: the answer's logprobs wait with its text
         if self.calls is None:
             content, call_deltas = text, []
         else:
@@ -237,6 +299,38 @@ class OutputItems:
             events.append(("response.output_text.delta", {**at, "delta": delta, "logprobs": lps}))
         return events
 
+    def _reasoning(self, delta: str) -> list[tuple[str, dict[str, Any]]]:
+        if not delta:
+            return []
+        events = []
+        if self.open is None or self.open["type"] != "reasoning":
+            text = {"type": "reasoning_text", "text": ""}
+            item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [text],
+                    "status": "in_progress"}  # fmt: skip
+            events += self._open(item)
+        assert self.open is not None
+        self.open["content"][0]["text"] += delta
+        at = {**self._at(self.open), "content_index": 0}
+        return [*events, ("response.reasoning_text.delta", {**at, "delta": delta})]
+
+    def _close_reasoning(self, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        where = self._at(item)
+        thought = item["content"][0]["text"]
+        events = [("response.reasoning_text.done", {**where, "content_index": 0, "text": thought})]
+        if self.summary:
+            part = {"type": "summary_text", "text": thought}
+            item["summary"].append(part)
+            at = {**where, "summary_index": 0}
+            events += [
+                ("response.reasoning_summary_part.added", {**at, "part": {**part, "text": ""}}),
+                ("response.reasoning_summary_text.delta", {**at, "delta": thought}),
+                ("response.reasoning_summary_text.done", {**at, "text": thought}),
+                ("response.reasoning_summary_part.done", {**at, "part": dict(part)}),
+            ]
+        if self.sealed:
+            item["encrypted_content"] = seal(thought)
+        return events
+
     def _call(self, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         events = []
         function = delta["function"]
@@ -265,7 +359,9 @@ class OutputItems:
             return []
         where = self._at(item)
         events: list[tuple[str, dict[str, Any]]] = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            events += self._close_reasoning(item)
+        elif item["type"] == "message":
             part = item["content"][0]
             at = {**where, "content_index": 0}
             events.append(
@@ -287,6 +383,7 @@ class OutputItems:
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:
     out = dict(item)
-    if "content" in out:
-        out["content"] = [dict(p) for p in out["content"]]
+    for key in ("content", "summary"):
+        if out.get(key) is not None:
+            out[key] = [dict(p) for p in out[key]]
     return out

@@ -93,7 +93,9 @@ def response_body(
     }
 
 
-def responses_usage(usage: dict, block_size: int, prefix_caching: bool) -> dict:
+def responses_usage(
+    usage: dict, block_size: int, prefix_caching: bool, reasoning_tokens: int = 0
+) -> dict:
     prompt = usage["prompt_tokens"]
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     written = max(0, prompt // block_size * block_size - cached) if prefix_caching else 0
@@ -101,7 +103,7 @@ def responses_usage(usage: dict, block_size: int, prefix_caching: bool) -> dict:
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
         "output_tokens": usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": usage["total_tokens"],
     }
 

@@ -110,6 +110,11 @@ def namespaces(body: ResponsesRequest) -> frozenset[str]:
     return frozenset(t.name for t in body.tools or [] if t.type == "namespace" and t.name)
 
 
+def enable_thinking(body: ResponsesRequest) -> dict[str, bool] | None:
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    return None if effort is None else {"enable_thinking": effort != "none"}
+
+
 def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
     fmt = body.text.format if body.text else None
     response_format = None
@@ -131,6 +136,9 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
         "logprobs": with_logprobs,
         "top_logprobs": body.top_logprobs if with_logprobs else None,
         "kv_transfer_params": body.kv_transfer_params,
+        # a template that thinks reads `enable_thinking` (others ignore it): effort "none" turns
+        # the thought off, any other on, none given leaves the template's default
+        "chat_template_kwargs": enable_thinking(body),
         "response_format": response_format,
         "parallel_tool_calls": body.parallel_tool_calls,
         "tools": [{"type": "function", "function": function} for function in model_functions(body)]

@@ -147,6 +147,12 @@ class AnthropicTextBlock(_Out):
     text: str
 
 
+class AnthropicThinkingBlock(_Out):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
 class AnthropicToolUseBlock(_Out):
     type: Literal["tool_use"]
     id: str
@@ -167,7 +173,7 @@ class AnthropicMessage(_Out):
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[AnthropicTextBlock | AnthropicToolUseBlock]
+    content: list[AnthropicThinkingBlock | AnthropicTextBlock | AnthropicToolUseBlock]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None
     usage: AnthropicUsage

@@ -46,6 +46,7 @@ class ChatMessage(_Base):
     tool_call_id: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
     function_call: LegacyFunctionCall | None = None  # legacy assistant turn
+    reasoning_content: str | None = None  # an assistant turn's thought, for templates that keep it
 
     @model_validator(mode="after")
     def _role_fields(self) -> ChatMessage:
@@ -201,6 +202,7 @@ class TokenizeRequest(_Base):
     tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # as chat's, for the same prompt
 
 
 class EmptyRequest(_Base):
@@ -265,6 +267,7 @@ class AssistantMessage(_Out):
     role: Literal["assistant"]
     content: str | None
     refusal: str | None
+    reasoning_content: str | None = None  # a thinking model's thought (DeepSeek's, vLLM's name)
     tool_calls: list[OutToolCall] | None = None
     function_call: OutFunctionCall | None = None  # legacy `functions` requests
 
@@ -305,6 +308,7 @@ class DeltaToolCall(_Out):
 class ChatDelta(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
     function_call: DeltaFunction | None = None  # legacy `functions` requests
 

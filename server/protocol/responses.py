@@ -40,6 +40,9 @@ class InputItem(_Base):
     arguments: str | None = None
     output: str | list[InputPart] | None = None
     status: str | None = None
+    # a reasoning item replayed: its summary, its text, or what `encrypted_content` carried
+    summary: list[InputPart] | None = None
+    encrypted_content: str | None = None
 
     @model_validator(mode="after")
     def _fields_of_type(self) -> InputItem:
@@ -98,8 +101,9 @@ class TextParam(_Base):
 
 
 class Reasoning(_Base):
-    """Honoured for a model that does not reason: there is no thought to spend effort on or
-    to summarise, so the answer has no reasoning item (and no reasoning tokens)."""
+    """For a model that thinks: `effort` "none" turns thinking off (the template's
+    `enable_thinking`), any other effort on; `summary` adds the thought as the reasoning item's
+    summary. For one that does not: no thought, so no reasoning item (and no reasoning tokens)."""
 
     effort: str | None = None
     summary: str | None = None
@@ -107,8 +111,8 @@ class Reasoning(_Base):
 
 
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
-# What OpenAI lets a request include that comes only with items this server never makes
-# (reasoning from a reasoning model, hosted tools' results, images): included, and empty.
+# What OpenAI lets a request include that comes only with items this server may not make
+# (reasoning, from a model that thinks; hosted tools' results, images): included when made.
 # Codex CLI sends `reasoning.encrypted_content` on every turn (it replays reasoning itself).
 INCLUDE_EMPTY = frozenset(
     {
@@ -201,8 +205,25 @@ class FunctionCallOutputItem(_Out):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = MessageItem | FunctionCallItem
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class ReasoningText(_Out):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Out):
+    """A thought: its text (`content`), the same as `summary` when one is asked for, and as
+    `encrypted_content` (opaque to the client, for replay with `store: false`) when included."""
+
+    type: Literal["reasoning"]
+    id: str
+    summary: list[ReasoningText]
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem
+Item = ReasoningItem | MessageItem | FunctionCallItem | FunctionCallOutputItem
 
 
 class InputTokensDetails(_Out):
@@ -289,7 +310,8 @@ class ResponseEvent(_Out):
     content_index: int | None = None
     item_id: str | None = None
     item: OutputItem | None = None
-    part: OutputText | None = None
+    part: OutputText | ReasoningText | None = None
+    summary_index: int | None = None
     delta: str | None = None
     text: str | None = None
     arguments: str | None = None

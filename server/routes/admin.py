@@ -141,7 +141,8 @@ async def tokenize(request: Request) -> Response:
     body, engine = await _tokenizer_body(request, TokenizeRequest)
     assert engine.tokenizer is not None
     if body.messages is not None:
-        ids = render_prompt(engine.tokenizer, body.messages, body.add_generation_prompt, body.tools)
+        ids = render_prompt(engine.tokenizer, body.messages, body.add_generation_prompt,
+                            body.tools, **(body.chat_template_kwargs or {}))  # fmt: skip
     elif body.prompt is not None:
         ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:

@@ -12,6 +12,7 @@ from engine.core.outputs import RequestOutput
 from server.flow.chat_plan import ChatPlan, chat_plan
 from server.flow.generation import Choice, chat_logprobs, finish_reason
 from server.flow.plan import session_id
+from server.flow.reasoning import ReasoningStream, split_reasoning
 from server.flow.request_flow import ChoiceChunks, start
 from server.flow.tool_parsers import ToolCallStream, final_calls, with_determined_name
 from server.protocol.openai import (
@@ -38,10 +39,14 @@ async def chat_completions(request: Request) -> Response:
 
     def message(ch: Choice) -> tuple[dict, str | None]:
         reason = finish_reason(ch.finish_reason)
-        msg: dict = {"role": "assistant", "content": ch.text, "refusal": None}
+        text = ch.text
+        msg: dict = {"role": "assistant", "content": text, "refusal": None}
+        if plan.reasoning is not None:
+            msg["reasoning_content"], text = split_reasoning(text, plan.reasoning)
+            msg["content"] = text if text or msg["reasoning_content"] is None else None
         if plan.calls_parser is None or plan.tools is None:
             return msg, reason
-        parsed = with_determined_name(plan.calls_parser.parse(ch.text), plan.tools.determined_name)
+        parsed = with_determined_name(plan.calls_parser.parse(text), plan.tools.determined_name)
         if not parsed.calls:  # no call begun: the text as written
             return msg, reason
         # a begun call's markup is never content, even when the cap cut it off before its name
@@ -85,12 +90,16 @@ class ChatChunks(ChoiceChunks):
         self.tokenizer = engine.tokenizer
         self.logprobs = logprobs
         self.parser, self.plan, self.legacy = plan.calls_parser, plan.tools, plan.legacy
+        self.reasoning = plan.reasoning
         self.calls: dict[int, ToolCallStream] = {}
+        self.thoughts: dict[int, ReasoningStream] = {}
 
     def opening(self, choice: Choice) -> dict:
         if self.parser is not None:
             assert self.plan is not None
             self.calls[choice.index] = ToolCallStream(self.parser, self.plan.determined_name)
+        if self.reasoning is not None:
+            self.thoughts[choice.index] = ReasoningStream(self.reasoning)
         return {
             "index": choice.index,
             "delta": {"role": "assistant", "content": ""},
@@ -100,13 +109,16 @@ class ChatChunks(ChoiceChunks):
 
     def delta(self, choice: Choice, out: RequestOutput) -> dict | None:
         lp = chat_logprobs(self.tokenizer, out.logprobs) if self.logprobs else None
+        text, thought = out.new_text, ""
+        if choice.index in self.thoughts:
+            thought, text = self.thoughts[choice.index].feed(text, out.finished)
         stream = self.calls.get(choice.index)
         if stream is None:
-            if not (out.new_text or out.logprobs):
+            if not (text or thought or out.logprobs):
                 return None
-            delta: dict = {"content": out.new_text}
+            delta: dict = {"content": text} if text or not thought else {}
         else:
-            content, calls = stream.feed(out.new_text, out.finished)
+            content, calls = stream.feed(text, out.finished)
             if self.legacy or (self.plan is not None and not self.plan.parallel):
                 calls = [c for c in calls if c["index"] == 0]
             delta = {}
@@ -119,8 +131,10 @@ class ChatChunks(ChoiceChunks):
                 delta["function_call"] = function
             elif calls:
                 delta["tool_calls"] = calls
-            if not delta and not out.logprobs:
+            if not delta and not thought and not out.logprobs:
                 return None
+        if thought:
+            delta["reasoning_content"] = thought
         return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": None}
 
     def closing(self, choice: Choice, out: RequestOutput) -> dict:

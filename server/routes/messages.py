@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -65,20 +66,28 @@ def anthropic_errors(handler: Handler) -> Handler:
     return route
 
 
-def _chat(engine: AsyncEngine, body: MessagesRequest) -> tuple[ChatCompletionRequest, list[str]]:
+BodyT = TypeVar("BodyT", MessagesRequest, CountTokensRequest)
+
+
+async def _open(
+    request: Request, model: type[BodyT]
+) -> tuple[ServerState, AsyncEngine, BodyT, ChatCompletionRequest, list[str]]:
+    """Both routes' first steps: the body, the model check, the engine, and the chat request
+    the body is served as (with where each of its messages came from)."""
+    state: ServerState = request.app.state.kv
+    body = await parse_body(request, model, state.config.server.max_body_bytes)
+    state.check_model(body.model)
+    engine = state.ready_engine()
     try:
-        return chat_request(body)
+        chat, sources = chat_request(body)
     except APIError as e:
         raise renamed(e, PARAM_NAMES) from None
+    return state, engine, body, chat, sources
 
 
 @anthropic_errors
 async def create_message(request: Request) -> Response:
-    state: ServerState = request.app.state.kv
-    body = await parse_body(request, MessagesRequest, state.config.server.max_body_bytes)
-    state.check_model(body.model)
-    engine = state.ready_engine()
-    chat, sources = _chat(engine, body)
+    state, engine, body, chat, sources = await _open(request, MessagesRequest)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     user = body.metadata.user_id if body.metadata else None
     try:
@@ -110,11 +119,7 @@ async def create_message(request: Request) -> Response:
 @anthropic_errors
 async def count_tokens(request: Request) -> Response:
     """The prompt's length as the model's template renders it, tools included."""
-    state: ServerState = request.app.state.kv
-    body = await parse_body(request, CountTokensRequest, state.config.server.max_body_bytes)
-    state.check_model(body.model)
-    engine = state.ready_engine()
-    chat, sources = _chat(engine, body)
+    _, engine, _, chat, sources = await _open(request, CountTokensRequest)
     try:
         ids = render_chat(engine, chat, tool_plan(chat))
     except APIError as e:

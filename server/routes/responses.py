@@ -89,15 +89,24 @@ async def create_response(request: Request) -> Response:
     created = int(time.time())
     max_calls = 1 if body.parallel_tool_calls is False else body.max_tool_calls
 
+    summary = body.reasoning is not None and bool(body.reasoning.summary
+                                                  or body.reasoning.generate_summary)  # fmt: skip
+    sealed = "reasoning.encrypted_content" in (body.include or [])
+
     def builder() -> OutputItems:
         forced = plan.tools.determined_name if plan.tools is not None else None
         return OutputItems(
-            engine.tokenizer, plan.calls_parser, max_calls, with_logprobs, namespaces(body), forced
-        )
+            engine.tokenizer, plan.calls_parser, max_calls, with_logprobs, namespaces(body),
+            forced, plan.reasoning, summary, sealed,
+        )  # fmt: skip
 
     def finish(ch: Choice, output: list[dict[str, Any]]) -> dict[str, Any]:
+        thought = "".join(i["content"][0]["text"] for i in output if i["type"] == "reasoning")
+        reasoning_tokens = (
+            len(engine.tokenizer.encode(thought)) if thought and engine.tokenizer else 0
+        )
         usage = responses_usage(usage_of(gen.choices, 1), engine.info.block_size,
-                                engine.info.prefix_caching)  # fmt: skip
+                                engine.info.prefix_caching, reasoning_tokens)  # fmt: skip
         final = response_body(
             resp_id,
             created,
