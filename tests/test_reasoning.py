@@ -39,7 +39,7 @@ THINKS = (
 OPENS = CHATML.replace(
     "{{ '<|im_start|>assistant\n' }}", "{{ '<|im_start|>assistant\n<think>\n' }}"
 )
-THOUGHT, ANSWER = "m", "The"
+THOUGHT, ANSWER = "abc", "The"  # the scripts write the thought a token a character
 GREEDY = {"temperature": 0, "max_tokens": 8}
 ASK = [{"role": "user", "content": "Hello there"}]
 
@@ -68,7 +68,7 @@ def test_a_thought_and_its_answer() -> None:
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
     model = scripted_model(tmp_path_factory.mktemp("thinks") / "m", THINKS,
-                           ["<think>", THOUGHT, "</think>", ANSWER])  # fmt: skip
+                           ["<think>", *THOUGHT, "</think>", ANSWER])  # fmt: skip
     server = InProcessServer(model, max_model_len=1024)
     yield server
     server.stop()
@@ -77,10 +77,15 @@ def thinker(tmp_path_factory):
 @pytest.fixture(scope="module")
 def opener(tmp_path_factory):
     model = scripted_model(tmp_path_factory.mktemp("opens") / "m", OPENS,
-                           [THOUGHT, "</think>", ANSWER])  # fmt: skip
+                           [*THOUGHT, "</think>", ANSWER])  # fmt: skip
     server = InProcessServer(model, max_model_len=1024)
     yield server
     server.stop()
+
+
+def tokens(server, text: str) -> list[int]:
+    body = {"prompt": text, "add_special_tokens": False}
+    return httpx.post(server.base + "/tokenize", json=body).json()["tokens"]
 
 
 def chat_client(server) -> openai.OpenAI:
@@ -123,7 +128,7 @@ def test_responses_give_a_reasoning_item_and_replay_it_exactly(thinker) -> None:
     assert reasoning.type == "reasoning" and reasoning.content[0].text == THOUGHT
     assert reasoning.summary[0].text == THOUGHT and reasoning.encrypted_content
     assert message.content[0].text == ANSWER and r.output_text == ANSWER
-    assert r.usage.output_tokens_details.reasoning_tokens == 1
+    assert r.usage.output_tokens_details.reasoning_tokens == len(tokens(thinker, THOUGHT))
     kinds = [e.type for e in client.responses.create(**kw, stream=True)]
     assert "response.reasoning_text.delta" in kinds
     assert "response.reasoning_summary_text.done" in kinds
@@ -136,7 +141,24 @@ def test_responses_give_a_reasoning_item_and_replay_it_exactly(thinker) -> None:
     rest = [{"role": "assistant", "content": ANSWER}, {"role": "user", "content": "More"}]
     bare = client.responses.create(model="", input=[user, *rest], max_output_tokens=1)
     replayed = client.responses.create(model="", input=[user, sealed, *rest], max_output_tokens=1)
-    assert replayed.usage.input_tokens == bare.usage.input_tokens + 3
+    grown = len(tokens(thinker, f"<think>{THOUGHT}</think>"))
+    assert replayed.usage.input_tokens == bare.usage.input_tokens + grown
+
+
+@pytest.mark.parametrize("which", ["thinker", "opener"])
+def test_a_spent_budget_ends_the_thought(which, request) -> None:
+    """The scripts think three tokens; a budget of one forces the thought's end after its
+    first, and the model answers from there."""
+    server = request.getfixturevalue(which)
+    r = chat_client(server).chat.completions.create(
+        model="", messages=ASK, extra_body={"thinking_budget": 1}, **GREEDY
+    )
+    msg = r.choices[0].message
+    assert (msg.reasoning_content, msg.content) == (THOUGHT[0], ANSWER), msg
+    client = anthropic.Anthropic(base_url=server.base, api_key="x", max_retries=0)
+    m = client.messages.create(model="", max_tokens=8, messages=ASK, extra_body={"temperature": 0},
+                               thinking={"type": "enabled", "budget_tokens": 2})  # fmt: skip
+    assert m.content[0].thinking == THOUGHT[:2] and m.content[1].text == ANSWER
 
 
 def test_effort_none_turns_the_thought_off(thinker) -> None:

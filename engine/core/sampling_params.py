@@ -26,6 +26,27 @@ class GrammarSpec:
     source: str
 
 
+@dataclass(frozen=True, slots=True)
+class ThoughtBudget:
+    """At most `tokens` tokens of thought. The thought runs from the output's start when the
+    prompt opened it (`open_id` None), else from the model's `open_id` token; it ends at
+    `close_id`, which is forced once the budget is spent."""
+
+    tokens: int
+    close_id: int
+    open_id: int | None = None
+
+    def must_close(self, output: list[int]) -> bool:
+        """Whether the next token must end the thought, given the output so far."""
+        start = 0
+        if self.open_id is not None:
+            if self.open_id not in output:
+                return False
+            start = output.index(self.open_id) + 1
+        thought = output[start:]
+        return self.close_id not in thought and len(thought) >= self.tokens
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -57,6 +78,9 @@ class SamplingParams:
     # disaggregation: when the request finishes, hand its prompt's full KV blocks back with
     # its last output (`RequestOutput.kv_blocks`), for the remote store
     export_kv: bool = False
+    # a thinking model's thought, bounded: after this many tokens of thought its end token is
+    # forced (`ThoughtBudget`); None: unbounded
+    thought_budget: ThoughtBudget | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -124,6 +124,25 @@ def score_prompts(
         row += n
 
 
+def close_spent_thoughts(
+    logits: torch.Tensor, spans: list[tuple[ScheduledRequest, int, int]]
+) -> torch.Tensor:
+    """A request whose thought has spent its budget samples the end of the thought: its row
+    allows that token only (such requests are not drafted for, so the row is their only one)."""
+    forced = []
+    for s, a, _ in spans:
+        budget = s.request.sampling_params.thought_budget
+        if budget is not None and budget.must_close(s.request.output_token_ids):
+            forced.append((a, budget.close_id))
+    if not forced:
+        return logits
+    logits = logits.clone()  # the forward's own tensor is an inference tensor
+    for row, token in forced:
+        logits[row].fill_(float("-inf"))
+        logits[row, token] = 0.0
+    return logits
+
+
 def sample_step(
     logits: torch.Tensor,
     scheduled: list[ScheduledRequest],
@@ -136,6 +155,7 @@ def sample_step(
     if grammar is not None:  # in place (rows of this step's own tensor, made row-contiguous)
         logits = logits.contiguous()
         apply_bitmask(logits, grammar.bitmask, grammar.rows)
+    logits = close_spent_thoughts(logits, spans)
     try:
         _sample(logits, spans, into)
     except Exception:  # a sampling bug must not kill the engine thread: isolate it

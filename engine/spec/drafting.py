@@ -194,8 +194,11 @@ class Drafter:
         params = r.sampling_params
         # A seeded sampled request is not drafted for: how many uniforms verification draws
         # depends on the drafts, and suffix drafts on what other requests wrote, so its tokens
-        # would depend on more than its seed (greedy output never depends on drafts).
+        # would depend on more than its seed (greedy output never depends on drafts). Nor is a
+        # bounded thought: its end may have to be forced at any row.
         reproducible = params.seed is None or params.greedy
+        if params.thought_budget is not None:
+            return "", [], 0.0
         for source in ("grammar", "suffix"):
             if source not in self.sources or k == 0 or not reproducible:
                 continue

@@ -177,7 +177,7 @@ class EagleDrafts:
         about alpha^j; below MIN_GAIN the draft step and the extra verify row cost more than
         they return). At least one draft, so a request whose acceptance recovers is noticed."""
         params = r.sampling_params
-        if r.is_finished or k == 0:
+        if r.is_finished or k == 0 or params.thought_budget is not None:
             return 0
         room = min(params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
         assert r.drafts is not None  # the drafter gives every decoding request its state

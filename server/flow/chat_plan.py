@@ -5,14 +5,15 @@ having rendered and truncated the prompt itself. Made once, immutable."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.async_engine import AsyncEngine
+from engine.core.sampling_params import ThoughtBudget
 from server.errors import APIError
 from server.flow.chat_prompt import render_prompt
 from server.flow.constraints import ToolPlan, grammar_for, tool_plan
 from server.flow.plan import GenerationPlan
-from server.flow.reasoning import ReasoningPlan, opened_by_prompt, thinks
+from server.flow.reasoning import CLOSE, OPEN, ReasoningPlan, opened_by_prompt, thinks
 from server.flow.tool_parsers import PARSERS, ToolParser, parser_for_template
 from server.protocol.openai import ChatCompletionRequest
 from server.state import ServerState
@@ -114,4 +115,20 @@ def chat_plan(
     calls_parser = parser if tools is not None and tools.parses else None
     # a grammar shapes the output from its first token: no room for a thought
     reasoning = None if generation.grammar else reasoning_plan(state, engine, rendered.prompt_ids)
+    if body.thinking_budget is not None and reasoning is not None:
+        budget = thought_budget(engine, body.thinking_budget, reasoning)
+        generation = replace(generation, thought_budget=budget)
     return ChatPlan(generation, tools, calls_parser, body.functions is not None, reasoning)
+
+
+def thought_budget(engine: AsyncEngine, tokens: int, reasoning: ReasoningPlan) -> ThoughtBudget:
+    """The budget in this tokenizer's ids; its end is forced as one token, so a tokenizer that
+    spells `</think>` in several cannot bound a thought (a 400 naming the field)."""
+    assert engine.tokenizer is not None
+    ids = {tag: engine.tokenizer.encode(tag, add_special_tokens=False) for tag in (OPEN, CLOSE)}
+    if len(ids[CLOSE]) != 1 or (not reasoning.inside and len(ids[OPEN]) != 1):
+        why = "this model's tokenizer spells <think> or </think> in several tokens"
+        raise APIError(400, f"thinking_budget: {why}; its thought cannot be bounded",
+                       param="thinking_budget")  # fmt: skip
+    open_id = None if reasoning.inside else ids[OPEN][0]
+    return ThoughtBudget(tokens, ids[CLOSE][0], open_id)

@@ -20,6 +20,7 @@ from server.protocol.openai import ChatCompletionRequest
 # chat's parameter names as the Messages API spells them, for errors raised by shared code
 PARAM_NAMES = {
     "max_completion_tokens": "max_tokens",
+    "thinking_budget": "thinking.budget_tokens",
     "response_format": "output_config.format",
     "stop": "stop_sequences",
     "tool_choice": "tool_choice",
@@ -174,6 +175,7 @@ def chat_request(body: MessagesRequest) -> tuple[ChatCompletionRequest, list[str
         "chat_template_kwargs": {
             "enable_thinking": body.thinking is not None and body.thinking.type != "disabled"
         },
+        "thinking_budget": body.thinking.budget_tokens if body.thinking is not None else None,
     }
     if choice is not None and choice.type != "none" and not tools:
         raise APIError(400, "tool_choice: needs tools to choose from", param="tool_choice")

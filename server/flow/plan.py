@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 
 from engine.async_engine import AsyncEngine
-from engine.core.sampling_params import GrammarSpec
+from engine.core.sampling_params import GrammarSpec, ThoughtBudget
 from server.errors import APIError
 from server.flow.generation import Choice
 from server.state import ServerState
@@ -83,6 +83,7 @@ def make_choices(
                 cache_salt=cache_salt,
                 prompt_logprobs=plan.prompt_logprobs if first else None,
                 export_kv=exports_kv and first,
+                thought_budget=plan.thought_budget,
             )
             index = p_idx * body.n + i
             choices.append(Choice(index, ids, params, f"{plan.req_id}-{index}",
@@ -105,6 +106,7 @@ class GenerationPlan:
     session: str | None = None  # a session's turns keep their KV warm (server/sessions.py)
     kv_transfer_params: dict | None = None
     prompt_logprobs: int | None = None  # score each prompt too (echo), with this many top
+    thought_budget: ThoughtBudget | None = None
     param_names: dict[str, str] = field(default_factory=dict)
 
 

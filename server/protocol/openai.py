@@ -165,6 +165,8 @@ class ChatCompletionRequest(_SamplingFields, StructuredFields):
     top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # a thinking model's thought, at most this many tokens (then its end is forced)
+    thinking_budget: int | None = Field(default=None, ge=1)
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
