@@ -97,17 +97,17 @@ def chat_plan(
                 400, f"top_logprobs must be at most {cfg.max_top_logprobs}", param="top_logprobs"
             )
     parser = tool_parser(state, engine)
+    tools = rendered.tools if rendered is not None else tool_plan(body)
+    grammar = grammar_for(body, tools, parser.name)
     if rendered is None:
-        tools = tool_plan(body)
         rendered = RenderedChat(render_chat(engine, body, tools), tools)
-    tools = rendered.tools
     generation = GenerationPlan(
         req_id=req_id,
         body=body,
         prompts=[rendered.prompt_ids],
         max_tokens=body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens or None,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        grammar=grammar_for(body, tools, parser.name),
+        grammar=grammar,
         session=session,
         kv_transfer_params=body.kv_transfer_params,
         param_names=param_names or {},

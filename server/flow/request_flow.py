@@ -61,11 +61,11 @@ async def start(
     body = plan.body
     try:
         check_limits(state, body)
+        salt = effective_salt(state, request, body.cache_salt)
+        app = app_name(request, body) if state.config.server.app_cache_stats else None
         if plan.grammar is not None:
             await compile_grammar(state, engine, *plan.grammar)
         state.kv_transfer.check(plan.kv_transfer_params)
-        salt = effective_salt(state, request, body.cache_salt)
-        app = app_name(request, body) if state.config.server.app_cache_stats else None
         exports = state.kv_transfer.publishes(plan.kv_transfer_params)
         choices = make_choices(engine, plan, salt, app, exports)
         publish = await kv_handover(state, engine, choices, body.n, plan.kv_transfer_params)
