@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from server.protocol import admin as pad
 from server.protocol import anthropic as pa
 from server.protocol import embeddings as pe
 from server.protocol import openai as p
@@ -32,7 +33,7 @@ def _json(model: type[BaseModel]) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": _ref(model)}}}
 
 
-def _errors(*codes: int, shape: type[BaseModel] = p.ErrorResponse) -> dict[str, Any]:
+def _errors(*codes: int, shape: type[BaseModel] = pad.ErrorResponse) -> dict[str, Any]:
     return {str(c): {"description": "error", **_json(shape)} for c in codes}
 
 
@@ -44,8 +45,8 @@ def build_openapi(version: str) -> dict[str, Any]:
         pr.ResponsesRequest,
         pa.MessagesRequest,
         pa.CountTokensRequest,
-        p.TokenizeRequest,
-        p.DetokenizeRequest,
+        pad.TokenizeRequest,
+        pad.DetokenizeRequest,
     ]
     responses = [
         p.ChatCompletionResponse,
@@ -56,12 +57,12 @@ def build_openapi(version: str) -> dict[str, Any]:
         pr.ResponseEvent,
         pr.ResponseDeleted,
         pr.ItemList,
-        p.ModelList,
-        p.ModelCard,
-        p.TokenizeResponse,
-        p.DetokenizeResponse,
-        p.ErrorResponse,
-        p.StatusResponse,
+        pad.ModelList,
+        pad.ModelCard,
+        pad.TokenizeResponse,
+        pad.DetokenizeResponse,
+        pad.ErrorResponse,
+        pad.StatusResponse,
         pa.AnthropicMessage,
         pa.AnthropicStreamEvent,
         pa.AnthropicTokenCount,
@@ -169,17 +170,19 @@ def build_openapi(version: str) -> dict[str, Any]:
                 "Count a message's input tokens",
                 errors=anthropic_errors,
             ),
-            "/v1/models": get(p.ModelList, "List models"),
-            "/tokenize": post(p.TokenizeRequest, p.TokenizeResponse, "Tokenize text or messages"),
-            "/detokenize": post(p.DetokenizeRequest, p.DetokenizeResponse, "Token ids to text"),
+            "/v1/models": get(pad.ModelList, "List models"),
+            "/tokenize": post(
+                pad.TokenizeRequest, pad.TokenizeResponse, "Tokenize text or messages"
+            ),
+            "/detokenize": post(pad.DetokenizeRequest, pad.DetokenizeResponse, "Token ids to text"),
             "/health": {
                 "get": {
                     "summary": "Liveness and readiness",
                     "responses": {
-                        "200": {"description": "ready", **_json(p.StatusResponse)},
+                        "200": {"description": "ready", **_json(pad.StatusResponse)},
                         "503": {
                             "description": "loading, draining or failed",
-                            **_json(p.StatusResponse),
+                            **_json(pad.StatusResponse),
                         },
                     },
                 }

@@ -30,7 +30,7 @@ from server.flow.plan import (
     make_choices,
     renamed,
 )
-from server.protocol.openai import ErrorResponse
+from server.protocol.admin import ErrorResponse
 from server.protocol.wire import SSE_DONE, sse
 from server.state import VERSION, ServerState, log
 

@@ -197,26 +197,6 @@ _NULL_DEFAULTS: dict[str, Any] = {
 }
 
 
-class TokenizeRequest(_Base):
-    model: str = ""
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    tools: list[ChatTool] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None  # as chat's, for the same prompt
-
-
-class EmptyRequest(_Base):
-    """A POST route that takes no fields (e.g. /reset_prefix_cache): any body must still be
-    well-formed JSON."""
-
-
-class DetokenizeRequest(_Base):
-    model: str = ""
-    tokens: list[int]
-
-
 # ---- responses (every JSON body the server sends is validated through one of these, so the
 # published /openapi.json cannot drift from what the code returns) ----------------------------
 
@@ -357,53 +337,3 @@ class CompletionResponse(_Out):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer
-
-
-class ModelCard(_Out):
-    """A model in the shape both SDKs read: OpenAI's (object, created, owned_by) and
-    Anthropic's (type, display_name, created_at) side by side, so a client of either lists it."""
-
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    max_model_len: int
-    type: Literal["model"]
-    display_name: str
-    created_at: str  # RFC 3339
-
-
-class ModelList(_Out):
-    object: Literal["list"]
-    data: list[ModelCard]
-    # Anthropic's paging fields (one page: every model this server serves)
-    has_more: bool
-    first_id: str | None
-    last_id: str | None
-
-
-class TokenizeResponse(_Out):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
-class DetokenizeResponse(_Out):
-    prompt: str
-
-
-class ErrorDetail(_Out):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(_Out):
-    error: ErrorDetail
-
-
-class StatusResponse(_Out):
-    status: str
-    attention_backend: str | None = None
-    error: str | None = None

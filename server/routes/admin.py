@@ -15,7 +15,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from engine.async_engine import AsyncEngine
 from server.errors import APIError
 from server.flow.chat_prompt import render_prompt
-from server.protocol.openai import (
+from server.protocol.admin import (
     DetokenizeRequest,
     DetokenizeResponse,
     EmptyRequest,
