@@ -51,6 +51,10 @@ class EngineCollector(Collector):
         yield counter(
             "num_preemptions", "Requests preempted for lack of KV blocks.", snap.num_preemptions
         )
+        yield gauge("kv_pinned_blocks", "Cached KV blocks pinned by cache_control breakpoints.",
+                    snap.num_pinned_blocks)  # fmt: skip
+        yield counter("kv_pins_broken", "Pinned KV blocks evicted early: nothing else was free.",
+                      snap.pins_broken)  # fmt: skip
         yield counter("prompt_tokens", "Prompt tokens computed.", snap.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", snap.generation_tokens)
         yield counter("engine_steps", "Engine steps run.", snap.steps)

@@ -97,3 +97,33 @@ def test_pool_eviction_order_and_sharing() -> None:
     assert [b.block_id for b in fresh] == [3, 2]
     assert pool.lookup(bytes([2]) * 32) is None and pool.num_evictions == 1
     assert not pool.reset_prefix_cache()  # blocks in use
+
+
+def test_pinned_blocks_are_passed_over_until_their_time_or_a_full_pool(monkeypatch) -> None:
+    """A pinned cached block outlives LRU eviction while unpinned free blocks remain; it lapses
+    at its time, yields (counted) when nothing else is free, and an application's pins beyond
+    its share lapse oldest first."""
+    from engine.kv import pool as pool_module
+
+    now = [1000.0]
+    monkeypatch.setattr(pool_module.time, "monotonic", lambda: now[0])
+    pool = BlockPool(8)
+    blocks = pool.allocate(8)
+    for i, b in enumerate(blocks):
+        pool.cache(b, bytes([i]))
+    pool.free(blocks)  # all cached and free; LRU order 0..7
+    pool.pin([bytes([0]), bytes([1])], ttl_s=60, app="a")
+    taken = pool.allocate(4)
+    assert [b.block_id for b in taken] == [2, 3, 4, 5]  # the pinned 0 and 1 passed over
+    assert pool.lookup(bytes([0])) is not None and pool.pins_broken == 0
+    more = pool.allocate(3)  # 6, 7, then one pinned: nothing else is free
+    assert [b.block_id for b in more] == [6, 7, 0] and pool.pins_broken == 1
+    assert pool.lookup(bytes([0])) is None and pool.lookup(bytes([1])) is not None
+    pool.free([*taken, *more])
+    for i, b in enumerate([*taken, *more]):
+        pool.cache(b, bytes([10 + i]))
+    now[0] += 61  # block 1's pin lapses: it is the oldest free block again
+    assert pool.allocate(1)[0].block_id == 1 and pool.pins_broken == 1
+    pool.max_pinned_blocks = 2
+    pool.pin([bytes([10]), bytes([11]), bytes([12])], ttl_s=60, app="b")
+    assert set(pool.pins) == {bytes([11]), bytes([12])}  # b's oldest pin lapsed

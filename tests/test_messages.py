@@ -255,3 +255,30 @@ def test_both_sdks_list_the_served_model(served, client) -> None:
     assert card.id == same.id and card.type == "model" and card.display_name == card.id
     assert same.object == "model" and same.owned_by == "kvserve"
     assert client.models.retrieve(card.id).id == card.id
+
+
+def test_a_cache_control_breakpoint_keeps_its_prefix_through_eviction(served, client) -> None:
+    """Two long system prompts, one marked: a flood of unique prompts larger than the pool
+    evicts the unmarked one (LRU), while the marked prefix stays pinned and is read again."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+
+    def system(tag: str) -> str:
+        return " ".join(f"{tag}{w}{i}" for i in range(20) for w in words[:5])
+
+    def ask(system_prompt, text: str = "Hi"):
+        return client.messages.create(model="", max_tokens=1, system=system_prompt,
+                                      messages=[{"role": "user", "content": text}])  # fmt: skip
+
+    marked = [{"type": "text", "text": system("m"), "cache_control": {"type": "ephemeral"}}]
+    first = ask(marked)
+    assert first.usage.cache_creation_input_tokens > 0
+    ask(system("u"))
+    for i in range(14):  # ~14 x 700 tokens of unique prompts: more than the 128-block pool
+        ask(f"flood {i} " + " ".join(f"w{i}x{j}" for j in range(200)))
+    again = ask(marked)
+    assert again.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens // 2
+    metrics = httpx.get(served.base + "/metrics", headers={"x-api-key": "secret"}).text
+    assert "kvserve:kv_pinned_blocks" in metrics and "kvserve:kv_pins_broken_total 0.0" in metrics
+    # the unmarked one was evicted: what it reads again is the template's opening at most
+    # ("<|im_start|>system\n", shared token by token with the pinned prompt)
+    assert ask(system("u")).usage.cache_read_input_tokens <= 16

@@ -135,6 +135,8 @@ class LLMEngine:
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             num_preemptions=sched.num_preemptions,
+            num_pinned_blocks=pool.num_pinned,
+            pins_broken=pool.pins_broken,
             kv_usage=pool.usage,
             num_blocks=pool.num_blocks,
             block_size=kv.block_size,

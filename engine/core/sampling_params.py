@@ -47,6 +47,16 @@ class ThoughtBudget:
         return self.close_id not in thought and len(thought) >= self.tokens
 
 
+@dataclass(frozen=True, slots=True)
+class KeepPrefix:
+    """Keep the prompt's first `num_tokens` cached for `ttl_s` seconds after the request ends
+    (Anthropic's `cache_control` breakpoints), pinned under `app`'s bounded share of the pool."""
+
+    num_tokens: int
+    ttl_s: float
+    app: str = "default"
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -81,6 +91,7 @@ class SamplingParams:
     # a thinking model's thought, bounded: after this many tokens of thought its end token is
     # forced (`ThoughtBudget`); None: unbounded
     thought_budget: ThoughtBudget | None = None
+    keep_prefix: KeepPrefix | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

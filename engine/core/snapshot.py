@@ -38,6 +38,8 @@ class EngineSnapshot:
     num_running: int
     num_waiting: int
     num_preemptions: int
+    num_pinned_blocks: int  # cached blocks a cache_control breakpoint keeps
+    pins_broken: int  # pinned blocks evicted before their time: nothing else was free
     kv_usage: float
     num_blocks: int
     block_size: int

@@ -221,8 +221,15 @@ class KVCacheManager:
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:
+        """Release a request's blocks; a prefix it asked to keep (`SamplingParams.keep_prefix`)
+        is pinned in the pool for its time."""
         table = self.block_tables.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        keep = request.sampling_params.keep_prefix
+        if keep is not None:
+            full = min(keep.num_tokens, request.num_computed_tokens) // self.block_size
+            hashes = [b.block_hash for b in table[:full] if b.block_hash is not None]
+            self.pool.pin(hashes, keep.ttl_s, keep.app)
         self.pool.free(reversed(table))
 
     def swap_out(self, request: Request) -> int:

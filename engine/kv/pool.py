@@ -3,11 +3,14 @@
 Invariants (checked by tests/test_block_pool.py):
 - a block is in the free queue iff its ref_cnt is 0;
 - `cached[h] is b` iff `b.block_hash == h`; a cached block may be free (reusable until allocated);
-- allocation takes the least recently freed block and drops its hash (eviction).
+- allocation takes the least recently freed block and drops its hash (eviction), passing over
+  pinned blocks (a prefix a request asked to keep, until its time is up) while unpinned ones
+  are free; a pinned block is evicted only when nothing else is free (`pins_broken` counts it).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -45,6 +48,12 @@ class BlockPool:
         # (hash, block id) of cached blocks evicted by allocate(), drained by the KV manager to
         # write them back to the host tier before the step's forward overwrites them
         self.evicted: list[tuple[bytes, int]] = []
+        # pinned prefixes: hash -> when the pin ends (time.monotonic), per application in pin
+        # order, each application's bounded to `max_pinned_blocks` (its oldest pins lapse)
+        self.pins: dict[bytes, float] = {}
+        self.pins_by_app: dict[str, OrderedDict[bytes, None]] = {}
+        self.max_pinned_blocks = max(1, num_blocks // 4)
+        self.pins_broken = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,12 +73,55 @@ class BlockPool:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
 
+    @property
+    def num_pinned(self) -> int:
+        now = time.monotonic()
+        return sum(1 for until in self.pins.values() if until > now)
+
+    def pin(self, block_hashes: list[bytes], ttl_s: float, app: str) -> None:
+        """Keep these cached blocks (a prefix) for `ttl_s` seconds unless the pool would
+        otherwise refuse work; an application's pins beyond `max_pinned_blocks` lapse oldest
+        first, into ordinary LRU blocks."""
+        until = time.monotonic() + ttl_s
+        mine = self.pins_by_app.setdefault(app, OrderedDict())
+        for h in block_hashes:
+            if h in self.cached:
+                self.pins[h] = max(self.pins.get(h, 0.0), until)
+                mine[h] = None
+                mine.move_to_end(h)
+        while len(mine) > self.max_pinned_blocks:
+            h, _ = mine.popitem(last=False)
+            self.pins.pop(h, None)
+
+    def _pinned(self, block: KVBlock, now: float) -> bool:
+        h = block.block_hash
+        if h is None or h not in self.pins:
+            return False
+        if self.pins[h] > now:
+            return True
+        del self.pins[h]  # lapsed
+        return False
+
+    def _victims(self, n: int) -> list[KVBlock]:
+        """The n free blocks allocation takes: the least recently freed unpinned ones, then (only
+        when too few are unpinned) the oldest pinned."""
+        if not self.pins:
+            return [b for _, b in zip(range(n), self.free_queue.values())]
+        now, out, pinned = time.monotonic(), [], []
+        for block in self.free_queue.values():
+            if len(out) == n:
+                break
+            (pinned if self._pinned(block, now) else out).append(block)
+        broken = pinned[: n - len(out)]
+        self.pins_broken += len(broken)
+        return out + broken
+
     def allocate(self, n: int) -> list[KVBlock]:
         if n > len(self.free_queue):
             raise MemoryError(f"need {n} KV blocks, {len(self.free_queue)} free")
         out = []
-        for _ in range(n):
-            _, block = self.free_queue.popitem(last=False)
+        for block in self._victims(n):
+            del self.free_queue[block.block_id]
             if block.block_hash is not None:
                 self.evicted.append((block.block_hash, block.block_id))
                 self._forget(block)
@@ -104,6 +156,7 @@ class BlockPool:
     def _forget(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self.cached[block.block_hash]
+        self.pins.pop(block.block_hash, None)
         if block.parent_hash is not None:
             siblings = self.children.get(block.parent_hash, {})
             siblings.pop(block.block_id, None)
@@ -148,4 +201,6 @@ class BlockPool:
             block.block_hash, block.parent_hash, block.token_ids, block.extra = None, None, (), b""
         self.cached.clear()
         self.children.clear()
+        self.pins.clear()
+        self.pins_by_app.clear()
         return True

@@ -45,6 +45,28 @@ def _text_of(blocks: str | list[AnthropicContentBlock] | None, where: str) -> st
     return "".join(parts)
 
 
+def breakpoint_of(body: MessagesRequest, sources: list[str]) -> tuple[int | None, float] | None:
+    """Where the last cache breakpoint is, as the chat message it ends (None: the whole
+    prompt, for a top-level mark) and its TTL in seconds; None when nothing is marked."""
+    marks: list[tuple[int | None, str | None]] = []
+    if body.cache_control is not None:
+        marks.append((None, body.cache_control.ttl))
+    system = [b for b in (body.system if isinstance(body.system, list) else [])]
+    for block in [*system, *(body.tools or [])]:
+        if block.cache_control is not None:  # the system prompt (tools render into it)
+            marks.append((0, block.cache_control.ttl))
+    for i, m in enumerate(body.messages):
+        for block in m.content if isinstance(m.content, list) else []:
+            if block.cache_control is not None:
+                last = max(k for k, s in enumerate(sources) if s == f"messages.{i}")
+                marks.append((last, block.cache_control.ttl))
+    if not marks:
+        return None
+    end = None if any(k is None for k, _ in marks) else max(k for k, _ in marks if k is not None)
+    ttl = 3600.0 if any(t == "1h" for _, t in marks) else 300.0
+    return end, ttl
+
+
 def uses_cache_control(body: MessagesRequest) -> bool:
     """Whether the request marks cache breakpoints (its usage then counts cache writes)."""
     blocks: list[Any] = list(body.tools or [])

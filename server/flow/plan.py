@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 
 from engine.async_engine import AsyncEngine
-from engine.core.sampling_params import GrammarSpec, ThoughtBudget
+from engine.core.sampling_params import GrammarSpec, KeepPrefix, ThoughtBudget
 from server.errors import APIError
 from server.flow.generation import Choice
 from server.state import ServerState
@@ -84,6 +84,7 @@ def make_choices(
                 prompt_logprobs=plan.prompt_logprobs if first else None,
                 export_kv=exports_kv and first,
                 thought_budget=plan.thought_budget,
+                keep_prefix=plan.keep_prefix if first else None,
             )
             index = p_idx * body.n + i
             choices.append(Choice(index, ids, params, f"{plan.req_id}-{index}",
@@ -107,6 +108,7 @@ class GenerationPlan:
     kv_transfer_params: dict | None = None
     prompt_logprobs: int | None = None  # score each prompt too (echo), with this many top
     thought_budget: ThoughtBudget | None = None
+    keep_prefix: KeepPrefix | None = None  # cache_control: the prefix pinned after the request
     param_names: dict[str, str] = field(default_factory=dict)
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
+from engine.core.sampling_params import KeepPrefix
 from server.errors import CLIENT_ERRORS, APIError, to_api_error
 from server.flow.chat_plan import chat_plan, render_chat
 from server.flow.constraints import tool_plan
@@ -28,10 +30,11 @@ from server.flow.messages_output import (
 from server.flow.messages_plan import (
     PARAM_NAMES,
     as_messages_error,
+    breakpoint_of,
     chat_request,
     uses_cache_control,
 )
-from server.flow.plan import renamed, session_id
+from server.flow.plan import app_name, renamed, session_id
 from server.flow.request_flow import start
 from server.protocol.anthropic import (
     AnthropicMessage,
@@ -95,7 +98,12 @@ async def create_message(request: Request) -> Response:
                          param_names=PARAM_NAMES)  # fmt: skip
     except APIError as e:
         raise renamed(as_messages_error(e, sources), PARAM_NAMES) from None
-    gen = await start(state, engine, request, plan.generation)
+    mark = breakpoint_of(body, sources)
+    generation = plan.generation
+    if mark is not None and engine.info.prefix_caching:
+        keep = kept_prefix(engine, chat, plan.generation.prompts[0], mark, app_name(request, chat))
+        generation = replace(generation, keep_prefix=keep)
+    gen = await start(state, engine, request, generation)
     cache_control = uses_cache_control(body)
     info = engine.info
 
@@ -114,6 +122,24 @@ async def create_message(request: Request) -> Response:
         return reply(AnthropicMessage, body_out)
 
     return await gen.collect(request, respond)
+
+
+def kept_prefix(
+    engine: AsyncEngine,
+    chat: ChatCompletionRequest,
+    prompt: list[int],
+    mark: tuple[int | None, float],
+    app: str,
+) -> KeepPrefix:
+    """The prompt up to the breakpoint's chat message, in tokens (the conversation rendered up
+    to it: templates render a conversation's turns as a prefix of the whole), kept `ttl` s."""
+    end, ttl = mark
+    num_tokens = len(prompt)
+    if end is not None:
+        upto = chat.model_copy(update={"messages": chat.messages[: end + 1],
+                                       "add_generation_prompt": False})  # fmt: skip
+        num_tokens = min(num_tokens, len(render_chat(engine, upto, tool_plan(upto))))
+    return KeepPrefix(num_tokens, ttl, app)
 
 
 @anthropic_errors
