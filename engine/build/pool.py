@@ -105,8 +105,10 @@ def choose_and_warm_up(
         # the backend's workspace first: the pool is sized from the memory left after it
         workspace = backend_cls.allocate_workspace(device)
         num_blocks = num_blocks_for(config, device, kv_block_bytes, max_model_len, block_size)
-        backend = _over_pool(backend_cls, pool_spec, num_blocks + int(graphs), block_size,
-                             kv_dtype, device, workspace)  # fmt: skip
+        caches = allocate_kv_caches(backend_cls, pool_spec.kv_groups, num_blocks + int(graphs),
+                                    block_size, kv_dtype, device)  # fmt: skip
+        backend = backend_cls(pool_spec, caches, block_size, workspace)
+        del caches  # the backend holds the pool: a failed warm-up's frees with it
         reason = _warm_up_failure(model, backend, pool_spec, num_blocks, block_size, device)
         if reason is not None:
             if config.attention_backend != "auto":
@@ -137,23 +139,11 @@ def pool_for(
     """A backend rank 0 chose, over a pool of the blocks rank 0 sized, warmed up: a
     tensor-parallel worker's KV phase (its shard's geometry, rank 0's decisions)."""
     workspace = backend_cls.allocate_workspace(device)
-    backend = _over_pool(backend_cls, spec, num_blocks, block_size, kv_dtype, device, workspace)
-    warm_up(model, backend, spec, num_blocks, block_size, device)
-    return backend
-
-
-def _over_pool(
-    backend_cls: type[AttentionBackend],
-    spec: ModelSpec,
-    num_blocks: int,
-    block_size: int,
-    kv_dtype: torch.dtype,
-    device: torch.device,
-    workspace: torch.Tensor | None,
-) -> AttentionBackend:
     caches = allocate_kv_caches(backend_cls, spec.kv_groups, num_blocks, block_size, kv_dtype,
                                 device)  # fmt: skip
-    return backend_cls(spec, caches, block_size, workspace)
+    backend = backend_cls(spec, caches, block_size, workspace)
+    warm_up(model, backend, spec, num_blocks, block_size, device)
+    return backend
 
 
 def block_size_for(
