@@ -123,6 +123,11 @@ class EngineConfig:
     )
     max_model_len: int | None = setting(None, "context length served (0: the model's own)")
     enable_prefix_caching: bool = setting(True, "reuse KV blocks across requests by prefix hash")
+    kv_pin_share: float = setting(
+        0.25,
+        "the most of the KV pool one application may keep pinned (Anthropic cache_control "
+        "breakpoints); beyond it its oldest pins lapse into ordinary LRU blocks; 0: no pinning",
+    )
     attention_backend: str = setting(
         "auto",
         "attention kernels; auto picks from the kernel-support matrix at startup",
@@ -244,6 +249,8 @@ class EngineConfig:
             raise ValueError("block_size must be a power of two up to 128")
         if self.short_prefill_tokens < 0:
             raise ValueError("short_prefill_tokens must be >= 0 (0: first come, first served)")
+        if not 0.0 <= self.kv_pin_share <= 1.0:
+            raise ValueError("kv_pin_share must be in [0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.preemption_mode not in ("swap", "recompute"):

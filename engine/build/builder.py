@@ -214,6 +214,7 @@ def _kv_manager(
         host,
         copier if tp is None else tp.mirrored_copier(copier),
         hash_root=hash_root,
+        pin_share=config.kv_pin_share,
     )
 
 

@@ -66,12 +66,13 @@ class KVCacheManager:
         host: HostTier | None = None,
         copy_block_prefix: BlockPrefixCopier | None = None,
         hash_root: bytes | None = None,
+        pin_share: float = 0.25,
     ) -> None:
         self.block_size = block_size
         # hash_root: the disk tier's stored seed, so a warm restart meets its own hashes again
         self.hasher = BlockHasher(block_size, *([hash_root] if hash_root else []))
         self.copy_block_prefix = copy_block_prefix
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, pin_share)
         self.host = host if enable_caching else None
         self.block_tables: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}

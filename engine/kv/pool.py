@@ -30,7 +30,9 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, pin_share: float = 0.25
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
@@ -52,7 +54,7 @@ class BlockPool:
         # order, each application's bounded to `max_pinned_blocks` (its oldest pins lapse)
         self.pins: dict[bytes, float] = {}
         self.pins_by_app: dict[str, OrderedDict[bytes, None]] = {}
-        self.max_pinned_blocks = max(1, num_blocks // 4)
+        self.max_pinned_blocks = int(num_blocks * pin_share)  # per application
         self.pins_broken = 0
 
     @property
@@ -82,6 +84,8 @@ class BlockPool:
         """Keep these cached blocks (a prefix) for `ttl_s` seconds unless the pool would
         otherwise refuse work; an application's pins beyond `max_pinned_blocks` lapse oldest
         first, into ordinary LRU blocks."""
+        if self.max_pinned_blocks == 0:
+            return
         until = time.monotonic() + ttl_s
         mine = self.pins_by_app.setdefault(app, OrderedDict())
         for h in block_hashes:
