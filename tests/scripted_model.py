@@ -46,6 +46,15 @@ def scripted_model(
     return path
 
 
+def silence_layers(model: transformers.PreTrainedModel) -> None:
+    """Zero every layer's attention and MLP outputs: the residual stream stays the current
+    token's embedding, so the next token depends on it alone."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+
+
 def _eos_of(tokenizer_dir: Path) -> int:
     config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -70,9 +79,7 @@ def _script_weights(path: Path, script: list[str]) -> None:
     chain.append(model.config.eos_token_id)
     assert len(set(chain)) == len(chain), f"a token twice in the script's chain {chain}"
     with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+        silence_layers(model)
         emb, gain = model.model.embed_tokens.weight, model.model.norm.weight
         for current, following in zip(chain, chain[1:]):
             h = emb[current] * torch.rsqrt(emb[current].pow(2).mean() + 1e-6) * gain

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SMOL, build_model
+from tests.scripted_model import silence_layers
 from tests.server_utils import kvserve_server
 
 pytestmark = pytest.mark.slow  # servers and a CLI
@@ -116,9 +117,7 @@ def terse_model(out: Path, context: int) -> Path:
     eos = model.config.eos_token_id
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 8.0
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+        silence_layers(model)
         model.lm_head.weight[:, 0] = 0.0
         model.lm_head.weight[eos].zero_()
         model.lm_head.weight[eos, 0] = 0.66 / float(model.model.norm.weight[0])

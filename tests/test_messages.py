@@ -196,6 +196,10 @@ def test_errors_come_in_anthropic_shape(served) -> None:
     said = anthropic_error(httpx.post(url, json=server_tool, headers=key), 400,
                            "invalid_request_error")  # fmt: skip
     assert said.startswith("tools.0.type")
+    said = anthropic_error(httpx.post(url, json={**ok, "service_tier": "priority"}, headers=key),
+                           400, "invalid_request_error")  # fmt: skip
+    assert said.startswith("service_tier")
+    assert httpx.post(url, json={**ok, "service_tier": "auto"}, headers=key).status_code == 200
     # other routes keep OpenAI's shape
     r = httpx.post(served.base + "/v1/chat/completions", json={"model": ""}, headers=key)
     assert r.status_code == 400 and "error" in r.json() and "type" not in r.json()

@@ -183,6 +183,12 @@ def test_messages_give_a_thinking_block_whole_and_streamed(thinker) -> None:
     assert "thinking" in kinds and "signature" in kinds
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == THOUGHT and final.content[1].text == ANSWER
+    # `display: omitted`: the block keeps its signature, not its text, whole and streamed
+    hidden = {**kw, "thinking": {"type": "adaptive", "display": "omitted"}}
+    msg = client.messages.create(**hidden)
+    assert (msg.content[0].thinking, msg.content[0].signature) == ("", thinking.signature)
+    with client.messages.stream(**hidden) as stream:
+        assert "thinking" not in [e.type for e in stream]
     # without `thinking`, Anthropic's default: no thought
     plain = client.messages.create(**{**kw, "thinking": {"type": "disabled"}})
     assert [b.type for b in plain.content] == ["text"]

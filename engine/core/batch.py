@@ -63,8 +63,8 @@ class StepUpdate:
     """One step's result, after the scheduler applied it: `first` is each scheduled request's
     `num_computed_tokens` before the step; `emitted`, `pooled` and `scored` what callers are
     told; `failed` the requests that failed alone, with why; `finished` every request that ended
-    in the step (whatever ended it), with `tables`, its block table as it was before it was freed
-    (the draft head's catch-up still writes into those blocks)."""
+    in the step (whatever ended it), and under a draft head `tables`, their block tables as
+    they were before they were freed (the head's catch-up still writes into those blocks)."""
 
     scheduled: SchedulerOutput
     first: dict[str, int] = field(default_factory=dict)

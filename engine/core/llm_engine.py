@@ -5,7 +5,6 @@ emit (engine/core/output_processor.py) -> draft (engine/spec/). Building lives i
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from engine.build.builder import build_engine
@@ -17,8 +16,6 @@ from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import ParamError, SamplingParams
 from engine.core.snapshot import EngineSnapshot, HostTierSnapshot, SpecSnapshot
 from engine.kv.host import SWAP_IN_BUCKETS
-
-log = logging.getLogger("kvserve.engine")
 
 
 @dataclass(slots=True)

@@ -6,7 +6,6 @@ Nothing here ends a request."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
@@ -17,8 +16,6 @@ from engine.core.outputs import RequestOutput
 from engine.core.request import Request
 from engine.runner.sampler import TokenLogprobs
 from models.tokenizer import Tokenizer
-
-log = logging.getLogger("kvserve.engine")
 
 
 def request_output(

@@ -72,7 +72,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # requests that ended since the last schedule(), with their block tables before the free
+        # requests that ended since the last schedule(), and (under a draft head) their block
+        # tables before the free
         self.finished_this_step: dict[str, Request] = {}
         self.freed_tables: dict[str, list[int]] = {}
         self.num_preemptions = 0
@@ -105,7 +106,8 @@ class Scheduler:
             elif request.status == RequestStatus.WAITING:
                 self.waiting.remove(request)
             request.status = RequestStatus.FINISHED
-            self.freed_tables[request_id] = self.kv.block_ids(request_id)
+            if self.num_lookahead_tokens:  # a draft head catches up into the freed blocks
+                self.freed_tables[request_id] = self.kv.block_ids(request_id)
             self.kv.free(request)
             self.finished_this_step[request_id] = request
         request.finish_reason = reason

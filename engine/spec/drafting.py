@@ -32,12 +32,19 @@ from engine.core.batch import StepUpdate
 from engine.core.request import Request
 from engine.spec.cost import SpecCostModel
 from engine.spec.draft_state import DraftState, SpecStats, expected_accepted, useful_depth
-from engine.spec.eagle import EagleDrafts, StepPlan
+from engine.spec.eagle import EagleDrafts, StepPlan, room_for_drafts
 from engine.spec.suffix_index import NGRAM_SIZES, RecentOutputs, SuffixIndex
 
 MAX_SALTS = 64  # tenants / applications with recent outputs kept
 RECENT_TOKENS_PER_SALT = 1 << 15
 SHORT_MATCH = 3  # a match of fewer tokens drafts at most this many: it is a weak guess
+
+
+def state_of(r: Request) -> DraftState:
+    """A request's drafting state, made at its first decoding step."""
+    if r.drafts is None:
+        r.drafts = DraftState(SuffixIndex(r.all_token_ids))
+    return r.drafts
 
 
 class Drafter:
@@ -77,9 +84,8 @@ class Drafter:
             if e.num_drafted:
                 self.record(e.request, e.num_drafted, e.num_accepted)
         decoding = [e.request for e in update.emitted if not e.request.is_finished]
-        for r in decoding:
-            if r.drafts is None:
-                r.drafts = DraftState(SuffixIndex(r.all_token_ids))
+        for r in decoding:  # the head's budget reads each request's eagle acceptance
+            state_of(r)
         if self.eagle is not None and hidden is not None:
             self.eagle.catch_up_and_draft(update, hidden, plan, self.eagle_depth(decoding))
         self.propose(decoding)
@@ -140,11 +146,7 @@ class Drafter:
                     r.drafts.source = None
             self.current_k = 0
             return
-        picks = []
-        for r in requests:
-            if r.drafts is None:
-                r.drafts = DraftState(SuffixIndex(r.all_token_ids))
-            picks.append(self._best(r, self._room(r, self.max_tokens)))
+        picks = [self._best(r, room_for_drafts(r, self.max_tokens)) for r in requests]
         k = self.step_k(picks)
         for r, (source, drafts, _) in zip(requests, picks):
             self._apply(r, source, drafts[:k])
@@ -176,29 +178,20 @@ class Drafter:
         self.current_k = best_k
         return best_k
 
-    @staticmethod
-    def _room(r: Request, k: int) -> int:
-        params = r.sampling_params
-        room = min(params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
-        return max(0, min(k, room - 1))
-
     def _best(self, r: Request, k: int) -> tuple[str, list[int], float]:
         """The candidate draft with the most expected accepted tokens: (source, drafts, the
         source's acceptance for this request), or ("", [], 0.0) when no source has one."""
-        state = r.drafts
-        assert state is not None
+        state, params = state_of(r), r.sampling_params
+        if params.thought_budget is not None:  # its end may have to be forced at any row
+            return "", [], 0.0
         best: tuple[float, str, list[int]] = (0.0, "", [])
         if "eagle" in self.sources and r.spec_token_ids:
             eagle = r.spec_token_ids[:k]
             best = (expected_accepted(state.acceptance["eagle"], len(eagle)), "eagle", eagle)
-        params = r.sampling_params
         # A seeded sampled request is not drafted for: how many uniforms verification draws
         # depends on the drafts, and suffix drafts on what other requests wrote, so its tokens
-        # would depend on more than its seed (greedy output never depends on drafts). Nor is a
-        # bounded thought: its end may have to be forced at any row.
+        # would depend on more than its seed (greedy output never depends on drafts).
         reproducible = params.seed is None or params.greedy
-        if params.thought_budget is not None:
-            return "", [], 0.0
         for source in ("grammar", "suffix"):
             if source not in self.sources or k == 0 or not reproducible:
                 continue

@@ -53,6 +53,13 @@ class CatchUp:
     propose: bool  # draft k tokens after catching up
 
 
+def room_for_drafts(r: Request, k: int) -> int:
+    """At most k drafts, and never one past max_tokens or the context length (the target's own
+    token follows the drafts in the same step)."""
+    room = min(r.sampling_params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
+    return max(0, min(k, room - 1))
+
+
 def catch_up_items(update: StepUpdate, hidden: torch.Tensor) -> list[CatchUp]:
     """What the head catches up over after a step: each scheduled request's positions the
     target computed and kept, with their features; a request that sampled (and did not fail or
@@ -176,12 +183,10 @@ class EagleDrafts:
         only as deep as its own acceptance makes worthwhile (draft j survives with probability
         about alpha^j; below MIN_GAIN the draft step and the extra verify row cost more than
         they return). At least one draft, so a request whose acceptance recovers is noticed."""
-        params = r.sampling_params
-        if r.is_finished or k == 0 or params.thought_budget is not None:
+        if r.is_finished or k == 0 or r.sampling_params.thought_budget is not None:
             return 0
-        room = min(params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
         assert r.drafts is not None  # the drafter gives every decoding request its state
-        return max(0, min(k, useful_depth(r.drafts.acceptance["eagle"]), room - 1))
+        return room_for_drafts(r, min(k, useful_depth(r.drafts.acceptance["eagle"])))
 
     def _draft_tokens(
         self, hidden: torch.Tensor, reqs: list[Request], live: list[int], advanced: list[int]

@@ -13,8 +13,22 @@ from server.errors import APIError
 from server.flow.chat_prompt import render_prompt
 from server.flow.constraints import ToolPlan, grammar_for, tool_plan
 from server.flow.plan import GenerationPlan
-from server.flow.reasoning import CLOSE, OPEN, ReasoningPlan, opened_by_prompt, thinks
-from server.flow.tool_parsers import PARSERS, ToolParser, parser_for_template
+from server.flow.reasoning import (
+    CLOSE,
+    OPEN,
+    ReasoningPlan,
+    opened_by_prompt,
+    split_reasoning,
+    thinks,
+)
+from server.flow.tool_parsers import (
+    PARSERS,
+    ToolCall,
+    ToolParser,
+    final_calls,
+    parser_for_template,
+    with_determined_name,
+)
 from server.protocol.openai import ChatCompletionRequest
 from server.state import ServerState
 
@@ -56,6 +70,33 @@ class ChatPlan:
     calls_parser: ToolParser | None
     legacy: bool  # `functions` (not `tools`): calls come back as `function_call`
     reasoning: ReasoningPlan | None = None  # None: the model does not think
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A finished output read by its plan: the thought (None: the model did not think), the
+    text outside calls, and the calls (at most one unless parallel). `began_call`: call markup
+    was begun, so it is no part of the text, even when the cap cut it off before a name."""
+
+    thought: str | None
+    text: str
+    calls: list[ToolCall]
+    began_call: bool
+
+
+def read_answer(plan: ChatPlan, output: str) -> Answer:
+    """What every route makes of a finished choice's text (chat's message, Anthropic's content
+    blocks): the thought apart, then the calls in what follows it."""
+    thought, answer = None, output
+    if plan.reasoning is not None:
+        thought, answer = split_reasoning(output, plan.reasoning)
+    if plan.calls_parser is None or plan.tools is None:
+        return Answer(thought, answer, [], False)
+    parsed = with_determined_name(plan.calls_parser.parse(answer), plan.tools.determined_name)
+    if not parsed.calls:  # no call begun: the text as written
+        return Answer(thought, answer, [], False)
+    calls = final_calls(parsed)[: None if plan.tools.parallel else 1]
+    return Answer(thought, parsed.content.strip(), calls, True)
 
 
 def reasoning_plan(

@@ -10,11 +10,11 @@ import json
 from typing import Any
 
 from engine.core.outputs import RequestOutput
-from server.flow.chat_plan import ChatPlan
+from server.flow.chat_plan import ChatPlan, read_answer
 from server.flow.generation import Choice
-from server.flow.reasoning import ReasoningStream, split_reasoning
+from server.flow.reasoning import ReasoningStream
 from server.flow.request_flow import Generation
-from server.flow.tool_parsers import ToolCallStream, final_calls, with_determined_name
+from server.flow.tool_parsers import ToolCallStream
 from server.protocol.anthropic import AnthropicStreamEvent
 from server.protocol.wire import dump
 
@@ -64,24 +64,18 @@ def signature(thinking: str) -> str:
     return "kvserve-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
 
 
-def content_blocks(choice: Choice, plan: ChatPlan) -> list[dict[str, Any]]:
-    """A finished choice's thought, text and calls as content blocks."""
+def content_blocks(choice: Choice, plan: ChatPlan, omit_thought: bool) -> list[dict[str, Any]]:
+    """A finished choice's thought, text and calls as content blocks; `omit_thought`
+    (`thinking.display: omitted`): the thinking block carries its signature, not its text."""
+    answer = read_answer(plan, choice.text)
     blocks: list[dict[str, Any]] = []
-    answer = choice.text
-    if plan.reasoning is not None:
-        thought, answer = split_reasoning(answer, plan.reasoning)
-        if thought is not None:
-            blocks.append(
-                {"type": "thinking", "thinking": thought, "signature": signature(thought)}
-            )
-    if plan.calls_parser is None or plan.tools is None:
-        return blocks + ([{"type": "text", "text": answer}] if answer else [])
-    parsed = with_determined_name(plan.calls_parser.parse(answer), plan.tools.determined_name)
-    text = parsed.content.strip() if parsed.calls else answer
-    if text:
-        blocks.append({"type": "text", "text": text})
-    calls = final_calls(parsed)[: None if plan.tools.parallel else 1]
-    for call in calls:
+    if answer.thought is not None:
+        shown = "" if omit_thought else answer.thought
+        blocks.append({"type": "thinking", "thinking": shown,
+                       "signature": signature(answer.thought)})  # fmt: skip
+    if answer.text:
+        blocks.append({"type": "text", "text": answer.text})
+    for call in answer.calls:
         blocks.append({"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
                        "name": call.name, "input": _tool_input(call.arguments)})  # fmt: skip
     return blocks
@@ -124,12 +118,19 @@ def event(kind: str, fields: dict[str, Any]) -> bytes:
 class MessagesEvents:
     """The Messages stream of one choice: text arrives as text_delta events of a text block;
     with tools, the text goes through a `ToolCallStream`, each call opening a tool_use block
-    whose input arrives as input_json_delta fragments."""
+    whose input arrives as input_json_delta fragments. `omit_thought`: a thinking block gets
+    its signature and no thinking deltas."""
 
     def __init__(
-        self, msg_id: str, plan: ChatPlan, stop_sequences: list[str], usage_of: Any
+        self,
+        msg_id: str,
+        plan: ChatPlan,
+        stop_sequences: list[str],
+        usage_of: Any,
+        omit_thought: bool = False,
     ) -> None:
         self.msg_id, self.plan, self.stop_sequences = msg_id, plan, stop_sequences
+        self.omit_thought = omit_thought
         self.usage_of = usage_of  # the request's usage -> Anthropic's usage
         parser = plan.calls_parser
         determined = plan.tools.determined_name if plan.tools is not None else None
@@ -166,6 +167,8 @@ class MessagesEvents:
             else self._open({"type": "thinking", "thinking": "", "signature": ""})
         )
         self.thought_text += text
+        if self.omit_thought:
+            return out
         delta = {"type": "thinking_delta", "thinking": text}
         return [*out, event("content_block_delta", {"index": self.index, "delta": delta})]
 

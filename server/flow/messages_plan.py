@@ -51,7 +51,7 @@ def breakpoint_of(body: MessagesRequest, sources: list[str]) -> tuple[int | None
     marks: list[tuple[int | None, str | None]] = []
     if body.cache_control is not None:
         marks.append((None, body.cache_control.ttl))
-    system = [b for b in (body.system if isinstance(body.system, list) else [])]
+    system = body.system if isinstance(body.system, list) else []
     for block in [*system, *(body.tools or [])]:
         if block.cache_control is not None:  # the system prompt (tools render into it)
             marks.append((0, block.cache_control.ttl))
@@ -65,17 +65,6 @@ def breakpoint_of(body: MessagesRequest, sources: list[str]) -> tuple[int | None
     end = None if any(k is None for k, _ in marks) else max(k for k, _ in marks if k is not None)
     ttl = 3600.0 if any(t == "1h" for _, t in marks) else 300.0
     return end, ttl
-
-
-def uses_cache_control(body: MessagesRequest) -> bool:
-    """Whether the request marks cache breakpoints (its usage then counts cache writes)."""
-    blocks: list[Any] = list(body.tools or [])
-    if isinstance(body.system, list):
-        blocks += body.system
-    for m in body.messages:
-        if isinstance(m.content, list):
-            blocks += m.content
-    return body.cache_control is not None or any(b.cache_control is not None for b in blocks)
 
 
 def chat_messages(body: MessagesRequest) -> tuple[list[dict[str, Any]], list[str]]:

@@ -6,7 +6,7 @@ session), which the plan's choices carry."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -76,16 +76,15 @@ def make_choices(
         if budget is None:
             budget = max(1, engine.info.max_model_len - len(ids))
         for i in range(body.n):
-            params = body.sampling_params(budget, plan.logprobs, seed_offset=i, grammar=grammar)
             first = i == 0
-            params = replace(
-                params,
+            params = body.sampling_params(
+                budget, plan.logprobs, seed_offset=i, grammar=grammar,
                 cache_salt=cache_salt,
                 prompt_logprobs=plan.prompt_logprobs if first else None,
                 export_kv=exports_kv and first,
                 thought_budget=plan.thought_budget,
                 keep_prefix=plan.keep_prefix if first else None,
-            )
+            )  # fmt: skip
             index = p_idx * body.n + i
             choices.append(Choice(index, ids, params, f"{plan.req_id}-{index}",
                                   app=app if first else None))  # fmt: skip

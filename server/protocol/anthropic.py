@@ -128,7 +128,8 @@ class MessagesRequest(_Base):
     thinking: AnthropicThinking | None = None
     output_config: AnthropicOutputConfig | None = None
     cache_control: AnthropicCacheControl | None = None  # a breakpoint at the last cacheable block
-    service_tier: str | None = None
+    # one tier here: both of Anthropic's values are what it serves
+    service_tier: Literal["auto", "standard_only"] | None = None
 
 
 class CountTokensRequest(MessagesRequest):

@@ -126,7 +126,11 @@ class _SamplingFields(_Base):
         logprobs: int | None,
         seed_offset: int,
         grammar: GrammarSpec | None = None,
+        **serving: Any,
     ) -> SamplingParams:
+        """The body's sampling fields as engine parameters, with `serving`: what the flow
+        decides beside them (the effective cache salt, prompt scoring, KV export, ...),
+        validated once, together."""
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
             try:
@@ -153,8 +157,8 @@ class _SamplingFields(_Base):
             min_tokens=min(self.min_tokens, max_tokens),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            cache_salt=self.cache_salt,
             grammar=grammar,
+            **{"cache_salt": self.cache_salt, **serving},
         )
 
 

@@ -9,12 +9,12 @@ from starlette.responses import Response
 
 from engine.async_engine import AsyncEngine
 from engine.core.outputs import RequestOutput
-from server.flow.chat_plan import ChatPlan, chat_plan
+from server.flow.chat_plan import ChatPlan, chat_plan, read_answer
 from server.flow.generation import Choice, chat_logprobs, finish_reason
 from server.flow.plan import session_id
-from server.flow.reasoning import ReasoningStream, split_reasoning
+from server.flow.reasoning import ReasoningStream
 from server.flow.request_flow import ChoiceChunks, start
-from server.flow.tool_parsers import ToolCallStream, final_calls, with_determined_name
+from server.flow.tool_parsers import ToolCallStream
 from server.protocol.openai import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -39,19 +39,14 @@ async def chat_completions(request: Request) -> Response:
 
     def message(ch: Choice) -> tuple[dict, str | None]:
         reason = finish_reason(ch.finish_reason)
-        text = ch.text
-        msg: dict = {"role": "assistant", "content": text, "refusal": None}
+        answer = read_answer(plan, ch.text)
+        # an empty answer after a thought, or around a begun call, is no content
+        empty = answer.began_call or answer.thought is not None
+        msg: dict = {"role": "assistant", "content": answer.text or (None if empty else ""),
+                     "refusal": None}  # fmt: skip
         if plan.reasoning is not None:
-            msg["reasoning_content"], text = split_reasoning(text, plan.reasoning)
-            msg["content"] = text if text or msg["reasoning_content"] is None else None
-        if plan.calls_parser is None or plan.tools is None:
-            return msg, reason
-        parsed = with_determined_name(plan.calls_parser.parse(text), plan.tools.determined_name)
-        if not parsed.calls:  # no call begun: the text as written
-            return msg, reason
-        # a begun call's markup is never content, even when the cap cut it off before its name
-        msg["content"] = parsed.content.strip() or None
-        calls = final_calls(parsed)[: None if plan.tools.parallel else 1]
+            msg["reasoning_content"] = answer.thought
+        calls = answer.calls
         if not calls:
             return msg, reason
         if plan.legacy:

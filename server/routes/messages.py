@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from engine.async_engine import AsyncEngine
 from engine.core.sampling_params import KeepPrefix
 from server.errors import CLIENT_ERRORS, APIError, to_api_error
-from server.flow.chat_plan import chat_plan, render_chat
+from server.flow.chat_plan import ChatPlan, chat_plan, render_chat
 from server.flow.constraints import tool_plan
 from server.flow.messages_output import (
     MessagesEvents,
@@ -32,7 +32,6 @@ from server.flow.messages_plan import (
     as_messages_error,
     breakpoint_of,
     chat_request,
-    uses_cache_control,
 )
 from server.flow.plan import app_name, renamed, session_id
 from server.flow.request_flow import start
@@ -101,22 +100,23 @@ async def create_message(request: Request) -> Response:
     mark = breakpoint_of(body, sources)
     generation = plan.generation
     if mark is not None and engine.info.prefix_caching:
-        keep = kept_prefix(engine, chat, plan.generation.prompts[0], mark, app_name(request, chat))
+        keep = kept_prefix(engine, plan, chat, mark, app_name(request, chat))
         generation = replace(generation, keep_prefix=keep)
     gen = await start(state, engine, request, generation)
-    cache_control = uses_cache_control(body)
+    cache_control = mark is not None  # the request marks breakpoints: its usage counts writes
     info = engine.info
 
     def usage_of(usage: dict) -> dict[str, int]:
         return messages_usage(usage, info.block_size, info.prefix_caching, cache_control)
 
     stops = body.stop_sequences or []
+    omit = body.thinking is not None and body.thinking.display == "omitted"
     if body.stream:
-        return gen.stream(MessagesEvents(msg_id, plan, stops, usage_of))
+        return gen.stream(MessagesEvents(msg_id, plan, stops, usage_of, omit))
 
     def respond(usage: dict) -> Response:
         choice = gen.choices[0]
-        content = content_blocks(choice, plan)
+        content = content_blocks(choice, plan, omit)
         reason = stop_reason(choice, any(b["type"] == "tool_use" for b in content), stops)
         body_out = message_body(msg_id, gen.head["model"], content, reason, usage_of(usage))
         return reply(AnthropicMessage, body_out)
@@ -126,19 +126,19 @@ async def create_message(request: Request) -> Response:
 
 def kept_prefix(
     engine: AsyncEngine,
+    plan: ChatPlan,
     chat: ChatCompletionRequest,
-    prompt: list[int],
     mark: tuple[int | None, float],
     app: str,
 ) -> KeepPrefix:
     """The prompt up to the breakpoint's chat message, in tokens (the conversation rendered up
     to it: templates render a conversation's turns as a prefix of the whole), kept `ttl` s."""
     end, ttl = mark
-    num_tokens = len(prompt)
+    num_tokens = len(plan.generation.prompts[0])
     if end is not None:
         upto = chat.model_copy(update={"messages": chat.messages[: end + 1],
                                        "add_generation_prompt": False})  # fmt: skip
-        num_tokens = min(num_tokens, len(render_chat(engine, upto, tool_plan(upto))))
+        num_tokens = min(num_tokens, len(render_chat(engine, upto, plan.tools)))
     return KeepPrefix(num_tokens, ttl, app)
 
 
