@@ -186,10 +186,12 @@ class EngineConfig:
         "judged at startup); int4 | int8wo: weight-only, rounded to Q4_1 | Q8_0 blocks",
         ("auto", "none", "int8", "int4", "int8wo"),
     )
-    gguf_int8_activations: bool = setting(
-        False,
-        "GGUF block kernel: also consider int8 activations per block of 32 (llama.cpp's "
-        "numerics; flips near-tied tokens) where it measures faster",
+    gguf_int8_activations: str = setting(
+        "auto",
+        "GGUF block kernel on int8 activations per block of 32 (llama.cpp's numerics). auto: "
+        "where it measures faster and the startup accuracy judge accepts it against float "
+        "activations; on: where faster, the judge's figures only reported; off: never",
+        ("auto", "on", "off"),
     )
     kv_cache_dtype: str = setting(
         "auto",
@@ -265,6 +267,8 @@ class EngineConfig:
             raise ValueError("kv_cache_dtype must be auto, bfloat16, float32, fp8 or int8")
         if self.quantization not in ("auto", "none", "int8", "int4", "int8wo"):
             raise ValueError("quantization must be auto, none, int8, int4 or int8wo")
+        if self.gguf_int8_activations not in ("auto", "on", "off"):
+            raise ValueError("gguf_int8_activations must be auto, on or off")
         if self.pooling not in ("auto", "last", "mean"):
             raise ValueError("pooling must be auto, last or mean")
         if self.tensor_parallel_allreduce not in ("auto", "shm", "gloo"):

@@ -5,7 +5,7 @@
 // A Q4_1 weight is 5 bits (20 bytes per 32), a Q8_0 weight 8.5 bits; float32 is 32. The kernel
 // reads the blocks directly, dequantizes 32 weights into registers (one FMA per 16: w = d*q + m)
 // and multiplies float32 activations, so its product equals the dequantized float32 model's up
-// to summation order (llama.cpp also rounds activations to 8 bits; we do not).
+// to summation order (llama.cpp also rounds activations to 8 bits: gguf_q8.cpp does that).
 //
 // Blocks (ggml's layouts), one row of `blocks` = one output row, in_features / 32 blocks:
 //   Q4_0 (fmt 2):  f16 d, 16 bytes of nibbles      w = d * (q - 8)
@@ -217,96 +217,6 @@ void linear_impl(const float* x, int64_t m, int64_t k, const uint8_t* blocks, in
   });
 }
 
-// ---- int8 activations: llama.cpp's scheme -------------------------------------------------
-// Each activation row is rounded to int8 per block of 32 (scale dx = max|x| / 127), and a block's
-// product is an integer dot product of its 32 weight codes (unsigned) with the 32 activation
-// codes (signed): one VNNI instruction (vpdpbusd) or, on AVX2 without VNNI, maddubs + madd
-// (pairs of at most 15*127 or 127*127 fit int16). Per block:
-//   y += dw * dx * dot(u, s) + mw * sx        (sx = dx * sum of the activation codes)
-// with u, mw by format: Q4_1 u = q, mw = m; Q4_0 u = q, mw = -8 dw; Q8_0 u = |q| with the
-// activation codes given q's signs (so u stays unsigned), mw = 0.
-
-#if defined(__AVX2__) && defined(__FMA__)
-#define KVSERVE_GGUF_Q8 1
-
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-inline float hsum8(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// The block's 32 weight codes in element order, its scale and its minimum term's factor.
-template <int FMT>
-inline __m256i weight_codes(const uint8_t* b, float* dw, float* mw) {
-  *dw = half_to_float(b);
-  if constexpr (FMT == kQ80) {
-    *mw = 0.f;
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));  // signed: see caller
-  } else {
-    *mw = FMT == kQ41 ? half_to_float(b + 2) : -8.f * *dw;
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (FMT == kQ41 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(q, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    return _mm256_set_m128i(hi, lo);
-  }
-}
-
-template <int FMT, int MR>
-void q8_rows_kernel(const int8_t* qx, const float* dx, const float* sx, int64_t k,
-                    const uint8_t* blocks, int64_t row_bytes, float* y, int64_t n_out, int64_t m0,
-                    int64_t n0, int64_t n1) {
-  const int64_t nb = k / 32;
-  const int bb = FMT == kQ40 ? 18 : FMT == kQ41 ? 20 : 34;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = blocks + n * row_bytes;
-    __m256 acc[MR];
-    float mins[MR];
-    for (int r = 0; r < MR; ++r) {
-      acc[r] = _mm256_setzero_ps();
-      mins[r] = 0.f;
-    }
-    for (int64_t b = 0; b < nb; ++b) {
-      float dw, mw;
-      __m256i w = weight_codes<FMT>(row + b * bb, &dw, &mw);
-      __m256i wabs = w;
-      if constexpr (FMT == kQ80) wabs = _mm256_sign_epi8(w, w);
-      for (int r = 0; r < MR; ++r) {
-        const int64_t xb = (m0 + r) * nb + b;
-        __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + xb * 32));
-        if constexpr (FMT == kQ80) s = _mm256_sign_epi8(s, w);
-        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wabs, s));
-        acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * dx[xb]), acc[r]);
-        if constexpr (FMT != kQ80) mins[r] += mw * sx[xb];
-      }
-    }
-    for (int r = 0; r < MR; ++r) y[(m0 + r) * n_out + n] = hsum8(acc[r]) + mins[r];
-  }
-}
-
-template <int FMT>
-void q8_linear_impl(const int8_t* qx, const float* dx, const float* sx, int64_t m, int64_t k,
-                    const uint8_t* blocks, int64_t row_bytes, float* y, int64_t n_out) {
-  at::parallel_for(0, n_out, 32, [&](int64_t n0, int64_t n1) {
-    by_row_groups(m, [&](auto mr, int64_t m0) {
-      q8_rows_kernel<FMT, decltype(mr)::value>(qx, dx, sx, k, blocks, row_bytes, y, n_out, m0,
-                                                n0, n1);
-    });
-  });
-}
-#endif
-
 // Activations and outputs in float32 or bfloat16 without ATen conversions (each is a dispatch and
 // an allocation, per linear layer, per step): bf16 rows are widened into `buf`, and a bf16 output
 // is computed into a float32 scratch and narrowed once.
@@ -366,49 +276,6 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t fm
   return out.finish();
 }
 
-// As `linear`, with the activations rounded to int8 per block of 32 first (llama.cpp's
-// numerics); on a CPU without AVX2 it is `linear`.
-at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t fmt) {
-#ifndef KVSERVE_GGUF_Q8
-  return gguf_linear(x, blocks, fmt);
-#else
-  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2,
-              "x: float32 or bfloat16 [rows, in_features]");
-  const at::Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), n = blocks.size(0), nb = k / 32;
-  check_blocks(blocks, fmt, k);
-  std::vector<int8_t> qx(m * k);
-  std::vector<float> dx(m * nb), sx(m * nb);
-  std::vector<float> xbuf;
-  const float* xp = float_rows(xc, xbuf);
-  for (int64_t i = 0; i < m * nb; ++i) {
-    const float* xb = xp + i * 32;
-    float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(xb[j]));
-    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int j = 0; j < 32; ++j) {
-      const int q = static_cast<int>(std::nearbyint(xb[j] * inv));
-      qx[i * 32 + j] = static_cast<int8_t>(q);
-      sum += q;
-    }
-    dx[i] = d;
-    sx[i] = d * static_cast<float>(sum);
-  }
-  Output out(xc, m, n);
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  float* yp = out.data();
-  const int64_t rb = blocks.size(1);
-  switch (fmt) {
-    case kQ40: q8_linear_impl<kQ40>(qx.data(), dx.data(), sx.data(), m, k, bp, rb, yp, n); break;
-    case kQ41: q8_linear_impl<kQ41>(qx.data(), dx.data(), sx.data(), m, k, bp, rb, yp, n); break;
-    case kQ80: q8_linear_impl<kQ80>(qx.data(), dx.data(), sx.data(), m, k, bp, rb, yp, n); break;
-    default: TORCH_CHECK(false, "unsupported GGUF block format ", fmt);
-  }
-  return out.finish();
-#endif
-}
-
 // The blocks' weights as a dense float32 [n, k] tensor (for many rows, where a dense GEMM wins).
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t fmt, int64_t k) {
   check_blocks(blocks, fmt, k);
@@ -435,12 +302,10 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t fmt, int64_t k) {
 
 TORCH_LIBRARY(kvserve_gguf, m) {
   m.def("linear(Tensor x, Tensor blocks, int fmt) -> Tensor");
-  m.def("linear_q8(Tensor x, Tensor blocks, int fmt) -> Tensor");
   m.def("dequantize(Tensor blocks, int fmt, int in_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_gguf, CPU, m) {
   m.impl("linear", &gguf_linear);
-  m.impl("linear_q8", &gguf_linear_q8);
   m.impl("dequantize", &gguf_dequantize);
 }

@@ -26,6 +26,8 @@ from models.layers import (
 )
 
 _OPS = CppOps("kvserve_gguf", Path(__file__).with_name("gguf_linear.cpp"))
+# the int8-activation kernel on weights repacked for it (llama.cpp's numerics; needs AVX2)
+_Q8_OPS = CppOps("kvserve_gguf_q8", Path(__file__).with_name("gguf_q8.cpp"))
 
 # ggml's type ids, as gguf.GGMLQuantizationType numbers them, and bytes per block of 32
 FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
@@ -37,6 +39,13 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 def load() -> Any:
     """The compiled ops (`.linear`, `.dequantize`), or None where they cannot be built."""
     return _OPS.load()
+
+
+def load_q8() -> Any:
+    """The int8-activation ops (`.repack`, `.linear`, `.lanes`), or None where they cannot be
+    built or this CPU has no AVX2 (`lanes() == 0`)."""
+    ops = _Q8_OPS.load()
+    return ops if ops is not None and ops.lanes() > 0 else None
 
 
 @dataclass(slots=True)
@@ -56,16 +65,20 @@ class GGUFWeight:
     # oneDNN-packed dense copy for many rows (`pack`, --cpu-packed-weights); without it each
     # dense call dequantizes the blocks first
     packed: torch.Tensor | None = None
+    # the blocks repacked for the int8-activation kernel (`prepare_q8`; gguf_q8.cpp's layout)
+    q8_packed: torch.Tensor | None = None
 
     def rows(self, start: int, end: int) -> GGUFWeight:
         """Output rows [start, end) as a weight of their own (block rows are independent);
         a packed dense copy is made again for them if this one has one."""
         part = replace(
             self, blocks=self.blocks[start:end], out_features=end - start, packed=None,
-            bias=None if self.bias is None else self.bias[start:end],
+            q8_packed=None, bias=None if self.bias is None else self.bias[start:end],
         )  # fmt: skip
         if self.packed is not None:
             part.pack()
+        if self.q8_packed is not None:
+            part.prepare_q8()
         return part
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
@@ -77,11 +90,25 @@ class GGUFWeight:
         return self._kernel(x, load().linear)
 
     def kernel_q8(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel(x, load().linear_q8)
+        assert self.q8_packed is not None, "prepare_q8() first"
+        y = load_q8().linear(x, self.q8_packed, FORMATS[self.format], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _kernel(self, x: torch.Tensor, op) -> torch.Tensor:
         y = op(x, self.blocks, FORMATS[self.format])  # in x's dtype, computed in float32
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def prepare_q8(self) -> int:
+        """Hold the blocks repacked for the int8-activation kernel; returns its bytes (0 where
+        that kernel is not built here)."""
+        ops = load_q8()
+        if ops is None:
+            return 0
+        self.q8_packed = ops.repack(self.blocks, FORMATS[self.format])
+        return self.q8_packed.numel()
+
+    def drop_q8(self) -> None:
+        self.q8_packed, self.q8_max_rows = None, 0
 
     def pack(self) -> int:
         """Hold a oneDNN-packed dense copy in the serving dtype for the dense path, where oneDNN
@@ -179,12 +206,19 @@ def measure_crossover(
         if isinstance(getattr(module, "quant", None), GGUFWeight):
             group = "lm_head" if name.endswith("lm_head") else "decoder layers"
             groups.setdefault(group, []).append(module.quant)
+    int8_activations = int8_activations and load_q8() is not None
     if key is not None and key in _MEASURED:
         limits, text = _MEASURED[key]
         for group, weights in groups.items():
             for w in weights:
+                if limits[group][0]:
+                    w.prepare_q8()
                 w.q8_max_rows, w.kernel_max_rows = limits[group]
         return text
+    if int8_activations:
+        for weights in groups.values():
+            for w in weights:
+                w.prepare_q8()
     lines = []
     limits: dict[str, tuple[int, int]] = {}
     for group, weights in groups.items():
@@ -205,6 +239,8 @@ def measure_crossover(
                 break
         for w in weights:
             w.q8_max_rows, w.kernel_max_rows = q8_limit, kernel_limit
+            if not q8_limit:
+                w.drop_q8()
         limits[group] = (q8_limit, kernel_limit)
         paths = "float/dense" + ("/int8-activation" if int8_activations else "")
         lines.append(

@@ -18,31 +18,33 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# the modules that own a `CppOps` (models/cpp_ext.py), as `_OPS`
-MODULES = ("models.cpu_fused", "models.gguf_linear", "engine.attention.cpu_decode",
-           "engine.grammar.token_bitmask")  # fmt: skip
+# the modules that own a `CppOps` (models/cpp_ext.py), as "module:attribute"
+MODULES = ("models.cpu_fused:_OPS", "models.gguf_linear:_OPS", "models.gguf_linear:_Q8_OPS",
+           "engine.attention.cpu_decode:_OPS", "engine.grammar.token_bitmask:_OPS")  # fmt: skip
 
 
-def build(module: str, march: str) -> str:
+def build(entry: str, march: str) -> str:
+    module, attr = entry.split(":")
     env = {**os.environ, "KVSERVE_CPP_MARCH": march}
-    code = f"import sys, {module} as m; sys.exit(0 if m._OPS.load() is not None else 1)"
+    code = f"import sys, {module} as m; sys.exit(0 if m.{attr}.load() is not None else 1)"
     t = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
     )
     took = f"{time.monotonic() - t:.0f} s"
     if done.returncode == 0:
-        return f"{module} ({march}): ok, {took}"
-    return f"{module} ({march}): not built, PyTorch fallback ({done.stderr.strip()[-200:]})"
+        return f"{entry} ({march}): ok, {took}"
+    return f"{entry} ({march}): not built, PyTorch fallback ({done.stderr.strip()[-200:]})"
 
 
-def built(module: str, march: str) -> bool:
+def built(entry: str, march: str) -> bool:
     """Whether the op's library exists and is newer than its source (the load at first use
     checks more, and rebuilds if it must)."""
     import importlib
 
     os.environ["KVSERVE_CPP_MARCH"] = march  # read by build_dir()
-    ops = importlib.import_module(module)._OPS
+    module, attr = entry.split(":")
+    ops = getattr(importlib.import_module(module), attr)
     library = Path(ops.build_dir()) / f"{ops.name}.so"
     return library.is_file() and library.stat().st_mtime >= ops.source.stat().st_mtime
 

@@ -58,6 +58,15 @@ class EngineCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens computed.", snap.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", snap.generation_tokens)
         yield counter("engine_steps", "Engine steps run.", snap.steps)
+        yield counter("engine_step_seconds", "Wall time inside engine steps.", snap.step_seconds)
+        yield counter(
+            "engine_decode_steps", "Engine steps that scheduled no prompt token.", snap.decode_steps
+        )
+        yield counter(
+            "engine_decode_step_seconds",
+            "Wall time inside engine steps that scheduled no prompt token.",
+            snap.decode_step_seconds,
+        )
         cached = CounterMetricFamily(
             "kvserve:cached_tokens", "Prompt tokens served from a cache tier.", labels=["source"]
         )

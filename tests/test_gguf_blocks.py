@@ -20,7 +20,9 @@ from models.gguf_linear import FORMATS, GGUFWeight
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
 
 OPS = gguf_linear.load()
+Q8 = gguf_linear.load_q8()
 needs_ops = pytest.mark.skipif(OPS is None, reason="kvserve's C++ ops cannot be built here")
+needs_q8 = pytest.mark.skipif(Q8 is None, reason="the int8-activation kernel needs AVX2")
 
 
 def blocks_of(fmt: str, out_features: int, in_features: int, seed: int = 0):
@@ -71,7 +73,32 @@ def test_kernel_on_bf16_activations_is_the_bf16_product(fmt, rows) -> None:
     assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
 
 
-@needs_ops
+def int8_activation_product(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's numerics in float64: each activation row rounded to int8 per block of 32
+    (scale max|x| / 127), times the dequantized weights."""
+    xb = x.double().reshape(x.shape[0], -1, 32)
+    scale = xb.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(scale > 0, torch.round(xb / scale.clamp_min(1e-30)), 0.0)
+    return ((codes * scale).reshape(x.shape) @ ref.double().T).float()
+
+
+@needs_q8
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])
+def test_int8_activation_kernel_is_llama_cpp_numerics(fmt, rows) -> None:
+    """The repacked kernel's product is the int8-rounded activations times the weights, up to
+    float32 summation (72 output rows: not a whole group of interleaved rows, so the padding
+    is exercised), and a row's result does not depend on the rows beside it."""
+    raw, ref = blocks_of(fmt, 72, 160, seed=rows)
+    packed = Q8.repack(raw, FORMATS[fmt])
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    got = Q8.linear(x, packed, FORMATS[fmt], 72)
+    torch.testing.assert_close(got, int8_activation_product(x, ref), rtol=1e-5, atol=1e-5)
+    one_by_one = torch.cat([Q8.linear(x[i : i + 1], packed, FORMATS[fmt], 72) for i in range(rows)])
+    assert torch.equal(got, one_by_one)
+
+
+@needs_q8
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
 def test_int8_activation_kernel_is_within_activation_rounding(fmt, rows) -> None:
@@ -79,17 +106,18 @@ def test_int8_activation_kernel_is_within_activation_rounding(fmt, rows) -> None
     by at most half its block's step (max|x| / 254), so each output by at most the sum over
     blocks of that step times the block's |w|. A wrong code, sign or minimum term breaks it."""
     raw, ref = blocks_of(fmt, 72, 160, seed=rows)
+    packed = Q8.repack(raw, FORMATS[fmt])
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype).float()
-        got = OPS.linear_q8(x.to(dtype), raw, FORMATS[fmt])
+        got = Q8.linear(x.to(dtype), packed, FORMATS[fmt], 72)
         assert got.dtype == dtype
         want = xd @ ref.T
         half_step = xd.reshape(rows, -1, 32).abs().amax(-1) / 254  # [rows, blocks]
         w_abs = ref.abs().reshape(72, -1, 32).sum(-1)  # [out, blocks]
         bound = half_step @ w_abs.T + 1e-4 + (2**-8 * want.abs() if dtype != torch.float32 else 0)
         assert ((got.float() - want).abs() <= bound * 1.01).all()
-    zero = OPS.linear_q8(torch.zeros(rows, 160), raw, FORMATS[fmt])
+    zero = Q8.linear(torch.zeros(rows, 160), packed, FORMATS[fmt], 72)
     assert torch.equal(zero, torch.zeros(rows, 72))  # an all-zero block has scale 0
 
 
@@ -113,8 +141,12 @@ def test_weight_takes_kernel_or_dense_path_by_rows_with_bias(dtype) -> None:
 
 @pytest.fixture(scope="module")
 def smol_pair(smollm2_path):
-    """The shipped Q4_1 file served as stored and dequantized, both float32."""
-    native = LLM(smollm2_path, num_kv_blocks=16, dtype="float32", quantization="auto")
+    """The shipped Q4_1 file served as stored (on float activations: the exact kernel) and
+    dequantized, both float32."""
+    native = LLM(
+        smollm2_path, num_kv_blocks=16, dtype="float32", quantization="auto",
+        gguf_int8_activations="off",
+    )  # fmt: skip
     dense = LLM(smollm2_path, num_kv_blocks=16, dtype="float32", quantization="none")
     return native, dense
 
@@ -130,7 +162,7 @@ def test_shipped_q4_1_is_served_as_stored(smol_pair) -> None:
     model = native.engine.runner.model
     assert model.layers[0].qkv_proj.weight.numel() == 0  # no float copy held
     assert isinstance(model.lm_head.quant, GGUFWeight) and model.lm_head.quant.format == "Q8_0"
-    # int8-rounded activations only on request (--gguf-int8-activations): exact by default
+    # --gguf-int8-activations off: float activations for every row
     blocks = [m.quant for m in model.modules() if isinstance(getattr(m, "quant", None), GGUFWeight)]
     assert blocks and all(w.q8_max_rows == 0 for w in blocks)
 
@@ -174,7 +206,12 @@ def test_int8_activation_head_tracks_the_float_head(smol_pair) -> None:
     ids = tok.encode("In 1969, Neil Armstrong became the first person to walk on the Moon.")
     hidden = _final_hidden(native, ids)
     head = native.engine.runner.model.lm_head.quant
-    q8 = torch.cat([head.kernel_q8(h[None]) for h in hidden]).float()
+    if not head.prepare_q8():
+        pytest.skip("the int8-activation kernel needs AVX2")
+    try:
+        q8 = torch.cat([head.kernel_q8(h[None]) for h in hidden]).float()
+    finally:
+        head.drop_q8()
     exact = torch.cat([head.kernel(h[None]) for h in hidden]).float()
     ref = torch.nn.functional.linear(hidden.float(), head.dense(torch.float32))
     torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-3)
@@ -242,12 +279,12 @@ def test_int4_at_load_serves_smollm2(smollm2_path) -> None:
 @pytest.mark.main_pass_only
 @needs_ops
 @pytest.mark.slow
-def test_int8_activations_are_considered_only_on_request(smollm2_path) -> None:
-    """--gguf-int8-activations: the probe times the int8-activation kernel too, and each group's
+def test_int8_activations_are_timed_and_limited_by_the_probe(smollm2_path) -> None:
+    """--gguf-int8-activations on: the probe times the int8-activation kernel too, and each group's
     weights take the limit the banner reports."""
     import re
 
-    llm = LLM(smollm2_path, num_kv_blocks=16, dtype="float32", gguf_int8_activations=True)
+    llm = LLM(smollm2_path, num_kv_blocks=16, dtype="float32", gguf_int8_activations="on")
     table = llm.engine.info.kernel_table
     assert "float/dense/int8-activation" in table
     limits = dict(
@@ -260,3 +297,42 @@ def test_int8_activations_are_considered_only_on_request(smollm2_path) -> None:
     model = llm.engine.runner.model
     assert int(limits["lm_head"]) == model.lm_head.quant.q8_max_rows
     assert int(limits["decoder layers"]) == model.layers[0].qkv_proj.quant.q8_max_rows
+
+
+@pytest.mark.main_pass_only
+@needs_q8
+def test_int8_activations_serve_only_where_the_judge_accepts_them(llama_dir, monkeypatch) -> None:
+    """--gguf-int8-activations auto (the default): the judge measures the int8-activation model
+    against float activations on held-out text; its figures are in the banner and its verdict
+    decides what serves (a bar no model can meet drops the int8 kernel everywhere)."""
+    import re
+
+    from engine.weights import quantization
+
+    def served(llm: LLM) -> list[GGUFWeight]:
+        model = llm.engine.runner.model
+        return [
+            m.quant for m in model.modules() if isinstance(getattr(m, "quant", None), GGUFWeight)
+        ]
+
+    llm = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", quantization="int8wo")
+    table = llm.engine.info.kernel_table
+    verdict = re.search(r"int8 activations (serve where faster|refused by the accuracy judge) "
+                        r"\(vs float activations on \d+ held-out positions: top-1 agreement "
+                        r"([0-9.]+), logit cosine ([0-9.]+)", table)  # fmt: skip
+    if verdict is None:  # the probe found the int8 kernel slower everywhere: nothing to judge
+        assert all(w.q8_max_rows == 0 for w in served(llm))
+    else:
+        top1, cosine = float(verdict.group(2)), float(verdict.group(3))
+        accepted = top1 >= quantization.INT8_ACTIVATION_TOP1 and (
+            cosine >= quantization.INT8_ACTIVATION_COSINE
+        )
+        assert (verdict.group(1) == "serve where faster") == accepted
+        assert any(w.q8_max_rows for w in served(llm)) == accepted
+        assert all((w.q8_packed is not None) == bool(w.q8_max_rows) for w in served(llm))
+    monkeypatch.setattr(quantization, "INT8_ACTIVATION_TOP1", 1.01)
+    monkeypatch.setattr(quantization, "_JUDGED", {})
+    strict = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", quantization="int8wo")
+    assert all(w.q8_max_rows == 0 and w.q8_packed is None for w in served(strict))
+    if verdict is not None:
+        assert "int8 activations refused by the accuracy judge" in strict.engine.info.kernel_table

@@ -17,7 +17,13 @@ from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.build import pool as kv_phase
 from engine.build.speculation import build_drafter, load_draft_head
-from engine.build.weights import LoadedWeights, load_weights, refuse_before_loading, weights_key
+from engine.build.weights import (
+    LoadedWeights,
+    int8_activations,
+    load_weights,
+    refuse_before_loading,
+    weights_key,
+)
 from engine.config import EngineConfig
 from engine.core.engine_info import EngineInfo
 from engine.core.output_processor import OutputProcessor
@@ -31,7 +37,12 @@ from engine.parallel.tensor_parallel import TPGroup, start_ranks
 from engine.runner.model_runner import ModelRunner
 from engine.runner.pooling import resolve_pooling
 from engine.spec.drafting import Drafter
-from engine.weights.quantization import WEIGHT_ONLY, quantize_model, quantize_weight_only
+from engine.weights.quantization import (
+    WEIGHT_ONLY,
+    judge_int8_activations,
+    quantize_model,
+    quantize_weight_only,
+)
 from models.eagle.head import EagleHead
 from models.layers import pack_linears
 from models.llama import LlamaForCausalLM
@@ -105,7 +116,8 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         packed += pack_linears(draft)
     tokenizer = _try_tokenizer(model_path)
     pool = _pool(config, weights, draft, facts, dtype, device, tp)
-    notes = _quantize(config, weights, pool, tokenizer, device)
+    key = weights_key(config, model_path, dtype)
+    notes = _quantize(config, weights, pool, tokenizer, device, key)
     host = kv_phase.host_tier(config, model_path, weights.spec, dtype, pool.block_size,
                               type(pool.backend), pool.backend.kv_caches, draft,
                               pool.sizing_bytes, tp.mirror_kv if tp else None)  # fmt: skip
@@ -134,7 +146,7 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     runner = ModelRunner(weights.model, pool.backend, kv, device, aux, tp)
     if pool.graphs:
         runner.capture_cuda_graphs(config.max_num_seqs, pool.max_model_len, pool.num_blocks)
-    drafter = build_drafter(config, weights_key(config, model_path, dtype), weights.model,
+    drafter = build_drafter(config, key, weights.model,
                             draft, pool.backend, kv, grammars, tokenizer, device)  # fmt: skip
     # the ranks build their pools and warm up; from then on each forward is shared (the step
     # costs above are measured before: rank 0 alone, the others not yet listening)
@@ -185,18 +197,24 @@ def _quantize(
     pool: Pool,
     tokenizer: Tokenizer | None,
     device: torch.device,
+    key: tuple,
 ) -> str:
     """Weights quantized at load, measured through the warmed-up backend before they serve
     (engine/weights/); returns the banner's weights line."""
     model, backend = weights.model, pool.backend
     if config.quantization == "int8":
         return quantize_model(model, backend, tokenizer, pool.num_blocks, pool.block_size, device)
+    notes = weights.notes
     if config.quantization in WEIGHT_ONLY:
-        return quantize_weight_only(
+        notes = quantize_weight_only(
             model, config.quantization, backend, tokenizer, pool.num_blocks, pool.block_size,
-            device, config.cpu_packed_weights, config.gguf_int8_activations,
+            device, config.cpu_packed_weights, int8_activations(config),
         )  # fmt: skip
-    return weights.notes
+    judged = judge_int8_activations(
+        model, backend, tokenizer, pool.num_blocks, pool.block_size, device,
+        binding=config.gguf_int8_activations == "auto", key=key,
+    )  # fmt: skip
+    return f"{notes}; {judged}" if judged else notes
 
 
 def _kv_manager(

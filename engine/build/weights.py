@@ -37,6 +37,13 @@ def weights_key(config: EngineConfig, model_path: str, dtype: torch.dtype) -> tu
     )  # fmt: skip
 
 
+def int8_activations(config: EngineConfig) -> bool:
+    """Whether the block kernel may round activations to int8 (`--gguf-int8-activations`).
+    auto under tensor parallelism: no (the accuracy judge runs on one rank's model only)."""
+    setting = config.gguf_int8_activations
+    return setting == "on" or (setting == "auto" and config.tensor_parallel_size == 1)
+
+
 def refuse_before_loading(config: EngineConfig, device: torch.device) -> None:
     """What cannot serve here is refused before the weights load (minutes for a large model)."""
     if config.quantization == "int8" and (why_not := can_quantize(device)) is not None:
@@ -89,7 +96,7 @@ def load_weights(
             notes += f"; {rows}"
     if gguf_served:  # measured with the dense copies in place
         key = weights_key(config, model_path, dtype)
-        crossover = gguf_linear.measure_crossover(model, dtype, config.gguf_int8_activations, key)
+        crossover = gguf_linear.measure_crossover(model, dtype, int8_activations(config), key)
         log.info("GGUF block kernel against the dense path: %s", crossover)
         gguf_note += f"; {crossover}"
     if gguf_note:

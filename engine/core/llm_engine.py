@@ -5,6 +5,7 @@ emit (engine/core/output_processor.py) -> draft (engine/spec/). Building lives i
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from engine.build.builder import build_engine
@@ -23,6 +24,11 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    # wall time inside `step`, all steps and decode-only ones (no prompt token scheduled): what
+    # a served token is compared with (bench/served_step.py)
+    step_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
 
 
 class LLMEngine:
@@ -147,6 +153,9 @@ class LLMEngine:
             prompt_tokens=self.stats.prompt_tokens,
             generation_tokens=self.stats.generation_tokens,
             steps=self.stats.steps,
+            step_seconds=self.stats.step_seconds,
+            decode_steps=self.stats.decode_steps,
+            decode_step_seconds=self.stats.decode_step_seconds,
             host=host,
             spec=spec,
         )
@@ -167,6 +176,7 @@ class LLMEngine:
         request (non-finite logits, detokenizer error) fails that request only; a failed
         forward fails the requests of that batch; the engine keeps serving. Failures in
         scheduling itself are engine bugs and propagate."""
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
@@ -177,6 +187,7 @@ class LLMEngine:
         outputs = self.outputs.emit(update)
         if self.drafter is not None:
             self.drafter.step(update, ran.hidden, ran.plan)
+        self._time(update, time.perf_counter() - start)
         return outputs
 
     def _count(self, update: StepUpdate) -> None:
@@ -187,3 +198,13 @@ class LLMEngine:
             for s in update.scheduled.scheduled
         )  # fmt: skip
         self.stats.generation_tokens += sum(len(e.token_ids) for e in update.emitted)
+
+    def _time(self, update: StepUpdate, seconds: float) -> None:
+        self.stats.step_seconds += seconds
+        prompt = (
+            update.first[s.request.request_id] < s.request.num_prompt_tokens
+            for s in update.scheduled.scheduled
+        )
+        if not any(prompt):
+            self.stats.decode_steps += 1
+            self.stats.decode_step_seconds += seconds

@@ -51,5 +51,8 @@ class EngineSnapshot:
     prompt_tokens: int
     generation_tokens: int
     steps: int
+    step_seconds: float  # wall time inside LLMEngine.step
+    decode_steps: int  # steps that scheduled no prompt token
+    decode_step_seconds: float
     host: HostTierSnapshot | None
     spec: SpecSnapshot | None

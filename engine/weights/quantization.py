@@ -32,6 +32,7 @@ from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.runner.step_inputs import step_metadata
 from models import gguf_linear
+from models.gguf_linear import GGUFWeight
 from models.gguf_loader import gguf_blocks
 from models.llama import LlamaForCausalLM
 from models.quant import CALIBRATION, input_ranges, needs_reduce_range, quantize_linears, smooth
@@ -50,6 +51,11 @@ HELD_OUT = [
 ]
 WARN_TOP1 = 0.90
 REFUSE_TOP1 = 0.67
+# int8 activations (--gguf-int8-activations auto) serve only where the model on them agrees with
+# the same blocks on float activations at least this well over HELD_OUT (see
+# judge_int8_activations for where the figures come from)
+INT8_ACTIVATION_TOP1 = 0.90
+INT8_ACTIVATION_COSINE = 0.99
 
 
 def agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
@@ -236,3 +242,68 @@ def serve_gguf_blocks(
         return "", False
     stored = ", ".join(f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in sorted(held.items()))
     return f"GGUF blocks as stored ({stored}): block kernel for few rows, dense GEMM above", True
+
+
+# Judgements made in this process, by the caller's key (the weights and settings; see
+# engine/build/weights.py weights_key): an engine built again on them reuses the verdict.
+_JUDGED: dict[tuple, tuple[bool, str]] = {}
+
+
+@torch.inference_mode()
+def judge_int8_activations(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    tokenizer: Tokenizer | None,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    binding: bool,
+    key: tuple | None = None,
+) -> str:
+    """Where the startup probe chose the int8-activation kernel for some rows, measure what it
+    costs: HELD_OUT through every weight's chosen kernel for every row (as decode runs them)
+    against the same blocks on float activations (exact up to summation order). `binding`
+    (auto): below INT8_ACTIVATION_TOP1 / _COSINE the int8 kernel is dropped and float
+    activations serve. Returns the banner's words ("" when no weight chose it)."""
+    weights = [
+        m.quant for m in model.modules() if isinstance(getattr(m, "quant", None), GGUFWeight)
+    ]
+    chosen = [(w.q8_max_rows, w.kernel_max_rows) for w in weights]
+    if not any(q8 for q8, _ in chosen):
+        return ""
+    if key is not None and key in _JUDGED:
+        keep, text = _JUDGED[key]
+    else:
+        logits = held_out_logits(
+            model, forward_fn(model, backend, block_size, device), tokenizer,
+            min(256, num_blocks * block_size),
+        )  # fmt: skip
+        every_row = 1 << 30
+        try:
+            for w in weights:
+                w.q8_max_rows, w.kernel_max_rows = 0, every_row
+            reference = logits()
+            for w, (q8, _) in zip(weights, chosen):
+                w.q8_max_rows = every_row if q8 else 0
+            got = logits()
+        finally:
+            for w, limits in zip(weights, chosen):
+                w.q8_max_rows, w.kernel_max_rows = limits
+        top1, cosine = agreement(reference, got)
+        keep = not binding or (top1 >= INT8_ACTIVATION_TOP1 and cosine >= INT8_ACTIVATION_COSINE)
+        measured = (
+            f"vs float activations on {len(reference)} held-out positions: top-1 agreement "
+            f"{top1:.2f}, logit cosine {cosine:.4f}"
+        )
+        if keep:
+            text = f"int8 activations serve where faster ({measured})"
+        else:
+            bar = f"{INT8_ACTIVATION_TOP1} / {INT8_ACTIVATION_COSINE}"
+            text = f"int8 activations refused by the accuracy judge ({measured}; below {bar})"
+        if key is not None:
+            _JUDGED[key] = (keep, text)
+    if not keep:
+        for w in weights:
+            w.drop_q8()
+    log.info("GGUF block kernel: %s", text)
+    return text

@@ -1,0 +1,308 @@
+// GGUF blocks times int8-rounded activations (llama.cpp's numerics), on weights repacked at load
+// for the kernel: torch.ops.kvserve_gguf_q8.repack / .linear / .lanes. Built at first use by
+// models/gguf_linear.py, its one consumer.
+//
+// Why: at a few rows a decode step's time is its weights' bytes, but a kernel that reduces one
+// output row at a time spends more cycles per block (a horizontal sum, two scalar half->float
+// conversions, a loop-carried add) than the memory system needs to deliver it. Here NR output
+// rows (the vector's int32 lanes: 8 with AVX2, 16 with AVX-512) are interleaved so that one
+// integer dot instruction advances all NR rows by 4 elements: lane r of every product is row r's
+// output, the block's NR scales load as one vector, and nothing is reduced across lanes.
+//
+// The numerics (each activation row, each block of 32): dx = max|x| / 127, s = round(x / dx)
+// (int8), sx = dx * sum(s); per weight block with codes u and y = d * u + m:
+//   y_row += d * dx * dot(u, s) + m * sx
+// Q4_1: u = q, m = the block's minimum; Q4_0: u = q, m = -8 d; Q8_0: the codes are signed, so
+// with VNNI u = q + 128 and m = -128 d (vpdpbusd multiplies unsigned by signed bytes and cannot
+// overflow), without it (AVX2 maddubs, whose int16 pairs saturate) u = |q| against s with q's
+// signs and m = 0. Each row's sum runs over its blocks in one order whatever else is in the
+// batch: a row's result does not depend on its batch.
+//
+// Packed layout, one group of NR output rows after another; in a group, block after block:
+//   NR float16 d | NR float16 m (Q4 only) | code chunks
+// A chunk is one vector: lane r holds 4 bytes of row r. Q4 blocks have 4 chunks (chunk j: bytes
+// 4j..4j+3 of ggml's 16, whose low nibbles are elements 4j.. and high nibbles 16 + 4j..), Q8_0
+// blocks 8 (chunk j: codes 4j..4j+3). The bytes equal the ggml blocks'; rows are padded to a
+// whole group with zero blocks.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kQ40 = 2, kQ41 = 3, kQ80 = 8;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+constexpr int NR = 16;
+using ivec = __m512i;
+using fvec = __m512;
+inline ivec iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline ivec bcast32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline ivec nib_lo(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
+inline ivec nib_hi(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
+inline ivec izero() { return _mm512_setzero_si512(); }
+inline fvec halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline fvec fzero() { return _mm512_setzero_ps(); }
+inline fvec fset1(float f) { return _mm512_set1_ps(f); }
+inline fvec fmul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
+inline fvec ffma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
+inline fvec fadd(fvec a, fvec b) { return _mm512_add_ps(a, b); }
+inline fvec itof(ivec v) { return _mm512_cvtepi32_ps(v); }
+inline void fstore(float* p, fvec v) { _mm512_storeu_ps(p, v); }
+#define KVSERVE_Q8_VNNI 1
+inline ivec dot_add(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline ivec xor80(ivec v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
+#define KVSERVE_Q8 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int NR = 8;
+using ivec = __m256i;
+using fvec = __m256;
+inline ivec iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline ivec bcast32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline ivec nib_lo(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+inline ivec nib_hi(ivec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
+inline ivec izero() { return _mm256_setzero_si256(); }
+inline fvec halves(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline fvec fzero() { return _mm256_setzero_ps(); }
+inline fvec fset1(float f) { return _mm256_set1_ps(f); }
+inline fvec fmul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
+inline fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline fvec fadd(fvec a, fvec b) { return _mm256_add_ps(a, b); }
+inline fvec itof(ivec v) { return _mm256_cvtepi32_ps(v); }
+inline void fstore(float* p, fvec v) { _mm256_storeu_ps(p, v); }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVSERVE_Q8_VNNI 1
+inline ivec dot_add(ivec acc, ivec u, ivec s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define KVSERVE_Q8_VNNI 1
+inline ivec dot_add(ivec acc, ivec u, ivec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+inline ivec xor80(ivec v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
+#define KVSERVE_Q8 1
+#endif
+
+#ifdef KVSERVE_Q8
+#ifndef KVSERVE_Q8_VNNI
+// AVX2 without VNNI: maddubs (u8 x s8 pairs summed into saturating int16), then pairs to int32
+inline ivec pairs16(ivec u, ivec s) { return _mm256_maddubs_epi16(u, s); }
+inline ivec to32(ivec p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
+inline ivec dot_add(ivec acc, ivec u, ivec s) { return _mm256_add_epi32(acc, to32(pairs16(u, s))); }
+#endif
+
+constexpr int CHUNK = NR * 4;  // bytes in one chunk (one vector)
+
+int codes_per_block(int64_t fmt) { return fmt == kQ80 ? 32 : 16; }
+int scale_bytes(int64_t fmt) { return fmt == kQ80 ? 2 * NR : 4 * NR; }
+int64_t group_block_bytes(int64_t fmt) { return scale_bytes(fmt) + NR * codes_per_block(fmt); }
+int ggml_block_bytes(int64_t fmt) { return fmt == kQ40 ? 18 : fmt == kQ41 ? 20 : 34; }
+
+// One activation row per block of 32: int8 codes, dx, sx (see the top of the file).
+struct Rows {
+  std::vector<int8_t> q;
+  std::vector<float> dx, sx;
+  Rows(const at::Tensor& x, int64_t m, int64_t k) : q(m * k), dx(m * k / 32), sx(m * k / 32) {
+    const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+    const float* xp = xf.data_ptr<float>();
+    for (int64_t i = 0; i < m * k / 32; ++i) {
+      const float* xb = xp + i * 32;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(xb[j]));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
+        q[i * 32 + j] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      dx[i] = d;
+      sx[i] = d * static_cast<float>(sum);
+    }
+  }
+};
+
+// One group's NR outputs for activation rows [0, MR) of `rows`, into y (row stride n_pad).
+template <int FMT, int MR>
+void group_kernel(const uint8_t* g, int64_t nb, const Rows& rows, int64_t a0, int64_t k,
+                  float* y, int64_t n_pad, int64_t col) {
+  constexpr int kChunks = FMT == kQ80 ? 8 : 4;
+  constexpr int kScale = FMT == kQ80 ? 2 * NR : 4 * NR;
+  constexpr int64_t kBytes = kScale + NR * (FMT == kQ80 ? 32 : 16);
+  fvec acc[MR], accm[MR];
+  for (int a = 0; a < MR; ++a) acc[a] = accm[a] = fzero();
+  for (int64_t b = 0; b < nb; ++b, g += kBytes) {
+    const fvec d = halves(g);
+#if defined(KVSERVE_Q8_VNNI)
+    const fvec m = FMT == kQ80 ? fmul(d, fset1(-128.f)) : halves(g + 2 * NR);
+#else
+    const fvec m = FMT == kQ80 ? fzero() : halves(g + 2 * NR);
+#endif
+    const uint8_t* c = g + kScale;
+    ivec u[kChunks * (FMT == kQ80 ? 1 : 2)];
+    if constexpr (FMT == kQ80) {
+      for (int j = 0; j < 8; ++j) u[j] = iload(c + j * CHUNK);
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const ivec v = iload(c + j * CHUNK);
+        u[j] = nib_lo(v);      // elements 4j..4j+3
+        u[4 + j] = nib_hi(v);  // elements 16+4j..
+      }
+    }
+    for (int a = 0; a < MR; ++a) {
+      const int64_t xb = (a0 + a) * (k / 32) + b;
+      const int8_t* s = rows.q.data() + xb * 32;
+      ivec dot = izero();
+      if constexpr (FMT == kQ80) {
+        for (int j = 0; j < 8; ++j) {
+#if defined(KVSERVE_Q8_VNNI)
+          dot = dot_add(dot, xor80(u[j]), bcast32(s + 4 * j));
+#else
+          const ivec sj = bcast32(s + 4 * j);
+          dot = dot_add(dot, _mm256_sign_epi8(u[j], u[j]), _mm256_sign_epi8(sj, u[j]));
+#endif
+        }
+      } else {
+#if defined(KVSERVE_Q8_VNNI)
+        for (int j = 0; j < 4; ++j) {
+          dot = dot_add(dot, u[j], bcast32(s + 4 * j));
+          dot = dot_add(dot, u[4 + j], bcast32(s + 16 + 4 * j));
+        }
+#else
+        // 4-bit codes: a pair is at most 2 * 15 * 127, eight pairs fit int16 before widening
+        ivec p = izero();
+        for (int j = 0; j < 4; ++j) {
+          p = _mm256_add_epi16(p, pairs16(u[j], bcast32(s + 4 * j)));
+          p = _mm256_add_epi16(p, pairs16(u[4 + j], bcast32(s + 16 + 4 * j)));
+        }
+        dot = to32(p);
+#endif
+      }
+      acc[a] = ffma(itof(dot), fmul(d, fset1(rows.dx[xb])), acc[a]);
+      accm[a] = ffma(m, fset1(rows.sx[xb]), accm[a]);
+    }
+  }
+  for (int a = 0; a < MR; ++a) fstore(y + (a0 + a) * n_pad + col, fadd(acc[a], accm[a]));
+}
+
+template <int FMT>
+void linear_impl(const uint8_t* packed, int64_t groups, int64_t nb, const Rows& rows, int64_t m,
+                 int64_t k, float* y) {
+  const int64_t gb = nb * group_block_bytes(FMT), n_pad = groups * NR;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* gp = packed + g * gb;
+      int64_t a0 = 0;
+      for (; a0 + 4 <= m; a0 += 4) group_kernel<FMT, 4>(gp, nb, rows, a0, k, y, n_pad, g * NR);
+      switch (m - a0) {
+        case 3: group_kernel<FMT, 3>(gp, nb, rows, a0, k, y, n_pad, g * NR); break;
+        case 2: group_kernel<FMT, 2>(gp, nb, rows, a0, k, y, n_pad, g * NR); break;
+        case 1: group_kernel<FMT, 1>(gp, nb, rows, a0, k, y, n_pad, g * NR); break;
+        default: break;
+      }
+    }
+  });
+}
+#endif  // KVSERVE_Q8
+
+}  // namespace
+
+// The rows the kernel interleaves (its vector's int32 lanes); 0 where it is not built (no AVX2).
+int64_t q8_lanes() {
+#ifdef KVSERVE_Q8
+  return NR;
+#else
+  return 0;
+#endif
+}
+
+// ggml blocks [n, bytes per row] -> the packed layout above, uint8 [groups, nb * group bytes].
+at::Tensor q8_repack(const at::Tensor& blocks, int64_t fmt) {
+#ifndef KVSERVE_Q8
+  TORCH_CHECK(false, "the int8-activation kernel needs AVX2");
+  return blocks;
+#else
+  TORCH_CHECK(fmt == kQ40 || fmt == kQ41 || fmt == kQ80, "unsupported GGUF block format ", fmt);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous());
+  const int bb = ggml_block_bytes(fmt);
+  TORCH_CHECK(blocks.size(1) % bb == 0, "rows are not whole blocks");
+  const int64_t n = blocks.size(0), nb = blocks.size(1) / bb, groups = (n + NR - 1) / NR;
+  const int64_t gbb = group_block_bytes(fmt), cb = codes_per_block(fmt);
+  at::Tensor out = at::zeros({groups, nb * gbb}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t row = 0; row < n; ++row) {
+    const int64_t g = row / NR, r = row % NR;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = src + row * blocks.size(1) + b * bb;
+      uint8_t* gb = dst + g * nb * gbb + b * gbb;
+      std::memcpy(gb + 2 * r, blk, 2);                              // d
+      if (fmt == kQ40) {                                            // m = -8 d
+        const at::Half m = static_cast<at::Half>(-8.f * static_cast<float>(*reinterpret_cast<const at::Half*>(blk)));
+        std::memcpy(gb + 2 * NR + 2 * r, &m, 2);
+      } else if (fmt == kQ41) {
+        std::memcpy(gb + 2 * NR + 2 * r, blk + 2, 2);
+      }
+      const uint8_t* codes = blk + (fmt == kQ41 ? 4 : 2);
+      uint8_t* chunks = gb + scale_bytes(fmt);
+      for (int64_t j = 0; j < cb / 4; ++j) std::memcpy(chunks + j * CHUNK + 4 * r, codes + 4 * j, 4);
+    }
+  }
+  return out;
+#endif
+}
+
+// x [m, k] float32 or bfloat16 times the packed weight's [n, k] transposed -> [m, n] in x's dtype.
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t n) {
+#ifndef KVSERVE_Q8
+  TORCH_CHECK(false, "the int8-activation kernel needs AVX2");
+  return x;
+#else
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2,
+              "x: float32 or bfloat16 [rows, in_features]");
+  TORCH_CHECK(fmt == kQ40 || fmt == kQ41 || fmt == kQ80, "unsupported GGUF block format ", fmt);
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), nb = k / 32, groups = packed.size(0);
+  TORCH_CHECK(k % 32 == 0 && packed.size(1) == nb * group_block_bytes(fmt) && n <= groups * NR,
+              "packed weight does not match in_features ", k, " / out_features ", n);
+  const Rows rows(xc, m, k);
+  at::Tensor y = at::empty({m, groups * NR}, xc.options().dtype(at::kFloat));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  switch (fmt) {
+    case kQ40: linear_impl<kQ40>(pp, groups, nb, rows, m, k, yp); break;
+    case kQ41: linear_impl<kQ41>(pp, groups, nb, rows, m, k, yp); break;
+    default: linear_impl<kQ80>(pp, groups, nb, rows, m, k, yp); break;
+  }
+  at::Tensor out = groups * NR == n ? y : y.narrow(1, 0, n).contiguous();
+  return out.scalar_type() == xc.scalar_type() ? out : out.to(xc.scalar_type());
+#endif
+}
+
+TORCH_LIBRARY(kvserve_gguf_q8, m) {
+  m.def("lanes() -> int", &q8_lanes);
+  m.def("repack(Tensor blocks, int fmt) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int fmt, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_gguf_q8, CPU, m) {
+  m.impl("repack", &q8_repack);
+  m.impl("linear", &q8_linear);
+}
