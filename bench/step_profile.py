@@ -32,8 +32,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (engine --dtype)")
     ap.add_argument("--quantization", default="auto", help="auto | none | int8 (--quantization)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16")
+    ap.add_argument("--gguf-int8-activations", default="auto", help="auto | on | off")
     a = ap.parse_args()
+    # speculation off: a verify step is another step, and drafts would end the requests early
+    # (the steps timed after the end are empty)
     llm = LLM(
+        num_speculative_tokens=0,
+        gguf_int8_activations=a.gguf_int8_activations,
         cpu_packed_weights=not a.no_packed_weights,
         enable_prefix_caching=False,
         dtype=a.dtype,

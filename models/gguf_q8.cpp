@@ -119,11 +119,13 @@ int ggml_block_bytes(int64_t fmt) { return fmt == kQ40 ? 18 : fmt == kQ41 ? 20 :
 struct Rows {
   std::vector<int8_t> q;
   std::vector<float> dx, sx;
-  Rows(const at::Tensor& x, int64_t m, int64_t k) : q(m * k), dx(m * k / 32), sx(m * k / 32) {
-    const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
-    const float* xp = xf.data_ptr<float>();
+  // T: float or at::BFloat16 (widened here: an ATen conversion is a dispatch and an allocation
+  // per linear layer per step)
+  template <typename T>
+  Rows(const T* xp, int64_t m, int64_t k) : q(m * k), dx(m * k / 32), sx(m * k / 32) {
     for (int64_t i = 0; i < m * k / 32; ++i) {
-      const float* xb = xp + i * 32;
+      float xb[32];
+      for (int j = 0; j < 32; ++j) xb[j] = static_cast<float>(xp[i * 32 + j]);
       float amax = 0.f;
       for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(xb[j]));
       const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -282,17 +284,32 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt,
   const int64_t m = xc.size(0), k = xc.size(1), nb = k / 32, groups = packed.size(0);
   TORCH_CHECK(k % 32 == 0 && packed.size(1) == nb * group_block_bytes(fmt) && n <= groups * NR,
               "packed weight does not match in_features ", k, " / out_features ", n);
-  const Rows rows(xc, m, k);
-  at::Tensor y = at::empty({m, groups * NR}, xc.options().dtype(at::kFloat));
+  const bool f32 = xc.scalar_type() == at::kFloat;
+  const Rows rows = f32 ? Rows(xc.data_ptr<float>(), m, k) : Rows(xc.data_ptr<at::BFloat16>(), m, k);
+  // float32 outputs for the whole groups; copied out (narrowed to n, rounded to bf16) unless
+  // they already are the result
+  const bool direct = f32 && groups * NR == n;
+  at::Tensor out = at::empty({m, n}, xc.options());
+  std::vector<float> scratch(direct ? 0 : m * groups * NR);
+  float* yp = direct ? out.data_ptr<float>() : scratch.data();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
   switch (fmt) {
     case kQ40: linear_impl<kQ40>(pp, groups, nb, rows, m, k, yp); break;
     case kQ41: linear_impl<kQ41>(pp, groups, nb, rows, m, k, yp); break;
     default: linear_impl<kQ80>(pp, groups, nb, rows, m, k, yp); break;
   }
-  at::Tensor out = groups * NR == n ? y : y.narrow(1, 0, n).contiguous();
-  return out.scalar_type() == xc.scalar_type() ? out : out.to(xc.scalar_type());
+  if (!direct) {
+    for (int64_t i = 0; i < m; ++i) {
+      const float* src = yp + i * groups * NR;
+      if (f32) {
+        std::copy(src, src + n, out.data_ptr<float>() + i * n);
+      } else {
+        at::BFloat16* dst = out.data_ptr<at::BFloat16>() + i * n;
+        for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<at::BFloat16>(src[j]);
+      }
+    }
+  }
+  return out;
 #endif
 }
 

@@ -19,7 +19,22 @@
 #include <type_traits>
 #include <vector>
 
-// One (sequence, KV head) task: G query heads over the sequence's keys [first, len).
+// A cached row in float32: bf16 widened by a shift (a loop the compiler vectorizes; c10's
+// per-element conversion it does not).
+template <int kD, typename T>
+static inline const float* widened(const T* row, int64_t D, float* buf) {
+  if constexpr (std::is_same<T, float>::value) {
+    return row;
+  } else {
+    const uint16_t* raw = reinterpret_cast<const uint16_t*>(row);
+    uint32_t* bits = reinterpret_cast<uint32_t*>(buf);
+    const int64_t n = kD > 0 ? kD : D;
+    for (int64_t d = 0; d < n; ++d) bits[d] = static_cast<uint32_t>(raw[d]) << 16;
+    return buf;
+  }
+}
+
+// One task: G query heads (of one KV head) over the sequence's keys [first, len).
 // kD > 0 fixes the head size at compile time, so the dot products unroll and vectorize.
 // qs is the G query heads in float32; T is the cache's element type.
 template <int kD, typename T>
@@ -28,14 +43,16 @@ static void attend_one(const float* qs, const T* kbase, const T* vbase,
                        int64_t Drt, float sc, float* scores, float* acc, float* os) {
   const int64_t D = kD > 0 ? kD : Drt;
   const int64_t L = len - first;
+  float buf[kD > 0 ? kD : 512];
   for (int64_t t = 0; t < L; ++t) {
     const int64_t pos = first + t;
-    const T* krow = kbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * D;
+    const float* krow = widened<kD>(
+        kbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * D, D, buf);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qs + g * D;
       float dot = 0.f;
 #pragma GCC ivdep
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(krow[d]);
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * krow[d];
       scores[g * L + t] = dot * sc;
     }
   }
@@ -54,12 +71,13 @@ static void attend_one(const float* qs, const T* kbase, const T* vbase,
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
     const int64_t pos = first + t;
-    const T* vrow = vbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * D;
+    const float* vrow = widened<kD>(
+        vbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * D, D, buf);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * L + t];
       float* a = acc + g * D;
 #pragma GCC ivdep
-      for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vrow[d]);
+      for (int64_t d = 0; d < D; ++d) a[d] += p * vrow[d];
     }
   }
   std::copy(acc, acc + G * D, os);  // os: float32 scratch or the output
@@ -135,6 +153,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt);
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && k_cache.size(3) == q.size(2));
+  TORCH_CHECK(q.size(2) <= 512, "head_dim above 512");
   auto out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
   if (dt == at::kFloat && ct == at::kFloat) {
@@ -150,12 +169,78 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 }
 
 // One decode step's attention for one layer from its fused qkv projection: rotary on q and k
-// (rotate-half, HF layout), k and v written into their cache slots, then `paged_decode`. In
-// PyTorch that is ~15 small ops per layer (slices, the rotation's muls and cat, two indexed
-// writes, casts); at batch 1 their dispatch costs more than the arithmetic.
+// (rotate-half, HF layout), k and v written into their cache slots, then attention as
+// `paged_decode` computes it. In PyTorch that is ~15 small ops per layer (slices, the rotation's
+// muls and cat, two indexed writes, casts); at batch 1 their dispatch costs more than the
+// arithmetic. The keys and values are written first, on the calling thread (a few hundred
+// values: rows of one sequence, a verify step's 1 + k, attend over each other's), then one
+// parallel region: each (row, KV head) task rotates its query heads and attends.
 // qkv [n, (H + 2 KVH) * D] (q heads, then k, then v); cos, sin [n, D / 2] float32 (a bf16
 // table would round every rotation);
 // kv_cache [2, KVH, num_blocks, block_size, D]; slot_block, slot_offset [n] int64.
+template <typename T, typename C>
+static void rope_attend_impl(const at::Tensor& qkv, const float* cp, const float* sp,
+                             C* kc, C* vc, const int64_t* sb, const int64_t* so,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t D, float sc,
+                             int64_t window, at::Tensor& out) {
+  const int64_t n = qkv.size(0), G = H / KVH, half = D / 2, MB = block_tables.size(1);
+  const T* src = qkv.data_ptr<T>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  // row i's rotate-half of the head at x into y
+  auto rotate = [&](int64_t i, const T* x, auto* y) {
+    using O = std::remove_pointer_t<decltype(y)>;
+    const float* c = cp + i * half;
+    const float* s = sp + i * half;
+    for (int64_t d = 0; d < half; ++d) {
+      const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
+      y[d] = static_cast<O>(x1 * c[d] - x2 * s[d]);
+      y[d + half] = static_cast<O>(x2 * c[d] + x1 * s[d]);
+    }
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = src + i * (H + 2 * KVH) * D;
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      const int64_t slot = (kh * NB + sb[i]) * BS + so[i];
+      rotate(i, row + (H + kh) * D, kc + slot * D);
+      const T* v = row + (H + KVH + kh) * D;
+      for (int64_t d = 0; d < D; ++d) vc[slot * D + d] = static_cast<C>(static_cast<float>(v[d]));
+    }
+  }
+  // Fewer (row, KV head) tasks than twice the threads (batch 1: 3 on 2 threads, one idle half
+  // the time): a task per query head instead, each reading its KV head's rows (from cache).
+  const int64_t P = n * KVH >= 2 * at::get_num_threads() ? G : 1;  // query heads per task
+  at::parallel_for(0, n * KVH * (G / P), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(P * D), qf(P * D), of(P * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / (H / P), head0 = task % (H / P) * P, kh = head0 / G;
+      const T* row = src + i * (H + 2 * KVH) * D;
+      for (int64_t g = 0; g < P; ++g) rotate(i, row + (head0 + g) * D, qf.data() + g * D);
+      if constexpr (!std::is_same<T, float>::value) {  // rounded as the unfused path's q is
+        for (int64_t j = 0; j < P * D; ++j) qf[j] = static_cast<float>(static_cast<T>(qf[j]));
+      }
+      const int64_t len = sl[i];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      scores.resize(P * (len - first));
+      const C* kb = kc + kh * NB * BS * D;
+      const C* vb = vc + kh * NB * BS * D;
+      const int32_t* table = bt + i * MB;
+      float *q = qf.data(), *sc_ = scores.data(), *a = acc.data(), *o = of.data();
+      if (D == 64) {
+        attend_one<64>(q, kb, vb, table, first, len, BS, P, D, sc, sc_, a, o);
+      } else if (D == 128) {
+        attend_one<128>(q, kb, vb, table, first, len, BS, P, D, sc, sc_, a, o);
+      } else {
+        attend_one<0>(q, kb, vb, table, first, len, BS, P, D, sc, sc_, a, o);
+      }
+      T* odst = op + (i * H + head0) * D;
+      for (int64_t j = 0; j < P * D; ++j) odst[j] = static_cast<T>(of[j]);
+    }
+  });
+}
+
 at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                              const at::Tensor& kv_cache, const at::Tensor& slot_block,
                              const at::Tensor& slot_offset, const at::Tensor& block_tables,
@@ -167,58 +252,34 @@ at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat);
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous());
   TORCH_CHECK(slot_block.scalar_type() == at::kLong && slot_offset.scalar_type() == at::kLong);
+  TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt);
   const int64_t n = qkv.size(0), H = num_heads, KVH = kv_cache.size(1), D = kv_cache.size(4);
-  const int64_t NB = kv_cache.size(2), BS = kv_cache.size(3), half = D / 2;
-  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && cos.numel() == n * half);
+  const int64_t NB = kv_cache.size(2), BS = kv_cache.size(3);
+  TORCH_CHECK(H % KVH == 0 && qkv.size(1) == (H + 2 * KVH) * D && cos.numel() == n * (D / 2));
+  TORCH_CHECK(D <= 512, "head_dim above 512");
   const auto ct = kv_cache.scalar_type();
   TORCH_CHECK(ct == dt || ct == at::kBFloat16, "the cache is qkv's dtype or bfloat16");
-  at::Tensor q = at::empty({n, H, D}, qkv.options());
-  at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
+  at::Tensor out = at::empty({n, H, D}, qkv.options());
   const int64_t* sb = slot_block.data_ptr<int64_t>();
   const int64_t* so = slot_offset.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt, "rope_write_decode", [&] {
-    using T = scalar_t;
-    const T* src = qkv.data_ptr<T>();
-    const float* cp = cos.data_ptr<float>();
-    const float* sp = sin.data_ptr<float>();
-    T* qp = q.data_ptr<T>();
-    auto write = [&](auto* kc, auto* vc) {
-      using C = std::remove_pointer_t<decltype(kc)>;
-      at::parallel_for(0, n * (H + KVH), 8, [&](int64_t begin, int64_t end) {
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t i = task / (H + KVH), h = task % (H + KVH);
-          const T* x = src + i * (H + 2 * KVH) * D + h * D;
-          const float* c = cp + i * half;
-          const float* s = sp + i * half;
-          auto rotate = [&](auto* out) {
-            using O = std::remove_pointer_t<decltype(out)>;
-            for (int64_t d = 0; d < half; ++d) {
-              const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
-              const float cf = c[d], sf = s[d];
-              out[d] = static_cast<O>(x1 * cf - x2 * sf);
-              out[d + half] = static_cast<O>(x2 * cf + x1 * sf);
-            }
-          };
-          if (h < H) {
-            rotate(qp + (i * H + h) * D);
-          } else {
-            const int64_t kh = h - H;
-            const int64_t slot = (kh * NB + sb[i]) * BS + so[i];
-            rotate(kc + slot * D);
-            const T* v = src + i * (H + 2 * KVH) * D + (H + KVH + kh) * D;
-            C* vd = vc + slot * D;
-            for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<C>(static_cast<float>(v[d]));
-          }
-        }
-      });
-    };
-    if (ct == at::kBFloat16) {
-      write(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
-    } else {
-      write(k_cache.data_ptr<T>(), v_cache.data_ptr<T>());
-    }
-  });
-  return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
+  if (dt == at::kFloat && ct == at::kFloat) {
+    rope_attend_impl<float, float>(qkv, cp, sp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                                   sb, so, block_tables, seq_lens, H, KVH, NB, BS, D, sc, window, out);
+  } else if (dt == at::kFloat) {
+    rope_attend_impl<float, at::BFloat16>(qkv, cp, sp, k_cache.data_ptr<at::BFloat16>(),
+                                          v_cache.data_ptr<at::BFloat16>(), sb, so, block_tables,
+                                          seq_lens, H, KVH, NB, BS, D, sc, window, out);
+  } else {
+    rope_attend_impl<at::BFloat16, at::BFloat16>(qkv, cp, sp, k_cache.data_ptr<at::BFloat16>(),
+                                                 v_cache.data_ptr<at::BFloat16>(), sb, so,
+                                                 block_tables, seq_lens, H, KVH, NB, BS, D, sc,
+                                                 window, out);
+  }
+  return out;
 }
 
 TORCH_LIBRARY(kvserve_cpu_decode, m) {
