@@ -191,7 +191,11 @@ _MEASURED: dict[tuple, tuple[dict[str, tuple[int, int]], str]] = {}
 
 @torch.inference_mode()
 def measure_crossover(
-    model: nn.Module, dtype: torch.dtype, int8_activations: bool = False, key: tuple | None = None
+    model: nn.Module,
+    dtype: torch.dtype,
+    int8_activations: bool = False,
+    key: tuple | None = None,
+    q8_min_rows: int = 0,
 ) -> str:
     """Time the three paths at ROW_BUCKETS, over all the decoder's GGUF weights in forward order
     and over the lm_head apart (another shape and format, its own crossover): the block kernel on
@@ -200,7 +204,8 @@ def measure_crossover(
     activations only with `int8_activations` and by Q8_MARGIN: they round activations the way
     llama.cpp does, and flip near-tied tokens), until the dense path wins; its weights'
     `q8_max_rows` and
-    `kernel_max_rows` are set from that. Returns the choices and times, for the banner."""
+    `kernel_max_rows` are set from that; a group that takes int8 activations takes them up to
+    at least `q8_min_rows`. Returns the choices and times, for the banner."""
     groups: dict[str, list[GGUFWeight]] = {}
     for name, module in model.named_modules():
         if isinstance(getattr(module, "quant", None), GGUFWeight):
@@ -237,6 +242,10 @@ def measure_crossover(
                 kernel_limit = rows
             else:
                 break
+        if q8_limit:
+            # a verify step's rows take the kernel a single decode row takes, or speculation
+            # would not reproduce plain decoding (the two numerics differ near ties)
+            q8_limit = kernel_limit = max(q8_limit, q8_min_rows)
         for w in weights:
             w.q8_max_rows, w.kernel_max_rows = q8_limit, kernel_limit
             if not q8_limit:

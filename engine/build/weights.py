@@ -33,7 +33,7 @@ def weights_key(config: EngineConfig, model_path: str, dtype: torch.dtype) -> tu
     return (
         os.path.abspath(model_path), os.path.getmtime(model_path), str(dtype),
         config.quantization, config.gguf_int8_activations, config.cpu_packed_weights,
-        torch.get_num_threads(), config.tensor_parallel_size,
+        torch.get_num_threads(), config.tensor_parallel_size, config.spec_max_verify_rows,
     )  # fmt: skip
 
 
@@ -96,7 +96,9 @@ def load_weights(
             notes += f"; {rows}"
     if gguf_served:  # measured with the dense copies in place
         key = weights_key(config, model_path, dtype)
-        crossover = gguf_linear.measure_crossover(model, dtype, int8_activations(config), key)
+        crossover = gguf_linear.measure_crossover(
+            model, dtype, int8_activations(config), key, config.spec_max_verify_rows
+        )
         log.info("GGUF block kernel against the dense path: %s", crossover)
         gguf_note += f"; {crossover}"
     if gguf_note:

@@ -154,7 +154,7 @@ def quantize_model(
     int8_bytes = quantize_linears(model)
     bits = 7 if needs_reduce_range() else 8
     why = f"{bits}-bit activations" + (" (fbgemm without VNNI)" if bits == 7 else "")
-    instead = "--quantization int8wo (Q8_0 weights; --gguf-int8-activations for int8 activations)"
+    instead = "--quantization int8wo (Q8_0 weights; int8 activations where the judge accepts them)"
     accuracy = judge("int8", reference, logits(), why, WARN_TOP1, instead)
     dtype = dtype_name(model.lm_head.weight.dtype)
     described = (
@@ -182,6 +182,7 @@ def quantize_weight_only(
     device: torch.device,
     pack: bool,
     int8_activations: bool = False,
+    q8_min_rows: int = 0,
 ) -> str:
     """Round every float linear weight to ggml blocks, measure the result on held-out text,
     and describe it for the kernel matrix."""
@@ -200,7 +201,9 @@ def quantize_weight_only(
                 module.quant.pack()
     accuracy = judge(method, reference, logits(), f"{fmt} weights")
     dtype = model.embed_tokens.weight.dtype
-    crossover = gguf_linear.measure_crossover(model, dtype, int8_activations)
+    crossover = gguf_linear.measure_crossover(
+        model, dtype, int8_activations, q8_min_rows=q8_min_rows
+    )
     stored = ", ".join(f"{f} {size / 2**20:.0f} MiB" for f, size in sorted(held.items()))
     described = (
         f"weight-only {method}: ggml blocks rounded at load ({stored}; lm_head Q8_0); {accuracy}; "
