@@ -52,9 +52,11 @@ HELD_OUT = [
 WARN_TOP1 = 0.90
 REFUSE_TOP1 = 0.67
 # int8 activations (--gguf-int8-activations auto) serve only where the model on them agrees with
-# the same blocks on float activations at least this well over HELD_OUT (see
-# judge_int8_activations for where the figures come from)
-INT8_ACTIVATION_TOP1 = 0.90
+# the same blocks on float activations at least this well over HELD_OUT. llama.cpp itself (whose
+# numerics these are) on the shipped SmolLM2 Q4_1 agrees with kvserve's exact path at 0.988 of
+# the 86 held-out positions (bench/int8_agreement.py, Zen 5): the bar allows ~3 more flips than
+# that, and a cosine below 0.99 is a model whose logits moved, not one near-tie
+INT8_ACTIVATION_TOP1 = 0.95
 INT8_ACTIVATION_COSINE = 0.99
 
 
