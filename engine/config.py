@@ -187,10 +187,12 @@ class EngineConfig:
         ("auto", "none", "int8", "int4", "int8wo"),
     )
     gguf_int8_activations: str = setting(
-        "auto",
+        "off",
         "GGUF block kernel on int8 activations per block of 32 (llama.cpp's numerics). auto: "
         "where it measures faster and the startup accuracy judge accepts it against float "
-        "activations; on: where faster, the judge's figures only reported; off: never",
+        "activations; on: where faster, the judge's figures only reported; off: never (the "
+        "default: prefill chunks above the kernel's rows still run on float activations, so "
+        "a prefix-cache hit could answer differently from a miss)",
         ("auto", "on", "off"),
     )
     kv_cache_dtype: str = setting(

@@ -302,7 +302,7 @@ def test_int8_activations_are_timed_and_limited_by_the_probe(smollm2_path) -> No
 @pytest.mark.main_pass_only
 @needs_q8
 def test_int8_activations_serve_only_where_the_judge_accepts_them(llama_dir, monkeypatch) -> None:
-    """--gguf-int8-activations auto (the default): the judge measures the int8-activation model
+    """--gguf-int8-activations auto: the judge measures the int8-activation model
     against float activations on held-out text; its figures are in the banner and its verdict
     decides what serves (a bar no model can meet drops the int8 kernel everywhere)."""
     import re
@@ -315,7 +315,8 @@ def test_int8_activations_serve_only_where_the_judge_accepts_them(llama_dir, mon
             m.quant for m in model.modules() if isinstance(getattr(m, "quant", None), GGUFWeight)
         ]
 
-    llm = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", quantization="int8wo")
+    judged = {"quantization": "int8wo", "gguf_int8_activations": "auto"}
+    llm = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", **judged)
     table = llm.engine.info.kernel_table
     verdict = re.search(r"int8 activations (serve where faster|refused by the accuracy judge) "
                         r"\(vs float activations on \d+ held-out positions: top-1 agreement "
@@ -332,7 +333,7 @@ def test_int8_activations_serve_only_where_the_judge_accepts_them(llama_dir, mon
         assert all((w.q8_packed is not None) == bool(w.q8_max_rows) for w in served(llm))
     monkeypatch.setattr(quantization, "INT8_ACTIVATION_TOP1", 1.01)
     monkeypatch.setattr(quantization, "_JUDGED", {})
-    strict = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", quantization="int8wo")
+    strict = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", **judged)
     assert all(w.q8_max_rows == 0 and w.q8_packed is None for w in served(strict))
     if verdict is not None:
         assert "int8 activations refused by the accuracy judge" in strict.engine.info.kernel_table
