@@ -8,9 +8,24 @@ engine's backends (engine/attention) subclass it, and anything else with a match
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStackArgs:
+    """What the whole-stack decode op (models/decode_stack.cpp) needs from attention: each
+    layer's KV cache, the step's slots, block tables and lengths (as `rope_decode` takes them)."""
+
+    kv_caches: list[torch.Tensor]
+    slot_block: torch.Tensor
+    slot_offset: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    scale: float
+    window: int
 
 
 class AttentionStep(Protocol):
@@ -36,4 +51,9 @@ class AttentionStep(Protocol):
         and has no q/k norms: rotary on the q and k heads of the fused projection `qkv` (q heads,
         k heads, v heads), k and v written, attention; [tokens, heads, head_dim]. None where the
         step has no such path: the caller runs the general one."""
+        return None
+
+    def decode_stack_args(self, cos: torch.Tensor, num_layers: int) -> DecodeStackArgs | None:
+        """Where `rope_decode` serves every one of the model's `num_layers` layers this step,
+        what the whole-stack decode op needs; None otherwise."""
         return None

@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from models import decode_stack
 from models.attention_step import AttentionStep
+from models.gguf_linear import FORMATS, GGUFWeight
 from models.layers import (
     Linear,
     RMSNorm,
@@ -154,7 +156,10 @@ class LlamaForCausalLM(nn.Module):
         rope = {d: rope_cos_sin(positions, inv) for d, inv in self.inv_freq(x.device).items()}
         residual = None
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        stacked = None if aux_layers else self._decode_stack(x, rope, attn)
+        if stacked is not None:
+            x, residual = stacked
+        for i, layer in enumerate(self.layers if stacked is None else ()):
             if i in aux_layers:
                 captured[i] = x if residual is None else residual + x
             cos, sin = rope[layer.layer.head_dim]
@@ -164,6 +169,41 @@ class LlamaForCausalLM(nn.Module):
         if not aux_layers:
             return hidden
         return torch.cat([hidden, *(captured[i] for i in aux_layers)], dim=-1)
+
+    def _decode_stack(
+        self, x: torch.Tensor, rope: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionStep,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """(output, residual) of every layer in one op (models/decode_stack.py) for a decode
+        step of plain layers on GGUF blocks; None where that does not apply."""
+        if len(rope) != 1 or x.dim() != 2 or x.device.type != "cpu":
+            return None
+        weights: list[GGUFWeight] = []
+        for layer in self.layers:
+            if layer.q_norm is not None or not layer.writes_kv or layer.reduce is not None:
+                return None
+            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                w = getattr(linear, "quant", None)
+                if not isinstance(w, GGUFWeight) or w.bias is not None:
+                    return None
+                weights.append(w)
+        norm1 = [layer.input_layernorm.weight for layer in self.layers]
+        norm2 = [layer.post_attention_layernorm.weight for layer in self.layers]
+        heads = {layer.layer.num_heads for layer in self.layers}
+        kind = decode_stack.kernel_kind(weights, x.shape[0])
+        if kind is None or len(heads) != 1 or norm1[0].dtype != x.dtype:
+            return None
+        ((cos, sin),) = rope.values()
+        args = attn.decode_stack_args(cos, len(self.layers))
+        ops = decode_stack.load() if args is not None else None
+        if ops is None or args is None:
+            return None
+        return ops.forward(
+            x, norm1, norm2, self.spec.rms_norm_eps, decode_stack.operands(weights, kind), kind,
+            [FORMATS[w.format] for w in weights], [w.out_features for w in weights],
+            args.kv_caches, cos, sin, args.slot_block, args.slot_offset, args.block_tables,
+            args.seq_lens, heads.pop(), args.scale, args.window,
+        )  # fmt: skip
 
     def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Tensor parallelism's all-reduce of partial layer outputs (None: this rank alone)."""

@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # the modules that own a `CppOps` (models/cpp_ext.py), as "module:attribute"
 MODULES = ("models.cpu_fused:_OPS", "models.gguf_linear:_OPS", "models.gguf_linear:_Q8_OPS",
-           "engine.attention.cpu_decode:_OPS", "engine.grammar.token_bitmask:_OPS")  # fmt: skip
+           "engine.attention.cpu_decode:_OPS", "engine.grammar.token_bitmask:_OPS",
+           "models.decode_stack:_OPS")  # fmt: skip
 
 
 def build(entry: str, march: str) -> str:

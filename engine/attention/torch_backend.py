@@ -24,6 +24,7 @@ import engine.attention.cpu_decode as cpu_decode
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name, model_refusals
 from engine.attention.range_decode import RangeDecodePlan
+from models.attention_step import DecodeStackArgs
 from models.spec import ModelSpec
 
 DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
@@ -170,6 +171,19 @@ class TorchAttentionStep(AttentionStep):
             1.0 / math.sqrt(cos.shape[-1] * 2),
             backend.spec.sliding_window or 0,
         )
+
+    def decode_stack_args(self, cos: torch.Tensor, num_layers: int) -> DecodeStackArgs | None:
+        backend = self.backend
+        if not self.all_decode or self.cpp_decode is None or backend.decode_op is None:
+            return None
+        if backend.rope_decode_op is None or cos.dtype != torch.float32:
+            return None
+        tables, lens = self.cpp_decode
+        return DecodeStackArgs(
+            [backend.kv_caches[backend.layer_group[i]] for i in range(num_layers)],
+            self.slot_block, self.slot_offset, tables, lens,
+            1.0 / math.sqrt(cos.shape[-1] * 2), backend.spec.sliding_window or 0,
+        )  # fmt: skip
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
