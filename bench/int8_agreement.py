@@ -45,8 +45,6 @@ def main() -> None:
     model = int8.engine.runner.model
     for module in model.modules():
         w = getattr(module, "quant", None)
-        if w is not None and w.q8_packed is None:
-            w.prepare_q8()
         if w is not None:
             w.q8_max_rows = w.kernel_max_rows = 1 << 30
     ours = [next_tokens(int8, ids) for ids in prompts]

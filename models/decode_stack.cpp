@@ -8,8 +8,9 @@
 // has, so the numerics are those of the per-layer path exactly: the same ops in the same order.
 //
 // Serves plain Llama-family layers whose linear weights are GGUF blocks on the block kernel at
-// this row count (float activations, kind 0: kvserve_gguf::linear on the blocks; int8
-// activations, kind 1: kvserve_gguf_q8::linear on the repacked copy), no biases, no q/k norms,
+// this row count (kind 0: kvserve_gguf::linear, float activations on the blocks; kind 1 / 2:
+// kvserve_gguf_q8::linear / linear_float, int8 / float activations on the interleaved copy), no
+// biases, no q/k norms,
 // every layer writing its own KV; models/llama.py checks that and falls back otherwise.
 
 #include <ATen/ATen.h>
@@ -51,7 +52,8 @@ std::tuple<Tensor, Tensor> forward(const Tensor& x, at::TensorList norm1, at::Te
   TORCH_CHECK(norm2.size() == norm1.size() && kv_caches.size() == norm1.size());
   TORCH_CHECK(weights.size() == 4 * norm1.size() && fmts.size() == weights.size() &&
               outs.size() == weights.size());
-  TORCH_CHECK(kind == 0 || kind == 1, "kind: 0 (float activations) or 1 (int8 activations)");
+  TORCH_CHECK(kind >= 0 && kind <= 2, "kind: 0 float activations on the ggml blocks, 1 int8 or "
+              "2 float activations on the interleaved copy");
   static const auto norm = kernel<NormFn>("kvserve_cpu_fused::add_rms_norm");
   static const auto silu_mul = kernel<SiluFn>("kvserve_cpu_fused::silu_mul");
   static const auto attend = kernel<AttendFn>("kvserve_cpu_decode::rope_write_decode");
@@ -60,6 +62,10 @@ std::tuple<Tensor, Tensor> forward(const Tensor& x, at::TensorList norm1, at::Te
     if (kind == 1) {
       static const auto q8 = kernel<Q8Fn>("kvserve_gguf_q8::linear");
       return q8.call(in, weights[i], fmts[i], outs[i]);
+    }
+    if (kind == 2) {
+      static const auto interleaved = kernel<Q8Fn>("kvserve_gguf_q8::linear_float");
+      return interleaved.call(in, weights[i], fmts[i], outs[i]);
     }
     return block.call(in, weights[i], fmts[i]);
   };

@@ -15,8 +15,9 @@ from models.cpp_ext import CppOps
 
 _OPS = CppOps("kvserve_decode_stack", Path(__file__).with_name("decode_stack.cpp"))
 
-# the kinds of block kernel the op calls, as decode_stack.cpp numbers them
-FLOAT_ACTIVATIONS, INT8_ACTIVATIONS = 0, 1
+# the block kernels the op calls, as decode_stack.cpp numbers them: float activations on the
+# ggml blocks, int8 or float activations on the interleaved copy (gguf_q8.cpp)
+FLOAT_ON_BLOCKS, INT8_INTERLEAVED, FLOAT_INTERLEAVED = 0, 1, 2
 
 
 def load() -> Any:
@@ -29,12 +30,13 @@ def load() -> Any:
 def kernel_kind(weights: list[gguf_linear.GGUFWeight], rows: int) -> int | None:
     """The block kernel every weight takes at `rows` rows, as `GGUFWeight.__call__` chooses it;
     None where they differ or one takes the dense path."""
-    if all(rows <= w.q8_max_rows and w.q8_packed is not None for w in weights):
-        return INT8_ACTIVATIONS if gguf_linear.load_q8() is not None else None
+    interleaved = all(w.interleaved is not None for w in weights)
+    if all(rows <= w.q8_max_rows for w in weights):
+        return INT8_INTERLEAVED if interleaved else None
     if all(w.q8_max_rows < rows <= w.kernel_max_rows for w in weights):
-        return FLOAT_ACTIVATIONS
+        return FLOAT_INTERLEAVED if interleaved else FLOAT_ON_BLOCKS
     return None
 
 
 def operands(weights: list[gguf_linear.GGUFWeight], kind: int) -> list[torch.Tensor]:
-    return [w.q8_packed if kind == INT8_ACTIVATIONS else w.blocks for w in weights]  # type: ignore[misc]
+    return [w.blocks if kind == FLOAT_ON_BLOCKS else w.interleaved for w in weights]  # type: ignore[misc]

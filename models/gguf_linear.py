@@ -65,20 +65,21 @@ class GGUFWeight:
     # oneDNN-packed dense copy for many rows (`pack`, --cpu-packed-weights); without it each
     # dense call dequantizes the blocks first
     packed: torch.Tensor | None = None
-    # the blocks repacked for the int8-activation kernel (`prepare_q8`; gguf_q8.cpp's layout)
-    q8_packed: torch.Tensor | None = None
+    # the blocks repacked for gguf_q8.cpp's kernels (`interleave`: NR rows per vector lane),
+    # which serve both float and int8 activations where built (AVX2); else the blocks serve
+    interleaved: torch.Tensor | None = None
 
     def rows(self, start: int, end: int) -> GGUFWeight:
         """Output rows [start, end) as a weight of their own (block rows are independent);
         a packed dense copy is made again for them if this one has one."""
         part = replace(
             self, blocks=self.blocks[start:end], out_features=end - start, packed=None,
-            q8_packed=None, bias=None if self.bias is None else self.bias[start:end],
+            interleaved=None, bias=None if self.bias is None else self.bias[start:end],
         )  # fmt: skip
         if self.packed is not None:
             part.pack()
-        if self.q8_packed is not None:
-            part.prepare_q8()
+        if self.interleaved is not None:
+            part.interleave()
         return part
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
@@ -87,28 +88,30 @@ class GGUFWeight:
         return w if dtype == torch.float32 else w.to(dtype)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel(x, load().linear)
+        """The block kernel on float activations (in x's dtype, computed in float32)."""
+        if self.interleaved is not None:
+            y = load_q8().linear_float(x, self.interleaved, FORMATS[self.format], self.out_features)
+        else:
+            y = load().linear(x, self.blocks, FORMATS[self.format])
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def kernel_q8(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.q8_packed is not None, "prepare_q8() first"
-        y = load_q8().linear(x, self.q8_packed, FORMATS[self.format], self.out_features)
+        """The block kernel on int8-rounded activations (needs `interleave`)."""
+        assert self.interleaved is not None, "interleave() first"
+        y = load_q8().linear(x, self.interleaved, FORMATS[self.format], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def _kernel(self, x: torch.Tensor, op) -> torch.Tensor:
-        y = op(x, self.blocks, FORMATS[self.format])  # in x's dtype, computed in float32
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def prepare_q8(self) -> int:
-        """Hold the blocks repacked for the int8-activation kernel; returns its bytes (0 where
-        that kernel is not built here)."""
+    def interleave(self) -> int:
+        """Hold the blocks repacked for gguf_q8.cpp's kernels; returns its bytes (0 where they
+        are not built here)."""
         ops = load_q8()
         if ops is None:
             return 0
-        self.q8_packed = ops.repack(self.blocks, FORMATS[self.format])
-        return self.q8_packed.numel()
+        self.interleaved = ops.repack(self.blocks, FORMATS[self.format])
+        return self.interleaved.numel()
 
     def drop_q8(self) -> None:
-        self.q8_packed, self.q8_max_rows = None, 0
+        self.q8_max_rows = 0
 
     def pack(self) -> int:
         """Hold a oneDNN-packed dense copy in the serving dtype for the dense path, where oneDNN
@@ -146,6 +149,7 @@ def attach(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> dic
         module.quant = GGUFWeight(
             fmt, data.contiguous(), in_features, out_features, module.weight.dtype, bias
         )
+        module.quant.interleave()
         module.packed = None
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
         held[fmt] = held.get(fmt, 0) + data.numel()
@@ -216,14 +220,8 @@ def measure_crossover(
         limits, text = _MEASURED[key]
         for group, weights in groups.items():
             for w in weights:
-                if limits[group][0]:
-                    w.prepare_q8()
                 w.q8_max_rows, w.kernel_max_rows = limits[group]
         return text
-    if int8_activations:
-        for weights in groups.values():
-            for w in weights:
-                w.prepare_q8()
     lines = []
     limits: dict[str, tuple[int, int]] = {}
     for group, weights in groups.items():
@@ -248,8 +246,6 @@ def measure_crossover(
             q8_limit = kernel_limit = max(q8_limit, q8_min_rows)
         for w in weights:
             w.q8_max_rows, w.kernel_max_rows = q8_limit, kernel_limit
-            if not q8_limit:
-                w.drop_q8()
         limits[group] = (q8_limit, kernel_limit)
         paths = "float/dense" + ("/int8-activation" if int8_activations else "")
         lines.append(

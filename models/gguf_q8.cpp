@@ -62,6 +62,11 @@ inline fvec ffma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 inline fvec fadd(fvec a, fvec b) { return _mm512_add_ps(a, b); }
 inline fvec itof(ivec v) { return _mm512_cvtepi32_ps(v); }
 inline void fstore(float* p, fvec v) { _mm512_storeu_ps(p, v); }
+inline ivec iset1(int v) { return _mm512_set1_epi32(v); }
+inline ivec isrlv(ivec v, ivec n) { return _mm512_srlv_epi32(v, n); }
+inline ivec isllv(ivec v, ivec n) { return _mm512_sllv_epi32(v, n); }
+inline ivec isra24(ivec v) { return _mm512_srai_epi32(v, 24); }
+inline ivec iand(ivec a, ivec b) { return _mm512_and_si512(a, b); }
 #define KVSERVE_Q8_VNNI 1
 inline ivec dot_add(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
 inline ivec xor80(ivec v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
@@ -89,6 +94,11 @@ inline fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 inline fvec fadd(fvec a, fvec b) { return _mm256_add_ps(a, b); }
 inline fvec itof(ivec v) { return _mm256_cvtepi32_ps(v); }
 inline void fstore(float* p, fvec v) { _mm256_storeu_ps(p, v); }
+inline ivec iset1(int v) { return _mm256_set1_epi32(v); }
+inline ivec isrlv(ivec v, ivec n) { return _mm256_srlv_epi32(v, n); }
+inline ivec isllv(ivec v, ivec n) { return _mm256_sllv_epi32(v, n); }
+inline ivec isra24(ivec v) { return _mm256_srai_epi32(v, 24); }
+inline ivec iand(ivec a, ivec b) { return _mm256_and_si256(a, b); }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVSERVE_Q8_VNNI 1
 inline ivec dot_add(ivec acc, ivec u, ivec s) { return _mm256_dpbusd_epi32(acc, u, s); }
@@ -204,8 +214,70 @@ void group_kernel(const uint8_t* g, int64_t nb, const Rows& rows, int64_t a0, in
   for (int a = 0; a < MR; ++a) fstore(y + (a0 + a) * n_pad + col, fadd(acc[a], accm[a]));
 }
 
-template <int FMT>
-void linear_impl(const uint8_t* packed, int64_t groups, int64_t nb, const Rows& rows, int64_t m,
+// Float activations on the same layout (the exact path: the dequantized product up to float32
+// summation order): per weight block y_row += d * sum(u x) + m * sum(x), the codes of element e
+// of all NR rows taken out of their chunk by a shift per lane.
+struct FloatRows {
+  std::vector<float> x, sums;  // [m, k] widened; [m, k / 32] block sums
+  template <typename T>
+  FloatRows(const T* xp, int64_t m, int64_t k) : x(m * k), sums(m * k / 32) {
+    for (int64_t i = 0; i < m * k; ++i) x[i] = static_cast<float>(xp[i]);
+    for (int64_t i = 0; i < m * k / 32; ++i) {
+      float s = 0.f;
+      for (int j = 0; j < 32; ++j) s += x[i * 32 + j];
+      sums[i] = s;
+    }
+  }
+};
+
+template <int FMT, int MR>
+void group_kernel(const uint8_t* g, int64_t nb, const FloatRows& rows, int64_t a0, int64_t k,
+                  float* y, int64_t n_pad, int64_t col) {
+  constexpr int kScale = FMT == kQ80 ? 2 * NR : 4 * NR;
+  constexpr int64_t kBytes = kScale + NR * (FMT == kQ80 ? 32 : 16);
+  fvec acc[MR];
+  for (int a = 0; a < MR; ++a) acc[a] = fzero();
+  const ivec nibble = iset1(0x0f);
+  for (int64_t b = 0; b < nb; ++b, g += kBytes) {
+    const fvec d = halves(g);
+    const fvec m = FMT == kQ80 ? fzero() : halves(g + 2 * NR);
+    const uint8_t* c = g + kScale;
+    fvec part[MR][2];
+    for (int a = 0; a < MR; ++a) part[a][0] = part[a][1] = fzero();
+    // element e's codes for the NR rows, then its activation per row (two partial sums per row:
+    // a shorter dependency chain)
+    auto element = [&](int e, ivec codes) {
+      const fvec w = itof(codes);
+      for (int a = 0; a < MR; ++a) {
+        const float xe = rows.x[(a0 + a) * k + b * 32 + e];
+        part[a][e & 1] = ffma(w, fset1(xe), part[a][e & 1]);
+      }
+    };
+    if constexpr (FMT == kQ80) {
+      for (int j = 0; j < 8; ++j) {
+        const ivec v = iload(c + j * CHUNK);
+        for (int byte = 0; byte < 4; ++byte)  // sign-extend byte `byte` of each lane
+          element(4 * j + byte, isra24(isllv(v, iset1(24 - 8 * byte))));
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const ivec v = iload(c + j * CHUNK);
+        for (int byte = 0; byte < 4; ++byte) {
+          element(4 * j + byte, iand(isrlv(v, iset1(8 * byte)), nibble));
+          element(16 + 4 * j + byte, iand(isrlv(v, iset1(8 * byte + 4)), nibble));
+        }
+      }
+    }
+    for (int a = 0; a < MR; ++a) {
+      acc[a] = ffma(fadd(part[a][0], part[a][1]), d, acc[a]);
+      if constexpr (FMT != kQ80) acc[a] = ffma(m, fset1(rows.sums[(a0 + a) * (k / 32) + b]), acc[a]);
+    }
+  }
+  for (int a = 0; a < MR; ++a) fstore(y + (a0 + a) * n_pad + col, acc[a]);
+}
+
+template <int FMT, typename R>
+void linear_impl(const uint8_t* packed, int64_t groups, int64_t nb, const R& rows, int64_t m,
                  int64_t k, float* y) {
   const int64_t gb = nb * group_block_bytes(FMT), n_pad = groups * NR;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -271,12 +343,12 @@ at::Tensor q8_repack(const at::Tensor& blocks, int64_t fmt) {
 #endif
 }
 
-// x [m, k] float32 or bfloat16 times the packed weight's [n, k] transposed -> [m, n] in x's dtype.
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t n) {
-#ifndef KVSERVE_Q8
-  TORCH_CHECK(false, "the int8-activation kernel needs AVX2");
-  return x;
-#else
+#ifdef KVSERVE_Q8
+namespace {
+// x [m, k] float32 or bfloat16 times the packed weight's [n, k] transposed -> [m, n] in x's
+// dtype; R: the activations as the kernel takes them (Rows: int8; FloatRows: float32).
+template <typename R>
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t n) {
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2,
               "x: float32 or bfloat16 [rows, in_features]");
   TORCH_CHECK(fmt == kQ40 || fmt == kQ41 || fmt == kQ80, "unsupported GGUF block format ", fmt);
@@ -285,7 +357,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt,
   TORCH_CHECK(k % 32 == 0 && packed.size(1) == nb * group_block_bytes(fmt) && n <= groups * NR,
               "packed weight does not match in_features ", k, " / out_features ", n);
   const bool f32 = xc.scalar_type() == at::kFloat;
-  const Rows rows = f32 ? Rows(xc.data_ptr<float>(), m, k) : Rows(xc.data_ptr<at::BFloat16>(), m, k);
+  const R rows = f32 ? R(xc.data_ptr<float>(), m, k) : R(xc.data_ptr<at::BFloat16>(), m, k);
   // float32 outputs for the whole groups; copied out (narrowed to n, rounded to bf16) unless
   // they already are the result
   const bool direct = f32 && groups * NR == n;
@@ -310,6 +382,27 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt,
     }
   }
   return out;
+}
+}  // namespace
+#endif
+
+// int8-rounded activations (llama.cpp's numerics)
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t n) {
+#ifndef KVSERVE_Q8
+  TORCH_CHECK(false, "the packed-block kernels need AVX2");
+  return x;
+#else
+  return packed_linear<Rows>(x, packed, fmt, n);
+#endif
+}
+
+// float activations (exact up to summation order)
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t n) {
+#ifndef KVSERVE_Q8
+  TORCH_CHECK(false, "the packed-block kernels need AVX2");
+  return x;
+#else
+  return packed_linear<FloatRows>(x, packed, fmt, n);
 #endif
 }
 
@@ -317,9 +410,11 @@ TORCH_LIBRARY(kvserve_gguf_q8, m) {
   m.def("lanes() -> int", &q8_lanes);
   m.def("repack(Tensor blocks, int fmt) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int fmt, int out_features) -> Tensor");
+  m.def("linear_float(Tensor x, Tensor packed, int fmt, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_gguf_q8, CPU, m) {
   m.impl("repack", &q8_repack);
   m.impl("linear", &q8_linear);
+  m.impl("linear_float", &float_linear);
 }

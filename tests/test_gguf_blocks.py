@@ -73,6 +73,27 @@ def test_kernel_on_bf16_activations_is_the_bf16_product(fmt, rows) -> None:
     assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
 
 
+@needs_q8
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])
+def test_interleaved_float_kernel_matches_the_dequantized_product(fmt, rows) -> None:
+    """The float-activation kernel on the interleaved copy (what serves where AVX2 is): the
+    dequantized product up to float32 summation, padding rows dropped, each row independent of
+    its batch; bf16 activations give the float32 product of the same values rounded once."""
+    raw, ref = blocks_of(fmt, 72, 160, seed=rows)
+    packed = Q8.repack(raw, FORMATS[fmt])
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    got = Q8.linear_float(x, packed, FORMATS[fmt], 72)
+    torch.testing.assert_close(got, x @ ref.T, rtol=1e-5, atol=1e-5)
+    alone = [Q8.linear_float(x[i : i + 1], packed, FORMATS[fmt], 72) for i in range(rows)]
+    assert torch.equal(got, torch.cat(alone))
+    xb = x.bfloat16()
+    got_bf16 = Q8.linear_float(xb, packed, FORMATS[fmt], 72)
+    want = xb.float() @ ref.T
+    assert got_bf16.dtype == torch.bfloat16
+    assert ((got_bf16.float() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
+
+
 def int8_activation_product(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """llama.cpp's numerics in float64: each activation row rounded to int8 per block of 32
     (scale max|x| / 127), times the dequantized weights."""
@@ -206,12 +227,9 @@ def test_int8_activation_head_tracks_the_float_head(smol_pair) -> None:
     ids = tok.encode("In 1969, Neil Armstrong became the first person to walk on the Moon.")
     hidden = _final_hidden(native, ids)
     head = native.engine.runner.model.lm_head.quant
-    if not head.prepare_q8():
+    if head.interleaved is None:
         pytest.skip("the int8-activation kernel needs AVX2")
-    try:
-        q8 = torch.cat([head.kernel_q8(h[None]) for h in hidden]).float()
-    finally:
-        head.drop_q8()
+    q8 = torch.cat([head.kernel_q8(h[None]) for h in hidden]).float()
     exact = torch.cat([head.kernel(h[None]) for h in hidden]).float()
     ref = torch.nn.functional.linear(hidden.float(), head.dense(torch.float32))
     torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-3)
@@ -330,10 +348,9 @@ def test_int8_activations_serve_only_where_the_judge_accepts_them(llama_dir, mon
         )
         assert (verdict.group(1) == "serve where faster") == accepted
         assert any(w.q8_max_rows for w in served(llm)) == accepted
-        assert all((w.q8_packed is not None) == bool(w.q8_max_rows) for w in served(llm))
     monkeypatch.setattr(quantization, "INT8_ACTIVATION_TOP1", 1.01)
     monkeypatch.setattr(quantization, "_JUDGED", {})
     strict = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", **judged)
-    assert all(w.q8_max_rows == 0 and w.q8_packed is None for w in served(strict))
+    assert all(w.q8_max_rows == 0 for w in served(strict))
     if verdict is not None:
         assert "int8 activations refused by the accuracy judge" in strict.engine.info.kernel_table
