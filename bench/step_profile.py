@@ -2,7 +2,7 @@
 prompts, then decode steps of the batch of N, with no HTTP in between.
 
     python bench/step_profile.py --batch 16 [--prompt-len 256] [--profile]
-    python bench/step_profile.py --batch 1 --prompt-len 1500 --prefill-only
+    python bench/step_profile.py --batch 1 --prompt-len 1500 --prefill-only [--profile]
     python bench/step_profile.py --batch 16 --dtype bfloat16   # default: --dtype auto
     python bench/step_profile.py --batch 16 --quantization int8
     KVSERVE_NO_CPP=1 python bench/step_profile.py --batch 16   # without the C++ ops
@@ -54,6 +54,11 @@ def main() -> None:
     for i, (prompt, _) in enumerate(work):
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         engine.add_request(str(i), prompt, params)
+    from torch.profiler import ProfilerActivity, profile
+
+    prefill_profile = profile(activities=[ProfilerActivity.CPU])
+    if a.prefill_only and a.profile:  # the prefill's ops instead of the decode steps'
+        prefill_profile.start()
     t, steps = time.perf_counter(), 0
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or (
         engine.scheduler.waiting
@@ -64,6 +69,10 @@ def main() -> None:
     total = sum(len(p) for p, _ in work)
     print(f"prefill {a.batch} x {total // a.batch} tokens: {dt:.2f} s in {steps} steps")
     if a.prefill_only:
+        if a.profile:
+            prefill_profile.stop()
+            averages = prefill_profile.key_averages()
+            print(averages.table(sort_by="self_cpu_time_total", row_limit=12))
         return
     for _ in range(3):
         engine.step()
@@ -73,8 +82,6 @@ def main() -> None:
     step = (time.perf_counter() - t) / (a.steps - 5)
     print(f"decode step, batch {a.batch}: {step * 1000:.1f} ms = {a.batch / step:.1f} tok/s")
     if a.profile:
-        from torch.profiler import ProfilerActivity, profile
-
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(2):
                 engine.step()
