@@ -246,7 +246,17 @@ def serve_gguf_blocks(
     if not held:
         return "", False
     stored = ", ".join(f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in sorted(held.items()))
-    return f"GGUF blocks as stored ({stored}): block kernel for few rows, dense GEMM above", True
+    copies = sum(
+        m.quant.interleaved.numel()
+        for m in model.modules()
+        if isinstance(getattr(m, "quant", None), GGUFWeight) and m.quant.interleaved is not None
+    )
+    kernel = (
+        f"block kernel for few rows on an interleaved copy ({copies / 2**20:.0f} MiB)"
+        if copies
+        else "block kernel for few rows"
+    )
+    return f"GGUF blocks as stored ({stored}): {kernel}, dense GEMM above", True
 
 
 # Judgements made in this process, by the caller's key (the weights and settings; see
