@@ -1,7 +1,7 @@
 """A decode step's whole decoder stack in one C++ op (decode_stack.cpp beside this file, compiled
 at first use; see models/cpp_ext.py): the same kernels the per-layer path calls, in the same
 order, without Python between them. `LlamaForCausalLM.forward` uses it where it applies
-(`stack_weights`) and runs its layers one by one otherwise."""
+(`LlamaForCausalLM._decode_stack`) and runs its layers one by one otherwise."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ the dequantized float32 model's up to summation order."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from models.layers import (
 )
 
 _OPS = CppOps("kvserve_gguf", Path(__file__).with_name("gguf_linear.cpp"))
-# the int8-activation kernel on weights repacked for it (llama.cpp's numerics; needs AVX2)
+# the kernels on the interleaved copy (float and int8 activations; needs AVX2)
 _Q8_OPS = CppOps("kvserve_gguf_q8", Path(__file__).with_name("gguf_q8.cpp"))
 
 # ggml's type ids, as gguf.GGMLQuantizationType numbers them, and bytes per block of 32
@@ -41,11 +42,17 @@ def load() -> Any:
     return _OPS.load()
 
 
+@functools.cache  # called per linear call on the hot path: decided once
 def load_q8() -> Any:
-    """The int8-activation ops (`.repack`, `.linear`, `.lanes`), or None where they cannot be
-    built or this CPU has no AVX2 (`lanes() == 0`)."""
+    """The interleaved copy's ops (`.repack`, `.linear_float`, `.linear` on int8 activations,
+    `.lanes`), or None where they cannot be built or this CPU has no AVX2 (`lanes() == 0`)."""
     ops = _Q8_OPS.load()
     return ops if ops is not None and ops.lanes() > 0 else None
+
+
+def gguf_weights(model: nn.Module) -> list[GGUFWeight]:
+    """The model's linear weights served from GGUF blocks, in module order."""
+    return [m.quant for m in model.modules() if isinstance(getattr(m, "quant", None), GGUFWeight)]
 
 
 @dataclass(slots=True)
@@ -109,9 +116,6 @@ class GGUFWeight:
             return 0
         self.interleaved = ops.repack(self.blocks, FORMATS[self.format])
         return self.interleaved.numel()
-
-    def drop_q8(self) -> None:
-        self.q8_max_rows = 0
 
     def pack(self) -> int:
         """Hold a oneDNN-packed dense copy in the serving dtype for the dense path, where oneDNN

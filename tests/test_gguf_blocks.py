@@ -184,7 +184,7 @@ def test_shipped_q4_1_is_served_as_stored(smol_pair) -> None:
     assert model.layers[0].qkv_proj.weight.numel() == 0  # no float copy held
     assert isinstance(model.lm_head.quant, GGUFWeight) and model.lm_head.quant.format == "Q8_0"
     # --gguf-int8-activations off: float activations for every row
-    blocks = [m.quant for m in model.modules() if isinstance(getattr(m, "quant", None), GGUFWeight)]
+    blocks = gguf_linear.gguf_weights(model)
     assert blocks and all(w.q8_max_rows == 0 for w in blocks)
 
 
@@ -328,10 +328,7 @@ def test_int8_activations_serve_only_where_the_judge_accepts_them(llama_dir, mon
     from engine.weights import quantization
 
     def served(llm: LLM) -> list[GGUFWeight]:
-        model = llm.engine.runner.model
-        return [
-            m.quant for m in model.modules() if isinstance(getattr(m, "quant", None), GGUFWeight)
-        ]
+        return gguf_linear.gguf_weights(llm.engine.runner.model)
 
     judged = {"quantization": "int8wo", "gguf_int8_activations": "auto"}
     llm = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", **judged)

@@ -32,7 +32,6 @@ from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.runner.step_inputs import step_metadata
 from models import gguf_linear
-from models.gguf_linear import GGUFWeight
 from models.gguf_loader import gguf_blocks
 from models.llama import LlamaForCausalLM
 from models.quant import CALIBRATION, input_ranges, needs_reduce_range, quantize_linears, smooth
@@ -198,9 +197,8 @@ def quantize_weight_only(
     fmt = WEIGHT_ONLY[method]
     held = gguf_linear.attach(model, gguf_linear.quantize_to_blocks(model, fmt))
     if pack:
-        for module in model.modules():
-            if isinstance(getattr(module, "quant", None), gguf_linear.GGUFWeight):
-                module.quant.pack()
+        for w in gguf_linear.gguf_weights(model):
+            w.pack()
     accuracy = judge(method, reference, logits(), f"{fmt} weights")
     dtype = model.embed_tokens.weight.dtype
     crossover = gguf_linear.measure_crossover(
@@ -247,9 +245,7 @@ def serve_gguf_blocks(
         return "", False
     stored = ", ".join(f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in sorted(held.items()))
     copies = sum(
-        m.quant.interleaved.numel()
-        for m in model.modules()
-        if isinstance(getattr(m, "quant", None), GGUFWeight) and m.quant.interleaved is not None
+        w.interleaved.numel() for w in gguf_linear.gguf_weights(model) if w.interleaved is not None
     )
     kernel = (
         f"block kernel for few rows on an interleaved copy ({copies / 2**20:.0f} MiB)"
@@ -280,9 +276,7 @@ def judge_int8_activations(
     against the same blocks on float activations (exact up to summation order). `binding`
     (auto): below INT8_ACTIVATION_TOP1 / _COSINE the int8 kernel is dropped and float
     activations serve. Returns the banner's words ("" when no weight chose it)."""
-    weights = [
-        m.quant for m in model.modules() if isinstance(getattr(m, "quant", None), GGUFWeight)
-    ]
+    weights = gguf_linear.gguf_weights(model)
     chosen = [(w.q8_max_rows, w.kernel_max_rows) for w in weights]
     if not any(q8 for q8, _ in chosen):
         return ""
@@ -319,6 +313,6 @@ def judge_int8_activations(
             _JUDGED[key] = (keep, text)
     if not keep:
         for w in weights:
-            w.drop_q8()
+            w.q8_max_rows = 0
     log.info("GGUF block kernel: %s", text)
     return text
