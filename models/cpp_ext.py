@@ -8,7 +8,8 @@ compare the two.
 
 Consumers: models/cpu_fused.py (fused elementwise ops for models/layers.py),
 models/gguf_linear.py (GGUF block matmuls) and
-engine/attention/cpu_decode.py (paged decode attention for the torch backend). The build logic
+engine/attention/cpu_decode.py and cpu_prefill.py (paged decode and prefill attention for the torch
+backend). The build logic
 lives here, in models/, because models must not import the engine.
 """
 
@@ -40,11 +41,13 @@ def target_arch() -> str:
 
 
 class CppOps:
-    """One C++ source compiled at first `load()` into `torch.ops.<name>`."""
+    """One C++ source compiled at first `load()` into `torch.ops.<name>`; `headers` are the
+    files beside it that it includes (ninja rebuilds on their change; `inputs` lists them all)."""
 
-    def __init__(self, name: str, source: Path) -> None:
+    def __init__(self, name: str, source: Path, headers: tuple[Path, ...] = ()) -> None:
         self.name = name
         self.source = source
+        self.inputs = (source, *headers)
         self._lock = threading.Lock()
         self._ops: Any = None
         self._tried = False

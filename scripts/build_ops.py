@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the modules that own a `CppOps` (models/cpp_ext.py), as "module:attribute"
 MODULES = ("models.cpu_fused:_OPS", "models.gguf_linear:_OPS", "models.gguf_linear:_Q8_OPS",
            "engine.attention.cpu_decode:_OPS", "engine.grammar.token_bitmask:_OPS",
-           "models.decode_stack:_OPS")  # fmt: skip
+           "models.decode_stack:_OPS", "engine.attention.cpu_prefill:_OPS")  # fmt: skip
 
 
 def build(entry: str, march: str) -> str:
@@ -39,15 +39,16 @@ def build(entry: str, march: str) -> str:
 
 
 def built(entry: str, march: str) -> bool:
-    """Whether the op's library exists and is newer than its source (the load at first use
-    checks more, and rebuilds if it must)."""
+    """Whether the op's library exists and is newer than its source and headers (the load at
+    first use checks more, and rebuilds if it must)."""
     import importlib
 
     os.environ["KVSERVE_CPP_MARCH"] = march  # read by build_dir()
     module, attr = entry.split(":")
     ops = getattr(importlib.import_module(module), attr)
     library = Path(ops.build_dir()) / f"{ops.name}.so"
-    return library.is_file() and library.stat().st_mtime >= ops.source.stat().st_mtime
+    newest = max(path.stat().st_mtime for path in ops.inputs)
+    return library.is_file() and library.stat().st_mtime >= newest
 
 
 def main() -> None:

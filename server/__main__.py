@@ -55,7 +55,12 @@ def banner(config: Config, info: EngineInfo) -> str:
         f"prefix caching {'on' if info.prefix_caching else 'off'}",
         f"  KV/token   {kv_line(info)}",
         f"  attention  {info.attention_backend} on {info.device_label}"
-        + (" (decode: compiled C++ paged attention)" if info.compiled_decode else ""),
+        + (" (decode: compiled C++ paged attention)" if info.compiled_decode else "")
+        + (
+            f" (prefill: C++ flash attention, {info.compiled_prefill})"
+            if info.compiled_prefill
+            else ""
+        ),
         f"  context    {info.max_model_len} tokens, max {info.max_num_seqs} seqs, "
         f"{info.max_num_batched_tokens} tokens/step; chat max_tokens default: "
         + (f"{default_max}" if default_max else "the rest of the context"),

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import DeviceFacts
+from engine.attention import DeviceFacts, cpu_prefill
 from engine.attention.torch_backend import TorchBackend
 from engine.config import choose_dtype
 from engine.runner.model_runner import allocate_kv_caches
 from engine.runner.step_inputs import step_metadata
+from models.cpp_ext import target_arch
 from models.layers import onednn_pack_refusal
 from models.loader import checkpoint_dtype, load_model
 
@@ -99,6 +100,11 @@ def test_auto_engine_follows_probe_and_checkpoint(llama_dir, monkeypatch) -> Non
     info = llm.engine.info
     assert info.dtype == "bfloat16" and "bf16 matmul 3.9x float32" in info.dtype_reason
     assert info.compiled_decode  # the C++ decode op reads the bf16 cache
+    # and the prefill op: bf16 dot products where the build has AVX512-BF16
+    bf16_dot = "avx512_bf16" in open("/proc/cpuinfo").read() and target_arch() == "native"
+    assert info.compiled_prefill == (
+        "bf16 dot products" if bf16_dot else f"float32 FMA, {cpu_prefill.load().simd_width()} lanes"
+    )
     if onednn_pack_refusal(torch.bfloat16) is None:
         assert info.packed_weight_bytes * 2 == f32_packed  # oneDNN bf16 copies, half the bytes
     else:  # an AVX2-only CPU (or ONEDNN_MAX_CPU_ISA=AVX2): unpacked, and the matrix says why

@@ -7,8 +7,9 @@ one copy of the KV per step instead of gather-then-reshape (decode is bound by r
 
 Decode rows (one query token) are attended in buckets of similar length (padding is bounded by
 the bucket), with two batched matmuls that handle GQA without repeating K/V. Prefill chunks are
-attended one sequence at a time with SDPA; a chunk with no earlier context attends its own fresh
-K/V directly, skipping the page gather.
+attended one sequence at a time: on CPU by the C++ prefill op reading the pages in place
+(cpu_prefill.cpp); otherwise with SDPA, a chunk with no earlier context attending its own fresh
+K/V directly and one with context gathering its pages under a mask.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.attention.cpu_decode as cpu_decode
+import engine.attention.cpu_prefill as cpu_prefill
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name, model_refusals
 from engine.attention.range_decode import RangeDecodePlan
@@ -33,6 +35,19 @@ CPP_DECODE_DTYPES = (torch.float32, torch.bfloat16)  # KV dtypes the C++ decode 
 # chunks of at most this many rows go through the C++ decode op, a query per row: a verify
 # step's 1 + k rows; beyond it each row re-reading the context costs more than one SDPA pass
 ROWS_AS_DECODE = 12
+
+
+def prefill_mask(context: int, seq_len: int, window: int | None) -> torch.Tensor | None:
+    """[seq_len - context, seq_len] bool, True = attend: a chunk after `context` earlier tokens
+    (causal, within the window); None where plain causal attention over the chunk is it."""
+    if context == 0 and window is None:
+        return None
+    q_pos = torch.arange(context, seq_len)[:, None]
+    k_pos = torch.arange(seq_len)[None, :]
+    m = k_pos <= q_pos
+    if window is not None:
+        m &= k_pos > q_pos - window  # window tokens, itself included (as HF)
+    return m
 
 
 def padded_tables(tables: list[list[int]], dtype: type) -> np.ndarray:
@@ -55,9 +70,9 @@ class _DecodeBucket:
 class _Prefill:
     rows: slice
     seq_len: int
-    pages: torch.Tensor  # the sequence's blocks (gathered when there is earlier context)
-    has_context: bool
-    mask: torch.Tensor | None  # [q, seq_len] bool, True = attend; None = plain causal
+    pages: torch.Tensor  # the sequence's blocks (int32 for the C++ op)
+    context: int  # tokens before the chunk
+    mask: torch.Tensor | None  # [q, seq_len] bool, True = attend; None = plain causal or the op
 
 
 class TorchAttentionStep(AttentionStep):
@@ -112,16 +127,15 @@ class TorchAttentionStep(AttentionStep):
             if i in attended:
                 continue
             start, ctx, seq = meta.query_start[i], meta.context_lens[i], meta.seq_lens[i]
-            mask = None
-            if ctx > 0 or window is not None:
-                q_pos = torch.arange(ctx, seq)[:, None]
-                k_pos = torch.arange(seq)[None, :]
-                m = k_pos <= q_pos
-                if window is not None:
-                    m &= k_pos > q_pos - window  # window tokens, itself included (as HF)
-                mask = m.to(device)
-            pages = torch.tensor(meta.block_tables[i][: -(-seq // bs)], device=device)
-            self.prefills.append(_Prefill(slice(start, start + q_len), seq, pages, ctx > 0, mask))
+            # the C++ op masks by position; SDPA needs the mask where it is not plain causal
+            mask = None if backend.prefill_op is not None else prefill_mask(ctx, seq, window)
+            mask = mask.to(device) if mask is not None else None
+            pages = torch.tensor(
+                meta.block_tables[i][: -(-seq // bs)],
+                dtype=torch.int32 if backend.prefill_op is not None else torch.int64,
+                device=device,
+            )
+            self.prefills.append(_Prefill(slice(start, start + q_len), seq, pages, ctx, mask))
 
     def _plan_buckets(self, meta: StepMetadata, decode: list[int], device: torch.device) -> None:
         bs, window = self.backend.block_size, self.backend.spec.sliding_window
@@ -218,7 +232,14 @@ class TorchAttentionStep(AttentionStep):
             out.index_copy_(
                 0, bucket.rows, self._decode(bucket, q.index_select(0, bucket.rows), cache, scale)
             )
+        op_takes = q.dtype in CPP_DECODE_DTYPES and cache.dtype in (q.dtype, torch.bfloat16)
         for p in self.prefills:
+            if self.backend.prefill_op is not None and op_takes:  # reads the chunk's pages
+                window = self.backend.spec.sliding_window or 0
+                o = out[p.rows]
+                self.backend.prefill_op(q[p.rows], o, cache[0], cache[1], p.pages, p.context,
+                                        scale, window)  # fmt: skip
+                continue
             fresh = (k[p.rows], v[p.rows]) if k is not None and v is not None else None
             out[p.rows] = self._prefill(p, q[p.rows], fresh, cache, scale)
         return out
@@ -246,7 +267,11 @@ class TorchAttentionStep(AttentionStep):
         cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        if p.has_context or fresh is None:
+        mask = p.mask
+        if mask is None and self.backend.prefill_op is not None:  # dtypes the op does not take
+            mask = prefill_mask(p.context, p.seq_len, self.backend.spec.sliding_window)
+            mask = mask.to(q.device) if mask is not None else None
+        if p.context > 0 or fresh is None:
             kv_heads, dim = cache.shape[1], cache.shape[-1]
             keys = cache[0].index_select(1, p.pages).view(kv_heads, -1, dim)[:, : p.seq_len]
             values = cache[1].index_select(1, p.pages).view(kv_heads, -1, dim)[:, : p.seq_len]
@@ -259,8 +284,8 @@ class TorchAttentionStep(AttentionStep):
             q.transpose(0, 1)[None],
             keys[None],
             values[None],
-            attn_mask=p.mask,
-            is_causal=p.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
@@ -288,6 +313,13 @@ class TorchBackend(AttentionBackend):
             ops = cpu_decode.load()
             if ops is not None:
                 self.decode_op, self.rope_decode_op = ops.paged_decode, ops.rope_write_decode
+        # Prefill chunks go to the compiled C++ op under the same conditions, where every
+        # layer's head size is a multiple of its vector width; None: SDPA (tests compare them).
+        self.prefill_op = None
+        if kv_caches[0].device.type == "cpu" and kv_caches[0].dtype in CPP_DECODE_DTYPES:
+            ops = cpu_prefill.load()
+            if ops is not None and all(lay.head_dim % ops.simd_width() == 0 for lay in spec.layers):
+                self.prefill_op = ops.paged_prefill
 
     @classmethod
     def kv_cache_shape(

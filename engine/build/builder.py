@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.attention import BackendChoice, DeviceFacts
+from engine.attention import BackendChoice, DeviceFacts, cpu_prefill
 from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.build import pool as kv_phase
@@ -296,6 +296,11 @@ def _engine_info(
         attention_backend=backend_cls.name,
         device_label=facts.label,
         compiled_decode=getattr(backend, "decode_op", None) is not None,
+        compiled_prefill=(  # queries in the serving dtype: bf16 operands only on a bf16 cache
+            cpu_prefill.arithmetic(dtype if pool.kv_dtype == dtype else torch.float32)
+            if getattr(backend, "prefill_op", None) is not None
+            else None
+        ),
         cuda_graphs=runner.graph_sizes(),
         kernel_table=kernel_table,
         max_model_len=max_model_len,

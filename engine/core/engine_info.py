@@ -34,6 +34,7 @@ class EngineInfo:
     attention_backend: str
     device_label: str
     compiled_decode: bool  # the C++ paged-decode op serves CPU decode steps
+    compiled_prefill: str | None  # the C++ prefill op's arithmetic where it serves CPU prefill
     cuda_graphs: tuple[int, ...]  # decode batch sizes captured as CUDA graphs (empty: eager)
     kernel_table: str
     max_model_len: int

@@ -1,0 +1,408 @@
+// Paged prefill attention for CPU float32 and bfloat16: torch.ops.kvserve_cpu_prefill.
+// Built at first use by engine/attention/cpu_prefill.py; its consumer is the torch backend.
+//
+// Why: a long prompt's prefill spent 61% of its time in torch's CPU flash attention (a
+// 1,024-token causal pass of 9 heads of 64 at ~100 GFLOP/s, a quarter of the machine's float32
+// FMA rate), and a chunk with earlier context first gathered the sequence's pages into a copy
+// and attended it under a boolean mask. This op reads the keys and values where the paged cache
+// holds them and runs flash attention (online softmax) with register-blocked micro-kernels:
+// a block of query rows of one head against blocks of KB keys, scores as a small GEMM on the
+// keys transposed once per block, probabilities times values the same way. Causality, the
+// earlier context and a sliding window are positions, not a mask tensor: key blocks no row can
+// see are skipped, and only blocks on a boundary are masked element by element.
+// Arithmetic is float32 throughout (a bf16 cache or query is widened by a shift); the output is
+// rounded to the query's dtype once.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_simd.h"
+
+namespace {
+
+using namespace kvserve_simd;
+
+constexpr int QB = 32;  // query rows per task
+constexpr int KB = 64;  // keys per block
+constexpr int R = 4;    // query rows per micro-kernel
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+constexpr int NJ = W == 16 ? 4 : 2;  // key vectors per score micro-kernel
+
+// S[r][0..KB) = sum_d Q[r][d] * Kt[d][0..KB) for R rows
+inline void scores(const float* q, const float* kt, float* s, int64_t D) {
+  for (int j0 = 0; j0 < KB; j0 += NJ * W) {
+    vf acc[R][NJ];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NJ; ++c) acc[r][c] = vset1(0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      vf k[NJ];
+      for (int c = 0; c < NJ; ++c) k[c] = vload(kt + d * KB + j0 + c * W);
+      for (int r = 0; r < R; ++r) {
+        const vf b = vset1(q[r * D + d]);
+        for (int c = 0; c < NJ; ++c) acc[r][c] = vfma(b, k[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NJ; ++c) vstore(s + r * KB + j0 + c * W, acc[r][c]);
+  }
+}
+
+// O[r][:] += sum_j P[r][j] * V[j][:] for R rows over nk keys, NV vectors of D at a time
+template <int NV>
+inline void accumulate(const float* p, const float* v, float* o, int nk, int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += NV * W) {
+    vf acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NV; ++c) acc[r][c] = vload(o + r * D + d0 + c * W);
+    for (int j = 0; j < nk; ++j) {
+      vf x[NV];
+      for (int c = 0; c < NV; ++c) x[c] = vload(v + j * D + d0 + c * W);
+      for (int r = 0; r < R; ++r) {
+        const vf b = vset1(p[r * KB + j]);
+        for (int c = 0; c < NV; ++c) acc[r][c] = vfma(b, x[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NV; ++c) vstore(o + r * D + d0 + c * W, acc[r][c]);
+  }
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same<T, float>::value) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+    int64_t i = 0;
+    for (; i + W <= n; i += W) vstore(dst + i, vwiden(raw + i));
+    for (; i < n; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(raw[i]) << 16;
+      std::memcpy(dst + i, &bits, 4);
+    }
+  }
+}
+
+// One row's scores over a key block in log2 units (-inf where masked) become its
+// probabilities under the running maximum m; l and the row's output o are rescaled to it.
+// False: the row sees none of the block (its probabilities are zeros).
+inline bool softmax_row(float* sr, float& m, float& l, float* o, int64_t D) {
+  vf mx = vload(sr);
+  for (int j = W; j < KB; j += W) mx = vmax(mx, vload(sr + j));
+  const float bmax = vhmax(mx);
+  if (bmax == -INFINITY) {
+    std::fill(sr, sr + KB, 0.f);
+    return false;
+  }
+  const float m_new = std::max(m, bmax);
+  const vf mn = vset1(m_new);
+  vf sum = vset1(0.f);
+  for (int j = 0; j < KB; j += W) {
+    const vf p = vexp2(vsub(vload(sr + j), mn));
+    vstore(sr + j, p);
+    sum = vadd(sum, p);
+  }
+  const float alpha = m == -INFINITY ? 0.f : std::exp2(m - m_new);
+  l = l * alpha + vhsum(sum);
+  m = m_new;
+  if (alpha != 1.f) {
+    const vf a = vset1(alpha);
+    for (int64_t d = 0; d < D; d += W) vstore(o + d, vmul(a, vload(o + d)));
+  }
+  return true;
+}
+
+// Masks row r's scores (query position pos) in a key block starting at k0 with nk keys.
+inline void mask_row(float* sr, int64_t pos, int64_t k0, int nk, int64_t window) {
+  for (int j = 0; j < KB; ++j) {
+    const int64_t kp = k0 + j;
+    if (j >= nk || kp > pos || (window > 0 && kp <= pos - window)) sr[j] = -INFINITY;
+  }
+}
+
+// The sequence's keys and values, packed once per call for the micro-kernels, per KV head and
+// block of KB keys (positions from k_lo; keys past the sequence are zeros). Float: keys
+// transposed [D][KB], values as rows [KB][D]. bf16: keys as dimension pairs [D/2][KB] and
+// values as key pairs [KB/2][D], the operand layouts of vdpbf16ps.
+template <typename C, bool kBF16>
+struct Packed {
+  using E = std::conditional_t<kBF16, uint32_t, float>;
+  int64_t D, k_lo, nkb, per_block;
+  std::vector<E> k, v;
+  Packed(int64_t KVH, int64_t D_, int64_t k_lo_, int64_t seq)
+      : D(D_), k_lo(k_lo_), nkb((seq - k_lo_ + KB - 1) / KB),
+        per_block(kBF16 ? KB * D_ / 2 : KB * D_), k(KVH * nkb * per_block),
+        v(KVH * nkb * per_block) {}
+  const E* kblock(int64_t kh, int64_t k0) const { return &k[(kh * nkb + (k0 - k_lo) / KB) * per_block]; }
+  const E* vblock(int64_t kh, int64_t k0) const { return &v[(kh * nkb + (k0 - k_lo) / KB) * per_block]; }
+  // block b of KV head kh from the caches (kb, vb: that head's [num_blocks, BS, D])
+  void pack(int64_t kh, int64_t b, const C* kb, const C* vb, const int32_t* pages, int64_t BS,
+            int64_t seq) {
+    E* kd = &k[(kh * nkb + b) * per_block];
+    E* vd = &v[(kh * nkb + b) * per_block];
+    const int64_t k0 = k_lo + b * KB;
+    const C* krow[KB];
+    const C* vrow[KB];
+    for (int j = 0; j < KB; ++j) {
+      const int64_t pos = k0 + j;
+      const int64_t off = (static_cast<int64_t>(pages[pos / BS]) * BS + pos % BS) * D;
+      krow[j] = pos < seq ? kb + off : nullptr;
+      vrow[j] = pos < seq ? vb + off : nullptr;
+    }
+    if constexpr (kBF16) {
+      const int64_t D2 = D / 2;
+      for (int j = 0; j < KB; ++j) {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(krow[j]);
+        for (int64_t p = 0; p < D2; ++p) kd[p * KB + j] = src ? src[p] : 0u;
+      }
+      for (int jp = 0; jp < KB / 2; ++jp) {
+        const uint16_t* lo = reinterpret_cast<const uint16_t*>(vrow[2 * jp]);
+        const uint16_t* hi = reinterpret_cast<const uint16_t*>(vrow[2 * jp + 1]);
+        for (int64_t x = 0; x < D; ++x)
+          vd[jp * D + x] = (lo ? lo[x] : 0u) | (hi ? static_cast<uint32_t>(hi[x]) << 16 : 0u);
+      }
+    } else {
+      std::vector<float> row(D);
+      for (int j = 0; j < KB; ++j) {
+        if (krow[j] == nullptr) {
+          for (int64_t x = 0; x < D; ++x) kd[x * KB + j] = 0.f;
+          std::fill(vd + j * D, vd + (j + 1) * D, 0.f);
+          continue;
+        }
+        to_float(krow[j], row.data(), D);
+        for (int64_t x = 0; x < D; ++x) kd[x * KB + j] = row[x];
+        to_float(vrow[j], vd + j * D, D);
+      }
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
+// bf16 operands: S[r][0..KB) = sum over dimension pairs of Q[r] pair x K pair (vdpbf16ps)
+inline void scores_bf16(const uint32_t* q, const uint32_t* kt, float* s, int64_t D2) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < D2; ++p) {
+    __m512bh k[4];
+    for (int c = 0; c < 4; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kt + p * KB + c * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * D2 + p]));
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], k[c], b);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * KB + c * 16, acc[r][c]);
+}
+
+// O[r][:] += sum over key pairs of P[r] pair x V pair, P as bf16 pairs [R][KB / 2]
+template <int NV>
+inline void accumulate_bf16(const uint32_t* p, const uint32_t* v, float* o, int nk, int64_t D) {
+  const int npairs = (nk + 1) / 2;
+  for (int64_t d0 = 0; d0 < D; d0 += NV * 16) {
+    __m512 acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + d0 + c * 16);
+    for (int jp = 0; jp < npairs; ++jp) {
+      __m512bh x[NV];
+      for (int c = 0; c < NV; ++c) x[c] = (__m512bh)_mm512_loadu_si512(v + jp * D + d0 + c * 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * KB / 2 + jp]));
+        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x[c], b);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * D + d0 + c * 16, acc[r][c]);
+  }
+}
+constexpr bool kHaveBF16Dot = true;
+#else
+constexpr bool kHaveBF16Dot = false;
+#endif
+
+// Per-thread scratch for one task.
+struct Scratch {
+  std::vector<float> q, o, s, m, l;
+  std::vector<uint32_t> qb, pb;  // bf16 operands: query pairs, probability pairs
+  explicit Scratch(int64_t D)
+      : q(QB * D), o(QB * D), s(QB * KB), m(QB), l(QB), qb(QB * D / 2), pb(QB * KB / 2) {}
+};
+
+// One task: query rows [r0, r0 + nq) of head h (positions ctx + r0 ...) over the keys they see.
+template <typename T, typename C, bool kBF16, int NV>
+void attend_block(const T* qp, int64_t q_row_stride, T* op, int64_t o_row_stride,
+                  const Packed<C, kBF16>& kv, int64_t kh, int64_t h, int64_t r0, int64_t nq,
+                  int64_t ctx, int64_t window, float sc2, Scratch& w) {
+  const int64_t D = kv.D;
+  float *q = w.q.data(), *o = w.o.data(), *s = w.s.data();
+  std::fill(o, o + QB * D, 0.f);
+  std::fill(w.m.begin(), w.m.end(), -INFINITY);
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+  if constexpr (kBF16) {
+    std::fill(w.qb.begin(), w.qb.end(), 0u);
+    for (int64_t r = 0; r < nq; ++r)
+      std::memcpy(&w.qb[r * D / 2], qp + (r0 + r) * q_row_stride + h * D, D * 2);
+  } else {
+    std::fill(q, q + QB * D, 0.f);
+    for (int64_t r = 0; r < nq; ++r) {
+      to_float(qp + (r0 + r) * q_row_stride + h * D, q + r * D, D);
+      for (int64_t d = 0; d < D; ++d) q[r * D + d] *= sc2;  // scores in log2 units: exp2 below
+    }
+  }
+  const int64_t first_pos = ctx + r0, last_pos = ctx + r0 + nq - 1;
+  const int64_t k_begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) / KB * KB : 0;
+  const int64_t k_end = last_pos + 1;
+  const int64_t nqr = (nq + R - 1) / R * R;
+  for (int64_t k0 = std::max(k_begin, kv.k_lo); k0 < k_end; k0 += KB) {
+    const int nk = static_cast<int>(std::min<int64_t>(KB, k_end - k0));
+    if constexpr (kBF16) {
+#if defined(__AVX512BF16__)
+      for (int64_t r = 0; r < nqr; r += R) scores_bf16(&w.qb[r * D / 2], kv.kblock(kh, k0), s + r * KB, D / 2);
+      for (int64_t i = 0; i < nqr * KB; i += W) vstore(s + i, vmul(vload(s + i), vset1(sc2)));
+#endif
+    } else {
+      for (int64_t r = 0; r < nqr; r += R) scores(q + r * D, kv.kblock(kh, k0), s + r * KB, D);
+    }
+    // a block some row cannot see all of: mask by position
+    const bool edge = k0 + KB - 1 > first_pos || (window > 0 && k0 <= last_pos - window);
+    for (int64_t r = 0; r < nqr; ++r) {
+      float* sr = s + r * KB;
+      if (r >= nq) {
+        std::fill(sr, sr + KB, 0.f);
+        continue;
+      }
+      if (edge) mask_row(sr, first_pos + r, k0, nk, window);
+      softmax_row(sr, w.m[r], w.l[r], o + r * D, D);
+    }
+    if constexpr (kBF16) {
+#if defined(__AVX512BF16__)
+      for (int64_t i = 0; i < nqr * KB; i += 32) {  // probabilities to bf16 pairs
+        const __m512bh pr = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16), _mm512_loadu_ps(s + i));
+        _mm512_storeu_si512(&w.pb[i / 2], (__m512i)pr);
+      }
+      for (int64_t r = 0; r < nqr; r += R)
+        accumulate_bf16<NV>(&w.pb[r * KB / 2], kv.vblock(kh, k0), o + r * D, nk, D);
+#endif
+    } else {
+      for (int64_t r = 0; r < nqr; r += R) accumulate<NV>(s + r * KB, kv.vblock(kh, k0), o + r * D, nk, D);
+    }
+  }
+  for (int64_t r = 0; r < nq; ++r) {
+    const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
+    T* dst = op + (r0 + r) * o_row_stride + h * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[r * D + d] * inv);
+  }
+}
+
+template <typename T, typename C, bool kBF16, int NV>
+void prefill_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& pages, int64_t ctx, float scale,
+                  int64_t window) {
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), seq = ctx + n;
+  const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
+  const int64_t G = H / KVH, nqb = (n + QB - 1) / QB, tasks = H * nqb;
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
+  const int32_t* pg = pages.data_ptr<int32_t>();
+  const int64_t qs = q.stride(0), os = out.stride(0);
+  const float sc2 = scale * static_cast<float>(M_LOG2E);
+  const int64_t k_lo = window > 0 ? std::max<int64_t>(0, ctx - window + 1) / KB * KB : 0;
+  Packed<C, kBF16> kv(KVH, D, k_lo, seq);
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < KVH * kv.nkb; ++t) {
+      const int64_t kh = t / kv.nkb;
+      kv.pack(kh, t % kv.nkb, kp + kh * NB * BS * D, vp + kh * NB * BS * D, pg, BS, seq);
+    }
+    Scratch w(D);
+    // the last query blocks see the most keys: handed out first, the rest fill in behind them
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t b = nqb - 1 - t / H, h = t % H;
+      const int64_t r0 = b * QB, nq = std::min<int64_t>(QB, n - r0);
+      attend_block<T, C, kBF16, NV>(qp, qs, op, os, kv, h / G, h, r0, nq, ctx, window, sc2, w);
+    }
+  }
+}
+
+template <typename T, typename C>
+void prefill_nv(const at::Tensor& q, at::Tensor& out, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& pages, int64_t ctx, float scale, int64_t window) {
+  const int64_t D = q.size(2);
+  // bf16 queries on a bf16 cache: bf16 dot products where the CPU has them
+  constexpr bool kBF16 = kHaveBF16Dot && std::is_same<T, at::BFloat16>::value;
+  if (D % (4 * W) == 0) {
+    prefill_impl<T, C, kBF16, 4>(q, out, k, v, pages, ctx, scale, window);
+  } else if (D % (2 * W) == 0) {
+    prefill_impl<T, C, kBF16, 2>(q, out, k, v, pages, ctx, scale, window);
+  } else {
+    prefill_impl<T, C, kBF16, 1>(q, out, k, v, pages, ctx, scale, window);
+  }
+}
+#endif
+
+}  // namespace
+
+// The vector width the kernels were built for (floats); 0: not built (no AVX2), and head sizes
+// that are not a multiple of it are refused.
+int64_t simd_width() { return W; }
+
+// Whether bf16 queries on a bf16 cache take bf16 dot products (AVX512-BF16), not float32 FMAs.
+bool bf16_dot() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// q [n, H, D] (rows may be strided: a view of the fused qkv), out the same shape; k_cache,
+// v_cache [KVH, num_blocks, block_size, D] contiguous, holding this sequence's keys and values
+// at positions [0, ctx + n) (this chunk's already written); pages int32, the sequence's blocks;
+// query row i is at position ctx + i; window 0 = full.
+void paged_prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
+                   const at::Tensor& v_cache, const at::Tensor& pages, int64_t ctx, double scale,
+                   int64_t window) {
+  TORCH_CHECK(W > 0, "built without AVX2");
+  const auto dt = q.scalar_type(), ct = k_cache.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(out.scalar_type() == dt && out.sizes() == q.sizes());
+  TORCH_CHECK(v_cache.scalar_type() == ct && (ct == dt || ct == at::kBFloat16));
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows of [H, D] contiguous");
+  TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2));
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(pages.scalar_type() == at::kInt && pages.is_contiguous());
+  const int64_t D = q.size(2);
+  TORCH_CHECK(W > 0 && D % (W > 0 ? W : 1) == 0 && k_cache.size(3) == D, "head size");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0);
+  TORCH_CHECK(pages.numel() * k_cache.size(2) >= ctx + q.size(0), "pages cover the sequence");
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  const float sc = static_cast<float>(scale);
+  if (dt == at::kFloat && ct == at::kFloat) {
+    prefill_nv<float, float>(q, out, k_cache, v_cache, pages, ctx, sc, window);
+  } else if (dt == at::kFloat) {
+    prefill_nv<float, at::BFloat16>(q, out, k_cache, v_cache, pages, ctx, sc, window);
+  } else {
+    prefill_nv<at::BFloat16, at::BFloat16>(q, out, k_cache, v_cache, pages, ctx, sc, window);
+  }
+#endif
+}
+
+TORCH_LIBRARY(kvserve_cpu_prefill, m) {
+  m.def("simd_width() -> int", &simd_width);
+  m.def("bf16_dot() -> bool", &bf16_dot);
+  m.def("paged_prefill(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor pages, "
+        "int context, float scale, int window) -> ()");
+  m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(paged_prefill));
+}

@@ -1,0 +1,147 @@
+"""The C++ paged prefill attention (engine/attention/cpu_prefill.cpp) against a float64
+reference, and the torch backend's prefill through it against the same step on SDPA: chunks with
+and without earlier context, shuffled pages, GQA, a sliding window, head sizes that take each of
+the op's vector blockings, float32, a bf16 cache under float32 queries, and bf16 throughout
+(bf16 dot products where the CPU has them)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import cpu_prefill
+from engine.attention.base import StepMetadata
+from engine.attention.torch_backend import TorchBackend
+from models.spec import ModelSpec, uniform_layers
+
+pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
+
+DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16),
+]
+
+
+def ops():
+    loaded = cpu_prefill.load()
+    # the op must build here (CI has g++, ninja and AVX2): a silent fallback would hide a
+    # performance regression
+    assert loaded is not None
+    return loaded
+
+
+def paged(ctx: int, n: int, heads: int, kv_heads: int, dim: int, bs: int, dtype, cdtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    npages = -(-(ctx + n) // bs)
+    cache = torch.randn(2, kv_heads, npages + 3, bs, dim, generator=g).to(cdtype)
+    pages = torch.randperm(npages + 3, generator=g)[:npages].to(torch.int32)
+    # q as the model hands it over: a view of a wider row (q and k heads side by side)
+    qk = torch.randn(n, heads + kv_heads, dim, generator=g).to(dtype)
+    return qk[:, :heads], cache, pages
+
+
+def reference(q, cache, pages, ctx, window, scale):
+    n, _, dim = q.shape
+    seq = ctx + n
+    kv_heads = cache.shape[1]
+    k = cache[0][:, pages.long()].reshape(kv_heads, -1, dim)[:, :seq].double()
+    v = cache[1][:, pages.long()].reshape(kv_heads, -1, dim)[:, :seq].double()
+    q_pos, k_pos = torch.arange(ctx, seq)[:, None], torch.arange(seq)[None]
+    mask = k_pos <= q_pos
+    if window:
+        mask &= k_pos > q_pos - window
+    o = F.scaled_dot_product_attention(
+        q.double().transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale,
+        enable_gqa=True,
+    )  # fmt: skip
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype, cdtype", DTYPES)
+@pytest.mark.parametrize(
+    "ctx, n, heads, kv_heads, dim, bs, window",
+    [
+        (0, 1, 6, 2, 64, 16, 0),
+        (0, 37, 9, 3, 64, 16, 0),  # a partial query block, keys ending mid-block
+        (100, 75, 4, 2, 128, 16, 0),  # earlier context (a prefix hit, a second chunk)
+        (0, 300, 4, 4, 64, 32, 50),  # a window smaller than the chunk: early blocks skipped
+        (513, 130, 6, 2, 96, 16, 0),  # 96: the op's two-vector blocking
+        (70, 200, 4, 1, 32, 16, 129),  # window past the context's start
+        (3, 65, 2, 1, 16, 4, 0),
+    ],
+)
+def test_op_matches_reference(ctx, n, heads, kv_heads, dim, bs, window, dtype, cdtype) -> None:
+    """float32 arithmetic: to 1e-5 of float64. bf16 queries and cache: to bf16 output rounding
+    (2**-7 relative of outputs up to ~2, probabilities rounded to bf16 before P.V)."""
+    op = ops()
+    if dim % op.simd_width():
+        pytest.skip(f"head size {dim} is not a multiple of this build's width")
+    q, cache, pages = paged(ctx, n, heads, kv_heads, dim, bs, dtype, cdtype)
+    scale = 1 / math.sqrt(dim)
+    out = torch.full_like(q.contiguous(), float("nan"))
+    op.paged_prefill(q, out, cache[0], cache[1], pages, ctx, scale, window)
+    expected = reference(q, cache, pages, ctx, window, scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
+
+
+def test_op_refuses_what_it_cannot_read() -> None:
+    op = ops()
+    q, cache, pages = paged(0, 8, 2, 1, 16, 4, torch.float32, torch.float32)
+    out = torch.empty_like(q.contiguous())
+    with pytest.raises(RuntimeError, match="pages cover"):
+        op.paged_prefill(q, out, cache[0], cache[1], pages[:1], 0, 0.25, 0)
+    with pytest.raises(RuntimeError):  # a float32 cache under bf16 queries
+        op.paged_prefill(q.bfloat16(), out.bfloat16(), cache[0], cache[1], pages, 0, 0.25, 0)
+
+
+@pytest.mark.parametrize("dtype, cdtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 24])
+def test_backend_prefill_op_matches_sdpa(window, dtype, cdtype) -> None:
+    """One step of three prefill chunks (fresh, after a context, one row past a shared prefix)
+    and a decode row: the op's output equals the SDPA path's on the same cache. A bf16 cache
+    under float32 queries to bf16 rounding: SDPA attends a fresh chunk's unrounded K/V, the op
+    the cache's rounded ones (as decode and a prefix hit do)."""
+    bs, heads, kv_heads, dim = 4, 6, 2, 16
+    spec = ModelSpec(
+        "LlamaForCausalLM", 100, 96, uniform_layers(1, heads, kv_heads, dim, 32),
+        sliding_window=window,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(*TorchBackend.kv_cache_shape(64, bs, kv_heads, dim), generator=g)
+    cache = cache.to(cdtype)
+    perm = torch.randperm(64, generator=g).tolist()
+    shared = perm[:5]
+    plan = [(0, 29), (17, 40), (20, 1), (33, 1)]  # (context, query tokens) per sequence
+    tables, start, slots = [], 0, []
+    for i, (ctx, n) in enumerate(plan):
+        need = -(-(ctx + n) // bs)
+        own = [perm.pop() for _ in range(need - (5 if i in (1, 2) else 0))]
+        table = (shared if i in (1, 2) else []) + own
+        tables.append(table)
+        slots += [table[p // bs] * bs + p % bs for p in range(ctx, ctx + n)]
+        start += n
+    meta = StepMetadata(
+        [0, 29, 69, 70], [n for _, n in plan], [c for c, _ in plan], [c + n for c, n in plan],
+        tables, torch.tensor(slots),
+    )  # fmt: skip
+    rows = sum(n for _, n in plan)
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    k = torch.randn(rows, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(rows, kv_heads, dim, generator=g).to(dtype)
+    backend = TorchBackend(spec, [cache.clone()], bs)
+    assert backend.prefill_op is not None
+    with_op = backend.plan(meta).forward(0, q, k, v)
+    backend = TorchBackend(spec, [cache.clone()], bs)
+    backend.prefill_op = None
+    with_sdpa = backend.plan(meta).forward(0, q, k, v)
+    if cdtype == torch.float32:
+        torch.testing.assert_close(with_op, with_sdpa, atol=1e-5, rtol=1e-4)
+    else:
+        torch.testing.assert_close(with_op.float(), with_sdpa.float(), atol=3e-2, rtol=2**-6)
