@@ -33,12 +33,14 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto", help="auto | none | int8 (--quantization)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16")
     ap.add_argument("--gguf-int8-activations", default="auto", help="auto | on | off")
+    ap.add_argument("--gguf-int8-prefill", default="off", help="auto | on | off")
     a = ap.parse_args()
     # speculation off: a verify step is another step, and drafts would end the requests early
     # (the steps timed after the end are empty)
     llm = LLM(
         num_speculative_tokens=0,
         gguf_int8_activations=a.gguf_int8_activations,
+        gguf_int8_prefill=a.gguf_int8_prefill,
         cpu_packed_weights=not a.no_packed_weights,
         enable_prefix_caching=False,
         dtype=a.dtype,
@@ -47,6 +49,10 @@ def main() -> None:
     )
     print(f"dtype {llm.engine.info.dtype} ({llm.engine.info.dtype_reason})")
     print(llm.engine.info.kernel_table.splitlines()[-1].strip())
+    for line in llm.engine.info.kernel_table.splitlines():
+        for part in line.split("; "):
+            if "int8 W8A8" in part or "int8 prefill" in part:
+                print(part.strip())
     engine = llm.engine
     n = a.prompt_len
     work = chat_prompts(llm.tokenizer, a.batch, (n, n), (1, 1), seed=3)

@@ -195,6 +195,15 @@ class EngineConfig:
         "a prefix-cache hit could answer differently from a miss)",
         ("auto", "on", "off"),
     )
+    gguf_int8_prefill: str = setting(
+        "off",
+        "GGUF weights' dense path (prefill chunks) as int8 W8A8: the blocks rounded again per "
+        "output channel, activations per row, int32 sums (VNNI where the CPU has it). auto: "
+        "from the rows where it measures faster, if the startup accuracy judge accepts it "
+        "against the float GEMM; on: where faster, the judge's figures only reported; off: "
+        "never (1 byte a weight more memory)",
+        ("auto", "on", "off"),
+    )
     kv_cache_dtype: str = setting(
         "auto",
         "KV cache dtype. auto: the serving dtype; bfloat16: half a float32 model's KV bytes "
@@ -271,6 +280,13 @@ class EngineConfig:
             raise ValueError("quantization must be auto, none, int8, int4 or int8wo")
         if self.gguf_int8_activations not in ("auto", "on", "off"):
             raise ValueError("gguf_int8_activations must be auto, on or off")
+        if self.gguf_int8_prefill not in ("auto", "on", "off"):
+            raise ValueError("gguf_int8_prefill must be auto, on or off")
+        if self.gguf_int8_prefill == "on" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "gguf_int8_prefill on is a single-rank path (its measurement and judge run on "
+                "one model); use auto or off with tensor parallelism"
+            )
         if self.pooling not in ("auto", "last", "mean"):
             raise ValueError("pooling must be auto, last or mean")
         if self.tensor_parallel_allreduce not in ("auto", "shm", "gloo"):

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from models import int8_prefill
 from models.cpp_ext import CppOps
+from models.int8_prefill import Int8Weight
 from models.layers import (
     Linear,
     best_pass_time,
@@ -75,6 +77,10 @@ class GGUFWeight:
     # the blocks repacked for gguf_q8.cpp's kernels (`interleave`: NR rows per vector lane),
     # which serve both float and int8 activations where built (AVX2); else the blocks serve
     interleaved: torch.Tensor | None = None
+    # from int8_min_rows rows on, the dense path on an int8 W8A8 copy (`make_int8`; the startup
+    # measurement and accuracy judge decide: engine/weights/quantization.py)
+    int8: Int8Weight | None = None
+    int8_min_rows: int = 1 << 30
 
     def rows(self, start: int, end: int) -> GGUFWeight:
         """Output rows [start, end) as a weight of their own (block rows are independent);
@@ -82,7 +88,10 @@ class GGUFWeight:
         part = replace(
             self, blocks=self.blocks[start:end], out_features=end - start, packed=None,
             interleaved=None, bias=None if self.bias is None else self.bias[start:end],
+            int8=None,
         )  # fmt: skip
+        if self.int8 is not None:
+            part.make_int8()
         if self.packed is not None:
             part.pack()
         if self.interleaved is not None:
@@ -126,6 +135,18 @@ class GGUFWeight:
         self.packed = onednn_pack(dense)
         return dense.numel() * dense.element_size()
 
+    def make_int8(self) -> int:
+        """Hold the int8 W8A8 copy (the blocks dequantized, rounded per output channel); returns
+        its bytes (0 where its ops are not built here)."""
+        if int8_prefill.load() is None:
+            return 0
+        self.int8 = Int8Weight.from_dense(self.dense(torch.float32))
+        return self.int8.nbytes
+
+    def dense_int8(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.int8 is not None, "make_int8() first"
+        return self.int8.matmul(x, self.bias)
+
     def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.packed is not None and x.dtype == self.dtype:
@@ -135,7 +156,10 @@ class GGUFWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.kernel_max_rows:
             return self.kernel_q8(x) if x.shape[0] <= self.q8_max_rows else self.kernel(x)
-        return self.dense_matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        flat = x.reshape(-1, x.shape[-1])
+        if self.int8 is not None and flat.shape[0] >= self.int8_min_rows:
+            return self.dense_int8(flat).reshape(*x.shape[:-1], -1)
+        return self.dense_matmul(flat).reshape(*x.shape[:-1], -1)
 
 
 def attach(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> dict[str, int]:
@@ -260,4 +284,50 @@ def measure_crossover(
     text = "; ".join(lines)
     if key is not None:
         _MEASURED[key] = (limits, text)
+    return text
+
+
+# Row counts the int8 W8A8 dense path is timed at against the float one (prefill chunks)
+INT8_ROW_BUCKETS = (64, 256, 1024)
+_MEASURED_INT8: dict[tuple, tuple[int, str]] = {}
+
+
+@torch.inference_mode()
+def measure_int8_dense(model: nn.Module, key: tuple | None = None) -> str:
+    """Give the decoder's GGUF weights int8 W8A8 copies and time the dense path on them against
+    the float one at INT8_ROW_BUCKETS (all weights in forward order). They serve from the
+    smallest bucket from which they win at every larger one by Q8_MARGIN (they round
+    activations); where they never win, the copies are dropped. The lm_head keeps the float
+    path (a prefill computes its logits for a few rows). Returns the choice, for the banner."""
+    weights = [
+        module.quant
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "quant", None), GGUFWeight) and not name.endswith("lm_head")
+    ]
+    if not weights or int8_prefill.load() is None:
+        return ""
+    copies = sum(w.make_int8() for w in weights)
+    if key is not None and key in _MEASURED_INT8:
+        start, text = _MEASURED_INT8[key]
+    else:
+        start, seen = 1 << 30, []
+        for rows in reversed(INT8_ROW_BUCKETS):
+            dense = _best_time(weights, "dense_matmul", rows)
+            int8 = _best_time(weights, "dense_int8", rows)
+            seen.append(f"{rows}: {dense * 1e3:.1f}/{int8 * 1e3:.1f}")
+            if int8 * Q8_MARGIN >= dense:
+                break
+            start = rows
+        times = f"ms float/int8 by rows {', '.join(reversed(seen))}"
+        text = (
+            f"int8 W8A8 dense path from {start} rows ({copies / 2**20:.0f} MiB of copies; {times})"
+            if start < 1 << 30
+            else f"int8 W8A8 dense path not faster here ({times})"
+        )
+        if key is not None:
+            _MEASURED_INT8[key] = (start, text)
+    for w in weights:
+        w.int8_min_rows = start
+        if start == 1 << 30:
+            w.int8 = None
     return text

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # the modules that own a `CppOps` (models/cpp_ext.py), as "module:attribute"
 MODULES = ("models.cpu_fused:_OPS", "models.gguf_linear:_OPS", "models.gguf_linear:_Q8_OPS",
            "engine.attention.cpu_decode:_OPS", "engine.grammar.token_bitmask:_OPS",
-           "models.decode_stack:_OPS", "engine.attention.cpu_prefill:_OPS")  # fmt: skip
+           "models.decode_stack:_OPS", "engine.attention.cpu_prefill:_OPS",
+           "models.int8_prefill:_OPS")  # fmt: skip
 
 
 def build(entry: str, march: str) -> str:

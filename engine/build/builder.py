@@ -20,6 +20,7 @@ from engine.build.speculation import build_drafter, load_draft_head
 from engine.build.weights import (
     LoadedWeights,
     int8_activations,
+    int8_prefill,
     load_weights,
     refuse_before_loading,
     weights_key,
@@ -40,9 +41,11 @@ from engine.spec.drafting import Drafter
 from engine.weights.quantization import (
     WEIGHT_ONLY,
     judge_int8_activations,
+    judge_int8_prefill,
     quantize_model,
     quantize_weight_only,
 )
+from models import gguf_linear
 from models.eagle.head import EagleHead
 from models.layers import pack_linears
 from models.llama import LlamaForCausalLM
@@ -215,7 +218,14 @@ def _quantize(
         model, backend, tokenizer, pool.num_blocks, pool.block_size, device,
         binding=config.gguf_int8_activations == "auto", key=key,
     )  # fmt: skip
-    return f"{notes}; {judged}" if judged else notes
+    if int8_prefill(config) and (int8 := gguf_linear.measure_int8_dense(model, key)):
+        log.info("GGUF dense path: %s", int8)
+        notes += f"; {int8}"
+    prefill = judge_int8_prefill(
+        model, backend, tokenizer, pool.num_blocks, pool.block_size, device,
+        binding=config.gguf_int8_prefill == "auto", key=(*key, "int8 prefill"),
+    )  # fmt: skip
+    return "; ".join(part for part in (notes, judged, prefill) if part)
 
 
 def _kv_manager(

@@ -32,7 +32,8 @@ def weights_key(config: EngineConfig, model_path: str, dtype: torch.dtype) -> tu
     second engine beside the first) reuses what the first measured."""
     return (
         os.path.abspath(model_path), os.path.getmtime(model_path), str(dtype),
-        config.quantization, config.gguf_int8_activations, config.cpu_packed_weights,
+        config.quantization, config.gguf_int8_activations, config.gguf_int8_prefill,
+        config.cpu_packed_weights,
         torch.get_num_threads(), config.tensor_parallel_size, config.spec_max_verify_rows,
     )  # fmt: skip
 
@@ -42,6 +43,13 @@ def int8_activations(config: EngineConfig) -> bool:
     auto under tensor parallelism: no (the accuracy judge runs on one rank's model only)."""
     setting = config.gguf_int8_activations
     return setting == "on" or (setting == "auto" and config.tensor_parallel_size == 1)
+
+
+def int8_prefill(config: EngineConfig) -> bool:
+    """Whether the GGUF weights' dense path may take int8 W8A8 copies (`--gguf-int8-prefill`):
+    measured and judged on rank 0's model in the quantize phase, so not under tensor
+    parallelism (`on` is refused there by the config)."""
+    return config.gguf_int8_prefill != "off" and config.tensor_parallel_size == 1
 
 
 def refuse_before_loading(config: EngineConfig, device: torch.device) -> None:
@@ -101,6 +109,7 @@ def load_weights(
         )
         log.info("GGUF block kernel against the dense path: %s", crossover)
         gguf_note += f"; {crossover}"
+
     if gguf_note:
         notes = f"{gguf_note}; other weights {notes}"
     local = shard.spec if shard is not None else spec

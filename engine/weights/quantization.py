@@ -18,6 +18,10 @@ and `FBGEMM_ENABLE_INSTRUCTIONS=AVX2`), per-tensor ranges then crush a prompt's 
 under its first token's outliers (SmolLM2: top-1 0.81, and one prompt's last logits at cosine
 0.72), and such a server would answer differently from the model it names; it refuses, naming the
 measurement and `int8wo` (Q8_0 weights, llama.cpp's int8 activations) as what serves there.
+`--gguf-int8-prefill`: GGUF weights' dense path (prefill) on int8 W8A8 copies (per-row
+activations, per-channel weights: models/int8_prefill.py) where the probe measures them faster,
+judged against the float GEMM at the `--gguf-int8-activations` bar (`judge_int8_prefill`; the
+shipped SmolLM2 Q4_1 fails it: top-1 0.85, its activation outliers set each row's int8 step).
 Everything measured is deterministic (fixed calibration and held-out text, a fixed probe): a
 build gives the same figures on every start of the same CPU and settings."""
 
@@ -315,4 +319,61 @@ def judge_int8_activations(
         for w in weights:
             w.q8_max_rows = 0
     log.info("GGUF block kernel: %s", text)
+    return text
+
+
+@torch.inference_mode()
+def judge_int8_prefill(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    tokenizer: Tokenizer | None,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    binding: bool,
+    key: tuple | None = None,
+) -> str:
+    """Where the startup measurement kept int8 W8A8 copies for the dense path (prefill), measure
+    what they cost: HELD_OUT with every dense-path row on them against the same weights on the
+    float GEMM. `binding` (auto): below INT8_ACTIVATION_TOP1 / _COSINE (the bar int8 block-kernel
+    activations meet) the copies are dropped. Returns the banner's words ("" where none serve)."""
+    weights = [w for w in gguf_linear.gguf_weights(model) if w.int8 is not None]
+    if not weights:
+        return ""
+    if key is not None and key in _JUDGED:
+        keep, text = _JUDGED[key]
+    else:
+        logits = held_out_logits(
+            model, forward_fn(model, backend, block_size, device), tokenizer,
+            min(256, num_blocks * block_size),
+        )  # fmt: skip
+        chosen = [(w.int8_min_rows, w.kernel_max_rows) for w in weights]
+        try:  # the held-out prompts are short: every row through the dense path, float or int8
+            for w in weights:
+                w.int8_min_rows, w.kernel_max_rows = 1 << 30, 0
+            reference = logits()
+            for w in weights:
+                w.int8_min_rows = 1
+            got = logits()
+        finally:
+            for w, (rows, kernel) in zip(weights, chosen):
+                w.int8_min_rows, w.kernel_max_rows = rows, kernel
+        top1, cosine = agreement(reference, got)
+        keep = not binding or (top1 >= INT8_ACTIVATION_TOP1 and cosine >= INT8_ACTIVATION_COSINE)
+        measured = (
+            f"vs the float GEMM on {len(reference)} held-out positions: top-1 agreement "
+            f"{top1:.2f}, logit cosine {cosine:.4f}"
+        )
+        bar = f"{INT8_ACTIVATION_TOP1} / {INT8_ACTIVATION_COSINE}"
+        text = (
+            f"int8 prefill serves ({measured})"
+            if keep
+            else f"int8 prefill refused by the accuracy judge ({measured}; below {bar})"
+        )
+        if key is not None:
+            _JUDGED[key] = (keep, text)
+    if not keep:
+        for w in weights:
+            w.int8, w.int8_min_rows = None, 1 << 30
+    log.info("GGUF dense path: %s", text)
     return text

@@ -1,0 +1,51 @@
+"""int8 W8A8 for the dense path of GGUF weights (prefill: many rows): the weight dequantized from
+its blocks and rounded again per output channel to int8, each activation row rounded to int8 by
+its own range, int32 sums from `torch._int_mm` (oneDNN: VNNI where the CPU has it), scaled back in
+one pass (int8_rows.cpp beside this file; its build and fallback: models/cpp_ext.py).
+
+Whether it serves is measured at startup (engine/weights/quantization.py: faster than the packed
+float GEMM at the rows it takes, and the model on it agrees with float prefill on held-out text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.cpp_ext import CppOps
+
+_OPS = CppOps("kvserve_int8_rows", Path(__file__).with_name("int8_rows.cpp"))
+
+
+def load() -> Any:
+    """The compiled ops (`.quantize_rows`, `.scale_rows`), or None where they cannot be built."""
+    return _OPS.load()
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    """A weight [out, in] as int8 [in, out] (the GEMM's right operand) and float32 scales [out]."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+
+    @staticmethod
+    def from_dense(dense: torch.Tensor) -> Int8Weight:
+        w = dense.float()
+        scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        return Int8Weight(q.t().contiguous(), scales.contiguous())
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] float32 or bf16 -> [rows, out] in x's dtype."""
+        ops = load()
+        xq, xs = ops.quantize_rows(x.contiguous())
+        acc = torch._int_mm(xq, self.weight)
+        return ops.scale_rows(acc, xs, self.scales, None if bias is None else bias.float(), x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() + 4 * self.scales.numel()

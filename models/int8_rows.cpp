@@ -1,0 +1,105 @@
+// The two ends of an int8 GEMM for many rows (W8A8: per-row int8 activations, per-output-channel
+// int8 weights, int32 sums from torch._int_mm): torch.ops.kvserve_int8_rows.
+// Built at first use by models/int8_prefill.py; its consumer is models/gguf_linear.py's dense path.
+//
+// Why: in PyTorch the activation rounding (absmax, divide, round, clamp, cast) and the output
+// scaling (cast, two broadcast multiplies, bias, cast) are ~8 passes over [rows, features]
+// tensors with a temporary each; for a 1,024 x 3,072 output that cost more than the int8 GEMM
+// itself. Here each is one pass, in parallel over rows.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <tuple>
+
+namespace {
+
+template <typename T>
+void quantize_impl(const at::Tensor& x, at::Tensor& q, at::Tensor& scales) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scales.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* row = xp + m * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(row[k])));
+      const float scale = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* out = qp + m * K;
+      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[k]) * inv));
+      sp[m] = scale;
+    }
+  });
+}
+
+template <typename T>
+void scale_impl(const at::Tensor& acc, const at::Tensor& xs, const at::Tensor& ws,
+                const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t M = acc.size(0), N = acc.size(1);
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* xp = xs.data_ptr<float>();
+  const float* wp = ws.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int32_t* a = ap + m * N;
+      T* o = op + m * N;
+      const float s = xp[m];
+      if (bp != nullptr) {
+        for (int64_t n = 0; n < N; ++n) o[n] = static_cast<T>(static_cast<float>(a[n]) * s * wp[n] + bp[n]);
+      } else {
+        for (int64_t n = 0; n < N; ++n) o[n] = static_cast<T>(static_cast<float>(a[n]) * s * wp[n]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] float32 or bfloat16, contiguous -> (int8 [M, K], float32 [M]): each row rounded to
+// int8 by its own absolute maximum (x ~= q * scale).
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x [M, K] contiguous");
+  auto q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  auto scales = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat) {
+    quantize_impl<float>(x, q, scales);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+    quantize_impl<at::BFloat16>(x, q, scales);
+  }
+  return {q, scales};
+}
+
+// acc [M, N] int32 (the int8 GEMM's sums), row_scales [M], col_scales [N] (and bias [N])
+// float32 -> [M, N] in `dtype`: acc * row_scale * col_scale (+ bias).
+at::Tensor scale_rows(const at::Tensor& acc, const at::Tensor& row_scales,
+                      const at::Tensor& col_scales, const c10::optional<at::Tensor>& bias,
+                      at::ScalarType dtype) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kInt);
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == acc.size(0));
+  TORCH_CHECK(col_scales.scalar_type() == at::kFloat && col_scales.numel() == acc.size(1));
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == acc.size(1)));
+  auto out = at::empty(acc.sizes(), acc.options().dtype(dtype));
+  if (dtype == at::kFloat) {
+    scale_impl<float>(acc, row_scales, col_scales, bias, out);
+  } else {
+    TORCH_CHECK(dtype == at::kBFloat16, "float32 or bfloat16 only");
+    scale_impl<at::BFloat16>(acc, row_scales, col_scales, bias, out);
+  }
+  return out;
+}
+
+TORCH_LIBRARY(kvserve_int8_rows, m) {
+  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.impl("quantize_rows", c10::DispatchKey::CPU, TORCH_FN(quantize_rows));
+  m.def("scale_rows(Tensor acc, Tensor row_scales, Tensor col_scales, Tensor? bias, "
+        "ScalarType dtype) -> Tensor");
+  m.impl("scale_rows", c10::DispatchKey::CPU, TORCH_FN(scale_rows));
+}

@@ -1,0 +1,115 @@
+"""int8 W8A8 for GGUF weights' dense path (`--gguf-int8-prefill`, models/int8_prefill.py): the
+two C++ passes against PyTorch, a weight taking it from its rows on, and an engine where the
+startup measurement and the accuracy judge decide whether it serves."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.core.scoring import score_prompt
+from models import gguf_linear, int8_prefill
+from models.gguf_linear import GGUFWeight
+from models.int8_prefill import Int8Weight
+from tests.test_gguf_blocks import blocks_of
+
+pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
+
+
+def ops():
+    loaded = int8_prefill.load()
+    assert loaded is not None  # CI has g++ and ninja: a silent fallback would hide a regression
+    return loaded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_passes_match_pytorch(dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 96, generator=g) * torch.rand(37, 1, generator=g) * 5).to(dtype)
+    x[3] = 0  # an all-zero row: scale 0, codes 0
+    q, scales = ops().quantize_rows(x)
+    want_scales = x.float().abs().amax(1) / 127
+    torch.testing.assert_close(scales, want_scales)
+    want = torch.round(x.float() / want_scales.clamp_min(1e-30)[:, None]).clamp(-127, 127)
+    assert q.dtype == torch.int8 and (q.float() - want).abs().max() <= 1  # ties: x*inv vs x/s
+    assert (q[3] == 0).all() and q.abs().max() == 127
+    acc = torch.randint(-(2**20), 2**20, (37, 40), dtype=torch.int32, generator=g)
+    cols, bias = torch.rand(40, generator=g), torch.randn(40, generator=g)
+    got = ops().scale_rows(acc, scales, cols, bias, dtype)
+    expected = acc.float() * scales[:, None] * cols[None] + bias
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_takes_int8_from_its_rows(dtype) -> None:
+    """Below `int8_min_rows` the float dense path exactly; from it on int8 W8A8, within int8
+    rounding of the same product (per-row activations, per-channel weights)."""
+    raw, ref = blocks_of("Q4_1", 48, 64)
+    bias = torch.randn(48)
+    w = GGUFWeight("Q4_1", raw, 64, 48, dtype, bias, kernel_max_rows=4)
+    assert w.make_int8() == 48 * 64 + 48 * 4
+    w.int8_min_rows = 40
+    x = torch.randn(80, 64).to(dtype)
+    assert torch.equal(w(x[:39]), w.dense_matmul(x[:39]))
+    got = w(x)
+    assert torch.equal(got, w.dense_int8(x))
+    want = torch.nn.functional.linear(x.float(), ref, bias)
+    # blocks_of's first block per row is offset by +0.5: a channel's int8 step is set by it,
+    # ~3% of the other weights' spread (real weights have no such block: see the engine test)
+    assert torch.nn.functional.cosine_similarity(got.float(), want, dim=-1).min() > 0.995
+    # TP slices keep their copy
+    part = w.rows(8, 24)
+    assert part.int8 is not None and torch.equal(part.int8.weight, w.int8.weight[:, 8:24])
+
+
+def test_int8_weight_rounds_per_output_channel() -> None:
+    dense = torch.randn(6, 32)
+    dense[2] *= 100  # one large channel must not coarsen the others
+    w = Int8Weight.from_dense(dense)
+    back = w.weight.t().float() * w.scales[:, None]
+    err = (back - dense).abs().amax(1)
+    assert (err <= dense.abs().amax(1) / 254 * 1.001).all()
+
+
+@pytest.mark.main_pass_only
+def test_engine_measures_and_judges_int8_prefill(llama_dir, monkeypatch) -> None:
+    """`on` with the probe's margin at 0 (int8 taken from the smallest bucket whatever the
+    timing): the banner has the choice and the judge's figures, a long prompt's prefill runs on
+    it and its logits track the float GEMM's; `auto` under a bar no model meets drops the copies."""
+    from engine.weights import quantization
+
+    monkeypatch.setattr(gguf_linear, "Q8_MARGIN", 0.0)
+    monkeypatch.setattr(gguf_linear, "_MEASURED_INT8", {})
+    common = {"quantization": "int8wo", "num_kv_blocks": 32, "dtype": "float32"}
+    llm = LLM(str(llama_dir), gguf_int8_prefill="on", **common)
+    table = llm.engine.info.kernel_table
+    first = min(gguf_linear.INT8_ROW_BUCKETS)
+    assert f"int8 W8A8 dense path from {first} rows" in table
+    assert re.search(r"int8 prefill serves \(vs the float GEMM on \d+ held-out positions", table)
+    weights = gguf_linear.gguf_weights(llm.engine.runner.model)
+    decoder = [w for w in weights if w.int8 is not None]
+    assert decoder and all(w.int8_min_rows == first for w in decoder)
+    assert llm.engine.runner.model.lm_head.quant.int8 is None  # the head keeps the float path
+
+    calls = []
+    matmul = Int8Weight.matmul
+    monkeypatch.setattr(
+        Int8Weight, "matmul", lambda self, x, b: calls.append(len(x)) or matmul(self, x, b)
+    )
+    ids = list(range(5, 5 + 3 * first))
+    got = score_prompt(llm.engine, ids)
+    assert calls and max(calls) >= first
+    plain = LLM(str(llama_dir), gguf_int8_prefill="off", **common)
+    want = score_prompt(plain.engine, ids)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99
+
+    monkeypatch.setattr(quantization, "INT8_ACTIVATION_TOP1", 1.01)
+    monkeypatch.setattr(quantization, "_JUDGED", {})
+    strict = LLM(str(llama_dir), gguf_int8_prefill="auto", **common)
+    assert "int8 prefill refused by the accuracy judge" in strict.engine.info.kernel_table
+    assert all(w.int8 is None for w in gguf_linear.gguf_weights(strict.engine.runner.model))
