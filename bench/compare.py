@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.plot:
         from bench.plot import plot_levels
 
+        Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
         series = {
             n: [
                 (c, means[f"throughput c={c}"][n])
