@@ -212,7 +212,7 @@ def _quantize(
         notes = quantize_weight_only(
             model, config.quantization, backend, tokenizer, pool.num_blocks, pool.block_size,
             device, config.cpu_packed_weights, int8_activations(config),
-            config.spec_max_verify_rows,
+            config.spec_max_verify_rows, key,
         )  # fmt: skip
     judged = judge_int8_activations(
         model, backend, tokenizer, pool.num_blocks, pool.block_size, device,

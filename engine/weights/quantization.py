@@ -188,9 +188,10 @@ def quantize_weight_only(
     pack: bool,
     int8_activations: bool = False,
     q8_min_rows: int = 0,
+    key: tuple | None = None,
 ) -> str:
     """Round every float linear weight to ggml blocks, measure the result on held-out text,
-    and describe it for the kernel matrix."""
+    and describe it for the kernel matrix (`key`: the crossover's memo, as in load_weights)."""
     logits = held_out_logits(
         model,
         forward_fn(model, backend, block_size, device),
@@ -206,7 +207,7 @@ def quantize_weight_only(
     accuracy = judge(method, reference, logits(), f"{fmt} weights")
     dtype = model.embed_tokens.weight.dtype
     crossover = gguf_linear.measure_crossover(
-        model, dtype, int8_activations, q8_min_rows=q8_min_rows
+        model, dtype, int8_activations, key, q8_min_rows=q8_min_rows
     )
     stored = ", ".join(f"{f} {size / 2**20:.0f} MiB" for f, size in sorted(held.items()))
     described = (
