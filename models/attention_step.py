@@ -53,6 +53,20 @@ class AttentionStep(Protocol):
         step has no such path: the caller runs the general one."""
         return None
 
+    def rope_write(
+        self,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor | None:
+        """Optional fused path for any step where `rope_decode` does not serve, under its
+        conditions on the layer: rotary on q and k of `qkv`, k and v written into the layer's KV
+        group; returns the rotated q [tokens, heads, head_dim] for `forward(layer_idx, q, None,
+        None)`. None where the step has no such path."""
+        return None
+
     def decode_stack_args(self, cos: torch.Tensor, num_layers: int) -> DecodeStackArgs | None:
         """Where `rope_decode` serves every one of the model's `num_layers` layers this step,
         what the whole-stack decode op needs; None otherwise."""

@@ -80,6 +80,12 @@ class DecoderLayer(nn.Module):
             fused = attn.rope_decode(self.idx, qkv, cos, sin, lay.num_heads)
         if fused is not None:  # a decode step: rotary, KV write and attention in one op
             return self._mlp(self.o_proj(fused.reshape(t, self.q_dim)), residual)
+        if self.q_norm is None and self.writes_kv and hasattr(attn, "rope_write"):
+            # rotary and the KV write fused (so the attention below writes nothing)
+            q = attn.rope_write(self.idx, qkv, cos, sin, lay.num_heads)
+            if q is not None:
+                o = attn.forward(self.idx, q, None, None)
+                return self._mlp(self.o_proj(o.reshape(t, self.q_dim)), residual)
         k = v = None
         if self.writes_kv:
             v = qkv[:, self.q_dim + self.kv_dim :].view(t, lay.num_kv_heads, lay.head_dim)

@@ -145,3 +145,32 @@ def test_backend_prefill_op_matches_sdpa(window, dtype, cdtype) -> None:
         torch.testing.assert_close(with_op, with_sdpa, atol=1e-5, rtol=1e-4)
     else:
         torch.testing.assert_close(with_op.float(), with_sdpa.float(), atol=3e-2, rtol=2**-6)
+
+
+@pytest.mark.parametrize("dtype, cdtype", DTYPES)
+def test_rope_write_matches_rotary_then_write(dtype, cdtype) -> None:
+    """The fused rotary + KV write (any step's rows) against `apply_rope` and the backend's own
+    indexed write: q rotated as apply_rope rotates it, the cache holding the same k and v."""
+    from models.layers import apply_rope
+
+    bs, heads, kv_heads, dim, n = 4, 6, 2, 16, 23
+    spec = ModelSpec("LlamaForCausalLM", 100, 96, uniform_layers(1, heads, kv_heads, dim, 32))
+    g = torch.Generator().manual_seed(2)
+    cache = torch.zeros(*TorchBackend.kv_cache_shape(16, bs, kv_heads, dim)).to(cdtype)
+    table = torch.randperm(16, generator=g)[:6].tolist()
+    meta = StepMetadata([0], [n], [0], [n], [table], torch.tensor([table[p // bs] * bs + p % bs
+                                                                   for p in range(n)]))  # fmt: skip
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    angles = torch.rand(n, dim // 2, generator=g) * 6
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # as the model passes them
+    fused = TorchBackend(spec, [cache.clone()], bs)
+    q = fused.plan(meta).rope_write(0, qkv, cos, sin, heads)
+    assert q is not None
+    plain = TorchBackend(spec, [cache.clone()], bs)
+    step = plain.plan(meta)
+    qk = apply_rope(qkv[:, : (heads + kv_heads) * dim].view(n, -1, dim), cos, sin)
+    v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
+    step.forward(0, qk[:, :heads], qk[:, heads:], v)
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 2**-7}
+    torch.testing.assert_close(q, qk[:, :heads], **tol)
+    torch.testing.assert_close(fused.kv_caches[0], plain.kv_caches[0], **tol)

@@ -282,6 +282,77 @@ at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const
   return out;
 }
 
+// Any step's rotary and KV write from its fused qkv projection, without the attention: rotary
+// on q and k (as `rope_write_decode` computes it), k and v written into their cache slots, the
+// rotated q returned [n, H, D] for the step's attention (prefill chunks: cpu_prefill.cpp). In
+// PyTorch that is the rotation's float32 round trip, a cat and two indexed writes per layer:
+// ~6% of a prefill. Parallel over rows.
+template <typename T, typename C>
+static void rope_write_impl(const T* src, const float* cp, const float* sp, C* kc, C* vc,
+                            const int64_t* sb, const int64_t* so, int64_t n, int64_t H,
+                            int64_t KVH, int64_t NB, int64_t BS, int64_t D, T* q) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* c = cp + i * half;
+      const float* s = sp + i * half;
+      auto rotate = [&](const T* x, auto* y) {
+        using O = std::remove_pointer_t<decltype(y)>;
+        for (int64_t d = 0; d < half; ++d) {
+          const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
+          y[d] = static_cast<O>(x1 * c[d] - x2 * s[d]);
+          y[d + half] = static_cast<O>(x2 * c[d] + x1 * s[d]);
+        }
+      };
+      const T* row = src + i * (H + 2 * KVH) * D;
+      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, q + (i * H + h) * D);
+      for (int64_t kh = 0; kh < KVH; ++kh) {
+        const int64_t slot = (kh * NB + sb[i]) * BS + so[i];
+        rotate(row + (H + kh) * D, kc + slot * D);
+        const T* v = row + (H + KVH + kh) * D;
+        for (int64_t d = 0; d < D; ++d) vc[slot * D + d] = static_cast<C>(static_cast<float>(v[d]));
+      }
+    }
+  });
+}
+
+at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& kv_cache, const at::Tensor& slot_block,
+                      const at::Tensor& slot_offset, int64_t num_heads) {
+  const auto dt = qkv.scalar_type(), ct = kv_cache.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(ct == dt || ct == at::kBFloat16, "the cache is qkv's dtype or bfloat16");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_cache.is_contiguous());
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous());
+  TORCH_CHECK(slot_block.scalar_type() == at::kLong && slot_offset.scalar_type() == at::kLong);
+  const int64_t n = qkv.size(0), H = num_heads, KVH = kv_cache.size(1), D = kv_cache.size(4);
+  const int64_t NB = kv_cache.size(2), BS = kv_cache.size(3);
+  TORCH_CHECK(H % KVH == 0 && qkv.size(1) == (H + 2 * KVH) * D && cos.numel() == n * (D / 2));
+  TORCH_CHECK(slot_block.numel() == n && slot_offset.numel() == n);
+  at::Tensor q = at::empty({n, H, D}, qkv.options());
+  const int64_t* sb = slot_block.data_ptr<int64_t>();
+  const int64_t* so = slot_offset.data_ptr<int64_t>();
+  at::Tensor kcache = kv_cache.select(0, 0), vcache = kv_cache.select(0, 1);
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  if (dt == at::kFloat && ct == at::kFloat) {
+    rope_write_impl<float, float>(qkv.data_ptr<float>(), cp, sp, kcache.data_ptr<float>(),
+                                  vcache.data_ptr<float>(), sb, so, n, H, KVH, NB, BS, D,
+                                  q.data_ptr<float>());
+  } else if (dt == at::kFloat) {
+    rope_write_impl<float, at::BFloat16>(qkv.data_ptr<float>(), cp, sp,
+                                         kcache.data_ptr<at::BFloat16>(),
+                                         vcache.data_ptr<at::BFloat16>(), sb, so, n, H, KVH, NB,
+                                         BS, D, q.data_ptr<float>());
+  } else {
+    rope_write_impl<at::BFloat16, at::BFloat16>(qkv.data_ptr<at::BFloat16>(), cp, sp,
+                                                kcache.data_ptr<at::BFloat16>(),
+                                                vcache.data_ptr<at::BFloat16>(), sb, so, n, H,
+                                                KVH, NB, BS, D, q.data_ptr<at::BFloat16>());
+  }
+  return q;
+}
+
 TORCH_LIBRARY(kvserve_cpu_decode, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, int window) -> Tensor");
@@ -290,4 +361,7 @@ TORCH_LIBRARY(kvserve_cpu_decode, m) {
         "Tensor slot_block, Tensor slot_offset, Tensor block_tables, Tensor seq_lens, "
         "int num_heads, float scale, int window) -> Tensor");
   m.impl("rope_write_decode", c10::DispatchKey::CPU, TORCH_FN(rope_write_decode));
+  m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slot_block, "
+        "Tensor slot_offset, int num_heads) -> Tensor");
+  m.impl("rope_write", c10::DispatchKey::CPU, TORCH_FN(rope_write));
 }

@@ -186,6 +186,24 @@ class TorchAttentionStep(AttentionStep):
             backend.spec.sliding_window or 0,
         )
 
+    def rope_write(
+        self,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor | None:
+        backend = self.backend
+        if backend.rope_write_op is None or cos.dtype != torch.float32:
+            return None
+        cache = backend.kv_caches[backend.layer_group[layer_idx]]
+        if qkv.dtype not in CPP_DECODE_DTYPES or cache.dtype not in (qkv.dtype, torch.bfloat16):
+            return None
+        return backend.rope_write_op(
+            qkv.contiguous(), cos, sin, cache, self.slot_block, self.slot_offset, num_heads
+        )
+
     def decode_stack_args(self, cos: torch.Tensor, num_layers: int) -> DecodeStackArgs | None:
         backend = self.backend
         if not self.all_decode or self.cpp_decode is None or backend.decode_op is None:
@@ -309,10 +327,12 @@ class TorchBackend(AttentionBackend):
         # CPU). Tests set it to None to compare the paths.
         self.decode_op = None
         self.rope_decode_op = None  # the same op with rotary and the KV write fused in front
+        self.rope_write_op = None  # rotary and the KV write alone (any step; tests clear it)
         if kv_caches[0].device.type == "cpu" and kv_caches[0].dtype in CPP_DECODE_DTYPES:
             ops = cpu_decode.load()
             if ops is not None:
                 self.decode_op, self.rope_decode_op = ops.paged_decode, ops.rope_write_decode
+                self.rope_write_op = ops.rope_write
         # Prefill chunks go to the compiled C++ op under the same conditions, where every
         # layer's head size is a multiple of its vector width; None: SDPA (tests compare them).
         self.prefill_op = None
