@@ -304,8 +304,15 @@ def measure_int8_dense(model: nn.Module, key: tuple | None = None) -> str:
         for name, module in model.named_modules()
         if isinstance(getattr(module, "quant", None), GGUFWeight) and not name.endswith("lm_head")
     ]
-    if not weights or int8_prefill.load() is None:
+    if not weights:
         return ""
+    if int8_prefill.load() is None:
+        why = (
+            "torch._int_mm is not exact on this CPU (int16 sums without VNNI)"
+            if not int8_prefill.int_mm_exact()
+            else "its C++ ops cannot be built"
+        )
+        return f"int8 W8A8 dense path unavailable: {why}"
     copies = sum(w.make_int8() for w in weights)
     if key is not None and key in _MEASURED_INT8:
         start, text = _MEASURED_INT8[key]

@@ -96,19 +96,25 @@ def _judged(llm: LLM) -> torch.Tensor:
 def test_a_q8_0_gguf_loads_into_int8_accurate_or_refused(smollm2_path, tmp_path) -> None:
     """int8 W8A8 serves only where it is accurate, and then exactly as the startup judge said:
     its figures (top-1 agreement and mean cosine on the held-out text) come out again through
-    the serving path. Without VNNI (7-bit activations) it is refused, naming the measurement."""
+    the serving path. Without VNNI (7-bit activations) it is refused, naming the measurement.
+    With VNNI SmolLM2 sits at the bar: per-tensor int8 rounding turns a float32 summation-order
+    change upstream (1e-7 in one layer's attention) into a quantization step downstream, and the
+    verdict moved between 0.85 and 0.92 with the attention kernel alone; either outcome must be
+    the judge's, reported as such."""
     from tools.export_gguf import gguf_as
 
     q8 = gguf_as(smollm2_path, tmp_path / "m.Q8_0.gguf", "Q8_0")
-    if needs_reduce_range():
-        with pytest.raises(ValueError, match="too inaccurate on this CPU") as refused:
-            LLM(str(q8), num_kv_blocks=16, dtype="float32", quantization="int8")
-        message = str(refused.value)
-        assert "7-bit activations (fbgemm without VNNI)" in message
+    try:
+        q = LLM(str(q8), num_kv_blocks=16, dtype="float32", quantization="int8")
+    except ValueError as refused:
+        message = str(refused)
+        assert "too inaccurate on this CPU" in message
+        bits = "7-bit activations (fbgemm without VNNI)" if needs_reduce_range() else "8-bit"
+        assert bits in message
         top1 = float(re.search(r"top-1 agreement ([\d.]+)", message).group(1))
         assert top1 < WARN_TOP1 and "--quantization int8wo" in message
         return
-    q = LLM(str(q8), num_kv_blocks=16, dtype="float32", quantization="int8")
+    assert not needs_reduce_range(), "7-bit activations were accepted"
     table = q.engine.info.kernel_table
     line = re.search(r"top-1 agreement ([\d.]+), logit cosine ([\d.]+)", table)
     promised_top1, promised_cosine = float(line.group(1)), float(line.group(2))

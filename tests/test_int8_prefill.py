@@ -20,9 +20,18 @@ pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test
 
 
 def ops():
-    loaded = int8_prefill.load()
+    loaded = int8_prefill._OPS.load()
     assert loaded is not None  # CI has g++ and ninja: a silent fallback would hide a regression
     return loaded
+
+
+def test_int8_path_only_where_int_mm_is_exact() -> None:
+    """The W8A8 copies are made only where `torch._int_mm` measures exact (AVX2 without VNNI:
+    saturating sums); elsewhere a weight keeps its float dense path."""
+    raw, _ = blocks_of("Q4_1", 48, 64)
+    w = GGUFWeight("Q4_1", raw, 64, 48, torch.float32, kernel_max_rows=4)
+    assert (w.make_int8() > 0) == int8_prefill.int_mm_exact()
+    assert (w.int8 is not None) == int8_prefill.int_mm_exact()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -49,6 +58,8 @@ def test_row_passes_match_pytorch(dtype) -> None:
 def test_weight_takes_int8_from_its_rows(dtype) -> None:
     """Below `int8_min_rows` the float dense path exactly; from it on int8 W8A8, within int8
     rounding of the same product (per-row activations, per-channel weights)."""
+    if not int8_prefill.int_mm_exact():  # refused here: the test above
+        return
     raw, ref = blocks_of("Q4_1", 48, 64)
     bias = torch.randn(48)
     w = GGUFWeight("Q4_1", raw, 64, 48, dtype, bias, kernel_max_rows=4)
@@ -88,6 +99,10 @@ def test_engine_measures_and_judges_int8_prefill(llama_dir, monkeypatch) -> None
     common = {"quantization": "int8wo", "num_kv_blocks": 32, "dtype": "float32"}
     llm = LLM(str(llama_dir), gguf_int8_prefill="on", **common)
     table = llm.engine.info.kernel_table
+    if not int8_prefill.int_mm_exact():  # an AVX2-only CPU: refused, and the banner says why
+        assert "int8 W8A8 dense path unavailable: torch._int_mm is not exact" in table
+        assert all(w.int8 is None for w in gguf_linear.gguf_weights(llm.engine.runner.model))
+        return
     first = min(gguf_linear.INT8_ROW_BUCKETS)
     assert f"int8 W8A8 dense path from {first} rows" in table
     assert re.search(r"int8 prefill serves \(vs the float GEMM on \d+ held-out positions", table)
