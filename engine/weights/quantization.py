@@ -265,6 +265,38 @@ def serve_gguf_blocks(
 _JUDGED: dict[tuple, tuple[bool, str]] = {}
 
 
+def _held_out_agreement(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    tokenizer: Tokenizer | None,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    exact: Callable[[], None],
+    int8: Callable[[], None],
+    against: str,
+) -> tuple[bool, str]:
+    """HELD_OUT's logits after `exact()`, then after `int8()` (the caller restores what they
+    set): whether they meet INT8_ACTIVATION_TOP1 / _COSINE, and the figures in words."""
+    logits = held_out_logits(
+        model, forward_fn(model, backend, block_size, device), tokenizer,
+        min(256, num_blocks * block_size),
+    )  # fmt: skip
+    exact()
+    reference = logits()
+    int8()
+    top1, cosine = agreement(reference, logits())
+    meets = top1 >= INT8_ACTIVATION_TOP1 and cosine >= INT8_ACTIVATION_COSINE
+    measured = (
+        f"vs {against} on {len(reference)} held-out positions: top-1 agreement {top1:.2f}, "
+        f"logit cosine {cosine:.4f}"
+    )
+    return meets, measured
+
+
+INT8_BAR = f"{INT8_ACTIVATION_TOP1} / {INT8_ACTIVATION_COSINE}"
+
+
 @torch.inference_mode()
 def judge_int8_activations(
     model: LlamaForCausalLM,
@@ -288,32 +320,30 @@ def judge_int8_activations(
     if key is not None and key in _JUDGED:
         keep, text = _JUDGED[key]
     else:
-        logits = held_out_logits(
-            model, forward_fn(model, backend, block_size, device), tokenizer,
-            min(256, num_blocks * block_size),
-        )  # fmt: skip
         every_row = 1 << 30
-        try:
+
+        def exact() -> None:
             for w in weights:
                 w.q8_max_rows, w.kernel_max_rows = 0, every_row
-            reference = logits()
+
+        def int8() -> None:
             for w, (q8, _) in zip(weights, chosen):
                 w.q8_max_rows = every_row if q8 else 0
-            got = logits()
+
+        try:
+            meets, measured = _held_out_agreement(
+                model, backend, tokenizer, num_blocks, block_size, device, exact, int8,
+                "float activations",
+            )  # fmt: skip
         finally:
             for w, limits in zip(weights, chosen):
                 w.q8_max_rows, w.kernel_max_rows = limits
-        top1, cosine = agreement(reference, got)
-        keep = not binding or (top1 >= INT8_ACTIVATION_TOP1 and cosine >= INT8_ACTIVATION_COSINE)
-        measured = (
-            f"vs float activations on {len(reference)} held-out positions: top-1 agreement "
-            f"{top1:.2f}, logit cosine {cosine:.4f}"
+        keep = meets or not binding
+        text = (
+            f"int8 activations serve where faster ({measured})"
+            if keep
+            else f"int8 activations refused by the accuracy judge ({measured}; below {INT8_BAR})"
         )
-        if keep:
-            text = f"int8 activations serve where faster ({measured})"
-        else:
-            bar = f"{INT8_ACTIVATION_TOP1} / {INT8_ACTIVATION_COSINE}"
-            text = f"int8 activations refused by the accuracy judge ({measured}; below {bar})"
         if key is not None:
             _JUDGED[key] = (keep, text)
     if not keep:
@@ -344,32 +374,29 @@ def judge_int8_prefill(
     if key is not None and key in _JUDGED:
         keep, text = _JUDGED[key]
     else:
-        logits = held_out_logits(
-            model, forward_fn(model, backend, block_size, device), tokenizer,
-            min(256, num_blocks * block_size),
-        )  # fmt: skip
         chosen = [(w.int8_min_rows, w.kernel_max_rows) for w in weights]
-        try:  # the held-out prompts are short: every row through the dense path, float or int8
+
+        def exact() -> None:  # the held-out prompts are short: every row through the dense path
             for w in weights:
                 w.int8_min_rows, w.kernel_max_rows = 1 << 30, 0
-            reference = logits()
+
+        def int8() -> None:
             for w in weights:
                 w.int8_min_rows = 1
-            got = logits()
+
+        try:
+            meets, measured = _held_out_agreement(
+                model, backend, tokenizer, num_blocks, block_size, device, exact, int8,
+                "the float GEMM",
+            )  # fmt: skip
         finally:
             for w, (rows, kernel) in zip(weights, chosen):
                 w.int8_min_rows, w.kernel_max_rows = rows, kernel
-        top1, cosine = agreement(reference, got)
-        keep = not binding or (top1 >= INT8_ACTIVATION_TOP1 and cosine >= INT8_ACTIVATION_COSINE)
-        measured = (
-            f"vs the float GEMM on {len(reference)} held-out positions: top-1 agreement "
-            f"{top1:.2f}, logit cosine {cosine:.4f}"
-        )
-        bar = f"{INT8_ACTIVATION_TOP1} / {INT8_ACTIVATION_COSINE}"
+        keep = meets or not binding
         text = (
             f"int8 prefill serves ({measured})"
             if keep
-            else f"int8 prefill refused by the accuracy judge ({measured}; below {bar})"
+            else f"int8 prefill refused by the accuracy judge ({measured}; below {INT8_BAR})"
         )
         if key is not None:
             _JUDGED[key] = (keep, text)
