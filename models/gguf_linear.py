@@ -204,6 +204,17 @@ def quantize_to_blocks(
     return blocks
 
 
+def weight_groups(model: nn.Module) -> dict[str, list[GGUFWeight]]:
+    """The model's GGUF weights in forward order, as the probes time them: "decoder layers" and
+    "lm_head" (another shape and format)."""
+    groups: dict[str, list[GGUFWeight]] = {}
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "quant", None), GGUFWeight):
+            group = "lm_head" if name.endswith("lm_head") else "decoder layers"
+            groups.setdefault(group, []).append(module.quant)
+    return groups
+
+
 def _best_time(weights: list[GGUFWeight], path: str, rows: int) -> float:
     """One pass over `weights` in forward order through `path` ("kernel", "kernel_q8" or
     "dense_matmul") at `rows` rows (`best_pass_time`)."""
@@ -238,11 +249,7 @@ def measure_crossover(
     `q8_max_rows` and
     `kernel_max_rows` are set from that; a group that takes int8 activations takes them up to
     at least `q8_min_rows`. Returns the choices and times, for the banner."""
-    groups: dict[str, list[GGUFWeight]] = {}
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "quant", None), GGUFWeight):
-            group = "lm_head" if name.endswith("lm_head") else "decoder layers"
-            groups.setdefault(group, []).append(module.quant)
+    groups = weight_groups(model)
     int8_activations = int8_activations and load_q8() is not None
     if key is not None and key in _MEASURED:
         limits, text = _MEASURED[key]
@@ -299,11 +306,7 @@ def measure_int8_dense(model: nn.Module, key: tuple | None = None) -> str:
     smallest bucket from which they win at every larger one by Q8_MARGIN (they round
     activations); where they never win, the copies are dropped. The lm_head keeps the float
     path (a prefill computes its logits for a few rows). Returns the choice, for the banner."""
-    weights = [
-        module.quant
-        for name, module in model.named_modules()
-        if isinstance(getattr(module, "quant", None), GGUFWeight) and not name.endswith("lm_head")
-    ]
+    weights = weight_groups(model).get("decoder layers", [])
     if not weights:
         return ""
     if int8_prefill.load() is None:

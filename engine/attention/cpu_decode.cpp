@@ -168,6 +168,31 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// Rotate-half rotary (HF layout) of one head x into y, with this row's cos / sin tables c, s
+// [D / 2] (float32: a bf16 table would round every rotation).
+template <typename T, typename O>
+static inline void rotate_half(const T* x, const float* c, const float* s, int64_t half, O* y) {
+  for (int64_t d = 0; d < half; ++d) {
+    const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
+    y[d] = static_cast<O>(x1 * c[d] - x2 * s[d]);
+    y[d + half] = static_cast<O>(x2 * c[d] + x1 * s[d]);
+  }
+}
+
+// Row i of the fused qkv (q heads, k heads, v heads): its k heads rotated and its v heads copied
+// into their cache slots.
+template <typename T, typename C>
+static inline void write_kv_row(int64_t i, const T* row, const float* c, const float* s, C* kc,
+                                C* vc, const int64_t* sb, const int64_t* so, int64_t H,
+                                int64_t KVH, int64_t NB, int64_t BS, int64_t D) {
+  for (int64_t kh = 0; kh < KVH; ++kh) {
+    const int64_t slot = (kh * NB + sb[i]) * BS + so[i];
+    rotate_half(row + (H + kh) * D, c, s, D / 2, kc + slot * D);
+    const T* v = row + (H + KVH + kh) * D;
+    for (int64_t d = 0; d < D; ++d) vc[slot * D + d] = static_cast<C>(static_cast<float>(v[d]));
+  }
+}
+
 // One decode step's attention for one layer from its fused qkv projection: rotary on q and k
 // (rotate-half, HF layout), k and v written into their cache slots, then attention as
 // `paged_decode` computes it. In PyTorch that is ~15 small ops per layer (slices, the rotation's
@@ -189,25 +214,9 @@ static void rope_attend_impl(const at::Tensor& qkv, const float* cp, const float
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
-  // row i's rotate-half of the head at x into y
-  auto rotate = [&](int64_t i, const T* x, auto* y) {
-    using O = std::remove_pointer_t<decltype(y)>;
-    const float* c = cp + i * half;
-    const float* s = sp + i * half;
-    for (int64_t d = 0; d < half; ++d) {
-      const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
-      y[d] = static_cast<O>(x1 * c[d] - x2 * s[d]);
-      y[d + half] = static_cast<O>(x2 * c[d] + x1 * s[d]);
-    }
-  };
   for (int64_t i = 0; i < n; ++i) {
-    const T* row = src + i * (H + 2 * KVH) * D;
-    for (int64_t kh = 0; kh < KVH; ++kh) {
-      const int64_t slot = (kh * NB + sb[i]) * BS + so[i];
-      rotate(i, row + (H + kh) * D, kc + slot * D);
-      const T* v = row + (H + KVH + kh) * D;
-      for (int64_t d = 0; d < D; ++d) vc[slot * D + d] = static_cast<C>(static_cast<float>(v[d]));
-    }
+    write_kv_row(i, src + i * (H + 2 * KVH) * D, cp + i * half, sp + i * half, kc, vc, sb, so, H,
+                 KVH, NB, BS, D);
   }
   // Fewer (row, KV head) tasks than twice the threads (batch 1: 3 on 2 threads, one idle half
   // the time): a task per query head instead, each reading its KV head's rows (from cache).
@@ -217,7 +226,8 @@ static void rope_attend_impl(const at::Tensor& qkv, const float* cp, const float
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / (H / P), head0 = task % (H / P) * P, kh = head0 / G;
       const T* row = src + i * (H + 2 * KVH) * D;
-      for (int64_t g = 0; g < P; ++g) rotate(i, row + (head0 + g) * D, qf.data() + g * D);
+      for (int64_t g = 0; g < P; ++g)
+        rotate_half(row + (head0 + g) * D, cp + i * half, sp + i * half, half, qf.data() + g * D);
       if constexpr (!std::is_same<T, float>::value) {  // rounded as the unfused path's q is
         for (int64_t j = 0; j < P * D; ++j) qf[j] = static_cast<float>(static_cast<T>(qf[j]));
       }
@@ -296,22 +306,9 @@ static void rope_write_impl(const T* src, const float* cp, const float* sp, C* k
     for (int64_t i = begin; i < end; ++i) {
       const float* c = cp + i * half;
       const float* s = sp + i * half;
-      auto rotate = [&](const T* x, auto* y) {
-        using O = std::remove_pointer_t<decltype(y)>;
-        for (int64_t d = 0; d < half; ++d) {
-          const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
-          y[d] = static_cast<O>(x1 * c[d] - x2 * s[d]);
-          y[d + half] = static_cast<O>(x2 * c[d] + x1 * s[d]);
-        }
-      };
       const T* row = src + i * (H + 2 * KVH) * D;
-      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, q + (i * H + h) * D);
-      for (int64_t kh = 0; kh < KVH; ++kh) {
-        const int64_t slot = (kh * NB + sb[i]) * BS + so[i];
-        rotate(row + (H + kh) * D, kc + slot * D);
-        const T* v = row + (H + KVH + kh) * D;
-        for (int64_t d = 0; d < D; ++d) vc[slot * D + d] = static_cast<C>(static_cast<float>(v[d]));
-      }
+      for (int64_t h = 0; h < H; ++h) rotate_half(row + h * D, c, s, half, q + (i * H + h) * D);
+      write_kv_row(i, row, c, s, kc, vc, sb, so, H, KVH, NB, BS, D);
     }
   });
 }

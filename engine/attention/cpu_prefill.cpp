@@ -15,7 +15,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <omp.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>

@@ -37,6 +37,11 @@ CPP_DECODE_DTYPES = (torch.float32, torch.bfloat16)  # KV dtypes the C++ decode 
 ROWS_AS_DECODE = 12
 
 
+def cpp_reads(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the C++ ops take activations of `dtype` on a cache of `cache_dtype`."""
+    return dtype in CPP_DECODE_DTYPES and cache_dtype in (dtype, torch.bfloat16)
+
+
 def prefill_mask(context: int, seq_len: int, window: int | None) -> torch.Tensor | None:
     """[seq_len - context, seq_len] bool, True = attend: a chunk after `context` earlier tokens
     (causal, within the window); None where plain causal attention over the chunk is it."""
@@ -70,7 +75,7 @@ class _DecodeBucket:
 class _Prefill:
     rows: slice
     seq_len: int
-    pages: torch.Tensor  # the sequence's blocks (int32 for the C++ op)
+    pages: torch.Tensor  # the sequence's blocks, int32
     context: int  # tokens before the chunk
     mask: torch.Tensor | None  # [q, seq_len] bool, True = attend; None = plain causal or the op
 
@@ -130,10 +135,8 @@ class TorchAttentionStep(AttentionStep):
             # the C++ op masks by position; SDPA needs the mask where it is not plain causal
             mask = None if backend.prefill_op is not None else prefill_mask(ctx, seq, window)
             mask = mask.to(device) if mask is not None else None
-            pages = torch.tensor(
-                meta.block_tables[i][: -(-seq // bs)],
-                dtype=torch.int32 if backend.prefill_op is not None else torch.int64,
-                device=device,
+            pages = torch.tensor(  # int32: the C++ op's and index_select's
+                meta.block_tables[i][: -(-seq // bs)], dtype=torch.int32, device=device
             )
             self.prefills.append(_Prefill(slice(start, start + q_len), seq, pages, ctx, mask))
 
@@ -198,7 +201,7 @@ class TorchAttentionStep(AttentionStep):
         if backend.rope_write_op is None or cos.dtype != torch.float32:
             return None
         cache = backend.kv_caches[backend.layer_group[layer_idx]]
-        if qkv.dtype not in CPP_DECODE_DTYPES or cache.dtype not in (qkv.dtype, torch.bfloat16):
+        if not cpp_reads(qkv.dtype, cache.dtype):
             return None
         return backend.rope_write_op(
             qkv.contiguous(), cos, sin, cache, self.slot_block, self.slot_offset, num_heads
@@ -250,9 +253,9 @@ class TorchAttentionStep(AttentionStep):
             out.index_copy_(
                 0, bucket.rows, self._decode(bucket, q.index_select(0, bucket.rows), cache, scale)
             )
-        op_takes = q.dtype in CPP_DECODE_DTYPES and cache.dtype in (q.dtype, torch.bfloat16)
+        op_takes = self.backend.prefill_op is not None and cpp_reads(q.dtype, cache.dtype)
         for p in self.prefills:
-            if self.backend.prefill_op is not None and op_takes:  # reads the chunk's pages
+            if op_takes:  # reads the chunk's pages
                 window = self.backend.spec.sliding_window or 0
                 o = out[p.rows]
                 self.backend.prefill_op(q[p.rows], o, cache[0], cache[1], p.pages, p.context,
@@ -285,10 +288,10 @@ class TorchAttentionStep(AttentionStep):
         cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        mask = p.mask
-        if mask is None and self.backend.prefill_op is not None:  # dtypes the op does not take
+        if p.mask is None and self.backend.prefill_op is not None:  # dtypes the op does not take
             mask = prefill_mask(p.context, p.seq_len, self.backend.spec.sliding_window)
-            mask = mask.to(q.device) if mask is not None else None
+            p.mask = mask.to(q.device) if mask is not None else None  # for the other layers
+        mask = p.mask
         if p.context > 0 or fresh is None:
             kv_heads, dim = cache.shape[1], cache.shape[-1]
             keys = cache[0].index_select(1, p.pages).view(kv_heads, -1, dim)[:, : p.seq_len]
@@ -328,18 +331,19 @@ class TorchBackend(AttentionBackend):
         self.decode_op = None
         self.rope_decode_op = None  # the same op with rotary and the KV write fused in front
         self.rope_write_op = None  # rotary and the KV write alone (any step; tests clear it)
+        # Prefill chunks go to the compiled C++ prefill op where every layer's head size is a
+        # multiple of its vector width; None: SDPA (tests compare them).
+        self.prefill_op = None
         if kv_caches[0].device.type == "cpu" and kv_caches[0].dtype in CPP_DECODE_DTYPES:
             ops = cpu_decode.load()
             if ops is not None:
                 self.decode_op, self.rope_decode_op = ops.paged_decode, ops.rope_write_decode
                 self.rope_write_op = ops.rope_write
-        # Prefill chunks go to the compiled C++ op under the same conditions, where every
-        # layer's head size is a multiple of its vector width; None: SDPA (tests compare them).
-        self.prefill_op = None
-        if kv_caches[0].device.type == "cpu" and kv_caches[0].dtype in CPP_DECODE_DTYPES:
-            ops = cpu_prefill.load()
-            if ops is not None and all(lay.head_dim % ops.simd_width() == 0 for lay in spec.layers):
-                self.prefill_op = ops.paged_prefill
+            prefill = cpu_prefill.load()
+            if prefill is not None and all(
+                lay.head_dim % prefill.simd_width() == 0 for lay in spec.layers
+            ):
+                self.prefill_op = prefill.paged_prefill
 
     @classmethod
     def kv_cache_shape(

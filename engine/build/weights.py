@@ -109,7 +109,6 @@ def load_weights(
         )
         log.info("GGUF block kernel against the dense path: %s", crossover)
         gguf_note += f"; {crossover}"
-
     if gguf_note:
         notes = f"{gguf_note}; other weights {notes}"
     local = shard.spec if shard is not None else spec

@@ -265,39 +265,50 @@ def serve_gguf_blocks(
 _JUDGED: dict[tuple, tuple[bool, str]] = {}
 
 
-def _held_out_agreement(
+@torch.inference_mode()
+def _int8_verdict(
     model: LlamaForCausalLM,
     backend: AttentionBackend,
     tokenizer: Tokenizer | None,
     num_blocks: int,
     block_size: int,
     device: torch.device,
-    exact: Callable[[], None],
-    int8: Callable[[], None],
-    against: str,
+    paths: tuple[Callable[[], None], Callable[[], None], Callable[[], None]],
+    key: tuple | None,
+    binding: bool,
+    words: tuple[str, str, str],
 ) -> tuple[bool, str]:
-    """HELD_OUT's logits after `exact()`, then after `int8()` (the caller restores what they
-    set): whether they meet INT8_ACTIVATION_TOP1 / _COSINE, and the figures in words."""
+    """Whether an int8 path keeps serving, and the banner's words for it: HELD_OUT's logits on
+    the exact path against the int8 one at INT8_ACTIVATION_TOP1 / _COSINE (binding: `auto`),
+    or the verdict `key` already has. `paths`: set the exact path, set the int8 one, restore
+    what they set; `words`: what it is compared against, then the served and refused phrases."""
+    if key is not None and key in _JUDGED:
+        return _JUDGED[key]
+    exact, int8, restore = paths
+    against, served, refused = words
     logits = held_out_logits(
         model, forward_fn(model, backend, block_size, device), tokenizer,
         min(256, num_blocks * block_size),
     )  # fmt: skip
-    exact()
-    reference = logits()
-    int8()
-    top1, cosine = agreement(reference, logits())
-    meets = top1 >= INT8_ACTIVATION_TOP1 and cosine >= INT8_ACTIVATION_COSINE
+    try:
+        exact()
+        reference = logits()
+        int8()
+        top1, cosine = agreement(reference, logits())
+    finally:
+        restore()
+    keep = not binding or (top1 >= INT8_ACTIVATION_TOP1 and cosine >= INT8_ACTIVATION_COSINE)
     measured = (
         f"vs {against} on {len(reference)} held-out positions: top-1 agreement {top1:.2f}, "
         f"logit cosine {cosine:.4f}"
     )
-    return meets, measured
+    bar = f"{INT8_ACTIVATION_TOP1} / {INT8_ACTIVATION_COSINE}"
+    text = f"{served} ({measured})" if keep else f"{refused} ({measured}; below {bar})"
+    if key is not None:
+        _JUDGED[key] = (keep, text)
+    return keep, text
 
 
-INT8_BAR = f"{INT8_ACTIVATION_TOP1} / {INT8_ACTIVATION_COSINE}"
-
-
-@torch.inference_mode()
 def judge_int8_activations(
     model: LlamaForCausalLM,
     backend: AttentionBackend,
@@ -317,35 +328,25 @@ def judge_int8_activations(
     chosen = [(w.q8_max_rows, w.kernel_max_rows) for w in weights]
     if not any(q8 for q8, _ in chosen):
         return ""
-    if key is not None and key in _JUDGED:
-        keep, text = _JUDGED[key]
-    else:
-        every_row = 1 << 30
+    every_row = 1 << 30
 
-        def exact() -> None:
-            for w in weights:
-                w.q8_max_rows, w.kernel_max_rows = 0, every_row
+    def exact() -> None:
+        for w in weights:
+            w.q8_max_rows, w.kernel_max_rows = 0, every_row
 
-        def int8() -> None:
-            for w, (q8, _) in zip(weights, chosen):
-                w.q8_max_rows = every_row if q8 else 0
+    def int8() -> None:
+        for w, (q8, _) in zip(weights, chosen):
+            w.q8_max_rows = every_row if q8 else 0
 
-        try:
-            meets, measured = _held_out_agreement(
-                model, backend, tokenizer, num_blocks, block_size, device, exact, int8,
-                "float activations",
-            )  # fmt: skip
-        finally:
-            for w, limits in zip(weights, chosen):
-                w.q8_max_rows, w.kernel_max_rows = limits
-        keep = meets or not binding
-        text = (
-            f"int8 activations serve where faster ({measured})"
-            if keep
-            else f"int8 activations refused by the accuracy judge ({measured}; below {INT8_BAR})"
-        )
-        if key is not None:
-            _JUDGED[key] = (keep, text)
+    def restore() -> None:
+        for w, limits in zip(weights, chosen):
+            w.q8_max_rows, w.kernel_max_rows = limits
+
+    keep, text = _int8_verdict(
+        model, backend, tokenizer, num_blocks, block_size, device, (exact, int8, restore), key,
+        binding, ("float activations", "int8 activations serve where faster",
+                  "int8 activations refused by the accuracy judge"),
+    )  # fmt: skip
     if not keep:
         for w in weights:
             w.q8_max_rows = 0
@@ -353,7 +354,6 @@ def judge_int8_activations(
     return text
 
 
-@torch.inference_mode()
 def judge_int8_prefill(
     model: LlamaForCausalLM,
     backend: AttentionBackend,
@@ -371,35 +371,25 @@ def judge_int8_prefill(
     weights = [w for w in gguf_linear.gguf_weights(model) if w.int8 is not None]
     if not weights:
         return ""
-    if key is not None and key in _JUDGED:
-        keep, text = _JUDGED[key]
-    else:
-        chosen = [(w.int8_min_rows, w.kernel_max_rows) for w in weights]
+    chosen = [(w.int8_min_rows, w.kernel_max_rows) for w in weights]
 
-        def exact() -> None:  # the held-out prompts are short: every row through the dense path
-            for w in weights:
-                w.int8_min_rows, w.kernel_max_rows = 1 << 30, 0
+    def exact() -> None:  # the held-out prompts are short: every row through the dense path
+        for w in weights:
+            w.int8_min_rows, w.kernel_max_rows = 1 << 30, 0
 
-        def int8() -> None:
-            for w in weights:
-                w.int8_min_rows = 1
+    def int8() -> None:
+        for w in weights:
+            w.int8_min_rows = 1
 
-        try:
-            meets, measured = _held_out_agreement(
-                model, backend, tokenizer, num_blocks, block_size, device, exact, int8,
-                "the float GEMM",
-            )  # fmt: skip
-        finally:
-            for w, (rows, kernel) in zip(weights, chosen):
-                w.int8_min_rows, w.kernel_max_rows = rows, kernel
-        keep = meets or not binding
-        text = (
-            f"int8 prefill serves ({measured})"
-            if keep
-            else f"int8 prefill refused by the accuracy judge ({measured}; below {INT8_BAR})"
-        )
-        if key is not None:
-            _JUDGED[key] = (keep, text)
+    def restore() -> None:
+        for w, (rows, kernel) in zip(weights, chosen):
+            w.int8_min_rows, w.kernel_max_rows = rows, kernel
+
+    keep, text = _int8_verdict(
+        model, backend, tokenizer, num_blocks, block_size, device, (exact, int8, restore), key,
+        binding, ("the float GEMM", "int8 prefill serves",
+                  "int8 prefill refused by the accuracy judge"),
+    )  # fmt: skip
     if not keep:
         for w in weights:
             w.int8, w.int8_min_rows = None, 1 << 30
