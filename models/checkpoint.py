@@ -62,7 +62,8 @@ def fuse_parts(
 
 def _parts_of(spec: ModelSpec, name: str) -> tuple[str, ...]:
     """The parts of fused parameter `name` ("layers.3.qkv_proj.weight") in this model."""
-    _, idx, module, _ = name.split(".")
+    parts = name.split(".")  # layers.3.qkv_proj.weight, layers.3.moe.experts.5.gate_up_proj.weight
+    idx, module = parts[1], parts[-2]
     if module == "qkv_proj":
         i = int(idx)
         if spec.kv_group_owner(spec.layers[i].kv_group) != i:

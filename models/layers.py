@@ -228,6 +228,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate, tanh approximation) * up: Gemma's GeGLU."""
+    inter = gate_up.shape[-1] // 2
+    return F.gelu(gate_up[..., :inter], approximate="tanh") * gate_up[..., inter:]
+
+
+GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -247,14 +256,19 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies for rotary embeddings, with Llama-3 and linear scaling. GGUF files carry
-    Llama-3 scaling as per-frequency divisors instead (`freq_factors`)."""
+    """Inverse frequencies for rotary embeddings over `head_dim` rotated dimensions, with Llama-3,
+    linear and LongRoPE scaling. GGUF files carry Llama-3 and LongRoPE scaling as per-frequency
+    divisors instead (`freq_factors`)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling and "freq_factors" in scaling:
         return (inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float64)).float()
     if not scaling:
         return inv_freq.float()
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("longrope", "su"):
+        # Phi-3's long or short factors, chosen once for the served context (models/phi3.py)
+        factors = scaling["long_factor" if scaling.get("use_long") else "short_factor"]
+        return (inv_freq / torch.tensor(factors, dtype=torch.float64)).float()
     if kind == "linear":
         return (inv_freq / float(scaling["factor"])).float()
     if kind == "llama3":
@@ -274,19 +288,38 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     raise ValueError(f"unsupported rope_scaling type {kind!r}")
 
 
+def rope_attention_factor(scaling: dict | None) -> float:
+    """LongRoPE's magnitude correction of cos and sin (1 for every other scaling)."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling.get("factor") or 1.0)
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos/sin of shape [tokens, 1, head_dim // 2], computed once per forward. Kept in
     float32 whatever the serving dtype: a bf16 table has 8 mantissa bits, so every rotation
     would be off by up to 0.4% before any arithmetic (worst at the long wavelengths that
     Llama-3 scaling and large thetas stretch)."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding (HF layout) on x of shape [tokens, heads, head_dim],
-    computed in float32 (the tables' dtype) and returned in x's dtype."""
+    computed in float32 (the tables' dtype) and returned in x's dtype. Tables narrower than
+    head_dim / 2 rotate the leading dimensions only (partial rotary) and pass the rest."""
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

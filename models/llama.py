@@ -22,16 +22,35 @@ from models import decode_stack
 from models.attention_step import AttentionStep
 from models.gguf_linear import FORMATS, GGUFWeight
 from models.layers import (
+    GATED_ACTIVATIONS,
     Linear,
     RMSNorm,
     add_rms_norm,
     apply_rope,
     rms_norm,
+    rope_attention_factor,
     rope_cos_sin,
     rope_inv_freq,
     silu_mul,
 )
+from models.moe import MoE
 from models.spec import LayerSpec, ModelSpec
+
+
+def rope_key(spec: ModelSpec, idx: int) -> tuple[int, bool]:
+    """Layers sharing a rotary table: (head_dim, windowed with a local rope base)."""
+    head_dim = spec.layers[idx].head_dim
+    return head_dim, spec.local_rope_theta is not None and spec.layer_window(idx) is not None
+
+
+def rope_table(spec: ModelSpec, head_dim: int, local: bool) -> torch.Tensor:
+    """Inverse frequencies over the rotated dimensions: a windowed layer's local base
+    unscaled (Gemma 3), else the model's base and scaling."""
+    rotary = spec.rotary_dim(head_dim)
+    if local:
+        assert spec.local_rope_theta is not None
+        return rope_inv_freq(rotary, spec.local_rope_theta, None)
+    return rope_inv_freq(rotary, spec.rope_theta, spec.rope_scaling)
 
 
 class DecoderLayer(nn.Module):
@@ -57,9 +76,25 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(q_dim, h) if q_dim else None
         self.q_norm = RMSNorm(layer.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(layer.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
-        self.gate_up_proj = Linear(h, 2 * layer.intermediate_size)
-        self.down_proj = Linear(layer.intermediate_size, h)
+        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)  # the FFN's input norm
+        # Gemma's sandwich: RMSNorm on the attention output and on the FFN output as well
+        self.attn_output_norm = RMSNorm(h, spec.rms_norm_eps) if spec.sandwich_norms else None
+        self.ffn_output_norm = RMSNorm(h, spec.rms_norm_eps) if spec.sandwich_norms else None
+        if spec.hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {spec.hidden_act!r}")
+        self.act = GATED_ACTIVATIONS[spec.hidden_act]
+        self.moe = MoE(h, layer, spec.moe_renormalize, self.act) if layer.num_experts else None
+        if self.moe is None:
+            self.gate_up_proj = Linear(h, 2 * layer.intermediate_size)
+            self.down_proj = Linear(layer.intermediate_size, h)
+        # q scaled so that the backends' head_dim ** -0.5 gives the model's softmax scale
+        scale = spec.attention_scale
+        self.q_scale = 1.0 if scale is None else scale * layer.head_dim**0.5
+        # the fused rotary ops rotate whole heads of plain q/k (no norms, no extra scale)
+        self.fused_rope = (
+            self.q_norm is None and self.writes_kv and self.q_scale == 1.0
+            and spec.rotary_dim(layer.head_dim) == layer.head_dim
+        )  # fmt: skip
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
@@ -76,11 +111,11 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(h)
         t, lay = x.shape[0], self.layer
         fused = None
-        if self.q_norm is None and self.writes_kv and hasattr(attn, "rope_decode"):
+        if self.fused_rope and hasattr(attn, "rope_decode"):
             fused = attn.rope_decode(self.idx, qkv, cos, sin, lay.num_heads)
         if fused is not None:  # a decode step: rotary, KV write and attention in one op
             return self._mlp(self.o_proj(fused.reshape(t, self.q_dim)), residual)
-        if self.q_norm is None and self.writes_kv and hasattr(attn, "rope_write"):
+        if self.fused_rope and hasattr(attn, "rope_write"):
             # rotary and the KV write fused (so the attention below writes nothing)
             q = attn.rope_write(self.idx, qkv, cos, sin, lay.num_heads)
             if q is not None:
@@ -106,14 +141,23 @@ class DecoderLayer(nn.Module):
                 if self.k_norm is not None:
                     k = self.k_norm(k)
                 k = apply_rope(k, cos, sin)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         o = attn.forward(self.idx, q, k, v)
         return self._mlp(self.o_proj(o.reshape(t, self.q_dim)), residual)
 
     def _mlp(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.reduce is not None:
             x = self.reduce(x)
+        if self.attn_output_norm is not None:
+            x = self.attn_output_norm(x)
         residual, h = add_rms_norm(x, residual, self.post_attention_layernorm.weight, self.eps)
-        out = self.down_proj(silu_mul(self.gate_up_proj(h)))
+        if self.moe is not None:
+            out = self.moe(h)
+        else:
+            out = self.down_proj(self.act(self.gate_up_proj(h)))
+        if self.ffn_output_norm is not None:
+            out = self.ffn_output_norm(out)
         return (out if self.reduce is None else self.reduce(out)), residual
 
 
@@ -132,16 +176,15 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, lay, i) for i, lay in enumerate(spec.layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, self.vocab_rows[1] - self.vocab_rows[0])
-        head_dims = {lay.head_dim for lay in spec.layers}
+        self.rope_keys = [rope_key(spec, i) for i in range(spec.num_layers)]
         with torch.device("cpu"):  # real values even when the model is built on "meta"
-            self._inv_freq = {
-                d: rope_inv_freq(d, spec.rope_theta, spec.rope_scaling) for d in sorted(head_dims)
-            }
+            self._inv_freq = {key: rope_table(spec, *key) for key in sorted(set(self.rope_keys))}
+        self.rope_attention_factor = rope_attention_factor(spec.rope_scaling)
         # per device, moved once (not uploaded on every forward: a host->device copy each step)
         self._inv_freq_on: dict[torch.device, dict[int, torch.Tensor]] = {}
 
-    def inv_freq(self, device: torch.device) -> dict[int, torch.Tensor]:
-        """The rotary inverse frequencies per head_dim, on `device` (copied there once)."""
+    def inv_freq(self, device: torch.device) -> dict[tuple[int, bool], torch.Tensor]:
+        """The rotary inverse frequencies per `rope_key`, on `device` (copied there once)."""
         table = self._inv_freq_on.get(device)
         if table is None:
             table = {d: inv.to(device) for d, inv in self._inv_freq.items()}
@@ -159,7 +202,11 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [tokens, hidden]. With `aux_layers` (EAGLE-3),
         the inputs of those layers are concatenated after it: [tokens, hidden * (1 + n)]."""
         x = self.embed_tokens(input_ids)
-        rope = {d: rope_cos_sin(positions, inv) for d, inv in self.inv_freq(x.device).items()}
+        if self.spec.embedding_multiplier != 1.0:
+            # in the serving dtype, as Gemma's own code rounds its sqrt(hidden) normaliser
+            x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype)
+        factor, tables = self.rope_attention_factor, self.inv_freq(x.device)
+        rope = {k: rope_cos_sin(positions, inv, factor) for k, inv in tables.items()}
         residual = None
         captured: dict[int, torch.Tensor] = {}
         stacked = None if aux_layers else self._decode_stack(x, rope, attn)
@@ -168,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers if stacked is None else ()):
             if i in aux_layers:
                 captured[i] = x if residual is None else residual + x
-            cos, sin = rope[layer.layer.head_dim]
+            cos, sin = rope[self.rope_keys[i]]
             x, residual = layer(x, residual, cos, sin, attn)
         assert residual is not None
         hidden = rms_norm(residual + x, self.norm.weight, self.norm.eps)
@@ -186,7 +233,9 @@ class LlamaForCausalLM(nn.Module):
             return None
         weights: list[GGUFWeight] = []
         for layer in self.layers:
-            if layer.q_norm is not None or not layer.writes_kv or layer.reduce is not None:
+            if not layer.fused_rope or layer.moe is not None or layer.reduce is not None:
+                return None
+            if layer.attn_output_norm is not None or layer.act is not silu_mul:
                 return None
             for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 w = getattr(linear, "quant", None)
@@ -218,7 +267,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.spec.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # ---- weights -------------------------------------------------------------------------------
 

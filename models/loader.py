@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,8 +20,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from models.checkpoint import Part, fuse_parts
+from models.gemma3 import gemma3_fields, gemma3_weights
 from models.llama import LlamaForCausalLM
 from models.openelm import openelm_spec, openelm_weights
+from models.phi3 import phi3_fields
 from models.spec import LayerSpec, ModelSpec
 from models.tp_plan import RankShard
 
@@ -28,6 +32,10 @@ SUPPORTED_HF_ARCHITECTURES = {
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",  # models/gemma3.py
+    "Phi3ForCausalLM",  # models/phi3.py
+    "MixtralForCausalLM",  # mixture of experts: models/moe.py
+    "Qwen3MoeForCausalLM",
 }
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -47,13 +55,15 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
-def load_spec(path: str) -> ModelSpec:
+def load_spec(path: str, context: int | None = None) -> ModelSpec:
+    """The checkpoint's geometry; `context` (the served max_model_len, None: the model's own)
+    settles what depends on it (Phi-3's LongRoPE factors)."""
     if is_gguf(path):
         # imported here: the `gguf` package costs ~0.15 s to import, for GGUF files only
         from models.gguf_loader import gguf_spec
 
-        return gguf_spec(path)
-    return hf_spec(path)
+        return gguf_spec(path, context)
+    return hf_spec(path, context)
 
 
 def load_model(
@@ -61,6 +71,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     shard: Callable[[ModelSpec], RankShard] | None = None,
+    context: int | None = None,
 ) -> tuple[LlamaForCausalLM, ModelSpec]:
     """The model's parameters are allocated once, on `device` in `dtype`; each checkpoint
     tensor is cast and copied into its parameter as it is read, so the host never holds more
@@ -70,7 +81,7 @@ def load_model(
     `shard` (tensor parallelism) turns the full spec into this rank's part: the model is built
     in the rank's geometry and each tensor is cut to the rank's slice as it arrives. The full
     spec is returned either way."""
-    spec = load_spec(path)
+    spec = load_spec(path, context)
     part = shard(spec) if shard is not None else None
     if part is not None:
         model = empty_model(part.spec, dtype, device, part.vocab_rows)
@@ -82,6 +93,8 @@ def load_model(
         weights = gguf_weights(path, spec)
     elif spec.architecture == "OpenELMForCausalLM":
         weights = openelm_weights(hf_weights(path, dtype))
+    elif spec.architecture == "Gemma3ForCausalLM":
+        weights = fuse_parts(spec, hf_llama_parts(gemma3_weights(hf_weights(path, dtype))))
     else:
         weights = fuse_parts(spec, hf_llama_parts(hf_weights(path, dtype)))
     model.load_weights(part.weights(weights) if part is not None else weights)
@@ -143,12 +156,14 @@ def _read_json(path: Path) -> dict:
         return json.load(f)
 
 
-def hf_spec(path: str) -> ModelSpec:
+def hf_spec(path: str, context: int | None = None) -> ModelSpec:
     root = Path(path)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a GGUF file and no config.json")
     cfg = _read_json(root / "config.json")
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch == "Gemma3ForConditionalGeneration" and "text_config" in cfg:
+        arch, cfg = "Gemma3ForCausalLM", {**cfg, **cfg["text_config"]}  # its language model
     if cfg.get("model_type") == "openelm" or arch == "OpenELMForCausalLM":
         return openelm_spec(cfg, tuple(_eos_ids(root, cfg)))
     if arch not in SUPPORTED_HF_ARCHITECTURES:
@@ -163,7 +178,14 @@ def hf_spec(path: str) -> ModelSpec:
     scaling = rope if rope_type not in (None, "default") else None
     eos = _eos_ids(root, cfg)
     sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    return ModelSpec(
+    fields: dict = {}
+    if arch == "Gemma3ForCausalLM":
+        fields = gemma3_fields(cfg)
+    elif arch == "Phi3ForCausalLM":
+        fields = phi3_fields(cfg, context)
+    elif arch == "Qwen3MoeForCausalLM":
+        fields = {"moe_renormalize": bool(cfg.get("norm_topk_prob", False))}
+    spec = ModelSpec(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -174,12 +196,13 @@ def hf_spec(path: str) -> ModelSpec:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         hidden_act=cfg.get("hidden_act", "silu"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos),
         sliding_window=sliding,
     )
+    return replace(spec, **fields) if fields else spec
 
 
 def _per_layer(value: int | list, n: int) -> list[int]:
@@ -205,9 +228,31 @@ def llama_layers(cfg: dict, head_dim: int) -> tuple[LayerSpec, ...]:
     if group_size:
         owner = [i // group_size * group_size for i in range(n)]
     group_of = {o: g for g, o in enumerate(sorted(set(owner)))}
+    experts = [expert_counts(cfg, i) for i in range(n)]
     return tuple(
-        LayerSpec(heads[i], kv_heads[i], head_dim, inter[i], group_of[owner[i]]) for i in range(n)
+        LayerSpec(
+            heads[i],
+            kv_heads[i],
+            head_dim,
+            experts[i][2] or inter[i],
+            group_of[owner[i]],
+            experts[i][0],
+            experts[i][1],
+        )  # fmt: skip
+        for i in range(n)
     )
+
+
+def expert_counts(cfg: dict, i: int) -> tuple[int, int, int]:
+    """(experts, experts per token, an expert's intermediate size) of layer i; zeros for a
+    dense layer. Mixtral: every layer; Qwen3-MoE: every `decoder_sparse_step`-th layer not in
+    `mlp_only_layers`."""
+    num = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if not num or i in (cfg.get("mlp_only_layers") or []):
+        return 0, 0, 0
+    if (i + 1) % (cfg.get("decoder_sparse_step") or 1):
+        return 0, 0, 0
+    return num, cfg["num_experts_per_tok"], cfg.get("moe_intermediate_size") or 0
 
 
 def _eos_ids(root: Path, cfg: dict) -> list[int]:
@@ -254,11 +299,24 @@ _HF_LAYER_NAMES: dict[str, tuple[str, str | None]] = {
     "self_attn.q_norm.weight": ("q_norm.weight", None),
     "self_attn.k_norm.weight": ("k_norm.weight", None),
     "self_attn.o_proj.weight": ("o_proj.weight", None),
+    "self_attn.qkv_proj.weight": ("qkv_proj.weight", None),  # Phi-3: already fused
     "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
+    "attn_output_norm.weight": ("attn_output_norm.weight", None),  # Gemma (models/gemma3.py)
+    "ffn_output_norm.weight": ("ffn_output_norm.weight", None),
+    "mlp.gate_up_proj.weight": ("gate_up_proj.weight", None),  # Phi-3
     "mlp.gate_proj.weight": ("gate_up_proj.weight", "gate"),
     "mlp.up_proj.weight": ("gate_up_proj.weight", "up"),
     "mlp.down_proj.weight": ("down_proj.weight", None),
+    "mlp.gate.weight": ("moe.router.weight", None),  # Qwen3-MoE
+    "block_sparse_moe.gate.weight": ("moe.router.weight", None),  # Mixtral
 }
+# An expert's tensors: Qwen3-MoE's "mlp.experts.E.gate_proj", Mixtral's "...experts.E.w1"
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_PARTS = {
+    "gate_proj": ("gate_up_proj", "gate"), "w1": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"), "w3": ("gate_up_proj", "up"),
+    "down_proj": ("down_proj", None), "w2": ("down_proj", None),
+}  # fmt: skip
 
 
 def hf_llama_parts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Part]:
@@ -276,5 +334,10 @@ def hf_llama_parts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Part
             if rest in _HF_LAYER_NAMES:
                 own, part = _HF_LAYER_NAMES[rest]
                 yield f"layers.{idx}.{own}", part, tensor
+                continue
+            expert = _EXPERT.fullmatch(rest)
+            if expert and expert[2] in _EXPERT_PARTS:
+                own, part = _EXPERT_PARTS[expert[2]]
+                yield f"layers.{idx}.moe.experts.{expert[1]}.{own}.weight", part, tensor
                 continue
         raise ValueError(f"unexpected tensor {name}")

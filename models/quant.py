@@ -103,7 +103,7 @@ def input_ranges(model: nn.Module, run: Callable[[list[int]], None], prompts: li
         old = ranges.get(module)  # type: ignore[call-overload]
         ranges[module] = seen if old is None else torch.maximum(old, seen)  # type: ignore[index]
 
-    for layer in model.layers:
+    for layer in dense_layers(model):
         for linear in (layer.qkv_proj, layer.gate_up_proj, layer.down_proj):
             hooks.append(linear.register_forward_pre_hook(record))
     try:
@@ -115,6 +115,11 @@ def input_ranges(model: nn.Module, run: Callable[[list[int]], None], prompts: li
     return ranges
 
 
+def dense_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers with a dense FFN and their own q/k/v (what smoothing can fold into)."""
+    return [lay for lay in model.layers if lay.moe is None and lay.qkv_proj is not None]
+
+
 def _smoothing(act: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
     """SmoothQuant's per-channel factor: divides activations, multiplies weight columns."""
     w = weight.detach().abs().float().amax(dim=0).clamp(min=1e-5)
@@ -124,8 +129,9 @@ def _smoothing(act: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.T
 def smooth(model: nn.Module, ranges: dict[Linear, torch.Tensor], alpha: float = 0.8) -> None:
     """Move activation outliers into the weights (SmoothQuant), exactly: for qkv and gate_up the
     factor is folded into the RMSNorm before them, for down_proj into the `up` rows of
-    gate_up (its input is silu(gate) * up). The float model computes the same function."""
-    for layer in model.layers:
+    gate_up (its input is act(gate) * up). The float model computes the same function.
+    Mixture-of-experts layers are left unsmoothed (one norm feeds many experts)."""
+    for layer in dense_layers(model):
         for norm, linear in (
             (layer.input_layernorm, layer.qkv_proj),
             (layer.post_attention_layernorm, layer.gate_up_proj),

@@ -14,8 +14,10 @@ class LayerSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
+    intermediate_size: int  # an expert's, in a mixture-of-experts layer
     kv_group: int
+    num_experts: int = 0  # 0: a dense FFN
+    num_experts_per_tok: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,11 +37,38 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    # layers that attend to the whole context although the model has a window (Gemma 3's
+    # global layers, every sixth); the others attend over the last `sliding_window` tokens
+    full_attention_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # the windowed layers' rope base, unscaled (Gemma 3)
+    partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims (Phi-4)
+    # Gemma: embeddings times sqrt(hidden); RMSNorm on the attention and FFN outputs too;
+    # softmax scale query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5; tanh-capped logits
+    embedding_multiplier: float = 1.0
+    sandwich_norms: bool = False
+    attention_scale: float | None = None
+    final_logit_softcap: float | None = None
+    moe_renormalize: bool = True  # top-k routing weights renormalised to sum to 1
     extra: dict = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def layer_window(self, idx: int) -> int | None:
+        """The sliding window layer `idx` attends over (None: the whole context)."""
+        return None if idx in self.full_attention_layers else self.sliding_window
+
+    @property
+    def has_mixed_windows(self) -> bool:
+        return self.sliding_window is not None and bool(self.full_attention_layers)
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(lay.num_experts for lay in self.layers)
 
     @property
     def kv_groups(self) -> list[tuple[int, int]]:
@@ -80,7 +109,8 @@ class ModelSpec:
                 2 * lay.num_kv_heads * lay.head_dim if self.kv_group_owner(lay.kv_group) == i else 0
             )
             total += 2 * self.hidden_size * (q + kv) + 2 * q * self.hidden_size
-            total += 2 * 3 * self.hidden_size * lay.intermediate_size
+            active = lay.num_experts_per_tok if lay.num_experts else 1
+            total += 2 * 3 * self.hidden_size * lay.intermediate_size * active
         if include_lm_head:
             total += 2 * self.hidden_size * self.vocab_size
         return total

@@ -130,6 +130,11 @@ def plan_tensor_parallel(spec: ModelSpec, world: int) -> TPPlan:
             "(the sharing layers' head shards would have to agree); serve with "
             "--tensor-parallel-size 1"
         )
+    if spec.is_moe:
+        raise ValueError(
+            "tensor parallelism does not split mixture-of-experts layers (no expert sharding "
+            "yet); serve with --tensor-parallel-size 1"
+        )
     groups: list[GroupPlan] = []
     for i, lay in enumerate(spec.layers):
         geometry = (lay.num_heads, lay.num_kv_heads, lay.head_dim)

@@ -104,6 +104,8 @@ class AttentionBackend(ABC):
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.layer_group = [layer.kv_group for layer in spec.layers]
+        self.layer_window = [spec.layer_window(i) for i in range(spec.num_layers)]
+        self.windows = sorted(set(self.layer_window), key=lambda w: w or 0)  # distinct ones
 
     @abstractmethod
     def plan(self, meta: StepMetadata) -> AttentionStep: ...

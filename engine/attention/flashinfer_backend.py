@@ -193,7 +193,7 @@ class FlashInferBackend(AttentionBackend):
             verdict["dtype"] = "bfloat16 needs sm80+"
         if block_size not in PAGE_SIZES:
             verdict["block size"] = f"page size {block_size} not in {PAGE_SIZES}"
-        return verdict | model_refusals(needs, head_dims=HEAD_DIMS)
+        return verdict | model_refusals(needs, head_dims=HEAD_DIMS, mixed_windows=False)
 
     @classmethod
     def workspace_bytes(cls) -> int:

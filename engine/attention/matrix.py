@@ -25,6 +25,7 @@ REQUIREMENTS = (
     "per-layer heads",
     "KV sharing",
     "sliding window",
+    "mixed windows",
     "soft-capping",
     "tree masks",
 )
@@ -187,6 +188,7 @@ class ModelNeeds:
     per_layer_heads: bool
     kv_sharing: bool
     sliding_window: int | None
+    mixed_windows: bool  # windowed layers and full-context layers in one model (Gemma 3)
     soft_cap: float | None
     tree_masks: bool
 
@@ -199,6 +201,7 @@ class ModelNeeds:
             spec.has_per_layer_heads,
             spec.has_kv_sharing,
             spec.sliding_window,
+            spec.has_mixed_windows,
             spec.extra.get("attn_logit_softcapping"),
             tree_masks,
         )
@@ -224,6 +227,7 @@ def model_refusals(
     *,
     head_dims: tuple[int, ...] | None = None,
     sliding_window: bool = True,
+    mixed_windows: bool = True,
     soft_cap: bool = True,
     tree_masks: bool = False,
 ) -> Verdict:
@@ -238,6 +242,8 @@ def model_refusals(
         verdict["GQA group size"] = "query heads not a multiple of KV heads"
     if needs.sliding_window and not sliding_window:
         verdict["sliding window"] = "no paged local-attention mask in its kernels"
+    if needs.mixed_windows and not mixed_windows:
+        verdict["mixed windows"] = "one window per step's plan, not one per layer"
     if needs.soft_cap and not soft_cap:
         verdict["soft-capping"] = "logit soft-capping is not supported"
     if needs.tree_masks and not tree_masks:

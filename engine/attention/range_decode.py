@@ -16,12 +16,23 @@ are computed and discarded, so the plan is only used when the batch covers at le
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 MIN_DENSITY = 0.5
+
+
+def decode_mask(seq_lens: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """Additive float32 mask [1, seqs, 1, num_keys] of one decode query per sequence: its
+    `seq_lens[i]` keys, or the last `window` of them."""
+    key_pos = torch.arange(num_keys)
+    keep = key_pos[None, :] < seq_lens[:, None]
+    if window is not None:
+        keep &= key_pos[None, :] > (seq_lens[:, None] - 1 - window)
+    return torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))[None, :, None, :]
 
 
 @dataclass(slots=True)
@@ -38,14 +49,14 @@ class RangeDecodePlan:
     shared_seqs: torch.Tensor
     pair_of_slot: torch.Tensor  # [seqs * max_blocks] pair id, or num_pairs (padding, -inf)
     slot_of_pair: torch.Tensor  # [num_pairs] seq * max_blocks + j
-    mask: torch.Tensor  # [1, seqs, 1, max_blocks * bs] additive
+    masks: dict[int | None, torch.Tensor]  # per window: [1, seqs, 1, max_blocks * bs] additive
 
     @staticmethod
     def build(
         tables: list[list[int]],
         seq_lens: list[int],
         block_size: int,
-        window: int | None,
+        windows: Iterable[int | None],
         device: torch.device,
     ) -> RangeDecodePlan | None:
         nb = [-(-n // block_size) for n in seq_lens]
@@ -66,12 +77,8 @@ class RangeDecodePlan:
         slot_of_pair = seqs * max_blocks + js
         pair_of_slot = np.full(num_seqs * max_blocks, num_pairs, dtype=np.int64)
         pair_of_slot[slot_of_pair] = np.arange(num_pairs)
-        key_pos = torch.arange(max_blocks * block_size)
         lens = torch.tensor(seq_lens)
-        keep = key_pos[None, :] < lens[:, None]
-        if window is not None:
-            keep &= key_pos[None, :] > (lens[:, None] - 1 - window)
-        mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+        masks = {w: decode_mask(lens, max_blocks * block_size, w).to(device) for w in windows}
 
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
@@ -89,11 +96,14 @@ class RangeDecodePlan:
             t(seqs[shared]),
             t(pair_of_slot),
             t(slot_of_pair),
-            mask[None, :, None, :].to(device),
+            masks,
         )
 
-    def attend(self, q: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: [seqs, heads, dim] in plan order; cache: [2, kv_heads, blocks, bs, dim]."""
+    def attend(
+        self, q: torch.Tensor, cache: torch.Tensor, scale: float, window: int | None
+    ) -> torch.Tensor:
+        """q: [seqs, heads, dim] in plan order; cache: [2, kv_heads, blocks, bs, dim]; `window`
+        one of those the plan was built for."""
         n, heads, dim = q.shape
         kv_heads, bs = cache.shape[1], cache.shape[3]
         group = heads // kv_heads
@@ -126,7 +136,7 @@ class RangeDecodePlan:
         )
         # softmax in float32 (the mask is float32), probabilities back in the KV dtype: bf16/fp16
         # scores must not promote the probabilities that multiply bf16/fp16 values
-        probs = torch.softmax(seq_scores.float() + self.mask, dim=-1).to(q.dtype)
+        probs = torch.softmax(seq_scores.float() + self.masks[window], dim=-1).to(q.dtype)
         pair_probs = (
             probs.view(kv_heads, n, group, mb, bs)
             .transpose(2, 3)

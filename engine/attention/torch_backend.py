@@ -25,7 +25,7 @@ import engine.attention.cpu_decode as cpu_decode
 import engine.attention.cpu_prefill as cpu_prefill
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name, model_refusals
-from engine.attention.range_decode import RangeDecodePlan
+from engine.attention.range_decode import RangeDecodePlan, decode_mask
 from models.attention_step import DecodeStackArgs
 from models.spec import ModelSpec
 
@@ -68,7 +68,7 @@ class _DecodeBucket:
     rows: torch.Tensor  # query rows of these sequences in the flat batch
     pages: torch.Tensor  # [seqs * max_pages] block ids, padded with block 0
     num_seqs: int
-    mask: torch.Tensor  # [1, seqs, 1, max_pages * block_size] additive
+    masks: dict[int | None, torch.Tensor]  # per window: [1, seqs, 1, max_pages * bs] additive
 
 
 @dataclass(slots=True)
@@ -77,7 +77,9 @@ class _Prefill:
     seq_len: int
     pages: torch.Tensor  # the sequence's blocks, int32
     context: int  # tokens before the chunk
-    mask: torch.Tensor | None  # [q, seq_len] bool, True = attend; None = plain causal or the op
+    # per window, [q, seq_len] bool, True = attend; None = plain causal. Built when SDPA
+    # first serves the chunk in a layer of that window, then kept for the step's other layers
+    masks: dict[int | None, torch.Tensor | None]
 
 
 class TorchAttentionStep(AttentionStep):
@@ -89,7 +91,6 @@ class TorchAttentionStep(AttentionStep):
         if slots.device != device:
             slots = slots.to(device)
         self.slot_block, self.slot_offset = slots // bs, slots % bs
-        window = backend.spec.sliding_window
 
         decode_seqs = [i for i, q in enumerate(meta.query_lens) if q == 1]
         # With the C++ decode op, a short chunk (a verify step's 1 + k rows, a short prompt)
@@ -120,7 +121,7 @@ class TorchAttentionStep(AttentionStep):
                 [meta.block_tables[i] for i in decode_seqs],
                 [meta.seq_lens[i] for i in decode_seqs],
                 bs,
-                window,
+                backend.windows,
                 device,
             )
         if decode_seqs and self.range_plan is None and self.cpp_decode is None:
@@ -132,32 +133,24 @@ class TorchAttentionStep(AttentionStep):
             if i in attended:
                 continue
             start, ctx, seq = meta.query_start[i], meta.context_lens[i], meta.seq_lens[i]
-            # the C++ op masks by position; SDPA needs the mask where it is not plain causal
-            mask = None if backend.prefill_op is not None else prefill_mask(ctx, seq, window)
-            mask = mask.to(device) if mask is not None else None
             pages = torch.tensor(  # int32: the C++ op's and index_select's
                 meta.block_tables[i][: -(-seq // bs)], dtype=torch.int32, device=device
             )
-            self.prefills.append(_Prefill(slice(start, start + q_len), seq, pages, ctx, mask))
+            self.prefills.append(_Prefill(slice(start, start + q_len), seq, pages, ctx, {}))
 
     def _plan_buckets(self, meta: StepMetadata, decode: list[int], device: torch.device) -> None:
-        bs, window = self.backend.block_size, self.backend.spec.sliding_window
+        bs = self.backend.block_size
         for b in range(0, len(decode), DECODE_BUCKET):
             seqs = decode[b : b + DECODE_BUCKET]
             table = torch.from_numpy(padded_tables([meta.block_tables[i] for i in seqs], np.int64))
-            max_pages = table.shape[1]
+            keys = table.shape[1] * bs
             seq_lens = torch.tensor([meta.seq_lens[i] for i in seqs])
-            key_pos = torch.arange(max_pages * bs)
-            keep = key_pos[None, :] < seq_lens[:, None]
-            if window is not None:
-                keep &= key_pos[None, :] > (seq_lens[:, None] - 1 - window)
-            mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
             self.decode.append(
                 _DecodeBucket(
                     torch.tensor([meta.query_start[i] for i in seqs], device=device),
                     table.flatten().to(device),
                     len(seqs),
-                    mask[None, :, None, :].to(device),
+                    {w: decode_mask(seq_lens, keys, w).to(device) for w in self.backend.windows},
                 )
             )
 
@@ -186,7 +179,7 @@ class TorchAttentionStep(AttentionStep):
             lens,
             num_heads,
             1.0 / math.sqrt(cos.shape[-1] * 2),
-            backend.spec.sliding_window or 0,
+            backend.layer_window[layer_idx] or 0,
         )
 
     def rope_write(
@@ -213,11 +206,13 @@ class TorchAttentionStep(AttentionStep):
             return None
         if backend.rope_decode_op is None or cos.dtype != torch.float32:
             return None
+        if len(backend.windows) > 1:
+            return None  # the stack op takes one window for every layer
         tables, lens = self.cpp_decode
         return DecodeStackArgs(
             [backend.kv_caches[backend.layer_group[i]] for i in range(num_layers)],
             self.slot_block, self.slot_offset, tables, lens,
-            1.0 / math.sqrt(cos.shape[-1] * 2), backend.spec.sliding_window or 0,
+            1.0 / math.sqrt(cos.shape[-1] * 2), backend.layer_window[0] or 0,
         )  # fmt: skip
 
     def forward(
@@ -230,43 +225,46 @@ class TorchAttentionStep(AttentionStep):
             cache[0][:, self.slot_block, self.slot_offset] = k.transpose(0, 1).to(kd)
             cache[1][:, self.slot_block, self.slot_offset] = v.transpose(0, 1).to(kd)
         scale = 1.0 / math.sqrt(q.shape[-1])
+        window = backend.layer_window[layer_idx]
         if self.cpp_decode is not None:
             assert self.backend.decode_op is not None
             tables, lens = self.cpp_decode
             qd = q.contiguous() if self.all_decode else q.index_select(0, self.decode_rows)
-            od = self.backend.decode_op(
-                qd, cache[0], cache[1], tables, lens, scale, self.backend.spec.sliding_window or 0
-            )
+            od = self.backend.decode_op(qd, cache[0], cache[1], tables, lens, scale, window or 0)
             if self.all_decode:
                 return od
             out = q.new_empty(q.shape)
             out.index_copy_(0, self.decode_rows, od)
         elif self.range_plan is not None:
             if self.all_decode:
-                return self.range_plan.attend(q, cache, scale)
+                return self.range_plan.attend(q, cache, scale, window)
             out = q.new_empty(q.shape)
             qd = q.index_select(0, self.decode_rows)
-            out.index_copy_(0, self.decode_rows, self.range_plan.attend(qd, cache, scale))
+            attended = self.range_plan.attend(qd, cache, scale, window)
+            out.index_copy_(0, self.decode_rows, attended)
         else:
             out = q.new_empty(q.shape)
         for bucket in self.decode:
-            out.index_copy_(
-                0, bucket.rows, self._decode(bucket, q.index_select(0, bucket.rows), cache, scale)
-            )
+            o = self._decode(bucket, q.index_select(0, bucket.rows), cache, scale, window)
+            out.index_copy_(0, bucket.rows, o)
         op_takes = self.backend.prefill_op is not None and cpp_reads(q.dtype, cache.dtype)
         for p in self.prefills:
             if op_takes:  # reads the chunk's pages
-                window = self.backend.spec.sliding_window or 0
                 o = out[p.rows]
                 self.backend.prefill_op(q[p.rows], o, cache[0], cache[1], p.pages, p.context,
-                                        scale, window)  # fmt: skip
+                                        scale, window or 0)  # fmt: skip
                 continue
             fresh = (k[p.rows], v[p.rows]) if k is not None and v is not None else None
-            out[p.rows] = self._prefill(p, q[p.rows], fresh, cache, scale)
+            out[p.rows] = self._prefill(p, q[p.rows], fresh, cache, scale, window)
         return out
 
     def _decode(
-        self, bucket: _DecodeBucket, q: torch.Tensor, cache: torch.Tensor, scale: float
+        self,
+        bucket: _DecodeBucket,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        scale: float,
+        window: int | None,
     ) -> torch.Tensor:
         n, heads, dim = q.shape
         kv_heads = cache.shape[1]
@@ -277,7 +275,7 @@ class TorchAttentionStep(AttentionStep):
         scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [h, n, g, L]
         # softmax in float32 against the float32 mask, probabilities back in the KV dtype (a
         # bf16/fp16 cache must not meet float32 probabilities in the matmul below)
-        probs = torch.softmax(scores.float() + bucket.mask, dim=-1).to(values.dtype)
+        probs = torch.softmax(scores.float() + bucket.masks[window], dim=-1).to(values.dtype)
         return torch.matmul(probs, values).transpose(0, 1).reshape(n, heads, dim)
 
     def _prefill(
@@ -287,11 +285,12 @@ class TorchAttentionStep(AttentionStep):
         fresh: tuple[torch.Tensor, torch.Tensor] | None,
         cache: torch.Tensor,
         scale: float,
+        window: int | None,
     ) -> torch.Tensor:
-        if p.mask is None and self.backend.prefill_op is not None:  # dtypes the op does not take
-            mask = prefill_mask(p.context, p.seq_len, self.backend.spec.sliding_window)
-            p.mask = mask.to(q.device) if mask is not None else None  # for the other layers
-        mask = p.mask
+        if window not in p.masks:
+            mask = prefill_mask(p.context, p.seq_len, window)
+            p.masks[window] = mask.to(q.device) if mask is not None else None
+        mask = p.masks[window]
         if p.context > 0 or fresh is None:
             kv_heads, dim = cache.shape[1], cache.shape[-1]
             keys = cache[0].index_select(1, p.pages).view(kv_heads, -1, dim)[:, : p.seq_len]

@@ -87,7 +87,7 @@ def load_weights(
     """Load, keep GGUF blocks as stored, pack and measure, for this rank (`shard_of`: its part
     of a spec under tensor parallelism)."""
     torch.manual_seed(config.seed)
-    model, spec = load_model(model_path, dtype, device, shard_of)
+    model, spec = load_model(model_path, dtype, device, shard_of, config.max_model_len)
     shard = shard_of(spec) if shard_of is not None else None
     notes = f"{dtype_name(dtype)} (the serving dtype)"
     gguf_note, gguf_served = "", False

@@ -1,0 +1,219 @@
+"""The architectures people run beyond the Llama family (issue #46): Gemma 3 (sliding-window
+layers interleaved with global ones, sandwich norms, GeGLU, its own softmax scale), Phi-3/4
+(fused projections, partial rotary, LongRoPE) and mixtures of experts (Qwen3-MoE, Mixtral), each
+a tiny random checkpoint through the engine against `transformers` on the same weights: from
+the HF directory and from a GGUF written from it as llama.cpp's converter does."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.scoring import score_prompt
+from tests.conftest import build_tokenizer
+from tests.gguf_export import write_gguf
+
+BASE = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0, tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=2,
+)  # fmt: skip
+ROPE_FACTORS = dict(short_factor=[1.0 + 0.1 * i for i in range(6)],
+                    long_factor=[2.0 + 0.3 * i for i in range(6)])  # fmt: skip
+NEW_ARCHS = {
+    # six layers: llama.cpp's fixed Gemma 3 pattern (five windowed, then a global one); a
+    # window of 8 far inside every prompt below
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                    tie_word_embeddings=True)),
+    # a softmax scale that is not head_dim's (Gemma 3 27B's); GGUF has no field for it
+    # (llama.cpp knows the 27B by its layer count), so HF only
+    "gemma3-scaled": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                      dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                           layer_types=["sliding_attention", "full_attention"])),
+    # Phi-4-mini's shape of rotary (three quarters of each head) under LongRoPE
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(original_max_position_embeddings=128, max_position_embeddings=512,
+                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                   "partial_rotary_factor": 0.75, **ROPE_FACTORS})),
+    # six experts, two a token, renormalised (Qwen3-30B-A3B's routing)
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                 dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, head_dim=16)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2)),
+}  # fmt: skip
+PROMPTS = [[5, 17, 99, 3, 250, 44, 8], list(range(10, 60)), [7, 8, 9] * 9]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def build(arch: str, out: Path) -> Path:
+    import transformers
+
+    cfg_name, model_name, overrides = NEW_ARCHS[arch]
+    config = getattr(transformers, cfg_name)(**{**BASE, **overrides})
+    torch.manual_seed(zlib.crc32(arch.encode()) % 1000)
+    model = getattr(transformers, model_name)(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # Gemma multiplies by (1 + w): around 1 either way
+                p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    build_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def new_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("new-archs")
+    return {arch: build(arch, root / arch) for arch in NEW_ARCHS}
+
+
+def reference(path: Path, **kw):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def assert_matches(llm: LLM, ref, prompts=PROMPTS) -> None:
+    for prompt in prompts:
+        ours = score_prompt(llm.engine, prompt)
+        with torch.no_grad():
+            theirs = ref(torch.tensor([prompt])).logits[0].float()
+        assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
+    for prompt, res in zip(prompts, llm.generate(prompts, GREEDY)):
+        with torch.no_grad():
+            gen = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+        assert res.outputs[0].token_ids == gen[0, len(prompt) :].tolist()
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("arch", sorted(NEW_ARCHS))
+def test_hf_checkpoint_matches_transformers(arch: str, new_dirs) -> None:
+    """Prefill whole and in chunks of 7 (windowed layers across chunk boundaries), decode."""
+    ref = reference(new_dirs[arch])
+    context = {"max_model_len": 128} if arch == "phi3" else {}  # LongRoPE's short factors
+    for chunk in (1024, 7):
+        llm = LLM(str(new_dirs[arch]), num_kv_blocks=96, block_size=4,
+                  max_num_batched_tokens=chunk, **context)  # fmt: skip
+        assert llm.engine.spec.architecture == NEW_ARCHS[arch][1]
+        assert_matches(llm, ref)
+
+
+def test_phi3_long_context_takes_the_long_factors(new_dirs) -> None:
+    """Served past the original context, LongRoPE's long factors for every position, as
+    transformers uses them for a forward longer than the original context."""
+    ref = reference(new_dirs["phi3"])
+    llm = LLM(str(new_dirs["phi3"]), num_kv_blocks=96, block_size=4)
+    assert llm.engine.spec.rope_scaling["use_long"]
+    prompt = [(i * 7) % 500 + 3 for i in range(140)]  # past the 128-token original
+    ours = score_prompt(llm.engine, prompt)
+    with torch.no_grad():
+        theirs = ref(torch.tensor([prompt])).logits[0].float()
+    assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
+
+
+def test_prefix_hit_and_preemption_by_swap_keep_outputs(new_dirs) -> None:
+    """Gemma 3 (windows) and Qwen3-MoE: a prompt's second run hits the prefix cache, and a
+    pool too small for the batch preempts to the host tier; outputs equal a roomy run's."""
+    prompts = [[(s * 31 + i * 7) % 400 + 3 for i in range(40)] for s in range(6)]
+    for arch in ("gemma3", "qwen3moe"):
+        path = str(new_dirs[arch])
+        roomy = LLM(path, num_kv_blocks=256, block_size=4)
+        want = [r.outputs[0].token_ids for r in roomy.generate(prompts, GREEDY)]
+        again = [r.outputs[0].token_ids for r in roomy.generate(prompts[:2], GREEDY)]
+        assert again == want[:2] and roomy.engine.kv.hits_by_source["device"] > 0
+        tight = LLM(path, num_kv_blocks=40, block_size=4, host_bytes="16MiB",
+                    preemption_mode="swap")  # fmt: skip
+        got = [r.outputs[0].token_ids for r in tight.generate(prompts, GREEDY)]
+        assert tight.engine.scheduler.num_preemptions > 0
+        assert got == want, arch
+
+
+@pytest.mark.parametrize("arch", sorted(set(NEW_ARCHS) - {"gemma3-scaled"}))
+def test_gguf_written_from_the_weights_matches_transformers(arch: str, new_dirs, tmp_path) -> None:
+    """The GGUF as llama.cpp's converter writes it, float32: transformers' own GGUF reader and
+    kvserve agree with the HF checkpoint."""
+    path = write_gguf(new_dirs[arch], tmp_path / f"{arch}.gguf")
+    ref = reference(new_dirs[arch])
+    if arch != "mixtral":  # transformers reads a `llama` GGUF with experts as a dense Llama
+        # The tensors as transformers' GGUF reader takes them, under the fields its reader
+        # drops or defaults (Gemma 3's softmax scale as 256, Phi-3's LongRoPE and partial
+        # rotary, Qwen3-MoE's expert width): those are checked against kvserve's reading below
+        dropped = {
+            "gemma3": ["query_pre_attn_scalar"],
+            "phi3": ["pad_token_id", "rope_parameters", "original_max_position_embeddings"],
+            "qwen3moe": ["moe_intermediate_size"],
+        }[arch]
+        fix = {key: getattr(ref.config, key) for key in dropped}
+        prompt = torch.tensor([PROMPTS[1]])
+        with torch.no_grad():
+            want = ref(prompt).logits
+            via_gguf = reference(tmp_path, gguf_file=path.name, **fix)(prompt).logits
+        assert (via_gguf - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    context = {"max_model_len": 128} if arch == "phi3" else {}
+    llm = LLM(str(path), num_kv_blocks=96, block_size=4, **context)
+    assert llm.engine.spec.architecture == NEW_ARCHS[arch][1]
+    assert_matches(llm, ref, PROMPTS[:2])
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3moe"])
+def test_gguf_q8_0_blocks_serve_every_matrix(arch: str, new_dirs, tmp_path) -> None:
+    """Q8_0 blocks served as stored, experts' 2-D slices of the stacked tensors too: the same
+    greedy text as the file's float32 dequantization."""
+    from models.gguf_linear import gguf_weights
+
+    path = write_gguf(new_dirs[arch], tmp_path / f"{arch}.q8_0.gguf", "Q8_0")
+    served = LLM(str(path), num_kv_blocks=96, block_size=4)
+    dense = LLM(str(path), num_kv_blocks=96, block_size=4, quantization="none")
+    blocks = list(gguf_weights(served.engine.model))
+    layers = served.engine.spec.layers
+    experts = sum(lay.num_experts for lay in layers)
+    dense_ffns = sum(1 for lay in layers if not lay.num_experts)
+    assert len(blocks) == 2 * len(layers) + 2 * (experts + dense_ffns) + 1  # + the head
+    want = [r.outputs[0].token_ids for r in dense.generate(PROMPTS, GREEDY)]
+    assert [r.outputs[0].token_ids for r in served.generate(PROMPTS, GREEDY)] == want
+
+
+def test_qwen3_moe_dense_layers_by_config() -> None:
+    """`mlp_only_layers` and `decoder_sparse_step` leave layers dense (llama.cpp's `qwen3moe`
+    has no such layers, so this shape is HF only)."""
+    from models.loader import llama_layers
+
+    cfg = dict(num_hidden_layers=6, num_attention_heads=4, intermediate_size=128,
+               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               decoder_sparse_step=2, mlp_only_layers=[3])  # fmt: skip
+    layers = llama_layers(cfg, 16)
+    assert [lay.num_experts for lay in layers] == [0, 8, 0, 0, 0, 8]
+    assert [lay.intermediate_size for lay in layers] == [128, 32, 128, 128, 128, 32]
+
+
+def test_a_decode_step_reads_only_the_chosen_experts(new_dirs) -> None:
+    """Batch-1 decode multiplies exactly top_k of the six experts, one row each."""
+    llm = LLM(str(new_dirs["qwen3moe"]), num_kv_blocks=64, block_size=4)
+    moe = llm.engine.model.layers[0].moe
+    steps: list[list[int]] = []  # per forward of the layer: rows each expert multiplied
+    hooks = [moe.router.register_forward_pre_hook(lambda m, a: steps.append([]))]
+    hooks += [
+        e.gate_up_proj.register_forward_pre_hook(lambda m, a: steps[-1].append(a[0].shape[0]))
+        for e in moe.experts
+    ]
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        llm.generate([list(range(5, 17))], params)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(moe.experts) == 6 and moe.top_k == 2
+    prefill, *decode = steps
+    assert sum(prefill) == 12 * 2 and len(decode) == 3
+    assert all(rows == [1, 1] for rows in decode)
