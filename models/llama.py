@@ -156,9 +156,11 @@ class DecoderLayer(nn.Module):
             out = self.moe(h)
         else:
             out = self.down_proj(self.act(self.gate_up_proj(h)))
-        if self.ffn_output_norm is not None:
+        if self.reduce is not None:
+            out = self.reduce(out)
+        if self.ffn_output_norm is not None:  # on the whole sum (after tensor parallelism's)
             out = self.ffn_output_norm(out)
-        return (out if self.reduce is None else self.reduce(out)), residual
+        return out, residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -70,6 +70,23 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return any(lay.num_experts for lay in self.layers)
 
+    def traits(self) -> str:
+        """What the banner's arch line adds beyond layers and sizes: windows and experts."""
+        notes = []
+        windowed = sum(self.layer_window(i) is not None for i in range(self.num_layers))
+        if windowed:
+            notes.append(
+                f"sliding window {self.sliding_window} on {windowed} of {self.num_layers} layers"
+                " (their KV is kept for every token: blocks behind the window are not reclaimed)"
+            )
+        moe = [lay for lay in self.layers if lay.num_experts]
+        if moe:
+            notes.append(
+                f"{moe[0].num_experts} experts, {moe[0].num_experts_per_tok} a token, in "
+                f"{len(moe)} of {self.num_layers} layers"
+            )
+        return "; ".join(notes)
+
     @property
     def kv_groups(self) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) per KV group, in group order."""

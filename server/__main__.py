@@ -42,7 +42,8 @@ def banner(config: Config, info: EngineInfo) -> str:
         "kvserve ready",
         f"  model      {info.model_path}",
         f"  arch       {info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}, "
-        f"vocab {info.vocab_size}",
+        f"vocab {info.vocab_size}"
+        + (f"; {info.architecture_traits}" if info.architecture_traits else ""),
         f"  dtype      {info.dtype} on {info.device} ({info.dtype_reason})"
         + (
             f", + {info.packed_weight_bytes / 2**20:.0f} MiB oneDNN-packed weight copies"

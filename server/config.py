@@ -13,6 +13,9 @@ from typing import Any
 
 from engine.config import EngineConfig, parse_bytes, setting
 
+# the tool-call formats server/flow/tool_parsers.py reads (its PARSERS)
+PARSER_NAMES = ("hermes", "llama3_json", "mistral", "phi4_mini_json")
+
 # The checkout's config.toml. An installed copy (site-packages) has none beside it: there
 # KVSERVE_CONFIG names the file (the Docker image sets it), else ./config.toml is used if present.
 CHECKOUT_CONFIG = Path(__file__).resolve().parent.parent / "config.toml"
@@ -58,7 +61,7 @@ class ServerConfig:
     tool_call_parser: str = setting(
         "auto",
         "tool-call format (vLLM's names); auto: from the chat template",
-        ("auto", "hermes", "llama3_json", "mistral"),
+        ("auto", *PARSER_NAMES),
     )
     reasoning_parser: str = setting(
         "auto",
@@ -195,10 +198,9 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
     server = ServerConfig(**{k: v for k, v in values.items() if k in ServerConfig.__slots__})
     engine = EngineConfig(**{k: v for k, v in values.items() if k in EngineConfig.__slots__})
     engine.validate()
-    if server.tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral"):
+    if server.tool_call_parser not in ("auto", *PARSER_NAMES):
         raise SystemExit(
-            f"tool_call_parser {server.tool_call_parser!r}: choose auto, hermes, llama3_json "
-            "or mistral"
+            f"tool_call_parser {server.tool_call_parser!r}: choose auto, " + ", ".join(PARSER_NAMES)
         )
     if server.role not in ("both", "prefill", "decode"):
         raise SystemExit(f"role {server.role!r}: choose both, prefill or decode")

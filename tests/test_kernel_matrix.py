@@ -92,6 +92,18 @@ def test_per_layer_and_shared_kv_geometry_is_in_the_matrix() -> None:
         assert choice.backend.name == "flashinfer"  # one plan per distinct geometry
 
 
+def test_mixed_windows_go_where_a_window_is_per_layer() -> None:
+    """Gemma 3's windowed and global layers: FlashInfer plans one window a step, so it is
+    refused with the reason and the torch backend (a mask or op argument per layer) serves;
+    one window on every layer (Mistral) stays FlashInfer's."""
+    gemma = spec(256, sliding_window=512, full_attention_layers=(1,))
+    choice = select_backend(gemma, SM90, torch.bfloat16, 16)
+    assert choice.backend.name == "torch"
+    assert "mixed windows" in choice.table and "not one per layer" in choice.table
+    mistral = spec(128, sliding_window=4096)
+    assert select_backend(mistral, SM90, torch.bfloat16, 16).backend.name == "flashinfer"
+
+
 @pytest.mark.slow
 def test_kernels_command(llama_dir) -> None:
     run = [sys.executable, "-m", "server", "kernels", "--model", str(llama_dir)]

@@ -109,6 +109,60 @@ def test_hf_checkpoint_matches_transformers(arch: str, new_dirs) -> None:
         assert_matches(llm, ref)
 
 
+@pytest.mark.parametrize("path", ["range", "gather", "sdpa"])
+def test_gemma3_windows_on_every_torch_attention_path(path: str, new_dirs) -> None:
+    """Windowed and global layers in one step on the PyTorch decode paths (range views, page
+    gathers) and SDPA prefill, not only the C++ ops the default takes: a mask per window."""
+    ref = reference(new_dirs["gemma3"])
+    llm = LLM(str(new_dirs["gemma3"]), num_kv_blocks=96, block_size=4, max_num_batched_tokens=16)
+    backend = llm.engine.runner.backend
+    assert backend.windows == [None, 8]
+    assert "sliding window 8 on 5 of 6 layers" in llm.engine.info.architecture_traits
+    if path == "sdpa":
+        backend.prefill_op = None
+    else:
+        backend.decode_op = backend.rope_decode_op = None
+        backend.use_range_decode = path == "range"
+    assert_matches(llm, ref)
+
+
+def test_speculation_stays_lossless(new_dirs) -> None:
+    """Suffix drafts verified as short chunks: Gemma 3's windows and the MoE's routing per row
+    give the greedy text of plain decoding."""
+    prompts = [[7, 8, 9] * 9, list(range(10, 40)) * 2]
+    accepted = {}
+    for arch in ("gemma3", "phi3", "qwen3moe", "mixtral"):
+        plain = LLM(str(new_dirs[arch]), num_kv_blocks=96, block_size=4)
+        want = [r.outputs[0].token_ids for r in plain.generate(prompts, GREEDY)]
+        spec = LLM(str(new_dirs[arch]), num_kv_blocks=96, block_size=4, num_speculative_tokens=4)
+        assert [r.outputs[0].token_ids for r in spec.generate(prompts, GREEDY)] == want, arch
+        accepted[arch] = spec.engine.drafter.total_stats().num_accepted_tokens
+    # drafts come from repeats in the output: the random Phi-3's never repeats, the others do
+    assert accepted["gemma3"] > 0 and accepted["qwen3moe"] > 0 and accepted["mixtral"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+def test_tensor_parallel_two_ranks(arch: str, new_dirs) -> None:
+    """Heads and FFN columns split across two ranks (Gemma's output norms after the sum)."""
+    prompts = [[(s * 31 + i * 7) % 400 + 3 for i in range(30)] for s in range(3)]
+    options = dict(dtype="float32", num_kv_blocks=64, block_size=4)
+    want = [
+        r.outputs[0].token_ids
+        for r in LLM(str(new_dirs[arch]), **options).generate(prompts, GREEDY)
+    ]
+    two = LLM(str(new_dirs[arch]), tensor_parallel_size=2, **options)
+    try:
+        assert [r.outputs[0].token_ids for r in two.generate(prompts, GREEDY)] == want
+    finally:
+        two.engine.shutdown()
+
+
+def test_tensor_parallel_refuses_experts(new_dirs) -> None:
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        LLM(str(new_dirs["mixtral"]), tensor_parallel_size=2, num_kv_blocks=64, block_size=4)
+
+
 def test_phi3_long_context_takes_the_long_factors(new_dirs) -> None:
     """Served past the original context, LongRoPE's long factors for every position, as
     transformers uses them for a forward longer than the original context."""
@@ -123,10 +177,10 @@ def test_phi3_long_context_takes_the_long_factors(new_dirs) -> None:
 
 
 def test_prefix_hit_and_preemption_by_swap_keep_outputs(new_dirs) -> None:
-    """Gemma 3 (windows) and Qwen3-MoE: a prompt's second run hits the prefix cache, and a
-    pool too small for the batch preempts to the host tier; outputs equal a roomy run's."""
+    """Every new architecture: a prompt's second run hits the prefix cache, and a pool too
+    small for the batch preempts to the host tier; outputs equal a roomy run's."""
     prompts = [[(s * 31 + i * 7) % 400 + 3 for i in range(40)] for s in range(6)]
-    for arch in ("gemma3", "qwen3moe"):
+    for arch in ("gemma3", "phi3", "qwen3moe", "mixtral"):
         path = str(new_dirs[arch])
         roomy = LLM(path, num_kv_blocks=256, block_size=4)
         want = [r.outputs[0].token_ids for r in roomy.generate(prompts, GREEDY)]
@@ -214,6 +268,7 @@ def test_a_decode_step_reads_only_the_chosen_experts(new_dirs) -> None:
         for h in hooks:
             h.remove()
     assert len(moe.experts) == 6 and moe.top_k == 2
+    assert "6 experts, 2 a token, in 2 of 2 layers" in llm.engine.info.architecture_traits
     prefill, *decode = steps
     assert sum(prefill) == 12 * 2 and len(decode) == 3
     assert all(rows == [1, 1] for rows in decode)

@@ -1,4 +1,5 @@
-"""Forced tool calls in every tool-call format the server parses (hermes, llama3_json, mistral):
+"""Forced tool calls in every tool-call format the server parses (hermes, llama3_json, mistral,
+phi4_mini_json):
 `required`, a named function and strict tools are enforced by the grammar in the format the
 model's template teaches, and come back as OpenAI tool calls, whole and streamed."""
 
@@ -32,7 +33,7 @@ def trigger_model(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["hermes", "llama3_json", "mistral"])
+@pytest.fixture(scope="module", params=["hermes", "llama3_json", "mistral", "phi4_mini_json"])
 def served(request, trigger_model):
     server = InProcessServer(trigger_model, max_model_len=2048, tool_call_parser=request.param)
     yield server, request.param
@@ -43,6 +44,18 @@ def served(request, trigger_model):
 def client(served):
     server, _ = served
     return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
+
+
+def test_every_parser_is_a_setting_and_a_grammar() -> None:
+    from server.config import PARSER_NAMES
+    from server.flow.tool_parsers import PARSERS, parser_for_template
+
+    assert set(PARSER_NAMES) == set(PARSERS) == set(CALL_FORMATS)
+    phi4 = "{% if tools %}<|tool|>{{ tools }}<|/tool|>{% endif %}"  # Phi-4-mini's declaration
+    assert parser_for_template(phi4).name == "phi4_mini_json"
+    got = PARSERS["phi4_mini_json"].parse('ok functools[{"name": "f", "arguments": {"a": 1}}]')
+    assert got.content == "ok "
+    assert [(c.name, c.arguments) for c in got.calls] == [("f", '{"a": 1}')]
 
 
 def check(call, name: str | None = None) -> None:

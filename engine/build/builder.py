@@ -287,6 +287,7 @@ def _engine_info(
     return EngineInfo(
         model_path=model_path,
         architecture=spec.architecture,
+        architecture_traits=spec.traits(),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         vocab_size=spec.vocab_size,

@@ -52,6 +52,7 @@ class EngineInfo:
     kv_namespace: bytes = b""
     host_block_bytes: int = 0  # one block's bytes across KV groups (a remote store value)
     tensor_parallel_size: int = 1
+    architecture_traits: str = ""  # ModelSpec.traits(): sliding windows, experts
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """A prompt and its sampling parameters fit this engine, or ParamError says why."""

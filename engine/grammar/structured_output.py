@@ -75,6 +75,9 @@ CALL_FORMATS = {
     "mistral": CallFormat(
         '{"name": %s, "arguments": ', "}", ", ", "[TOOL_CALLS]", "[TOOL_CALLS] [", "]"
     ),
+    "phi4_mini_json": CallFormat(
+        '{"name": %s, "arguments": ', "}", ", ", "functools[", "functools[", "]"
+    ),
 }
 
 

@@ -4,7 +4,9 @@
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, repeated for parallel calls;
 - `llama3_json` (Llama 3.1+): `{"name": ..., "parameters": {...}}`, optionally after
   `<|python_tag|>`, several separated by `;`;
-- `mistral`: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`.
+- `mistral`: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`;
+- `phi4_mini_json` (Phi-4-mini, whose template declares tools in `<|tool|>`):
+  `functools[{"name": ..., "arguments": {...}}, ...]`.
 
 Each parser reads a whole (or partial, while streaming) output and returns the content around the
 calls and the calls found so far; `ToolCallStream` turns successive parses into OpenAI's delta
@@ -141,9 +143,11 @@ class Llama3JsonParser:
         return out
 
 
-class MistralParser:
-    name = "mistral"
-    marker = "[TOOL_CALLS]"
+class MarkedListParser:
+    """A marker, then a JSON list of {"name", "arguments"} objects (Mistral's, Phi-4-mini's)."""
+
+    def __init__(self, name: str, marker: str) -> None:
+        self.name, self.marker = name, marker
 
     def parse(self, text: str) -> Parsed:
         i = text.find(self.marker)
@@ -170,8 +174,16 @@ class MistralParser:
             pos = end
 
 
-PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser())}
-ToolParser = HermesParser | Llama3JsonParser | MistralParser
+PARSERS = {
+    p.name: p
+    for p in (
+        HermesParser(),
+        Llama3JsonParser(),
+        MarkedListParser("mistral", "[TOOL_CALLS]"),
+        MarkedListParser("phi4_mini_json", "functools["),
+    )
+}
+ToolParser = HermesParser | Llama3JsonParser | MarkedListParser
 
 
 def parser_for_template(template: str | None) -> ToolParser:
@@ -180,6 +192,8 @@ def parser_for_template(template: str | None) -> ToolParser:
     source = template or ""
     if "[TOOL_CALLS]" in source:
         return PARSERS["mistral"]
+    if "<|tool|>" in source:
+        return PARSERS["phi4_mini_json"]
     if "<|python_tag|>" in source or "ipython" in source:
         return PARSERS["llama3_json"]
     return PARSERS["hermes"]
