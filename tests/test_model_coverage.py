@@ -6,6 +6,7 @@ the HF directory and from a GGUF written from it as llama.cpp's converter does."
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 
@@ -272,3 +273,50 @@ def test_a_decode_step_reads_only_the_chosen_experts(new_dirs) -> None:
     prefill, *decode = steps
     assert sum(prefill) == 12 * 2 and len(decode) == 3
     assert all(rows == [1, 1] for rows in decode)
+
+
+# Gemma's chat template in outline: system folded into the first user turn, roles that must
+# alternate (else raise_exception), "model" for the assistant, no tools
+GEMMA_STYLE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] + '\\n\\n' %}{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for m in loop_messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\\n"
+    "{{ (prefix if loop.first else '') + m['content'] | trim }}<end_of_turn>\\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\\n{% endif %}"
+)
+
+
+def test_parallel_tool_results_render_under_a_template_that_wants_alternation(tmp_path) -> None:
+    """A template without tools gets the fallback (tool list in the system prompt, results as
+    <tool_response> blocks in a user turn): the results of parallel calls, and the user turn
+    after them, go in one turn, so Gemma's alternation check passes."""
+    from models.tokenizer import load_tokenizer
+    from server.flow.chat_prompt import render_prompt
+    from server.protocol.openai import ChatMessage, ChatTool
+
+    build_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**cfg, "chat_template": GEMMA_STYLE})
+    )
+    tok = load_tokenizer(str(tmp_path))
+    call = {"type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Time in Paris and Tokyo?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{**call, "id": "a"}, {**call, "id": "b"}]},
+        {"role": "tool", "tool_call_id": "a", "content": "10:00"},
+        {"role": "tool", "tool_call_id": "b", "content": "17:00"},
+        {"role": "user", "content": "And which is later?"},
+    ]  # fmt: skip
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    ids = render_prompt(tok, [ChatMessage.model_validate(m) for m in messages], True,
+                        [ChatTool.model_validate(tool)])  # fmt: skip
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text.count("<start_of_turn>user") == 2 and text.count("<start_of_turn>model") == 2
+    assert "<tool_response>\n10:00\n</tool_response>\n<tool_response>\n17:00" in text
+    assert "get_time" in text.split("<start_of_turn>model")[0]  # the fallback's tool list

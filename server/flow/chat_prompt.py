@@ -70,6 +70,7 @@ def template_messages(
     messages: list[ChatMessage], traits: TemplateTraits, tools: list[ChatTool] | None
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    tool_turns: set[int] = set()  # indices in `out` of user turns holding tool results
     for i, m in enumerate(messages):
         bad = m.non_text_part()
         if bad is not None:
@@ -117,6 +118,15 @@ def template_messages(
                     "role": "user",
                     "content": f"<tool_response>\n{m.text()}\n</tool_response>",
                 }
+                tool_turns.add(len(out))
+        # results of parallel calls (and a user turn after them) in one user turn, as Hermes
+        # templates render them: templates that insist on alternating roles (Gemma's) accept it
+        merge = out and out[-1]["role"] == entry["role"] == "user"
+        if merge and (len(out) - 1 in tool_turns or len(out) in tool_turns):
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + entry["content"]}
+            tool_turns.add(len(out) - 1)
+            tool_turns.discard(len(out))
+            continue
         out.append(entry)
     if tools and not traits.knows_tools:
         listing = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
