@@ -90,14 +90,14 @@ def _tensors(cfg: dict, arch: str, hf: dict[str, torch.Tensor]) -> dict[str, np.
     return out
 
 
-def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32") -> Path:
+def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", arch: str | None = None) -> Path:
     """`hf_dir`'s checkpoint and tokenizer as `out`; 2-D and 3-D weights in `matrix_type`
-    ("F32", "Q8_0"), norms and routers in F32, as llama.cpp's converter writes them."""
+    ("F32", "Q8_0"), norms and routers in F32, as llama.cpp's converter writes them; `arch`
+    overrides the file's architecture name (`mistral3` for a Mistral)."""
     import gguf
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    hf_arch = cfg["architectures"][0]
-    arch = GGUF_ARCH[hf_arch]
+    arch = arch or GGUF_ARCH[cfg["architectures"][0]]
     w = gguf.GGUFWriter(str(out), arch)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads

@@ -221,6 +221,18 @@ def test_gguf_written_from_the_weights_matches_transformers(arch: str, new_dirs,
     assert_matches(llm, ref, PROMPTS[:2])
 
 
+def test_gguf_mistral3_reads_as_mistral(tmp_path) -> None:
+    """llama.cpp names Mistral Small 3 / Ministral text models `mistral3`: Llama's tensors,
+    q/k rows permuted the same way."""
+    from tests.conftest import build_model
+
+    hf = build_model("mistral", tmp_path / "mistral", sliding_window=None)
+    path = write_gguf(hf, tmp_path / "mistral3.gguf", arch="mistral3")
+    llm = LLM(str(path), num_kv_blocks=96, block_size=4)
+    assert llm.engine.spec.architecture == "MistralForCausalLM"
+    assert_matches(llm, reference(hf), PROMPTS[:2])
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3moe"])
 def test_gguf_q8_0_blocks_serve_every_matrix(arch: str, new_dirs, tmp_path) -> None:
     """Q8_0 blocks served as stored, experts' 2-D slices of the stacked tensors too: the same
