@@ -112,7 +112,8 @@ def test_a_q8_0_gguf_loads_into_int8_accurate_or_refused(smollm2_path, tmp_path)
         bits = "7-bit activations (fbgemm without VNNI)" if needs_reduce_range() else "8-bit"
         assert bits in message
         top1 = float(re.search(r"top-1 agreement ([\d.]+)", message).group(1))
-        assert top1 < WARN_TOP1 and "--quantization int8wo" in message
+        # the message rounds to two places: a refused 0.897 reads "0.90"
+        assert top1 <= WARN_TOP1 and "--quantization int8wo" in message
         return
     assert not needs_reduce_range(), "7-bit activations were accepted"
     table = q.engine.info.kernel_table

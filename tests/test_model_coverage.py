@@ -18,6 +18,8 @@ from engine.core.scoring import score_prompt
 from tests.conftest import build_tokenizer
 from tests.gguf_export import write_gguf
 
+pytestmark = pytest.mark.isa  # the C++ attention and block kernels again as an AVX2 CPU runs them
+
 BASE = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
@@ -143,6 +145,7 @@ def test_speculation_stays_lossless(new_dirs) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.main_pass_only
 @pytest.mark.parametrize("arch", ["gemma3", "phi3"])
 def test_tensor_parallel_two_ranks(arch: str, new_dirs) -> None:
     """Heads and FFN columns split across two ranks (Gemma's output norms after the sum)."""
@@ -159,6 +162,7 @@ def test_tensor_parallel_two_ranks(arch: str, new_dirs) -> None:
         two.engine.shutdown()
 
 
+@pytest.mark.main_pass_only
 def test_tensor_parallel_refuses_experts(new_dirs) -> None:
     with pytest.raises(ValueError, match="mixture-of-experts"):
         LLM(str(new_dirs["mixtral"]), tensor_parallel_size=2, num_kv_blocks=64, block_size=4)
@@ -251,6 +255,7 @@ def test_gguf_q8_0_blocks_serve_every_matrix(arch: str, new_dirs, tmp_path) -> N
     assert [r.outputs[0].token_ids for r in served.generate(PROMPTS, GREEDY)] == want
 
 
+@pytest.mark.main_pass_only
 def test_qwen3_moe_dense_layers_by_config() -> None:
     """`mlp_only_layers` and `decoder_sparse_step` leave layers dense (llama.cpp's `qwen3moe`
     has no such layers, so this shape is HF only)."""
@@ -301,6 +306,7 @@ GEMMA_STYLE = (
 )
 
 
+@pytest.mark.main_pass_only
 def test_parallel_tool_results_render_under_a_template_that_wants_alternation(tmp_path) -> None:
     """A template without tools gets the fallback (tool list in the system prompt, results as
     <tool_response> blocks in a user turn): the results of parallel calls, and the user turn
