@@ -174,6 +174,11 @@ class EngineConfig:
         ", within spec_max_verify_rows; off: batch x (1 + k) stays within that cap",
     )
     spec_max_verify_rows: int = setting(16, "most verify rows (batch x (1 + k)) in one step")
+    reclaim_window_blocks: bool = setting(
+        True,
+        "sliding-window layers (Gemma 3, Mistral) keep only the window's KV blocks, in a pool of "
+        "their own; the rest go back as a request advances",
+    )
     cpu_packed_weights: bool = setting(
         True,
         "CPU: also hold oneDNN-packed weight copies where they measure faster at startup "

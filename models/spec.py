@@ -77,7 +77,6 @@ class ModelSpec:
         if windowed:
             notes.append(
                 f"sliding window {self.sliding_window} on {windowed} of {self.num_layers} layers"
-                " (their KV is kept for every token: blocks behind the window are not reclaimed)"
             )
         moe = [lay for lay in self.layers if lay.num_experts]
         if moe:

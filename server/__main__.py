@@ -52,9 +52,9 @@ def banner(config: Config, info: EngineInfo) -> str:
         ),
         f"  KV cache   {info.num_blocks} blocks x {info.block_size} tokens = "
         f"{info.num_blocks * info.block_size} tokens "
-        f"({info.num_blocks * info.kv_block_bytes / 2**20:.0f} MiB), "
+        f"({info.kv_cache_bytes / 2**20:.0f} MiB), "
         f"prefix caching {'on' if info.prefix_caching else 'off'}",
-        f"  KV/token   {kv_line(info)}",
+        f"  KV/token   {kv_line(info)}" + (f"; {info.window_kv}" if info.window_kv else ""),
         f"  attention  {info.attention_backend} on {info.device_label}"
         + (" (decode: compiled C++ paged attention)" if info.compiled_decode else "")
         + (

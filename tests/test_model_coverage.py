@@ -338,3 +338,58 @@ def test_parallel_tool_results_render_under_a_template_that_wants_alternation(tm
     assert text.count("<start_of_turn>user") == 2 and text.count("<start_of_turn>model") == 2
     assert "<tool_response>\n10:00\n</tool_response>\n<tool_response>\n17:00" in text
     assert "get_time" in text.split("<start_of_turn>model")[0]  # the fallback's tool list
+
+
+def test_gemma3_windowed_blocks_go_back_while_the_request_runs(new_dirs) -> None:
+    """A 120-token prompt through a window of 8 in blocks of 4, decoded 16 tokens: the windowed
+    layers' table holds at most the window's blocks plus a step's, the blocks behind it are
+    returned mid-request (counted), the output is still transformers', and both pools are
+    whole again afterwards."""
+    ref = reference(new_dirs["gemma3"])
+    llm = LLM(str(new_dirs["gemma3"]), num_kv_blocks=96, block_size=4, max_num_batched_tokens=16,
+              max_num_seqs=4)  # fmt: skip
+    kv = llm.engine.kv
+    assert kv.window is not None and "a pool of their own" in llm.engine.info.window_kv
+    caches = llm.engine.runner.backend.kv_caches
+    # four sequences' windows (3 blocks each), two steps' 16 tokens (4 each), the null block
+    assert caches[0].shape[2] == kv.window.pool.num_blocks == 4 * 3 + 2 * 4 + 1
+    assert caches[5].shape[2] == 96
+    live: list[int] = []
+    step = llm.engine.step
+
+    def counting_step():
+        out = step()
+        live.append(kv.window.num_live_blocks())
+        return out
+
+    llm.engine.step = counting_step  # type: ignore[method-assign]
+    prompt = [(i * 7) % 500 + 3 for i in range(120)]
+    (res,) = llm.generate([prompt], GREEDY)  # prefilled in chunks of 16
+    with torch.no_grad():
+        gen = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+    assert res.outputs[0].token_ids == gen[0, len(prompt) :].tolist()
+    # the window (8 tokens: 2-3 blocks) plus a 16-token chunk (4 blocks), one block of slack
+    assert 0 < max(live) <= 8
+    assert kv.window.num_reclaimed >= (120 + 16 - 8) // 4 - 8
+    assert kv.window.pool.num_free_blocks == kv.window.pool.num_blocks - 1  # the null block
+
+
+def test_a_fixed_budget_admits_more_gemma3_requests_with_reclamation(new_dirs) -> None:
+    """The same KV memory, with and without the windowed layers' own pool: the full-context
+    pool gets the memory the windowed layers no longer hold, so more long requests fit."""
+    budget = dict(kv_cache_memory="1MiB", block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    on = LLM(str(new_dirs["gemma3"]), **budget)
+    off = LLM(str(new_dirs["gemma3"]), reclaim_window_blocks=False, **budget)
+    assert off.engine.kv.window is None and "--no-reclaim" in off.engine.info.window_kv
+    # one layer in six holds every token; the window pool (8 windows and two 64-token steps)
+    # takes the rest of what the five others had
+    assert on.engine.num_blocks > 2 * off.engine.num_blocks
+    prompts = [[(s * 31 + i * 7) % 400 + 3 for i in range(200)] for s in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for name, llm in (("on", on), ("off", off)):
+        outputs[name] = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    # eight 208-token requests: the reclaimed pool runs them without a preemption, the other
+    # pool (170 blocks, 52 a request) preempts and recomputes; the same tokens either way
+    assert on.engine.scheduler.num_preemptions == 0 < off.engine.scheduler.num_preemptions
+    assert outputs["on"] == outputs["off"]

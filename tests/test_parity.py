@@ -63,6 +63,7 @@ def test_sliding_window_matches_transformers(windowed_mistral, block_size, chunk
         windowed_mistral, num_kv_blocks=64, block_size=block_size, max_num_batched_tokens=chunk
     )
     assert llm.engine.spec.sliding_window == 16
+    assert llm.engine.kv.window is not None  # its blocks behind the window go back
     prompts = [list(range(10, 70)), [7, 8, 9] * 15]
     for prompt in prompts:
         ours = score_prompt(llm.engine, prompt)
@@ -74,3 +75,5 @@ def test_sliding_window_matches_transformers(windowed_mistral, block_size, chunk
         with torch.no_grad():
             gen = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
         assert res.outputs[0].token_ids == gen[0, len(prompt) :].tolist()
+    assert llm.engine.kv.window.num_reclaimed > 0
+    assert llm.engine.kv.window.pool.num_free_blocks == llm.engine.kv.window.pool.num_blocks - 1

@@ -33,6 +33,11 @@ class StepMetadata:
     seq_lens: list[int]
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor  # [num_tokens] int64, physical slot of every new token
+    # where the sliding-window layers' KV has a pool of its own (engine/kv/window.py): each
+    # sequence's table into it (freed blocks behind the window are its null block 0) and the
+    # new tokens' slots there; None: those layers use `block_tables` too
+    window_block_tables: list[list[int]] | None = None
+    window_slot_mapping: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -67,6 +72,8 @@ class AttentionBackend(ABC):
     block_dim: int = 0
     slot_dim: int = 2  # the token-within-block dimension (> block_dim)
     supports_cuda_graphs: bool = False  # decode steps can be captured (`graph_step`)
+    # reads StepMetadata.window_block_tables for the windowed layers (engine/kv/window.py)
+    reads_window_tables: bool = False
 
     @classmethod
     @abstractmethod

@@ -15,7 +15,7 @@ K/V directly and one with context gathering its pages under a mask.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -137,6 +137,25 @@ class TorchAttentionStep(AttentionStep):
                 meta.block_tables[i][: -(-seq // bs)], dtype=torch.int32, device=device
             )
             self.prefills.append(_Prefill(slice(start, start + q_len), seq, pages, ctx, {}))
+        # the sliding-window layers' own pool (engine/kv/window.py): the same plan over its
+        # tables, for those layers
+        self.window_step: TorchAttentionStep | None = None
+        if meta.window_block_tables is None and backend.smallest_cache is not None:
+            # a startup forward (warm-up, a judge) on the full pool's ids: within every cache
+            top = max((max(t) for t in meta.block_tables if t), default=0)
+            if top >= backend.smallest_cache:
+                raise ValueError(f"block {top} is past the window pool's {backend.smallest_cache}")
+        if meta.window_block_tables is not None:
+            window_meta = replace(meta, block_tables=meta.window_block_tables,
+                                  slot_mapping=meta.window_slot_mapping,
+                                  window_block_tables=None, window_slot_mapping=None)  # fmt: skip
+            self.window_step = TorchAttentionStep(backend, window_meta)
+
+    def _step_of(self, layer_idx: int) -> TorchAttentionStep:
+        """The plan over the tables layer `layer_idx` reads."""
+        if self.window_step is not None and self.backend.layer_window[layer_idx] is not None:
+            return self.window_step
+        return self
 
     def _plan_buckets(self, meta: StepMetadata, decode: list[int], device: torch.device) -> None:
         bs = self.backend.block_size
@@ -162,6 +181,8 @@ class TorchAttentionStep(AttentionStep):
         sin: torch.Tensor,
         num_heads: int,
     ) -> torch.Tensor | None:
+        if (step := self._step_of(layer_idx)) is not self:
+            return step.rope_decode(layer_idx, qkv, cos, sin, num_heads)
         backend = self.backend
         if not self.all_decode or self.cpp_decode is None or backend.decode_op is None:
             return None  # (tests turn the C++ decode off by clearing decode_op)
@@ -190,6 +211,8 @@ class TorchAttentionStep(AttentionStep):
         sin: torch.Tensor,
         num_heads: int,
     ) -> torch.Tensor | None:
+        if (step := self._step_of(layer_idx)) is not self:
+            return step.rope_write(layer_idx, qkv, cos, sin, num_heads)
         backend = self.backend
         if backend.rope_write_op is None or cos.dtype != torch.float32:
             return None
@@ -201,6 +224,9 @@ class TorchAttentionStep(AttentionStep):
         )
 
     def decode_stack_args(self, cos: torch.Tensor, num_layers: int) -> DecodeStackArgs | None:
+        if self.window_step is not None:  # one set of tables for the op: every layer windowed
+            windowed = all(w is not None for w in self.backend.layer_window[:num_layers])
+            return self.window_step.decode_stack_args(cos, num_layers) if windowed else None
         backend = self.backend
         if not self.all_decode or self.cpp_decode is None or backend.decode_op is None:
             return None
@@ -218,6 +244,8 @@ class TorchAttentionStep(AttentionStep):
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
+        if (step := self._step_of(layer_idx)) is not self:
+            return step.forward(layer_idx, q, k, v)
         backend = self.backend
         cache = backend.kv_caches[backend.layer_group[layer_idx]]
         if k is not None and v is not None:  # None: a layer reading a shared KV group
@@ -314,6 +342,7 @@ class TorchAttentionStep(AttentionStep):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    reads_window_tables = True
     use_range_decode = True  # False forces the gather path (tests compare the two)
 
     def __init__(
@@ -324,6 +353,9 @@ class TorchBackend(AttentionBackend):
         workspace: torch.Tensor | None = None,
     ) -> None:
         super().__init__(spec, kv_caches, block_size, workspace)
+        sizes = {cache.shape[self.block_dim] for cache in kv_caches}
+        # the sliding-window layers' pool, where smaller than the others (engine/kv/window.py)
+        self.smallest_cache = min(sizes) if len(sizes) > 1 else None
         # Decode rows go to the compiled C++ op where it builds (CPU, float32 or bfloat16 KV,
         # float32 arithmetic); None: PyTorch ops (range plan or gather buckets; float16 on
         # CPU). Tests set it to None to compare the paths.

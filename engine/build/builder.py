@@ -16,6 +16,7 @@ from engine.attention import BackendChoice, DeviceFacts, cpu_prefill
 from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.build import pool as kv_phase
+from engine.build import window as window_phase
 from engine.build.speculation import build_drafter, load_draft_head
 from engine.build.weights import (
     LoadedWeights,
@@ -33,6 +34,7 @@ from engine.grammar.structured_output import StructuredOutputs
 from engine.kv.host import HostTier
 from engine.kv.identity import hash_root_from_seed, kv_namespace
 from engine.kv.manager import KVCacheManager
+from engine.kv.window import WindowTables
 from engine.parallel.messages import Load, WorkerBuild
 from engine.parallel.tensor_parallel import TPGroup, start_ranks
 from engine.runner.model_runner import ModelRunner
@@ -90,6 +92,13 @@ class Pool:
     backend: AttentionBackend
     num_blocks: int
     graphs: bool
+    window_blocks: int  # the sliding-window layers' own pool (0: they share the pool above)
+    window_refusal: str | None  # why they keep every block, where they do (None: reclaimed)
+
+    @property
+    def scratch_blocks(self) -> int:
+        """Blocks a startup forward may use (ids below this exist in every KV group)."""
+        return min(self.num_blocks, self.window_blocks) if self.window_blocks else self.num_blocks
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
@@ -186,12 +195,19 @@ def _pool(
     kv_block_bytes = pool_spec.kv_bytes_per_token(dtype_size) * block_size
     sizing_bytes = max(kv_block_bytes, tp.largest_block_bytes(spec, dtype_size, block_size)
                        if tp is not None else 0)  # fmt: skip
-    choice, backend, num_blocks, graphs = kv_phase.choose_and_warm_up(
+
+    def reclaim_refusal(backend_cls: type[AttentionBackend]) -> str | None:
+        return window_phase.reclaim_refusal(
+            config, pool_spec, backend_cls, max_model_len, tp is not None, draft is not None
+        )
+
+    choice, backend, num_blocks, graphs, window_blocks, refusal = kv_phase.choose_and_warm_up(
         config, weights.model, pool_spec, facts, dtype, device, block_size, sizing_bytes,
-        max_model_len, kv_dtype,
+        max_model_len, kv_dtype, reclaim_refusal,
     )  # fmt: skip
     return Pool(pool_spec, kv_dtype, kv_reason, block_size, kv_block_bytes, sizing_bytes,
-                max_model_len, choice, backend, num_blocks, graphs)  # fmt: skip
+                max_model_len, choice, backend, num_blocks, graphs, window_blocks,
+                refusal)  # fmt: skip
 
 
 def _quantize(
@@ -206,26 +222,37 @@ def _quantize(
     (engine/weights/); returns the banner's weights line."""
     model, backend = weights.model, pool.backend
     if config.quantization == "int8":
-        return quantize_model(model, backend, tokenizer, pool.num_blocks, pool.block_size, device)
+        return quantize_model(model, backend, tokenizer, pool.scratch_blocks, pool.block_size,
+                              device)  # fmt: skip
     notes = weights.notes
     if config.quantization in WEIGHT_ONLY:
         notes = quantize_weight_only(
-            model, config.quantization, backend, tokenizer, pool.num_blocks, pool.block_size,
+            model, config.quantization, backend, tokenizer, pool.scratch_blocks, pool.block_size,
             device, config.cpu_packed_weights, int8_activations(config),
             config.spec_max_verify_rows, key,
         )  # fmt: skip
     judged = judge_int8_activations(
-        model, backend, tokenizer, pool.num_blocks, pool.block_size, device,
+        model, backend, tokenizer, pool.scratch_blocks, pool.block_size, device,
         binding=config.gguf_int8_activations == "auto", key=key,
     )  # fmt: skip
     if int8_prefill(config) and (int8 := gguf_linear.measure_int8_dense(model, key)):
         log.info("GGUF dense path: %s", int8)
         notes += f"; {int8}"
     prefill = judge_int8_prefill(
-        model, backend, tokenizer, pool.num_blocks, pool.block_size, device,
+        model, backend, tokenizer, pool.scratch_blocks, pool.block_size, device,
         binding=config.gguf_int8_prefill == "auto", key=(*key, "int8 prefill"),
     )  # fmt: skip
     return "; ".join(part for part in (notes, judged, prefill) if part)
+
+
+def _window_kv(pool: Pool) -> str:
+    """The banner's words for the sliding-window layers' KV."""
+    if pool.window_blocks:
+        return (f"windowed layers: a pool of their own, {pool.window_blocks} blocks, holding "
+                "each request's window (blocks behind it go back as it advances)")  # fmt: skip
+    if pool.window_refusal and pool.window_refusal != "no sliding-window layers":
+        return f"windowed layers keep KV for every token: {pool.window_refusal}"
+    return ""
 
 
 def _kv_manager(
@@ -236,14 +263,21 @@ def _kv_manager(
     else:
         hash_root = host.disk.root_seed if host is not None and host.disk is not None else None
     copier = kv_phase.block_prefix_copier(type(pool.backend), pool.backend.kv_caches)
+    window = None
+    if pool.window_blocks:
+        assert pool.spec.sliding_window is not None and host is None
+        window = WindowTables(pool.window_blocks, pool.block_size, pool.spec.sliding_window,
+                              config.enable_prefix_caching)  # fmt: skip
+        copier = None  # a partial block's copy moves one block id across every group
     return KVCacheManager(
         pool.num_blocks,
         pool.block_size,
         config.enable_prefix_caching,
         host,
-        copier if tp is None else tp.mirrored_copier(copier),
+        copier if tp is None or copier is None else tp.mirrored_copier(copier),
         hash_root=hash_root,
         pin_share=config.kv_pin_share,
+        window=window,
     )
 
 
@@ -288,6 +322,8 @@ def _engine_info(
         model_path=model_path,
         architecture=spec.architecture,
         architecture_traits=spec.traits(),
+        window_kv=_window_kv(pool),
+        kv_cache_bytes=sum(c.numel() * c.element_size() for c in kv_caches),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         vocab_size=spec.vocab_size,

@@ -17,6 +17,7 @@ import torch
 from engine.attention import BackendChoice, DeviceFacts, select_backend
 from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
+from engine.build import window as window_phase
 from engine.build.warmup import warm_up
 from engine.config import DTYPE_NAMES, EngineConfig, parse_bytes
 from engine.kv.disk import DiskTier
@@ -80,14 +81,17 @@ def choose_and_warm_up(
     kv_block_bytes: int,
     max_model_len: int,
     kv_dtype: torch.dtype,
-) -> tuple[BackendChoice, AttentionBackend, int, bool]:
+    reclaim_refusal: Callable[[type[AttentionBackend]], str | None] = lambda cls: "",
+) -> tuple[BackendChoice, AttentionBackend, int, bool, int, str | None]:
     """Pick the attention backend from the kernel matrix, allocate its workspace, size and
     allocate the KV pool, and warm the backend up (engine/build/warmup.py). A backend that fails
     its warm-up is passed over loudly, with the reason in the matrix's "warm-up" row, and the next
     one is tried; a forced one is a startup error, and so is a slow fallback under
     --require-fast-kernels. Returns the choice, the backend over its pool, the number of
     usable blocks and whether decode steps will be captured as CUDA graphs (those reserve one
-    extra block past the pool, where padded rows write)."""
+    extra block past the pool, where padded rows write); then the sliding-window layers' own
+    pool's blocks (0: none; `reclaim_refusal` of the backend says why, engine/build/window.py)
+    and the refusal."""
     failed: dict[str, str] = {}
     while True:
         choice = select_backend(
@@ -104,9 +108,22 @@ def choose_and_warm_up(
         graphs = use_cuda_graphs(config, device, backend_cls)
         # the backend's workspace first: the pool is sized from the memory left after it
         workspace = backend_cls.allocate_workspace(device)
-        num_blocks = num_blocks_for(config, device, kv_block_bytes, max_model_len, block_size)
-        caches = allocate_kv_caches(backend_cls, pool_spec.kv_groups, num_blocks + int(graphs),
-                                    block_size, kv_dtype, device)  # fmt: skip
+        refusal = reclaim_refusal(backend_cls)
+        window_blocks, windowed, reserved, block_bytes = 0, set(), 0, kv_block_bytes
+        if refusal is None:
+            size = kv_dtype.itemsize
+            block_bytes, window_bytes = window_phase.block_bytes(pool_spec, size, block_size)
+            # never more than the full pool: a request's window table is no longer than its full one
+            cap = config.num_kv_blocks or config.max_num_seqs * -(-max_model_len // block_size)
+            window_blocks = window_phase.window_blocks_for(config, pool_spec, block_size, cap)
+            windowed = window_phase.windowed_groups(pool_spec) or set()
+            reserved = window_blocks * window_bytes
+        num_blocks = num_blocks_for(config, device, block_bytes, max_model_len, block_size,
+                                    reserved)  # fmt: skip
+        counts = [window_blocks if g in windowed else num_blocks + int(graphs)
+                  for g in range(len(pool_spec.kv_groups))]  # fmt: skip
+        caches = allocate_kv_caches(backend_cls, pool_spec.kv_groups, counts, block_size,
+                                    kv_dtype, device)  # fmt: skip
         backend = backend_cls(pool_spec, caches, block_size, workspace)
         del caches  # the backend holds the pool: a failed warm-up's frees with it
         reason = _warm_up_failure(model, backend, pool_spec, num_blocks, block_size, device)
@@ -124,7 +141,7 @@ def choose_and_warm_up(
                 ", ".join(failed),
                 backend_cls.name,
             )
-        return choice, backend, num_blocks, graphs
+        return choice, backend, num_blocks, graphs, window_blocks, refusal
 
 
 def pool_for(
@@ -203,14 +220,17 @@ def num_blocks_for(
     block_bytes: int,
     max_model_len: int,
     block_size: int,
+    reserved: int = 0,
 ) -> int:
+    """The pool's blocks of `block_bytes`: --num-kv-blocks, else what the memory budget holds
+    after `reserved` bytes (the window pool's)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - total * (1 - config.gpu_memory_utilization)
+        budget = free - total * (1 - config.gpu_memory_utilization) - reserved
     else:
-        budget = parse_bytes(config.kv_cache_memory)
+        budget = parse_bytes(config.kv_cache_memory) - reserved
     # Never more than every sequence at full length could use.
     per_sequence = -(-max_model_len // block_size)
     blocks = min(int(budget // block_bytes), config.max_num_seqs * per_sequence)

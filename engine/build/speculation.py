@@ -81,7 +81,7 @@ def build_drafter(
     log.info("speculative decoding: drafts from %s, at most %d per request", sources, k)
     cost = None
     if config.spec_cost_model:
-        cost = _step_costs(config, weights_key, model, head, backend, kv.pool.num_blocks, device)
+        cost = _step_costs(config, weights_key, model, head, backend, kv.scratch_blocks, device)
     eagle = None
     if head is not None:
         eagle = EagleDrafts(head, backend, kv.block_size, device, kv.block_ids, grammars)

@@ -53,6 +53,8 @@ class EngineInfo:
     host_block_bytes: int = 0  # one block's bytes across KV groups (a remote store value)
     tensor_parallel_size: int = 1
     architecture_traits: str = ""  # ModelSpec.traits(): sliding windows, experts
+    window_kv: str = ""  # where the sliding-window layers' KV lives (engine/kv/window.py)
+    kv_cache_bytes: int = 0  # every KV tensor's bytes (the window pool's included)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """A prompt and its sampling parameters fit this engine, or ParamError says why."""

@@ -259,6 +259,9 @@ class Scheduler:
             update.emitted.append(Emitted(request, tokens, logprobs, item.num_spec, kept))
         for request, _ in ran.pooled:
             self.finish(request.request_id, FinishReason.STOP)
+        for item in out.scheduled:
+            if not item.request.is_finished:
+                self.kv.release_behind_window(item.request)
         update.finished = list(self.finished_this_step.values())
         update.tables = dict(self.freed_tables)
         return update

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 from engine.core.outputs import PrefixSummary
 from engine.core.request import Request
-from engine.kv.hashing import BlockHasher, extra_keys
+from engine.kv.hashing import BlockHasher, BlockKey, extra_keys
 from engine.kv.host import HostTier
 from engine.kv.pool import BlockPool, KVBlock
+from engine.kv.window import WindowTables
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class PrefixHit:
     partial_len: int = 0
     # blocks right after the hit that were cached here and evicted since (found in no tier)
     num_evicted: int = 0
+    window: list[KVBlock] = field(default_factory=list)  # the hit's live windowed blocks
 
     @property
     def num_blocks(self) -> int:
@@ -67,12 +69,18 @@ class KVCacheManager:
         copy_block_prefix: BlockPrefixCopier | None = None,
         hash_root: bytes | None = None,
         pin_share: float = 0.25,
+        window: WindowTables | None = None,
     ) -> None:
+        """`window`: the sliding-window layers' own pool (engine/kv/window.py), where the
+        builder reclaims their blocks; then there is no host tier and no partial-block copy
+        (both move one block id across every KV group)."""
         self.block_size = block_size
         # hash_root: the disk tier's stored seed, so a warm restart meets its own hashes again
         self.hasher = BlockHasher(block_size, *([hash_root] if hash_root else []))
         self.copy_block_prefix = copy_block_prefix
         self.pool = BlockPool(num_blocks, enable_caching, pin_share)
+        self.window = window
+        assert window is None or (host is None and copy_block_prefix is None)
         self.host = host if enable_caching else None
         self.block_tables: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
@@ -85,11 +93,21 @@ class KVCacheManager:
         self.max_recently_evicted = 8 * num_blocks
 
     @property
+    def scratch_blocks(self) -> int:
+        """Blocks a startup forward may write on scratch: ids below this exist in every KV
+        group (the window pool is smaller than the full one)."""
+        if self.window is None:
+            return self.pool.num_blocks
+        return min(self.pool.num_blocks, self.window.pool.num_blocks)
+
+    @property
     def enable_caching(self) -> bool:
         return self.pool.enable_caching
 
     def begin_step(self) -> None:
         self.pool.registered_this_step.clear()
+        if self.window is not None:
+            self.window.pool.registered_this_step.clear()
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend `request.block_hashes` to cover every full block of its tokens."""
@@ -97,11 +115,12 @@ class KVCacheManager:
             request.block_hashes, request.all_token_ids, request.sampling_params.cache_salt
         )
 
-    def _cache_block(self, request: Request, block: KVBlock, index: int) -> None:
+    def _cache_block(self, request: Request, block: KVBlock, index: int) -> BlockKey:
         key = self.hasher.key(
             request.block_hashes, request.all_token_ids, request.sampling_params.cache_salt, index
         )
         self.pool.cache(block, key.block_hash, key)
+        return key
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """Longest cached prefix of the request, in whole blocks, leaving at least the last token
@@ -136,6 +155,14 @@ class KVCacheManager:
             if block_hash not in self.recently_evicted:
                 break
             hit.num_evicted += 1
+        if self.window is not None:  # the hit stands only as far as its window is cached too
+            while hit.device:
+                live = self.window.usable_hit(hashes, len(hit.device))
+                if live is not None:
+                    hit.window = live
+                    break
+                hit.device.pop()
+            return hit
         self._partial_hit(request, hit)
         return hit
 
@@ -177,7 +204,11 @@ class KVCacheManager:
         need = -(-total // self.block_size) - len(table) - len(hit.device)
         pinned = hit.device + ([hit.partial] if hit.partial is not None else [])
         evictable_hits = sum(1 for b in pinned if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - evictable_hits:
+        first = request.num_computed_tokens + hit.num_tokens(self.block_size)
+        fits_window = self.window is None or self.window.fits(
+            request.request_id, first, total, len(hit.device), hit.window
+        )
+        if need > self.pool.num_free_blocks - evictable_hits or not fits_window:
             if not table:
                 del self.block_tables[request.request_id]
             return False
@@ -197,6 +228,8 @@ class KVCacheManager:
             self.copy_block_prefix(hit.partial.block_id, target.block_id, hit.partial_len)
             self.pool.free([hit.partial])
         table.extend(fresh)
+        if self.window is not None:
+            self.window.grow(request.request_id, first, total, len(hit.device), hit.window)
         self._num_cached_blocks.setdefault(request.request_id, hit.num_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, total)
@@ -218,7 +251,9 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         for i in range(start, end):
-            self._cache_block(request, table[i], i)
+            key = self._cache_block(request, table[i], i)
+            if self.window is not None:
+                self.window.cache(request.request_id, i, key.block_hash, key)
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:
@@ -226,12 +261,19 @@ class KVCacheManager:
         is pinned in the pool for its time."""
         table = self.block_tables.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        if self.window is not None:
+            self.window.free(request.request_id)
         keep = request.sampling_params.keep_prefix
         if keep is not None:
             full = min(keep.num_tokens, request.num_computed_tokens) // self.block_size
             hashes = [b.block_hash for b in table[:full] if b.block_hash is not None]
             self.pool.pin(hashes, keep.ttl_s, keep.app)
         self.pool.free(reversed(table))
+
+    def release_behind_window(self, request: Request) -> None:
+        """After a step: the request's windowed blocks its next queries cannot read go back."""
+        if self.window is not None:
+            self.window.release(request.request_id, request.num_computed_tokens)
 
     def swap_out(self, request: Request) -> int:
         """Copy the request's computed full blocks to the host tier (preemption by swap)."""
@@ -320,4 +362,6 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         self.recently_evicted.clear()  # dropped on purpose, not evicted
+        if self.window is not None and not self.window.pool.reset_prefix_cache():
+            return False
         return self.pool.reset_prefix_cache()

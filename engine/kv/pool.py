@@ -31,15 +31,21 @@ class KVBlock:
 
 class BlockPool:
     def __init__(
-        self, num_blocks: int, enable_caching: bool = True, pin_share: float = 0.25
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        pin_share: float = 0.25,
+        num_reserved: int = 0,
     ) -> None:
-        if num_blocks < 1:
+        """`num_reserved`: the first blocks are held for good (a window pool's null block)."""
+        if num_blocks < 1 + num_reserved:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
+        self.num_reserved = num_reserved
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks = [KVBlock(i, ref_cnt=int(i < num_reserved)) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks
+            (b.block_id, b) for b in self.blocks[num_reserved:]
         )
         self.cached: dict[bytes, KVBlock] = {}
         self.children: dict[bytes, dict[int, KVBlock]] = {}  # parent hash -> cached children
@@ -199,7 +205,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use, since running
         requests would keep registering blocks against a half-cleared map."""
-        if len(self.free_queue) != self.num_blocks:
+        if len(self.free_queue) != self.num_blocks - self.num_reserved:
             return False
         for block in self.blocks:
             block.block_hash, block.parent_hash, block.token_ids, block.extra = None, None, (), b""

@@ -26,17 +26,17 @@ log = logging.getLogger("kvserve.engine")
 def allocate_kv_caches(
     backend: type[AttentionBackend],
     groups: list[tuple[int, int]],
-    num_blocks: int,
+    num_blocks: int | list[int],
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One tensor per KV group, in the backend's layout."""
+    """One tensor per KV group, in the backend's layout, of `num_blocks` blocks (or each
+    group's own: the sliding-window layers' pool is smaller)."""
+    counts = num_blocks if isinstance(num_blocks, list) else [num_blocks] * len(groups)
     return [
-        torch.zeros(
-            backend.kv_cache_shape(num_blocks, block_size, h, d), dtype=dtype, device=device
-        )
-        for h, d in groups
+        torch.zeros(backend.kv_cache_shape(n, block_size, h, d), dtype=dtype, device=device)
+        for (h, d), n in zip(groups, counts)
     ]
 
 
@@ -99,6 +99,8 @@ class ModelRunner:
         forward then computes their logits by vocabulary part on every rank)."""
         token_ids: list[int] = []
         seqs = []
+        window = self.kv.window  # the sliding-window layers' own pool, where reclaimed
+        windows: list[list[int]] | None = [] if window is not None else None
         logits_rows: list[int] = []
         for item in out.scheduled:
             r, n = item.request, item.num_new_tokens
@@ -106,6 +108,8 @@ class ModelRunner:
             token_ids.extend(r.all_token_ids[start : start + n - item.num_spec])
             token_ids.extend(r.spec_token_ids[: item.num_spec])
             seqs.append((self.kv.block_ids(r.request_id), start, n))
+            if window is not None and windows is not None:
+                windows.append(window.block_ids(r.request_id))
             if item.samples:
                 end = len(token_ids)
                 logits_rows.extend(range(end - 1 - item.num_spec, end))
@@ -113,8 +117,9 @@ class ModelRunner:
         if self.tp is not None:  # both callers run the forward next, which the ranks join
             self.tp.send(Step(seqs, token_ids, logits_rows if shared_logits else []))
         input_ids, positions, meta, index = step_inputs(
-            seqs, self.block_size, self.device, token_ids, None if every_row else logits_rows
-        )
+            seqs, self.block_size, self.device, token_ids, None if every_row else logits_rows,
+            windows,
+        )  # fmt: skip
         assert input_ids is not None
         return input_ids, positions, meta, logits_rows, index
 

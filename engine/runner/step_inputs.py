@@ -25,17 +25,23 @@ def step_inputs(
     device: torch.device,
     token_ids: list[int] | None = None,
     rows: list[int] | None = None,
+    window_tables: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, StepMetadata, torch.Tensor | None]:
     """`step_metadata` plus the token ids and the logits rows, all uploaded in one host-to-device
     copy (positions, slots, ids and rows are int64 views of one tensor): one transfer per step
-    instead of one per tensor. Returns (input ids or None, positions, metadata, rows or None)."""
-    pos_chunks, slot_chunks = [], []
+    instead of one per tensor. Returns (input ids or None, positions, metadata, rows or None).
+    `window_tables`: each sequence's table into the sliding-window layers' own pool."""
+    pos_chunks, slot_chunks, window_chunks = [], [], []
     query_start, query_lens, context_lens, seq_lens, tables = [], [], [], [], []
     row = 0
     for table, start, n in seqs:
         positions = np.arange(start, start + n)
         table_np = np.asarray(table, dtype=np.int64)
         slot_chunks.append(table_np[positions // block_size] * block_size + positions % block_size)
+        if window_tables is not None:
+            window = np.asarray(window_tables[len(tables)], dtype=np.int64)
+            blocks, offsets = positions // block_size, positions % block_size
+            window_chunks.append(window[blocks] * block_size + offsets)
         pos_chunks.append(positions)
         query_start.append(row)
         query_lens.append(n)
@@ -43,14 +49,17 @@ def step_inputs(
         seq_lens.append(start + n)
         tables.append(table)
         row += n
-    parts = [*pos_chunks, *slot_chunks]
+    parts = [*pos_chunks, *slot_chunks, *window_chunks]
     if token_ids is not None:
         parts.append(np.asarray(token_ids, dtype=np.int64))
     if rows is not None:
         parts.append(np.asarray(rows, dtype=np.int64))
     flat = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)).to(device)
     positions, slots = flat[:row], flat[row : 2 * row]
-    ids = flat[2 * row : 3 * row] if token_ids is not None else None
+    at = 3 * row if window_tables is not None else 2 * row
+    ids = flat[at : at + row] if token_ids is not None else None
     rows_t = flat[flat.numel() - len(rows) :] if rows is not None else None
-    meta = StepMetadata(query_start, query_lens, context_lens, seq_lens, tables, slots)
+    window_slots = flat[2 * row : 3 * row] if window_tables is not None else None
+    meta = StepMetadata(query_start, query_lens, context_lens, seq_lens, tables, slots,
+                        window_tables, window_slots)  # fmt: skip
     return ids, positions, meta, rows_t
