@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,10 +28,18 @@ def engine_for(llama_dir, caching: bool):
 
 
 def check_invariants(engine) -> None:
-    pool = engine.kv.pool
-    refs = Counter(b.block_id for table in engine.kv.block_tables.values() for b in table)
+    check_pool(engine.kv.pool, engine.kv.block_tables.values())
+    window = engine.kv.window
+    if window is not None:  # the sliding-window layers' pool: its null block held for good
+        check_pool(window.pool, window.tables.values(), reserved=window.null)
+        assert set(window.tables) <= set(engine.kv.block_tables)
+
+
+def check_pool(pool: BlockPool, tables, reserved=None) -> None:
+    refs = Counter(b.block_id for table in tables for b in table if b is not reserved)
     for block in pool.blocks:
-        assert block.ref_cnt == refs.get(block.block_id, 0)
+        held = refs.get(block.block_id, 0) + (block is reserved)
+        assert block.ref_cnt == held
         assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0)
         if block.block_hash is not None:
             assert pool.cached[block.block_hash] is block
@@ -80,6 +89,54 @@ def test_blocks_all_free_after_everything_ends(llama_dir, ops, caching) -> None:
     assert engine.reset_prefix_cache()
     assert not engine.kv.pool.cached
     assert all(b.ref_cnt == 0 and b.block_hash is None for b in engine.kv.pool.blocks)
+
+
+@pytest.fixture(scope="module")
+def windowed_dir(tmp_path_factory):
+    """Mistral with an 8-token window, blocks of 4: every layer's KV in the window pool."""
+    from tests.conftest import build_model
+
+    return build_model("mistral", tmp_path_factory.mktemp("window8") / "m", sliding_window=8)
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=ops, caching=st.booleans())
+def test_window_pool_blocks_all_free_after_everything_ends(windowed_dir, ops, caching) -> None:
+    """The same random runs with the window pool: its blocks go back behind the window and at
+    the end, prefix hits included, and nothing leaks or is freed twice."""
+    key = f"{windowed_dir}:{caching}"
+    if key not in _LLM:
+        _LLM[key] = LLM(str(windowed_dir), num_kv_blocks=24, block_size=4,
+                        max_num_batched_tokens=32, max_num_seqs=4,
+                        enable_prefix_caching=caching)  # fmt: skip
+    engine = _LLM[key].engine
+    assert engine.kv.window is not None
+    live: list[str] = []
+    counter = len(engine.scheduler.requests) + 10_000 * id(ops) % 997
+    for kind, a, b in ops:
+        if kind == "add":
+            counter += 1
+            rid = f"w{counter}"
+            engine.add_request(rid, a * 3, SamplingParams(temperature=0.0, max_tokens=b))
+            live.append(rid)
+        elif kind == "abort" and live:
+            engine.abort_request(live.pop(a % len(live)))
+        else:
+            for _ in range(a):
+                for out in engine.step():
+                    if out.finished and out.request_id in live:
+                        live.remove(out.request_id)
+        check_invariants(engine)
+    while engine.has_unfinished():
+        engine.step()
+        check_invariants(engine)
+    window = engine.kv.window
+    assert engine.kv.pool.num_free_blocks == engine.num_blocks
+    assert window.pool.num_free_blocks == window.pool.num_blocks - 1 and not window.tables
+    assert engine.reset_prefix_cache()
+    assert not window.pool.cached
 
 
 def test_pool_eviction_order_and_sharing() -> None:
