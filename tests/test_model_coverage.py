@@ -181,12 +181,13 @@ def test_phi3_long_context_takes_the_long_factors(new_dirs) -> None:
     assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
 
 
-def test_prefix_hit_and_preemption_by_swap_keep_outputs(new_dirs) -> None:
-    """Every new architecture: a prompt's second run hits the prefix cache, and a pool too
-    small for the batch preempts to the host tier; outputs equal a roomy run's."""
+def test_prefix_hit_and_preemption_by_swap_keep_outputs(new_dirs, tmp_path) -> None:
+    """Every new architecture, from HF and (Gemma 3, Qwen3-MoE) from its GGUF: a prompt's second
+    run hits the prefix cache, and a pool too small for the batch preempts to the host tier;
+    outputs equal a roomy run's."""
     prompts = [[(s * 31 + i * 7) % 400 + 3 for i in range(40)] for s in range(6)]
-    for arch in ("gemma3", "phi3", "qwen3moe", "mixtral"):
-        path = str(new_dirs[arch])
+    ggufs = [str(write_gguf(new_dirs[a], tmp_path / f"{a}.gguf")) for a in ("gemma3", "qwen3moe")]
+    for path in [*(str(new_dirs[a]) for a in ("gemma3", "phi3", "qwen3moe", "mixtral")), *ggufs]:
         roomy = LLM(path, num_kv_blocks=256, block_size=4)
         want = [r.outputs[0].token_ids for r in roomy.generate(prompts, GREEDY)]
         again = [r.outputs[0].token_ids for r in roomy.generate(prompts[:2], GREEDY)]
@@ -195,7 +196,7 @@ def test_prefix_hit_and_preemption_by_swap_keep_outputs(new_dirs) -> None:
                     preemption_mode="swap")  # fmt: skip
         got = [r.outputs[0].token_ids for r in tight.generate(prompts, GREEDY)]
         assert tight.engine.scheduler.num_preemptions > 0
-        assert got == want, arch
+        assert got == want, path
 
 
 @pytest.mark.parametrize("arch", sorted(set(NEW_ARCHS) - {"gemma3-scaled"}))
