@@ -12,6 +12,8 @@ difference stays under 10% of float32's largest logit (measured here: ~97% and ~
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -100,11 +102,20 @@ def test_auto_engine_follows_probe_and_checkpoint(llama_dir, monkeypatch) -> Non
     info = llm.engine.info
     assert info.dtype == "bfloat16" and "bf16 matmul 3.9x float32" in info.dtype_reason
     assert info.compiled_decode  # the C++ decode op reads the bf16 cache
-    # and the prefill op: bf16 dot products where the build has AVX512-BF16
+    # and the prefill op (bf16 dot products where the build has AVX512-BF16) where it measured
+    # faster than torch's SDPA at startup (an AMX CPU's SDPA is faster): the banner says which
     bf16_dot = "avx512_bf16" in open("/proc/cpuinfo").read() and target_arch() == "native"
-    assert info.compiled_prefill == (
-        "bf16 dot products" if bf16_dot else f"float32 FMA, {cpu_prefill.load().simd_width()} lanes"
-    )
+    line = re.search(r"prefill attention: (.*) \(measured: C\+\+ ([\d.]+) ms, SDPA ([\d.]+) ms",
+                     info.kernel_table)  # fmt: skip
+    assert line is not None, info.kernel_table
+    op_ms, sdpa_ms = float(line.group(2)), float(line.group(3))
+    if line.group(1) == "the C++ op":
+        assert op_ms <= sdpa_ms
+        arithmetic = f"float32 FMA, {cpu_prefill.load().simd_width()} lanes"
+        assert info.compiled_prefill == ("bf16 dot products" if bf16_dot else arithmetic)
+    else:
+        assert line.group(1) == "torch SDPA" and sdpa_ms < op_ms
+        assert info.compiled_prefill is None
     if onednn_pack_refusal(torch.bfloat16) is None:
         assert info.packed_weight_bytes * 2 == f32_packed  # oneDNN bf16 copies, half the bytes
     else:  # an AVX2-only CPU (or ONEDNN_MAX_CPU_ISA=AVX2): unpacked, and the matrix says why

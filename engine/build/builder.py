@@ -15,8 +15,10 @@ import torch
 from engine.attention import BackendChoice, DeviceFacts, cpu_prefill
 from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
+from engine.attention.torch_backend import TorchBackend
 from engine.build import pool as kv_phase
 from engine.build import window as window_phase
+from engine.build.prefill_choice import choose_prefill_attention
 from engine.build.speculation import build_drafter, load_draft_head
 from engine.build.weights import (
     LoadedWeights,
@@ -94,6 +96,7 @@ class Pool:
     graphs: bool
     window_blocks: int  # the sliding-window layers' own pool (0: they share the pool above)
     window_refusal: str | None  # why they keep every block, where they do (None: reclaimed)
+    prefill_attention: str  # which CPU prefill attention serves, as measured ("": no choice)
 
     @property
     def scratch_blocks(self) -> int:
@@ -138,6 +141,8 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         f"{pool.choice.table}\n  dtype {dtype_name(dtype)}: {dtype_reason}\n  weights: {notes}"
         f"\n  kv cache: {pool.kv_reason}"
     )
+    if pool.prefill_attention:
+        kernel_table += f"\n  prefill attention: {pool.prefill_attention}"
     spec = weights.spec
     eos = spec.eos_token_ids or (
         [tokenizer.eos_token_id] if tokenizer and tokenizer.eos_token_id is not None else []
@@ -205,9 +210,13 @@ def _pool(
         config, weights.model, pool_spec, facts, dtype, device, block_size, sizing_bytes,
         max_model_len, kv_dtype, reclaim_refusal,
     )  # fmt: skip
+    prefill = ""
+    if isinstance(backend, TorchBackend) and device.type == "cpu":
+        scratch = min(num_blocks, window_blocks) if window_blocks else num_blocks
+        prefill = choose_prefill_attention(backend, pool_spec, dtype, scratch)
     return Pool(pool_spec, kv_dtype, kv_reason, block_size, kv_block_bytes, sizing_bytes,
                 max_model_len, choice, backend, num_blocks, graphs, window_blocks,
-                refusal)  # fmt: skip
+                refusal, prefill)  # fmt: skip
 
 
 def _quantize(
