@@ -60,19 +60,16 @@ ops = st.lists(
 )
 
 
-@settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(ops=ops, caching=st.booleans())
-def test_blocks_all_free_after_everything_ends(llama_dir, ops, caching) -> None:
-    engine = engine_for(llama_dir, caching)
+def drive(engine, ops, prefix: str, repeat: int = 1) -> None:
+    """Run `ops` (add a prompt, abort one, take steps), then everything to the end, checking
+    the invariants after each."""
     live: list[str] = []
     counter = len(engine.scheduler.requests) + 10_000 * id(ops) % 997
     for kind, a, b in ops:
         if kind == "add":
             counter += 1
-            rid = f"r{counter}"
-            engine.add_request(rid, a, SamplingParams(temperature=0.0, max_tokens=b))
+            rid = f"{prefix}{counter}"
+            engine.add_request(rid, a * repeat, SamplingParams(temperature=0.0, max_tokens=b))
             live.append(rid)
         elif kind == "abort" and live:
             engine.abort_request(live.pop(a % len(live)))
@@ -85,6 +82,15 @@ def test_blocks_all_free_after_everything_ends(llama_dir, ops, caching) -> None:
     while engine.has_unfinished():
         engine.step()
         check_invariants(engine)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=ops, caching=st.booleans())
+def test_blocks_all_free_after_everything_ends(llama_dir, ops, caching) -> None:
+    engine = engine_for(llama_dir, caching)
+    drive(engine, ops, "r")
     assert engine.kv.pool.num_free_blocks == engine.num_blocks
     assert engine.reset_prefix_cache()
     assert not engine.kv.pool.cached
@@ -113,25 +119,7 @@ def test_window_pool_blocks_all_free_after_everything_ends(windowed_dir, ops, ca
                         enable_prefix_caching=caching)  # fmt: skip
     engine = _LLM[key].engine
     assert engine.kv.window is not None
-    live: list[str] = []
-    counter = len(engine.scheduler.requests) + 10_000 * id(ops) % 997
-    for kind, a, b in ops:
-        if kind == "add":
-            counter += 1
-            rid = f"w{counter}"
-            engine.add_request(rid, a * 3, SamplingParams(temperature=0.0, max_tokens=b))
-            live.append(rid)
-        elif kind == "abort" and live:
-            engine.abort_request(live.pop(a % len(live)))
-        else:
-            for _ in range(a):
-                for out in engine.step():
-                    if out.finished and out.request_id in live:
-                        live.remove(out.request_id)
-        check_invariants(engine)
-    while engine.has_unfinished():
-        engine.step()
-        check_invariants(engine)
+    drive(engine, ops, "w", repeat=3)  # prompts three times as long: past the window
     window = engine.kv.window
     assert engine.kv.pool.num_free_blocks == engine.num_blocks
     assert window.pool.num_free_blocks == window.pool.num_blocks - 1 and not window.tables
