@@ -22,17 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.attention.masks import decode_mask
+
 MIN_DENSITY = 0.5
-
-
-def decode_mask(seq_lens: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
-    """Additive float32 mask [1, seqs, 1, num_keys] of one decode query per sequence: its
-    `seq_lens[i]` keys, or the last `window` of them."""
-    key_pos = torch.arange(num_keys)
-    keep = key_pos[None, :] < seq_lens[:, None]
-    if window is not None:
-        keep &= key_pos[None, :] > (seq_lens[:, None] - 1 - window)
-    return torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))[None, :, None, :]
 
 
 @dataclass(slots=True)

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 import engine.attention.cpu_decode as cpu_decode
 import engine.attention.cpu_prefill as cpu_prefill
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
+from engine.attention.masks import decode_mask, padded_tables, prefill_mask
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name, model_refusals
-from engine.attention.range_decode import RangeDecodePlan, decode_mask
+from engine.attention.range_decode import RangeDecodePlan
 from models.attention_step import DecodeStackArgs
 from models.spec import ModelSpec
 
@@ -40,27 +41,6 @@ ROWS_AS_DECODE = 12
 def cpp_reads(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether the C++ ops take activations of `dtype` on a cache of `cache_dtype`."""
     return dtype in CPP_DECODE_DTYPES and cache_dtype in (dtype, torch.bfloat16)
-
-
-def prefill_mask(context: int, seq_len: int, window: int | None) -> torch.Tensor | None:
-    """[seq_len - context, seq_len] bool, True = attend: a chunk after `context` earlier tokens
-    (causal, within the window); None where plain causal attention over the chunk is it."""
-    if context == 0 and window is None:
-        return None
-    q_pos = torch.arange(context, seq_len)[:, None]
-    k_pos = torch.arange(seq_len)[None, :]
-    m = k_pos <= q_pos
-    if window is not None:
-        m &= k_pos > q_pos - window  # window tokens, itself included (as HF)
-    return m
-
-
-def padded_tables(tables: list[list[int]], dtype: type) -> np.ndarray:
-    """Ragged block tables as one [seqs, longest] array, padded with block 0."""
-    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=dtype)
-    for row, t in enumerate(tables):
-        out[row, : len(t)] = t
-    return out
 
 
 @dataclass(slots=True)
