@@ -136,6 +136,28 @@ def test_random_add_step_abort_keeps_the_invariants(ops, num_blocks, short, cach
     assert not sched.kv.block_tables
 
 
+def test_a_short_prompt_admitted_first_then_preempted_leaves_the_step() -> None:
+    """Hypothesis's example of the random test below, replayed: a short prompt admitted ahead of
+    the running prefills is the newest request, so it is the victim when a prefill cannot grow;
+    it must leave the step's batch too (it was scheduled and now holds no block table)."""
+    rng = random.Random(0)
+    sched = make(num_blocks=11, short_prefill_tokens=6, caching=False)
+    shared = [rng.randrange(1, VOCAB) for _ in range(12)]
+    for i, (n, out_tokens) in enumerate(((10, 3), (14, 1), (1, 2))):
+        prompt = (shared[: n // 2] + [rng.randrange(1, VOCAB) for _ in range(n)])[:30]
+        sched.add(request(f"r{i}", prompt, out_tokens))
+        if i == 1:
+            out = sched.schedule()
+            sched.update_from_output(out, fake_run(out, rng))
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        check(sched, out)
+        sched.update_from_output(out, fake_run(out, rng))
+    assert not sched.has_unfinished() and sched.kv.pool.num_free_blocks == 11
+
+
 def test_a_full_pool_preempts_the_newest_and_it_recomputes() -> None:
     sched = make(num_blocks=6, block_size=4, max_num_seqs=4, budget=64, caching=False)
     a, b = request("a", list(range(1, 9)), 12), request("b", list(range(11, 19)), 12)

@@ -170,6 +170,7 @@ class Scheduler:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
+                budget += self._unschedule(out, victim)
                 if victim is request:
                     break
             else:
@@ -177,6 +178,17 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, victim: Request) -> int:
+        """Take a preempted request out of this step if an earlier pass scheduled it (a short
+        prompt admitted ahead of the running prefills): it holds no blocks now. Returns the
+        tokens given back to the budget."""
+        for k, item in enumerate(out.scheduled):
+            if item.request is victim:
+                del out.scheduled[k]
+                return item.num_new_tokens
+        return 0
 
     def _admit(self, out: SchedulerOutput, budget: int, at_most: int | None) -> int:
         """Admit waiting requests in arrival order; with `at_most`, only those whose uncached
