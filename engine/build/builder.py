@@ -101,7 +101,7 @@ class Pool:
     @property
     def scratch_blocks(self) -> int:
         """Blocks a startup forward may use (ids below this exist in every KV group)."""
-        return min(self.num_blocks, self.window_blocks) if self.window_blocks else self.num_blocks
+        return window_phase.scratch_blocks(self.num_blocks, self.window_blocks)
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
@@ -212,7 +212,7 @@ def _pool(
     )  # fmt: skip
     prefill = ""
     if isinstance(backend, TorchBackend) and device.type == "cpu":
-        scratch = min(num_blocks, window_blocks) if window_blocks else num_blocks
+        scratch = window_phase.scratch_blocks(num_blocks, window_blocks)
         prefill = choose_prefill_attention(backend, pool_spec, dtype, scratch)
     return Pool(pool_spec, kv_dtype, kv_reason, block_size, kv_block_bytes, sizing_bytes,
                 max_model_len, choice, backend, num_blocks, graphs, window_blocks,

@@ -59,6 +59,12 @@ def window_blocks_for(config: EngineConfig, spec: ModelSpec, block_size: int, ca
     )
 
 
+def scratch_blocks(num_blocks: int, window_blocks: int) -> int:
+    """Blocks a startup forward may write (ids below this exist in every KV group: the window
+    pool, where there is one, is the smaller)."""
+    return min(num_blocks, window_blocks) if window_blocks else num_blocks
+
+
 def block_bytes(spec: ModelSpec, dtype_size: int, block_size: int) -> tuple[int, int]:
     """(bytes of a block in the full-context groups, in the windowed groups)."""
     windowed = windowed_groups(spec) or set()
