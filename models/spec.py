@@ -108,13 +108,14 @@ class ModelSpec:
     def has_per_layer_heads(self) -> bool:
         return len({(lay.num_heads, lay.num_kv_heads, lay.head_dim) for lay in self.layers}) > 1
 
-    def kv_bytes_per_token(self, dtype_size: int) -> int:
-        """Bytes of K and V one token occupies across all KV groups."""
-        return sum(2 * h * d * dtype_size for h, d in self.kv_groups)
+    def kv_bytes_per_token(self, dtype_size: float) -> int:
+        """Bytes of K and V one token occupies across all KV groups (`dtype_size`: bytes a
+        value, 1.125 for int8 rows with their scales)."""
+        return round(sum(2 * h * d * dtype_size for h, d in self.kv_groups))
 
-    def kv_bytes_per_token_unshared(self, dtype_size: int) -> int:
+    def kv_bytes_per_token_unshared(self, dtype_size: float) -> int:
         """What every layer holding its own KV would take (the banner's comparison)."""
-        return sum(2 * lay.num_kv_heads * lay.head_dim * dtype_size for lay in self.layers)
+        return round(sum(2 * lay.num_kv_heads * lay.head_dim * dtype_size for lay in self.layers))
 
     def flops_per_token(self, include_lm_head: bool = True) -> int:
         """Matmul FLOPs of one token through the weights (attention over context excluded)."""

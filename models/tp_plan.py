@@ -95,7 +95,7 @@ class TPPlan:
         k0 = q0 // (g.num_heads // g.num_kv_heads)  # this rank's heads share one KV head
         return HeadShard(q0, q0 + per_q, k0, k0 + 1)
 
-    def table(self, spec: ModelSpec, dtype_size: int) -> str:
+    def table(self, spec: ModelSpec, dtype_size: float) -> str:
         """The plan per layer group with each rank's KV bytes per token, for the kernel
         matrix."""
         per_rank = [0] * self.world
@@ -105,7 +105,7 @@ class TPPlan:
             for layer in range(g.first, g.last + 1):
                 for r in range(self.world):
                     h = self.heads(layer, r)
-                    kv[r] += 2 * (h.k1 - h.k0) * g.head_dim * dtype_size
+                    kv[r] += round(2 * (h.k1 - h.k0) * g.head_dim * dtype_size)
                     held[r] += h.q1 > h.q0
             per_rank = [a + b for a, b in zip(per_rank, kv, strict=True)]
             shard = [self.heads(g.first, r) for r in g.ranks_of(g.first)][0]

@@ -83,10 +83,8 @@ def banner(config: Config, info: EngineInfo) -> str:
 
 def kernels(argv: list[str]) -> int:
     """`python -m server kernels --model PATH`: the kernel-support matrix, without serving."""
-    import torch
-
-    from engine.attention import DeviceFacts, select_backend
-    from engine.build.pool import block_size_for
+    from engine.attention import DeviceFacts, kv_quant, select_backend
+    from engine.build.pool import block_size_for, kv_cache_dtype
     from models.loader import checkpoint_dtype, default_model_path, load_spec
 
     config = load_config(argv).engine
@@ -95,18 +93,24 @@ def kernels(argv: list[str]) -> int:
     device = config.resolved_device()
     facts = DeviceFacts.detect(device)
     dtype, why = config.dtype_choice(facts, checkpoint_dtype(path))
-    elem = torch.empty((), dtype=dtype).element_size()
+    try:
+        kv_dtype, kv_why = kv_cache_dtype(config, dtype, device, spec)
+    except ValueError as e:
+        print(e)
+        return 1
+    elem = kv_quant.bytes_per_value(kv_dtype)
     print(
         f"model  {path}: {spec.architecture}, {spec.num_layers} layers, KV groups "
         f"{len(spec.kv_groups)}, {spec.kv_bytes_per_token(elem)} KV bytes/token"
     )
     print(f"device {facts.label}, dtype {str(dtype).replace('torch.', '')} ({why})")
+    print(f"KV cache {kv_why}")
     block_size = block_size_for(config, spec, facts, dtype, device)
     print(f"block size {block_size} tokens")
     try:
         choice = select_backend(
             spec, facts, dtype, block_size, config.attention_backend,
-            config.allow_slow_dtype, config.require_fast_kernels,
+            config.allow_slow_dtype, config.require_fast_kernels, kv_dtype=kv_dtype,
         )  # fmt: skip
     except ValueError as e:
         print(e)

@@ -9,17 +9,20 @@ import random
 import pytest
 import torch
 
+from engine.attention import kv_quant
 from engine.attention.base import StepMetadata
 from engine.attention.torch_backend import TorchBackend
 from models.spec import ModelSpec, uniform_layers
 
 
-def make_spec(window: int | None, heads: int = 6, kv_heads: int = 2) -> ModelSpec:
+def make_spec(
+    window: int | None, heads: int = 6, kv_heads: int = 2, head_dim: int = 16
+) -> ModelSpec:
     return ModelSpec(
         "LlamaForCausalLM",
         100,
         64,
-        uniform_layers(1, heads, kv_heads, 16, 32),
+        uniform_layers(1, heads, kv_heads, head_dim, 32),
         sliding_window=window,
     )
 
@@ -39,27 +42,32 @@ def reference(q, tables, seq_lens, cache, bs, window):
     return torch.stack(out)
 
 
+F32, BF16, INT8 = torch.float32, torch.bfloat16, torch.int8
+STRATEGIES = [  # (strategy, query dtype, cache dtype)
+    ("cpp", F32, F32), ("range", F32, F32), ("gather", F32, F32), ("cpp", BF16, BF16),
+    ("range", BF16, BF16), ("cpp", F32, INT8), ("cpp", BF16, INT8), ("gather", F32, INT8),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize(
-    "strategy, dtype",
-    [
-        ("cpp", torch.float32),
-        ("range", torch.float32),
-        ("gather", torch.float32),
-        ("cpp", torch.bfloat16),
-        ("range", torch.bfloat16),
-    ],
+    "strategy, dtype, cache_dtype, head_dim",
+    # head sizes 64 and 128 take the op's register kernels (decode_attend.h), 16 its plain
+    # loops; int8 rows hold a scale per 32 values
+    [(*s, d) for s in STRATEGIES for d in (16, 64, 128) if s[2] != INT8 or d % 32 == 0],
 )
-def test_decode_strategies_match_reference(window, strategy, dtype) -> None:
+def test_decode_strategies_match_reference(window, strategy, dtype, cache_dtype, head_dim) -> None:
     """float32 to 1e-5; bfloat16 (a bf16 cache and queries; the C++ op reads bf16 and
     accumulates in float32, the PyTorch path takes a float32 softmax) against the float32
     reference on the same bf16 values, to bf16 output rounding (2**-7 relative, 0.02 abs for
-    outputs up to ~4)."""
+    outputs up to ~4); an int8 cache against the reference on its dequantized values (the
+    step's new rows quantized as they are written)."""
     rng = random.Random(0)
     torch.manual_seed(0)
     bs, num_blocks = 4, 64
-    spec = make_spec(window)
-    cache = torch.randn(*TorchBackend.kv_cache_shape(num_blocks, bs, 2, 16)).to(dtype)
+    spec = make_spec(window, head_dim=head_dim)
+    cache = torch.randn(*TorchBackend.kv_cache_shape(num_blocks, bs, 2, head_dim))
+    cache = kv_quant.quantize(cache) if cache_dtype == INT8 else cache.to(dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     shared = [free.pop(), free.pop()]  # a prefix two blocks long, used by three sequences
@@ -82,11 +90,12 @@ def test_decode_strategies_match_reference(window, strategy, dtype) -> None:
     step = backend.plan(meta)
     assert (step.cpp_decode is not None) == (strategy == "cpp")
     assert (step.range_plan is not None) == (strategy == "range")
-    q = torch.randn(7, 6, 16).to(dtype)
-    k_new, v_new = torch.randn(7, 2, 16).to(dtype), torch.randn(7, 2, 16).to(dtype)
+    q = torch.randn(7, 6, head_dim).to(dtype)
+    k_new, v_new = (torch.randn(7, 2, head_dim).to(dtype) for _ in range(2))
     out = step.forward(0, q, k_new, v_new)
     assert out.dtype == dtype
-    expected = reference(q.float(), tables, seq_lens, cache.float(), bs, window)
+    stored = kv_quant.read(cache, torch.float32)  # the values the cache holds, new rows too
+    expected = reference(q.float(), tables, seq_lens, stored, bs, window)
     if dtype == torch.float32:
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
     else:

@@ -43,10 +43,12 @@ def support_matrix(
     dtype: torch.dtype,
     block_size: int,
     failed: dict[str, str] | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> dict[str, Verdict]:
     """Backend -> verdict; `failed` adds a backend's warm-up failure (its kernels could not
-    build or run here) as the "warm-up" requirement."""
-    needs = ModelNeeds.of(spec)
+    build or run here) as the "warm-up" requirement; `kv_dtype`: the cache's, where it is not
+    the serving dtype."""
+    needs = ModelNeeds.of(spec, int8_kv=kv_dtype == torch.int8)
     matrix = {b.name: b.check(needs, facts, dtype, block_size) for b in BACKENDS}
     for name, why in (failed or {}).items():
         matrix[name]["warm-up"] = why
@@ -66,11 +68,12 @@ def select_backend(
     allow_slow_dtype: bool = False,
     require_fast_kernels: bool = False,
     failed: dict[str, str] | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> BackendChoice:
     """The first backend in priority order that meets every requirement, or the forced one.
     Raises ValueError with the reasons when nothing (or not the forced backend) can serve.
     `failed`: backends that failed their warm-up, with the reason (passed over, shown)."""
-    matrix = support_matrix(spec, facts, dtype, block_size, failed)
+    matrix = support_matrix(spec, facts, dtype, block_size, failed, kv_dtype)
     if allow_slow_dtype:  # the user accepted the slow dtype: it no longer disqualifies
         matrix = {n: {r: w for r, w in v.items() if r not in SLOW_ONLY} for n, v in matrix.items()}
     by_name = {b.name: b for b in BACKENDS}

@@ -1,5 +1,6 @@
-// Paged decode attention for CPU float32 and bfloat16 (a bf16 KV cache read as bf16, scores,
-// softmax and accumulation in float32, the output rounded to bf16 once):
+// Paged decode attention for CPU float32 and bfloat16 (a bf16 or int8 KV cache widened to float32,
+// scores, softmax and accumulation in float32, the output rounded to bf16 once; int8 rows:
+// kv_int8.h):
 // torch.ops.kvserve_cpu_decode.paged_decode.
 // Built at first use by engine/attention/cpu_decode.py; its consumer is the torch backend.
 //
@@ -19,12 +20,20 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_attend.h"
+#include "kv_int8.h"
+
+using kvserve_kv::row_width;
+
 // A cached row in float32: bf16 widened by a shift (a loop the compiler vectorizes; c10's
-// per-element conversion it does not).
+// per-element conversion it does not), int8 times its group scales.
 template <int kD, typename T>
 static inline const float* widened(const T* row, int64_t D, float* buf) {
   if constexpr (std::is_same<T, float>::value) {
     return row;
+  } else if constexpr (std::is_same<T, int8_t>::value) {
+    kvserve_kv::dequantize_row(row, kD > 0 ? kD : D, buf);
+    return buf;
   } else {
     const uint16_t* raw = reinterpret_cast<const uint16_t*>(row);
     uint32_t* bits = reinterpret_cast<uint32_t*>(buf);
@@ -41,13 +50,13 @@ template <int kD, typename T>
 static void attend_one(const float* qs, const T* kbase, const T* vbase,
                        const int32_t* table, int64_t first, int64_t len, int64_t BS, int64_t G,
                        int64_t Drt, float sc, float* scores, float* acc, float* os) {
-  const int64_t D = kD > 0 ? kD : Drt;
+  const int64_t D = kD > 0 ? kD : Drt, RS = row_width<T>(D);
   const int64_t L = len - first;
   float buf[kD > 0 ? kD : 512];
   for (int64_t t = 0; t < L; ++t) {
     const int64_t pos = first + t;
     const float* krow = widened<kD>(
-        kbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * D, D, buf);
+        kbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * RS, D, buf);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qs + g * D;
       float dot = 0.f;
@@ -72,7 +81,7 @@ static void attend_one(const float* qs, const T* kbase, const T* vbase,
   for (int64_t t = 0; t < L; ++t) {
     const int64_t pos = first + t;
     const float* vrow = widened<kD>(
-        vbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * D, D, buf);
+        vbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * RS, D, buf);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * L + t];
       float* a = acc + g * D;
@@ -83,14 +92,50 @@ static void attend_one(const float* qs, const T* kbase, const T* vbase,
   std::copy(acc, acc + G * D, os);  // os: float32 scratch or the output
 }
 
-// T: the queries' and output's element type; C: the cache's (a bf16 cache may serve float32
-// queries: --kv-cache-dtype bfloat16 under a float32 model).
+// Calls f(T{}, C{}) for the query dtype dt and the cache dtype ct the ops take: the cache is the
+// queries' dtype, bfloat16 (--kv-cache-dtype bfloat16 under a float32 model) or int8.
+template <typename F>
+static void with_types(at::ScalarType dt, at::ScalarType ct, F&& f) {
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(ct == dt || ct == at::kBFloat16 || ct == at::kChar,
+              "the cache is the queries' dtype, bfloat16 or int8");
+  if (dt == at::kFloat && ct == at::kFloat) {
+    f(float{}, float{});
+  } else if (ct == at::kChar) {
+    dt == at::kFloat ? f(float{}, int8_t{}) : f(at::BFloat16{}, int8_t{});
+  } else if (dt == at::kFloat) {
+    f(float{}, at::BFloat16{});
+  } else {
+    f(at::BFloat16{}, at::BFloat16{});
+  }
+}
+
+// One task with the head size fixed at compile time where it is a common one: in registers
+// (decode_attend.h) where the build has vectors, else attend_one's plain loops.
+template <typename C>
+static inline void attend_any(const float* qs, const C* kb, const C* vb, const int32_t* table,
+                              int64_t first, int64_t len, int64_t BS, int64_t G, int64_t D,
+                              float sc, float* scores, float* acc, float* os) {
+  if constexpr (kvserve_decode::kVectorized) {
+    if (D == 64) return kvserve_decode::attend<64>(qs, kb, vb, table, first, len, BS, G, sc, scores, os);
+    if (D == 128) return kvserve_decode::attend<128>(qs, kb, vb, table, first, len, BS, G, sc, scores, os);
+  }
+  if (D == 64) {
+    attend_one<64>(qs, kb, vb, table, first, len, BS, G, D, sc, scores, acc, os);
+  } else if (D == 128) {
+    attend_one<128>(qs, kb, vb, table, first, len, BS, G, D, sc, scores, acc, os);
+  } else {
+    attend_one<0>(qs, kb, vb, table, first, len, BS, G, D, sc, scores, acc, os);
+  }
+}
+
+// T: the queries' and output's element type; C: the cache's.
 template <typename T, typename C>
 static void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& block_tables,
                               const at::Tensor& seq_lens, float sc, int64_t window,
                               at::Tensor& out) {
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), RS = row_width<C>(D);
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   const int64_t G = H / KVH, MB = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
@@ -122,16 +167,9 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache,
         qs = qf.data();
         os = of.data();
       }
-      const C* kb = kp + kh * NB * BS * D;
-      const C* vb = vp + kh * NB * BS * D;
-      const int32_t* table = bt + s * MB;
-      if (D == 64) {
-        attend_one<64>(qs, kb, vb, table, first, len, BS, G, D, sc, scores.data(), acc.data(), os);
-      } else if (D == 128) {
-        attend_one<128>(qs, kb, vb, table, first, len, BS, G, D, sc, scores.data(), acc.data(), os);
-      } else {
-        attend_one<0>(qs, kb, vb, table, first, len, BS, G, D, sc, scores.data(), acc.data(), os);
-      }
+      const C* kb = kp + kh * NB * BS * RS;
+      const C* vb = vp + kh * NB * BS * RS;
+      attend_any(qs, kb, vb, bt + s * MB, first, len, BS, G, D, sc, scores.data(), acc.data(), os);
       if constexpr (!kF32) {
         for (int64_t i = 0; i < G * D; ++i) odst[i] = static_cast<T>(of[i]);
       }
@@ -139,32 +177,26 @@ static void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache,
   });
 }
 
-// q [n, H, D]; k_cache, v_cache [kv_heads, num_blocks, block_size, D] (contiguous); q float32
-// or bfloat16, the caches the same or bfloat16; block_tables [n, max_blocks] int32; seq_lens
-// [n] int32; window 0 = full.
+// q [n, H, D]; k_cache, v_cache [kv_heads, num_blocks, block_size, row] (contiguous; row = D,
+// or D + D / 8 for int8 rows with their scales); q float32 or bfloat16, the caches the same,
+// bfloat16 or int8; block_tables [n, max_blocks] int32; seq_lens [n] int32; window 0 = full.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         double scale, int64_t window) {
-  const auto dt = q.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16 only");
-  const auto ct = k_cache.scalar_type();
+  const auto dt = q.scalar_type(), ct = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == ct, "k/v cache dtypes differ");
-  TORCH_CHECK(ct == dt || ct == at::kBFloat16, "the cache is q's dtype or bfloat16");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt);
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && k_cache.size(3) == q.size(2));
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0);
   TORCH_CHECK(q.size(2) <= 512, "head_dim above 512");
   auto out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
-  if (dt == at::kFloat && ct == at::kFloat) {
-    paged_decode_impl<float, float>(q, k_cache, v_cache, block_tables, seq_lens, sc, window, out);
-  } else if (dt == at::kFloat) {
-    paged_decode_impl<float, at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, sc,
-                                           window, out);
-  } else {
-    paged_decode_impl<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens,
-                                                  sc, window, out);
-  }
+  with_types(dt, ct, [&](auto t, auto c) {
+    using T = decltype(t);
+    using C = decltype(c);
+    TORCH_CHECK(k_cache.size(3) == row_width<C>(q.size(2)), "cache rows do not fit head_dim");
+    paged_decode_impl<T, C>(q, k_cache, v_cache, block_tables, seq_lens, sc, window, out);
+  });
   return out;
 }
 
@@ -180,17 +212,39 @@ static inline void rotate_half(const T* x, const float* c, const float* s, int64
 }
 
 // Row i of the fused qkv (q heads, k heads, v heads): its k heads rotated and its v heads copied
-// into their cache slots.
+// into their cache slots, rounded once to the cache's type (an int8 row with its scales).
 template <typename T, typename C>
 static inline void write_kv_row(int64_t i, const T* row, const float* c, const float* s, C* kc,
                                 C* vc, const int64_t* sb, const int64_t* so, int64_t H,
                                 int64_t KVH, int64_t NB, int64_t BS, int64_t D) {
+  const int64_t RS = row_width<C>(D);
+  float buf[512];
   for (int64_t kh = 0; kh < KVH; ++kh) {
     const int64_t slot = (kh * NB + sb[i]) * BS + so[i];
-    rotate_half(row + (H + kh) * D, c, s, D / 2, kc + slot * D);
+    rotate_half(row + (H + kh) * D, c, s, D / 2, buf);
+    kvserve_kv::store_row(buf, D, kc + slot * RS);
     const T* v = row + (H + KVH + kh) * D;
-    for (int64_t d = 0; d < D; ++d) vc[slot * D + d] = static_cast<C>(static_cast<float>(v[d]));
+    for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(v[d]);
+    kvserve_kv::store_row(buf, D, vc + slot * RS);
   }
+}
+
+// The checks both fused ops make; returns head_dim (from qkv: an int8 cache's rows are wider).
+static int64_t check_fused(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& kv_cache, const at::Tensor& slot_block,
+                           const at::Tensor& slot_offset, int64_t H) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_cache.is_contiguous());
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous());
+  TORCH_CHECK(slot_block.scalar_type() == at::kLong && slot_offset.scalar_type() == at::kLong);
+  const int64_t n = qkv.size(0), KVH = kv_cache.size(1);
+  TORCH_CHECK(H % KVH == 0 && qkv.size(1) % (H + 2 * KVH) == 0);
+  const int64_t D = qkv.size(1) / (H + 2 * KVH);
+  TORCH_CHECK(cos.numel() == n * (D / 2) && D <= 512, "rotary tables or head_dim");
+  TORCH_CHECK(slot_block.numel() == n && slot_offset.numel() == n);
+  const int64_t width = kv_cache.scalar_type() == at::kChar ? row_width<int8_t>(D) : D;
+  TORCH_CHECK(kv_cache.size(4) == width, "cache rows do not fit head_dim");
+  return D;
 }
 
 // One decode step's attention for one layer from its fused qkv projection: rotary on q and k
@@ -202,7 +256,7 @@ static inline void write_kv_row(int64_t i, const T* row, const float* c, const f
 // parallel region: each (row, KV head) task rotates its query heads and attends.
 // qkv [n, (H + 2 KVH) * D] (q heads, then k, then v); cos, sin [n, D / 2] float32 (a bf16
 // table would round every rotation);
-// kv_cache [2, KVH, num_blocks, block_size, D]; slot_block, slot_offset [n] int64.
+// kv_cache [2, KVH, num_blocks, block_size, row]; slot_block, slot_offset [n] int64.
 template <typename T, typename C>
 static void rope_attend_impl(const at::Tensor& qkv, const float* cp, const float* sp,
                              C* kc, C* vc, const int64_t* sb, const int64_t* so,
@@ -210,6 +264,7 @@ static void rope_attend_impl(const at::Tensor& qkv, const float* cp, const float
                              int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t D, float sc,
                              int64_t window, at::Tensor& out) {
   const int64_t n = qkv.size(0), G = H / KVH, half = D / 2, MB = block_tables.size(1);
+  const int64_t RS = row_width<C>(D);
   const T* src = qkv.data_ptr<T>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
@@ -234,17 +289,8 @@ static void rope_attend_impl(const at::Tensor& qkv, const float* cp, const float
       const int64_t len = sl[i];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       scores.resize(P * (len - first));
-      const C* kb = kc + kh * NB * BS * D;
-      const C* vb = vc + kh * NB * BS * D;
-      const int32_t* table = bt + i * MB;
-      float *q = qf.data(), *sc_ = scores.data(), *a = acc.data(), *o = of.data();
-      if (D == 64) {
-        attend_one<64>(q, kb, vb, table, first, len, BS, P, D, sc, sc_, a, o);
-      } else if (D == 128) {
-        attend_one<128>(q, kb, vb, table, first, len, BS, P, D, sc, sc_, a, o);
-      } else {
-        attend_one<0>(q, kb, vb, table, first, len, BS, P, D, sc, sc_, a, o);
-      }
+      attend_any(qf.data(), kc + kh * NB * BS * RS, vc + kh * NB * BS * RS, bt + i * MB, first,
+                 len, BS, P, D, sc, scores.data(), acc.data(), of.data());
       T* odst = op + (i * H + head0) * D;
       for (int64_t j = 0; j < P * D; ++j) odst[j] = static_cast<T>(of[j]);
     }
@@ -256,19 +302,11 @@ at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const
                              const at::Tensor& slot_offset, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, int64_t num_heads, double scale,
                              int64_t window) {
-  const auto dt = qkv.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16 only");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_cache.is_contiguous());
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat);
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous());
-  TORCH_CHECK(slot_block.scalar_type() == at::kLong && slot_offset.scalar_type() == at::kLong);
+  const int64_t H = num_heads;
+  const int64_t D = check_fused(qkv, cos, sin, kv_cache, slot_block, slot_offset, H);
   TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt);
-  const int64_t n = qkv.size(0), H = num_heads, KVH = kv_cache.size(1), D = kv_cache.size(4);
-  const int64_t NB = kv_cache.size(2), BS = kv_cache.size(3);
-  TORCH_CHECK(H % KVH == 0 && qkv.size(1) == (H + 2 * KVH) * D && cos.numel() == n * (D / 2));
-  TORCH_CHECK(D <= 512, "head_dim above 512");
-  const auto ct = kv_cache.scalar_type();
-  TORCH_CHECK(ct == dt || ct == at::kBFloat16, "the cache is qkv's dtype or bfloat16");
+  const int64_t n = qkv.size(0), KVH = kv_cache.size(1), NB = kv_cache.size(2);
+  const int64_t BS = kv_cache.size(3);
   at::Tensor out = at::empty({n, H, D}, qkv.options());
   const int64_t* sb = slot_block.data_ptr<int64_t>();
   const int64_t* so = slot_offset.data_ptr<int64_t>();
@@ -276,19 +314,12 @@ at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const
   const float* sp = sin.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
-  if (dt == at::kFloat && ct == at::kFloat) {
-    rope_attend_impl<float, float>(qkv, cp, sp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                                   sb, so, block_tables, seq_lens, H, KVH, NB, BS, D, sc, window, out);
-  } else if (dt == at::kFloat) {
-    rope_attend_impl<float, at::BFloat16>(qkv, cp, sp, k_cache.data_ptr<at::BFloat16>(),
-                                          v_cache.data_ptr<at::BFloat16>(), sb, so, block_tables,
-                                          seq_lens, H, KVH, NB, BS, D, sc, window, out);
-  } else {
-    rope_attend_impl<at::BFloat16, at::BFloat16>(qkv, cp, sp, k_cache.data_ptr<at::BFloat16>(),
-                                                 v_cache.data_ptr<at::BFloat16>(), sb, so,
-                                                 block_tables, seq_lens, H, KVH, NB, BS, D, sc,
-                                                 window, out);
-  }
+  with_types(qkv.scalar_type(), kv_cache.scalar_type(), [&](auto t, auto c) {
+    using T = decltype(t);
+    using C = decltype(c);
+    rope_attend_impl<T, C>(qkv, cp, sp, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), sb, so,
+                           block_tables, seq_lens, H, KVH, NB, BS, D, sc, window, out);
+  });
   return out;
 }
 
@@ -316,37 +347,21 @@ static void rope_write_impl(const T* src, const float* cp, const float* sp, C* k
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& kv_cache, const at::Tensor& slot_block,
                       const at::Tensor& slot_offset, int64_t num_heads) {
-  const auto dt = qkv.scalar_type(), ct = kv_cache.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16 only");
-  TORCH_CHECK(ct == dt || ct == at::kBFloat16, "the cache is qkv's dtype or bfloat16");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_cache.is_contiguous());
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat);
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous());
-  TORCH_CHECK(slot_block.scalar_type() == at::kLong && slot_offset.scalar_type() == at::kLong);
-  const int64_t n = qkv.size(0), H = num_heads, KVH = kv_cache.size(1), D = kv_cache.size(4);
-  const int64_t NB = kv_cache.size(2), BS = kv_cache.size(3);
-  TORCH_CHECK(H % KVH == 0 && qkv.size(1) == (H + 2 * KVH) * D && cos.numel() == n * (D / 2));
-  TORCH_CHECK(slot_block.numel() == n && slot_offset.numel() == n);
+  const int64_t H = num_heads;
+  const int64_t D = check_fused(qkv, cos, sin, kv_cache, slot_block, slot_offset, H);
+  const int64_t n = qkv.size(0), KVH = kv_cache.size(1), NB = kv_cache.size(2);
+  const int64_t BS = kv_cache.size(3);
   at::Tensor q = at::empty({n, H, D}, qkv.options());
   const int64_t* sb = slot_block.data_ptr<int64_t>();
   const int64_t* so = slot_offset.data_ptr<int64_t>();
   at::Tensor kcache = kv_cache.select(0, 0), vcache = kv_cache.select(0, 1);
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  if (dt == at::kFloat && ct == at::kFloat) {
-    rope_write_impl<float, float>(qkv.data_ptr<float>(), cp, sp, kcache.data_ptr<float>(),
-                                  vcache.data_ptr<float>(), sb, so, n, H, KVH, NB, BS, D,
-                                  q.data_ptr<float>());
-  } else if (dt == at::kFloat) {
-    rope_write_impl<float, at::BFloat16>(qkv.data_ptr<float>(), cp, sp,
-                                         kcache.data_ptr<at::BFloat16>(),
-                                         vcache.data_ptr<at::BFloat16>(), sb, so, n, H, KVH, NB,
-                                         BS, D, q.data_ptr<float>());
-  } else {
-    rope_write_impl<at::BFloat16, at::BFloat16>(qkv.data_ptr<at::BFloat16>(), cp, sp,
-                                                kcache.data_ptr<at::BFloat16>(),
-                                                vcache.data_ptr<at::BFloat16>(), sb, so, n, H,
-                                                KVH, NB, BS, D, q.data_ptr<at::BFloat16>());
-  }
+  with_types(qkv.scalar_type(), kv_cache.scalar_type(), [&](auto t, auto c) {
+    using T = decltype(t);
+    using C = decltype(c);
+    rope_write_impl<T, C>(qkv.data_ptr<T>(), cp, sp, kcache.data_ptr<C>(), vcache.data_ptr<C>(),
+                          sb, so, n, H, KVH, NB, BS, D, q.data_ptr<T>());
+  });
   return q;
 }
 

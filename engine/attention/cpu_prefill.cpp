@@ -10,8 +10,8 @@
 // keys transposed once per block, probabilities times values the same way. Causality, the
 // earlier context and a sliding window are positions, not a mask tensor: key blocks no row can
 // see are skipped, and only blocks on a boundary are masked element by element.
-// Arithmetic is float32 throughout (a bf16 cache or query is widened by a shift); the output is
-// rounded to the query's dtype once.
+// Arithmetic is float32 throughout (a bf16 cache or query is widened by a shift, an int8 row
+// multiplied by its scales: kv_int8.h); the output is rounded to the query's dtype once.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,10 +23,12 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "kv_int8.h"
 
 namespace {
 
 using namespace kvserve_simd;
+using kvserve_kv::row_width;
 
 constexpr int QB = 32;  // query rows per task
 constexpr int KB = 64;  // keys per block
@@ -74,10 +76,13 @@ inline void accumulate(const float* p, const float* v, float* o, int nk, int64_t
   }
 }
 
+// A row of n values in float32 (an int8 row's scales follow its values).
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   if constexpr (std::is_same<T, float>::value) {
     std::memcpy(dst, src, n * sizeof(float));
+  } else if constexpr (std::is_same<T, int8_t>::value) {
+    kvserve_kv::dequantize_row(src, n, dst);
   } else {
     const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
     int64_t i = 0;
@@ -87,6 +92,13 @@ inline void to_float(const T* src, float* dst, int64_t n) {
       std::memcpy(dst + i, &bits, 4);
     }
   }
+}
+
+// x rounded to bfloat16 (nearest even), its bits
+inline uint32_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 
 // One row's scores over a key block in log2 units (-inf where masked) become its
@@ -129,7 +141,8 @@ inline void mask_row(float* sr, int64_t pos, int64_t k0, int nk, int64_t window)
 // The sequence's keys and values, packed once per call for the micro-kernels, per KV head and
 // block of KB keys (positions from k_lo; keys past the sequence are zeros). Float: keys
 // transposed [D][KB], values as rows [KB][D]. bf16: keys as dimension pairs [D/2][KB] and
-// values as key pairs [KB/2][D], the operand layouts of vdpbf16ps.
+// values as key pairs [KB/2][D], the operand layouts of vdpbf16ps (an int8 cache's rows are
+// dequantized and rounded to bf16 first).
 template <typename C, bool kBF16>
 struct Packed {
   using E = std::conditional_t<kBF16, uint32_t, float>;
@@ -141,7 +154,22 @@ struct Packed {
         v(KVH * nkb * per_block) {}
   const E* kblock(int64_t kh, int64_t k0) const { return &k[(kh * nkb + (k0 - k_lo) / KB) * per_block]; }
   const E* vblock(int64_t kh, int64_t k0) const { return &v[(kh * nkb + (k0 - k_lo) / KB) * per_block]; }
-  // block b of KV head kh from the caches (kb, vb: that head's [num_blocks, BS, D])
+  // int8 rows in the bf16 operand layouts (null rows: past the sequence, zeros)
+  void pack_int8_as_bf16(const C* const* krow, const C* const* vrow, E* kd, E* vd) const {
+    std::vector<float> kf(KB * D, 0.f), vf_(KB * D, 0.f);
+    for (int j = 0; j < KB; ++j) {
+      if (krow[j] == nullptr) continue;
+      to_float(krow[j], &kf[j * D], D);
+      to_float(vrow[j], &vf_[j * D], D);
+    }
+    for (int j = 0; j < KB; ++j)
+      for (int64_t p = 0; p < D / 2; ++p)
+        kd[p * KB + j] = bf16_bits(kf[j * D + 2 * p]) | bf16_bits(kf[j * D + 2 * p + 1]) << 16;
+    for (int jp = 0; jp < KB / 2; ++jp)
+      for (int64_t x = 0; x < D; ++x)
+        vd[jp * D + x] = bf16_bits(vf_[2 * jp * D + x]) | bf16_bits(vf_[(2 * jp + 1) * D + x]) << 16;
+  }
+  // block b of KV head kh from the caches (kb, vb: that head's [num_blocks, BS, row])
   void pack(int64_t kh, int64_t b, const C* kb, const C* vb, const int32_t* pages, int64_t BS,
             int64_t seq) {
     E* kd = &k[(kh * nkb + b) * per_block];
@@ -151,11 +179,13 @@ struct Packed {
     const C* vrow[KB];
     for (int j = 0; j < KB; ++j) {
       const int64_t pos = k0 + j;
-      const int64_t off = (static_cast<int64_t>(pages[pos / BS]) * BS + pos % BS) * D;
+      const int64_t off = (static_cast<int64_t>(pages[pos / BS]) * BS + pos % BS) * row_width<C>(D);
       krow[j] = pos < seq ? kb + off : nullptr;
       vrow[j] = pos < seq ? vb + off : nullptr;
     }
-    if constexpr (kBF16) {
+    if constexpr (kBF16 && std::is_same<C, int8_t>::value) {
+      pack_int8_as_bf16(krow, vrow, kd, vd);
+    } else if constexpr (kBF16) {
       const int64_t D2 = D / 2;
       for (int j = 0; j < KB; ++j) {
         const uint32_t* src = reinterpret_cast<const uint32_t*>(krow[j]);
@@ -322,7 +352,8 @@ void prefill_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cach
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < KVH * kv.nkb; ++t) {
       const int64_t kh = t / kv.nkb;
-      kv.pack(kh, t % kv.nkb, kp + kh * NB * BS * D, vp + kh * NB * BS * D, pg, BS, seq);
+      const int64_t head = kh * NB * BS * row_width<C>(D);
+      kv.pack(kh, t % kv.nkb, kp + head, vp + head, pg, BS, seq);
     }
     Scratch w(D);
     // the last query blocks see the most keys: handed out first, the rest fill in behind them
@@ -367,7 +398,7 @@ bool bf16_dot() {
 }
 
 // q [n, H, D] (rows may be strided: a view of the fused qkv), out the same shape; k_cache,
-// v_cache [KVH, num_blocks, block_size, D] contiguous, holding this sequence's keys and values
+// v_cache [KVH, num_blocks, block_size, row] contiguous (row = D, or an int8 row with its scales), holding this sequence's keys and values
 // at positions [0, ctx + n) (this chunk's already written); pages int32, the sequence's blocks;
 // query row i is at position ctx + i; window 0 = full.
 void paged_prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
@@ -377,19 +408,24 @@ void paged_prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cac
   const auto dt = q.scalar_type(), ct = k_cache.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16 only");
   TORCH_CHECK(out.scalar_type() == dt && out.sizes() == q.sizes());
-  TORCH_CHECK(v_cache.scalar_type() == ct && (ct == dt || ct == at::kBFloat16));
+  TORCH_CHECK(v_cache.scalar_type() == ct && (ct == dt || ct == at::kBFloat16 || ct == at::kChar));
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows of [H, D] contiguous");
   TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2));
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(pages.scalar_type() == at::kInt && pages.is_contiguous());
   const int64_t D = q.size(2);
-  TORCH_CHECK(W > 0 && D % (W > 0 ? W : 1) == 0 && k_cache.size(3) == D, "head size");
+  const int64_t width = ct == at::kChar ? row_width<int8_t>(D) : D;
+  TORCH_CHECK(W > 0 && D % (W > 0 ? W : 1) == 0 && k_cache.size(3) == width, "head size");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0);
   TORCH_CHECK(pages.numel() * k_cache.size(2) >= ctx + q.size(0), "pages cover the sequence");
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const float sc = static_cast<float>(scale);
   if (dt == at::kFloat && ct == at::kFloat) {
     prefill_nv<float, float>(q, out, k_cache, v_cache, pages, ctx, sc, window);
+  } else if (ct == at::kChar && dt == at::kFloat) {
+    prefill_nv<float, int8_t>(q, out, k_cache, v_cache, pages, ctx, sc, window);
+  } else if (ct == at::kChar) {
+    prefill_nv<at::BFloat16, int8_t>(q, out, k_cache, v_cache, pages, ctx, sc, window);
   } else if (dt == at::kFloat) {
     prefill_nv<float, at::BFloat16>(q, out, k_cache, v_cache, pages, ctx, sc, window);
   } else {

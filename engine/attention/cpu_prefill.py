@@ -11,7 +11,9 @@ import torch
 from models.cpp_ext import CppOps
 
 _HERE = Path(__file__).parent
-_OPS = CppOps("kvserve_cpu_prefill", _HERE / "cpu_prefill.cpp", (_HERE / "cpu_simd.h",))
+_OPS = CppOps(
+    "kvserve_cpu_prefill", _HERE / "cpu_prefill.cpp", (_HERE / "cpu_simd.h", _HERE / "kv_int8.h")
+)
 
 
 def load() -> Any:

@@ -1,6 +1,6 @@
-// The float vector helpers of cpu_prefill.cpp: one name per operation over AVX-512 or AVX2 +
-// FMA registers, whichever the build's -march has (W floats a vector; W = 0 without AVX2), and
-// a 2^x for the online softmax.
+// The float vector helpers of cpu_prefill.cpp and decode_attend.h: one name per operation over
+// AVX-512 or AVX2 + FMA registers, whichever the build's -march has (W floats a vector; W = 0
+// without AVX2), and a 2^x for the online softmax.
 #pragma once
 
 #include <immintrin.h>
@@ -24,6 +24,28 @@ inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf vwiden(const uint16_t* p) {
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline vf vwiden_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+// out[j] = the sum of v[j]'s lanes, for the W vectors v[0..W): a tree of lane shuffles, ~3
+// operations a sum instead of a reduction each
+inline vf vhsums(const vf* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: lanes 0-7 partials of v[2i], 8-15 of v[2i+1]
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane k: 4 partials of v[4i + k]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xDD));
+  // position 4k + m holds the sum of v[4m + k]
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88),
+                                 _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, d);
 }
 // 2^x for x <= 0 (x below -126 gives 0: a masked score is -inf)
 inline vf vexp2(vf x) {
@@ -65,6 +87,14 @@ inline float vhsum(vf v) {
 inline vf vwiden(const uint16_t* p) {
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline vf vwiden_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline vf vhsums(const vf* v) {
+  const vf g0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const vf g1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
 }
 inline vf vexp2(vf x) {
   const vf live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.f), _CMP_GE_OQ);

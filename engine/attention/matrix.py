@@ -28,6 +28,7 @@ REQUIREMENTS = (
     "mixed windows",
     "soft-capping",
     "tree masks",
+    "int8 KV",
 )
 
 
@@ -191,9 +192,10 @@ class ModelNeeds:
     mixed_windows: bool  # windowed layers and full-context layers in one model (Gemma 3)
     soft_cap: float | None
     tree_masks: bool
+    int8_kv: bool  # --kv-cache-dtype int8: rows with their scales (engine/attention/kv_quant.py)
 
     @staticmethod
-    def of(spec: ModelSpec, tree_masks: bool = False) -> ModelNeeds:
+    def of(spec: ModelSpec, tree_masks: bool = False, int8_kv: bool = False) -> ModelNeeds:
         return ModelNeeds(
             tuple(sorted({lay.head_dim for lay in spec.layers})),
             tuple(sorted({lay.num_heads // max(1, lay.num_kv_heads) for lay in spec.layers})),
@@ -204,6 +206,7 @@ class ModelNeeds:
             spec.has_mixed_windows,
             spec.extra.get("attn_logit_softcapping"),
             tree_masks,
+            int8_kv,
         )
 
 
@@ -230,6 +233,7 @@ def model_refusals(
     mixed_windows: bool = True,
     soft_cap: bool = True,
     tree_masks: bool = False,
+    int8_kv: bool = False,
 ) -> Verdict:
     """The model-shape requirements a backend cannot serve, in the matrix's one wording: each
     backend says what its kernels support (`head_dims`: the head sizes they are built for,
@@ -248,6 +252,8 @@ def model_refusals(
         verdict["soft-capping"] = "logit soft-capping is not supported"
     if needs.tree_masks and not tree_masks:
         verdict["tree masks"] = "custom (tree) masks are not supported"
+    if needs.int8_kv and not int8_kv:
+        verdict["int8 KV"] = "its kernels read float16/bfloat16 pages, not int8 rows with scales"
     return verdict
 
 

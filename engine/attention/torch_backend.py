@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import engine.attention.cpu_decode as cpu_decode
 import engine.attention.cpu_prefill as cpu_prefill
+from engine.attention import kv_quant
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.masks import decode_mask, padded_tables, prefill_mask
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name, model_refusals
@@ -32,7 +33,8 @@ from models.spec import ModelSpec
 
 DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
 RANGE_MIN_SEQS = 4  # decode batches at least this large read KV through pool views
-CPP_DECODE_DTYPES = (torch.float32, torch.bfloat16)  # KV dtypes the C++ decode op reads
+CPP_DECODE_DTYPES = (torch.float32, torch.bfloat16)  # query dtypes the C++ ops take
+CPP_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # KV dtypes they read
 # chunks of at most this many rows go through the C++ decode op, a query per row: a verify
 # step's 1 + k rows; beyond it each row re-reading the context costs more than one SDPA pass
 ROWS_AS_DECODE = 12
@@ -40,7 +42,7 @@ ROWS_AS_DECODE = 12
 
 def cpp_reads(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether the C++ ops take activations of `dtype` on a cache of `cache_dtype`."""
-    return dtype in CPP_DECODE_DTYPES and cache_dtype in (dtype, torch.bfloat16)
+    return dtype in CPP_DECODE_DTYPES and cache_dtype in (dtype, torch.bfloat16, torch.int8)
 
 
 @dataclass(slots=True)
@@ -96,7 +98,7 @@ class TorchAttentionStep(AttentionStep):
             lens = np.asarray([length for _, _, length in rows], dtype=np.int32)
             self.cpp_decode = (torch.from_numpy(tables), torch.from_numpy(lens))
         # A few sequences read little KV: the gather path's fewer kernel launches win there.
-        elif len(decode_seqs) >= RANGE_MIN_SEQS and backend.use_range_decode:
+        elif len(decode_seqs) >= RANGE_MIN_SEQS and backend.use_range_decode and not backend.int8:
             self.range_plan = RangeDecodePlan.build(
                 [meta.block_tables[i] for i in decode_seqs],
                 [meta.seq_lens[i] for i in decode_seqs],
@@ -229,9 +231,10 @@ class TorchAttentionStep(AttentionStep):
         backend = self.backend
         cache = backend.kv_caches[backend.layer_group[layer_idx]]
         if k is not None and v is not None:  # None: a layer reading a shared KV group
-            kd = cache.dtype  # a bf16 cache under a float32 model stores the rounded values
-            cache[0][:, self.slot_block, self.slot_offset] = k.transpose(0, 1).to(kd)
-            cache[1][:, self.slot_block, self.slot_offset] = v.transpose(0, 1).to(kd)
+            # a bf16 or int8 cache under a wider model stores the rounded values
+            slots = (slice(None), self.slot_block, self.slot_offset)
+            kv_quant.write(cache[0], slots, k.transpose(0, 1))
+            kv_quant.write(cache[1], slots, v.transpose(0, 1))
         scale = 1.0 / math.sqrt(q.shape[-1])
         window = backend.layer_window[layer_idx]
         if self.cpp_decode is not None:
@@ -275,10 +278,11 @@ class TorchAttentionStep(AttentionStep):
         window: int | None,
     ) -> torch.Tensor:
         n, heads, dim = q.shape
-        kv_heads = cache.shape[1]
-        keys = cache[0].index_select(1, bucket.pages).view(kv_heads, n, -1, dim)  # [h, n, L, d]
-        values = cache[1].index_select(1, bucket.pages).view(kv_heads, n, -1, dim)
-        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache under float32
+        kv_heads, width = cache.shape[1], cache.shape[-1]
+        keys = cache[0].index_select(1, bucket.pages).view(kv_heads, n, -1, width)  # [h, n, L, w]
+        values = cache[1].index_select(1, bucket.pages).view(kv_heads, n, -1, width)
+        # a bf16 cache under float32, an int8 one under either
+        keys, values = kv_quant.read(keys, q.dtype), kv_quant.read(values, q.dtype)
         qg = q.view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [h, n, g, d]
         scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [h, n, g, L]
         # softmax in float32 against the float32 mask, probabilities back in the KV dtype (a
@@ -300,10 +304,10 @@ class TorchAttentionStep(AttentionStep):
             p.masks[window] = mask.to(q.device) if mask is not None else None
         mask = p.masks[window]
         if p.context > 0 or fresh is None:
-            kv_heads, dim = cache.shape[1], cache.shape[-1]
-            keys = cache[0].index_select(1, p.pages).view(kv_heads, -1, dim)[:, : p.seq_len]
-            values = cache[1].index_select(1, p.pages).view(kv_heads, -1, dim)[:, : p.seq_len]
-            keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache under float32
+            kv_heads, width = cache.shape[1], cache.shape[-1]
+            keys = cache[0].index_select(1, p.pages).view(kv_heads, -1, width)[:, : p.seq_len]
+            values = cache[1].index_select(1, p.pages).view(kv_heads, -1, width)[:, : p.seq_len]
+            keys, values = kv_quant.read(keys, q.dtype), kv_quant.read(values, q.dtype)
         else:
             keys, values = fresh[0].transpose(0, 1), fresh[1].transpose(0, 1)
         # 4-D (a batch of one): torch's CPU flash-attention kernel takes only 4-D inputs; 3-D
@@ -336,6 +340,7 @@ class TorchBackend(AttentionBackend):
         sizes = {cache.shape[self.block_dim] for cache in kv_caches}
         # the sliding-window layers' pool, where smaller than the others (engine/kv/window.py)
         self.smallest_cache = min(sizes) if len(sizes) > 1 else None
+        self.int8 = kv_caches[0].dtype == torch.int8  # the range plan reads raw pool views
         # Decode rows go to the compiled C++ op where it builds (CPU, float32 or bfloat16 KV,
         # float32 arithmetic); None: PyTorch ops (range plan or gather buckets; float16 on
         # CPU). Tests set it to None to compare the paths.
@@ -345,7 +350,7 @@ class TorchBackend(AttentionBackend):
         # Prefill chunks go to the compiled C++ prefill op where every layer's head size is a
         # multiple of its vector width; None: SDPA (tests compare them).
         self.prefill_op = None
-        if kv_caches[0].device.type == "cpu" and kv_caches[0].dtype in CPP_DECODE_DTYPES:
+        if kv_caches[0].device.type == "cpu" and kv_caches[0].dtype in CPP_CACHE_DTYPES:
             ops = cpu_decode.load()
             if ops is not None:
                 self.decode_op, self.rope_decode_op = ops.paged_decode, ops.rope_write_decode
@@ -380,7 +385,7 @@ class TorchBackend(AttentionBackend):
                 f"{dtype_name(dtype)} on a CPU without native bf16/fp16: {speed} "
                 "(use --dtype float32, or --allow-slow-dtype to serve it anyway)"
             )
-        return verdict | model_refusals(needs, soft_cap=False)
+        return verdict | model_refusals(needs, soft_cap=False, int8_kv=True)
 
     @classmethod
     def is_fast_on(cls, facts: DeviceFacts) -> bool:

@@ -12,12 +12,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.attention import BackendChoice, DeviceFacts, cpu_prefill
+from engine.attention import BackendChoice, DeviceFacts, cpu_prefill, kv_quant
 from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.attention.torch_backend import TorchBackend
 from engine.build import pool as kv_phase
 from engine.build import window as window_phase
+from engine.build.kv_judge import judge_int8_kv
 from engine.build.prefill_choice import choose_prefill_attention
 from engine.build.speculation import build_drafter, load_draft_head
 from engine.build.weights import (
@@ -133,13 +134,29 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     pool = _pool(config, weights, draft, facts, dtype, device, tp)
     key = weights_key(config, model_path, dtype)
     notes = _quantize(config, weights, pool, tokenizer, device, key)
+    kv_line = pool.kv_reason
+    if pool.kv_dtype == torch.int8 and isinstance(pool.backend, TorchBackend):
+        kv_line += "; " + (  # rank 0 alone would measure a shard's logits
+            "accuracy not measured under tensor parallelism"
+            if tp is not None
+            else judge_int8_kv(
+                weights.model,
+                pool.backend,
+                pool.spec,
+                tokenizer,
+                dtype,
+                pool.scratch_blocks,
+                pool.block_size,
+                device,
+            )  # fmt: skip
+        )
     host = kv_phase.host_tier(config, model_path, weights.spec, dtype, pool.block_size,
                               type(pool.backend), pool.backend.kv_caches, draft,
                               pool.sizing_bytes, tp.mirror_kv if tp else None)  # fmt: skip
     kv = _kv_manager(config, pool, host, tp)
     kernel_table = (
         f"{pool.choice.table}\n  dtype {dtype_name(dtype)}: {dtype_reason}\n  weights: {notes}"
-        f"\n  kv cache: {pool.kv_reason}"
+        f"\n  kv cache: {kv_line}"
     )
     if pool.prefill_attention:
         kernel_table += f"\n  prefill attention: {pool.prefill_attention}"
@@ -191,8 +208,8 @@ def _pool(
     if draft is not None:
         draft_layer = draft.cfg.layer_spec(kv_group=len(spec.kv_groups))
         pool_spec = replace(pool_spec, layers=pool_spec.layers + (draft_layer,))
-    kv_dtype, kv_reason = kv_phase.kv_cache_dtype(config, dtype, device)
-    dtype_size = torch.empty((), dtype=kv_dtype).element_size()  # KV bytes per element
+    kv_dtype, kv_reason = kv_phase.kv_cache_dtype(config, dtype, device, spec)
+    dtype_size = kv_quant.bytes_per_value(kv_dtype)  # KV bytes a value
     max_model_len = min(
         config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings
     )
@@ -302,7 +319,7 @@ def _start_serving(
     )  # fmt: skip
     weights.model.set_reduce(tp.reduce)
     tp.share_logits(weights.model.lm_head, weights.spec.vocab_size)
-    dtype_size = torch.empty((), dtype=pool.kv_dtype).element_size()
+    dtype_size = kv_quant.bytes_per_value(pool.kv_dtype)
     table = "\n" + tp.plan.table(weights.spec, dtype_size)
     return table + "".join(f"\n    rank {r}: {s}" for r, s in enumerate(ranks, start=1))
 
@@ -326,7 +343,7 @@ def _engine_info(
     backend_cls, kv_caches, device = type(backend), backend.kv_caches, runner.device
     num_blocks, block_size, max_model_len = pool.num_blocks, pool.block_size, pool.max_model_len
     kv_block_bytes = pool.kv_block_bytes
-    dtype_size = torch.empty((), dtype=pool.kv_dtype).element_size()
+    dtype_size = kv_quant.bytes_per_value(pool.kv_dtype)
     return EngineInfo(
         model_path=model_path,
         architecture=spec.architecture,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention import BackendChoice, DeviceFacts, select_backend
+from engine.attention import BackendChoice, DeviceFacts, kv_quant, select_backend
 from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.build import window as window_phase
@@ -45,18 +45,32 @@ def use_cuda_graphs(
 
 
 def kv_cache_dtype(
-    config: EngineConfig, dtype: torch.dtype, device: torch.device
+    config: EngineConfig, dtype: torch.dtype, device: torch.device, spec: ModelSpec
 ) -> tuple[torch.dtype, str]:
-    """The KV cache's dtype and why: the serving dtype, or bfloat16 under a float32 model on CPU
+    """The KV cache's dtype and why: the serving dtype; bfloat16 under a float32 model on CPU
     (half the bytes per token: twice the tokens in the same pool and tiers; the C++ decode op
-    and the torch paths read it into float32 arithmetic)."""
+    and the torch paths read it into float32 arithmetic); or int8 rows with a float32 scale per
+    32 values (engine/attention/kv_quant.py: 0.56x a bf16 cache's bytes), read by the C++ ops
+    and the torch backend's PyTorch paths. The int8 cache's accuracy is measured once the pool
+    is warm (engine/build/kv_judge.py)."""
     requested = config.kv_cache_dtype
     if requested == "auto" or DTYPE_NAMES.get(requested) == dtype:
         return dtype, f"{dtype_name(dtype)} (the serving dtype)"
-    if requested in ("fp8", "int8"):
+    if requested == "fp8":
         raise ValueError(
-            f"--kv-cache-dtype {requested}: quantized KV (per-block scales) is not available "
-            "yet; bfloat16 halves a float32 cache"
+            "--kv-cache-dtype fp8: no kernel here reads fp8 pages (the CPU has no fp8 "
+            "arithmetic, and the CUDA backends are not built for them); --kv-cache-dtype int8 "
+            "stores 1.125 bytes a value"
+        )
+    if requested == "int8":
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"--kv-cache-dtype int8 under {dtype_name(dtype)}: the attention "
+                             "ops take float32 or bfloat16 queries")  # fmt: skip
+        if why := kv_quant.refusal(tuple(lay.head_dim for lay in spec.layers)):
+            raise ValueError(f"--kv-cache-dtype int8: {why}")
+        return torch.int8, (
+            f"int8 rows, a float32 scale per {kv_quant.GROUP} values "
+            f"({kv_quant.bytes_per_value(torch.int8)} bytes a value)"
         )
     if requested != "bfloat16" or dtype != torch.float32:
         raise ValueError(
@@ -103,6 +117,7 @@ def choose_and_warm_up(
             config.allow_slow_dtype,
             config.require_fast_kernels,
             failed,
+            kv_dtype,
         )
         backend_cls = choice.backend
         graphs = use_cuda_graphs(config, device, backend_cls)
@@ -111,7 +126,7 @@ def choose_and_warm_up(
         refusal = reclaim_refusal(backend_cls)
         window_blocks, windowed, reserved, block_bytes = 0, set(), 0, kv_block_bytes
         if refusal is None:
-            size = kv_dtype.itemsize
+            size = kv_quant.bytes_per_value(kv_dtype)
             block_bytes, window_bytes = window_phase.block_bytes(pool_spec, size, block_size)
             # never more than the full pool: a request's window table is no longer than its full one
             cap = config.num_kv_blocks or config.max_num_seqs * -(-max_model_len // block_size)

@@ -36,7 +36,8 @@ def warm_up(
     from engine.core.sampling_params import SamplingParams
     from engine.runner.sampler import sample
 
-    dtype = backend.kv_caches[0].dtype
+    # the activations' dtype: a narrower cache (bf16 or int8 under float32) takes the model's
+    dtype = model.embed_tokens.weight.dtype
     length = min(block_size + 2, num_blocks * block_size)  # two pages where the pool has them
     table = list(range(-(-length // block_size)))
     split = max(1, length // 2)  # the second chunk has earlier context

@@ -65,12 +65,12 @@ def scratch_blocks(num_blocks: int, window_blocks: int) -> int:
     return min(num_blocks, window_blocks) if window_blocks else num_blocks
 
 
-def block_bytes(spec: ModelSpec, dtype_size: int, block_size: int) -> tuple[int, int]:
+def block_bytes(spec: ModelSpec, dtype_size: float, block_size: int) -> tuple[int, int]:
     """(bytes of a block in the full-context groups, in the windowed groups)."""
     windowed = windowed_groups(spec) or set()
     full = win = 0
     for g, (heads, dim) in enumerate(spec.kv_groups):
-        size = 2 * heads * dim * dtype_size * block_size
+        size = round(2 * heads * dim * dtype_size * block_size)
         if g in windowed:
             win += size
         else:

@@ -247,7 +247,7 @@ class TPGroup:
             self._vocab_head, hidden, self.vocab_part, self.vocab_size, self.reduce
         )
 
-    def largest_block_bytes(self, spec: ModelSpec, dtype_size: int, block_size: int) -> int:
+    def largest_block_bytes(self, spec: ModelSpec, dtype_size: float, block_size: int) -> int:
         """One KV block's bytes on the worker rank that holds the most KV."""
         return max(
             RankShard(spec, self.plan, r).spec.kv_bytes_per_token(dtype_size) * block_size

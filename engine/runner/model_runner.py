@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from engine.attention import kv_quant
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.core.batch import SchedulerOutput
 from engine.kv.manager import KVCacheManager
@@ -32,10 +33,15 @@ def allocate_kv_caches(
     device: torch.device,
 ) -> list[torch.Tensor]:
     """One tensor per KV group, in the backend's layout, of `num_blocks` blocks (or each
-    group's own: the sliding-window layers' pool is smaller)."""
+    group's own: the sliding-window layers' pool is smaller); an int8 cache's rows hold their
+    scales too (engine/attention/kv_quant.py)."""
     counts = num_blocks if isinstance(num_blocks, list) else [num_blocks] * len(groups)
     return [
-        torch.zeros(backend.kv_cache_shape(n, block_size, h, d), dtype=dtype, device=device)
+        torch.zeros(
+            backend.kv_cache_shape(n, block_size, h, kv_quant.row_width(d, dtype)),
+            dtype=dtype,
+            device=device,
+        )
         for (h, d), n in zip(groups, counts)
     ]
 
