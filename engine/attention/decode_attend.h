@@ -44,6 +44,19 @@ inline void load_row(const C* row, vf* x) {
   }
 }
 
+// Prefetch the cache row at position pos (every 64-byte line of it) into L1: a sequence's rows
+// are contiguous only within a block, and one stream per core leaves the hardware prefetcher
+// far below the memory rate once the KV no longer fits in cache (batch 64 at ~1,000 tokens:
+// 14 of ~28 GB/s).
+template <int kD, typename C>
+inline void prefetch_row(const C* base, const int32_t* table, int64_t pos, int64_t BS) {
+  constexpr int64_t bytes = kvserve_kv::row_width<C>(kD) * sizeof(C);
+  const char* row = reinterpret_cast<const char*>(
+      base + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * kvserve_kv::row_width<C>(kD));
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+}
+constexpr int64_t kAhead = 16;  // rows
+
 // acc[g] += p[g] * V for GB heads (starting at g0) over the rows [first, len).
 template <int kD, int GB, typename C>
 inline void accumulate(const C* vbase, const int32_t* table, int64_t first, int64_t len,
@@ -55,6 +68,7 @@ inline void accumulate(const C* vbase, const int32_t* table, int64_t first, int6
     for (int c = 0; c < NV; ++c) acc[g][c] = vset1(0.f);
   for (int64_t t = 0; t < len - first; ++t) {
     const int64_t pos = first + t;
+    if (pos + kAhead < len) prefetch_row<kD>(vbase, table, pos + kAhead, BS);
     vf v[NV];
     load_row<kD>(vbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * RS, v);
     for (int g = 0; g < GB; ++g) {
@@ -83,6 +97,7 @@ void attend(const float* qs, const C* kbase, const C* vbase, const int32_t* tabl
     vf parts[kMaxHeads][W];
     for (int j = 0; j < W; ++j) {
       const int64_t pos = first + t + j;
+      if (pos + kAhead < len) prefetch_row<kD>(kbase, table, pos + kAhead, BS);
       vf k[NV];
       load_row<kD>(kbase + (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * RS, k);
       for (int64_t g = 0; g < G; ++g) {
