@@ -22,6 +22,7 @@ import asyncio
 import random
 import re
 import statistics
+import time
 
 import httpx
 
@@ -63,6 +64,7 @@ async def one(client: httpx.AsyncClient, messages: list[dict], max_tokens: int) 
         "ttft": s.ttft if s.ttft is not None else s.e2e,
         "prompt": s.usage["prompt_tokens"],
         "cached": s.usage["prompt_tokens_details"]["cached_tokens"],
+        "completion": s.usage["completion_tokens"],
     }
 
 
@@ -94,21 +96,26 @@ def histogram_means(base: str) -> dict[str, float]:
     return means
 
 
-def summarize(name: str, results: list[dict], warmup: int) -> dict:
+def summarize(name: str, results: list[dict], warmup: int, seconds: float) -> dict:
     steady = results[warmup:]
     ttfts = sorted(r["ttft"] for r in steady)  # after warm-up, like the hit rate
     hit = sum(r["cached"] for r in steady) / max(1, sum(r["prompt"] for r in steady))
+    # cold: less than half the prompt cached (the documents and question are new to the cache)
+    cold = [r["ttft"] for r in steady if r["cached"] < r["prompt"] / 2]
     s = {
         "hit_rate": hit,
         "ttft_mean": statistics.mean(ttfts),
         "ttft_p50": ttfts[len(ttfts) // 2],
         "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "prompt_tokens_mean": statistics.mean(r["prompt"] for r in results),
+        "cold_ttft_mean": statistics.mean(cold) if cold else float("nan"),
+        "output_tok_s": sum(r["completion"] for r in results) / seconds,
     }
     print(
         f"{name:10s} hit rate {hit:6.1%}  TTFT mean {s['ttft_mean']:.2f}s  "
         f"p50 {s['ttft_p50']:.2f}s  p99 {s['ttft_p99']:.2f}s  "
-        f"(prompt {s['prompt_tokens_mean']:.0f} tokens)"
+        f"(prompt {s['prompt_tokens_mean']:.0f} tokens); cold prompts ({len(cold)}) TTFT mean "
+        f"{s['cold_ttft_mean']:.2f}s; output {s['output_tok_s']:.1f} tok/s over the run"
     )
     return s
 
@@ -132,9 +139,11 @@ def main() -> None:
     summaries = {}
     for name, extra in (("cache on", []), ("cache off", ["--no-enable-prefix-caching"])):
         with Server(base_args + extra) as server:
+            t = time.perf_counter()
             results = asyncio.run(drive(server.base, reqs, args.concurrency, args.max_tokens))
+            seconds = time.perf_counter() - t
             parts = histogram_means(server.base)
-        summaries[name] = summarize(name, results, args.warmup)
+        summaries[name] = summarize(name, results, args.warmup, seconds)
         rest = parts["ttft"] - parts["queue"] - parts["prefill"]
         print(
             f"{'':10s} TTFT {parts['ttft']:.2f}s = queue {parts['queue']:.2f}s + prefill "

@@ -116,10 +116,29 @@ class EngineConfig:
     )
     max_num_seqs: int = setting(64, "most requests in one batch")
     max_num_batched_tokens: int = setting(1024, "token budget of one engine step")
+    scheduling: str = setting(
+        "deadline",
+        "order of prefills: deadline (each request's time-to-first-token deadline, arrival plus "
+        "4x its uncached prefill alone: prefix hits and short prompts first, long ones promoted "
+        "as they age) or fcfs (arrival order)",
+        ("deadline", "fcfs"),
+    )
     short_prefill_tokens: int = setting(
         512,
-        "a waiting request whose uncached remainder is at most this many tokens goes before "
-        "running requests' long prefill chunks (prefix hits get their TTFT); 0: FCFS",
+        "a request whose uncached remainder is at most this many tokens (a prefix hit, a new "
+        "turn) is short: while one waits, or arrived within ten full steps' time, steps are held "
+        "to target_step_ms; 0: every step held to it",
+    )
+    target_step_ms: float = setting(
+        0.0,
+        "latency a step is held to while short prefills are near, prefill chunks cut to fit: 0 "
+        "measured at startup (the shortest step whose prefill costs within 5% a token of the "
+        "cheapest measured); -1: every step may take max_num_batched_tokens",
+    )
+    max_itl_factor: float = setting(
+        2.0,
+        "a step that carries streamed decode rows costs at most this times their decode step "
+        "alone (their inter-token latency under long prompts); 0: unbounded",
     )
     max_model_len: int | None = setting(None, "context length served (0: the model's own)")
     enable_prefix_caching: bool = setting(True, "reuse KV blocks across requests by prefix hash")
@@ -266,7 +285,11 @@ class EngineConfig:
         if self.block_size is not None and self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError("block_size must be a power of two up to 128")
         if self.short_prefill_tokens < 0:
-            raise ValueError("short_prefill_tokens must be >= 0 (0: first come, first served)")
+            raise ValueError("short_prefill_tokens must be >= 0 (0: every step held to target)")
+        if self.max_itl_factor < 0 or (0 < self.max_itl_factor < 1):
+            raise ValueError("max_itl_factor must be 0 (unbounded) or at least 1")
+        if self.target_step_ms < 0 and self.target_step_ms != -1:
+            raise ValueError("target_step_ms must be -1 (off), 0 (measured) or positive")
         if not 0.0 <= self.kv_pin_share <= 1.0:
             raise ValueError("kv_pin_share must be in [0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -85,11 +85,11 @@ def test_seeded_sampling_reproducible_across_batches(llama_dir) -> None:
     assert llm.generate([prompts[0]], other)[0].outputs[0].token_ids != alone
 
 
-@pytest.mark.parametrize("short_prefill_tokens", [64, 0])
-def test_a_prefix_hit_goes_before_long_prefill_chunks(llama_dir, short_prefill_tokens) -> None:
+@pytest.mark.parametrize("scheduling", ["deadline", "fcfs"])
+def test_a_prefix_hit_goes_before_long_prefill_chunks(llama_dir, scheduling) -> None:
     """With short prefills first, a newcomer whose prompt is cached but for a short suffix gets
     its first token while another request's long prompt is still being prefilled in chunks;
-    with the policy off (0) it waits its turn behind those chunks. Outputs are unchanged."""
+    under fcfs it waits its turn behind those chunks. Outputs are unchanged."""
     g = torch.Generator().manual_seed(7)
     shared = torch.randint(3, 500, (96,), generator=g).tolist()
     long_prompt = torch.randint(3, 500, (600,), generator=g).tolist()
@@ -100,7 +100,7 @@ def test_a_prefix_hit_goes_before_long_prefill_chunks(llama_dir, short_prefill_t
         num_kv_blocks=128,
         block_size=16,
         max_num_batched_tokens=64,
-        short_prefill_tokens=short_prefill_tokens,
+        scheduling=scheduling,
     )
     llm.generate([shared + [200]], params)  # the shared prefix enters the cache
     engine = llm.engine
@@ -116,7 +116,7 @@ def test_a_prefix_hit_goes_before_long_prefill_chunks(llama_dir, short_prefill_t
             outputs[out.request_id] += out.new_token_ids
             if out.new_token_ids:
                 first_token.setdefault(out.request_id, steps)
-    if short_prefill_tokens:
+    if scheduling == "deadline":
         assert first_token["short"] <= 2 < first_token["long"], first_token
     else:
         assert first_token["short"] >= first_token["long"], first_token  # FCFS: behind it

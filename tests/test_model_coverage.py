@@ -378,7 +378,8 @@ def test_gemma3_windowed_blocks_go_back_while_the_request_runs(new_dirs) -> None
 def test_a_fixed_budget_admits_more_gemma3_requests_with_reclamation(new_dirs) -> None:
     """The same KV memory, with and without the windowed layers' own pool: the full-context
     pool gets the memory the windowed layers no longer hold, so more long requests fit."""
-    budget = dict(kv_cache_memory="1MiB", block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    budget = dict(kv_cache_memory="1MiB", block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                  target_step_ms=-1)  # fmt: skip
     on = LLM(str(new_dirs["gemma3"]), **budget)
     off = LLM(str(new_dirs["gemma3"]), reclaim_window_blocks=False, **budget)
     assert off.engine.kv.window is None and "--no-reclaim" in off.engine.info.window_kv
@@ -386,11 +387,13 @@ def test_a_fixed_budget_admits_more_gemma3_requests_with_reclamation(new_dirs) -
     # takes the rest of what the five others had
     assert on.engine.num_blocks > 2 * off.engine.num_blocks
     prompts = [[(s * 31 + i * 7) % 400 + 3 for i in range(200)] for s in range(8)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    # long enough answers that all eight run at once though their prompts are prefilled one
+    # after the other (by deadline, 64 tokens a step)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outputs = {}
     for name, llm in (("on", on), ("off", off)):
         outputs[name] = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
-    # eight 208-token requests: the reclaimed pool runs them without a preemption, the other
-    # pool (170 blocks, 52 a request) preempts and recomputes; the same tokens either way
+    # eight 240-token requests: the reclaimed pool runs them without a preemption, the other
+    # pool (170 blocks, 60 a request) preempts and recomputes; the same tokens either way
     assert on.engine.scheduler.num_preemptions == 0 < off.engine.scheduler.num_preemptions
     assert outputs["on"] == outputs["off"]

@@ -14,6 +14,7 @@ from engine.core.batch import SchedulerOutput
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.core.step_budget import StepBudget, StepCosts
 from engine.kv.manager import KVCacheManager
 from engine.runner.runner_output import RunnerOutput
 from engine.runner.sampler import SamplerOutput
@@ -26,16 +27,27 @@ def make(
     num_blocks: int = 16,
     block_size: int = 4,
     max_num_seqs: int = 4,
-    budget: int = 16,
-    short_prefill_tokens: int = 0,
+    budget: int | StepBudget = 16,
+    by_deadline: bool = False,
     caching: bool = True,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-    return Scheduler(kv, max_num_seqs, budget, short_prefill_tokens=short_prefill_tokens)
+    if isinstance(budget, int):
+        budget = StepBudget(budget)
+    return Scheduler(kv, max_num_seqs, budget, by_deadline=by_deadline)
 
 
-def request(rid: str, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0)
+# a step of n tokens costs 2 + n ms: held to 12 tokens, streamed decode rows to 2x their step
+CAPPED = StepBudget(16, StepCosts((1, 16), (0.003, 0.018)), target_rows=12, max_itl_factor=2.0,
+                    min_prefill_tokens=2)  # fmt: skip
+
+
+def request(
+    rid: str, prompt: list[int], max_tokens: int, ignore_eos: bool = True, streamed: bool = False
+) -> Request:
+    params = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0, streamed=streamed
+    )
     return Request(rid, prompt, params, frozenset({EOS}), max_model_len=256)
 
 
@@ -68,7 +80,7 @@ def check(sched: Scheduler, out: SchedulerOutput | None = None) -> None:
         assert block.ref_cnt == holders.get(block.block_id, 0), block.block_id
     assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_cnt == 0)
     if out is not None:
-        assert out.num_tokens <= sched.max_num_batched_tokens
+        assert out.num_tokens <= sched.budget.max_tokens
         assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
         for s in out.scheduled:
             r = s.request
@@ -94,19 +106,23 @@ OPS = st.lists(
 @given(
     ops=OPS,
     num_blocks=st.integers(11, 24),  # the longest request (30 + 12 tokens) fits alone
-    short=st.sampled_from([0, 6]),
+    by_deadline=st.booleans(),
+    capped=st.booleans(),
     caching=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_random_add_step_abort_keeps_the_invariants(ops, num_blocks, short, caching, seed) -> None:
+def test_random_add_step_abort_keeps_the_invariants(
+    ops, num_blocks, by_deadline, capped, caching, seed
+) -> None:
     rng = random.Random(seed)
-    sched = make(num_blocks=num_blocks, short_prefill_tokens=short, caching=caching)
+    budget = CAPPED if capped else 16
+    sched = make(num_blocks=num_blocks, budget=budget, by_deadline=by_deadline, caching=caching)
     added: list[Request] = []
     shared = [rng.randrange(1, VOCAB) for _ in range(12)]  # a common prefix: cache hits
     for kind, a, b in ops:
         if kind == "add":
             prompt = (shared[: a // 2] + [rng.randrange(1, VOCAB) for _ in range(a)])[:30]
-            r = request(f"r{len(added)}", prompt, max_tokens=b)
+            r = request(f"r{len(added)}", prompt, max_tokens=b, streamed=a % 2 == 0)
             sched.add(r)
             added.append(r)
             check(sched)
@@ -141,7 +157,7 @@ def test_a_short_prompt_admitted_first_then_preempted_leaves_the_step() -> None:
     the running prefills is the newest request, so it is the victim when a prefill cannot grow;
     it must leave the step's batch too (it was scheduled and now holds no block table)."""
     rng = random.Random(0)
-    sched = make(num_blocks=11, short_prefill_tokens=6, caching=False)
+    sched = make(num_blocks=11, by_deadline=True, caching=False)
     shared = [rng.randrange(1, VOCAB) for _ in range(12)]
     for i, (n, out_tokens) in enumerate(((10, 3), (14, 1), (1, 2))):
         prompt = (shared[: n // 2] + [rng.randrange(1, VOCAB) for _ in range(n)])[:30]
@@ -192,7 +208,7 @@ def test_a_cached_prefix_is_found_again_and_counted() -> None:
 
 
 def test_short_prefills_go_before_long_ones() -> None:
-    sched = make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8, short_prefill_tokens=4)
+    sched = make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8, by_deadline=True)
     long = request("long", list(range(1, 41)), 1)
     sched.add(long)
     sched.schedule()  # the long prompt's first chunk is running

@@ -21,6 +21,7 @@ from engine.build import window as window_phase
 from engine.build.kv_judge import judge_int8_kv
 from engine.build.prefill_choice import choose_prefill_attention
 from engine.build.speculation import build_drafter, load_draft_head
+from engine.build.step_costs import step_budget
 from engine.build.weights import (
     LoadedWeights,
     int8_activations,
@@ -166,13 +167,15 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     )
     grammars = _structured_outputs(tokenizer, spec.vocab_size, list(eos))
     outputs = OutputProcessor(tokenizer, kv.export_prompt)
+    budget = step_budget(config, key, weights.model, pool.backend, pool.scratch_blocks, device)
+    kernel_table += f"\n  step budget: {budget.describe()}"
     scheduler = Scheduler(
         kv,
         config.max_num_seqs,
-        config.max_num_batched_tokens,
+        budget,
         preempt_by_swap=config.preemption_mode == "swap" and host is not None,
         num_lookahead_tokens=config.num_speculative_tokens if draft else 0,
-        short_prefill_tokens=config.short_prefill_tokens,
+        by_deadline=config.scheduling == "deadline",
         stop_strings=outputs.match_stop,
         grammars=grammars,
     )

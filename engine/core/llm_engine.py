@@ -200,6 +200,7 @@ class LLMEngine:
         self.stats.generation_tokens += sum(len(e.token_ids) for e in update.emitted)
 
     def _time(self, update: StepUpdate, seconds: float) -> None:
+        self.scheduler.observe_step(update.scheduled, seconds)
         self.stats.step_seconds += seconds
         prompt = (
             update.first[s.request.request_id] < s.request.num_prompt_tokens

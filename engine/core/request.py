@@ -42,6 +42,9 @@ class Request:
     max_model_len: int
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # for the queue-time histogram
+    # when its first token is due (the scheduler's prefill order, engine/core/step_budget.py)
+    deadline: float = 0.0
+    prefill_estimate: int = 0  # tokens its prefill needs, as the prefix cache stood at arrival
     first_token_time: float | None = None  # for the prefill-time histogram
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -92,6 +92,9 @@ class SamplingParams:
     # forced (`ThoughtBudget`); None: unbounded
     thought_budget: ThoughtBudget | None = None
     keep_prefix: KeepPrefix | None = None
+    # the client reads tokens as they come: its decode rows bound the step's latency
+    # (`max_itl_factor`, engine/core/step_budget.py)
+    streamed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -5,16 +5,17 @@ with `num_tokens`: a prefill chunk, a single decode token, or 1 + k under specul
 token and k draft tokens, verified in one forward; `update` rolls the counter back over rejected
 drafts, whose slots are simply overwritten later). With speculation every request that reaches its
 end also reserves `num_lookahead_tokens` slots for the draft head's chained steps.
-Running requests go first (FCFS among themselves); when the pool runs dry the most recently
-admitted running request is preempted by recompute (its blocks freed, its counter reset, and it
-returns to the head of the waiting queue). Waiting requests are admitted in arrival order while
-budget, `max_num_seqs` and blocks last.
 
-Short prefills first (`short_prefill_tokens` > 0): a step is ordered decodes, then waiting
-requests whose uncached remainder is at most that many tokens (a newcomer that hits the prefix
-cache needs only its suffix), then running requests' long prefill chunks, then the rest of the
-waiting queue. A prefix hit's TTFT then no longer waits behind other requests' long prompts; the
-long prefills lose only the tokens the short ones take from one step's budget.
+A step first takes every running request at its end (decodes, verification), then gives prefill
+tokens (running requests' next chunks and newly admitted prompts) as many as the `StepBudget`
+allows after those rows: held to the target step latency, and tighter while streamed decode rows
+ride in the step (engine/core/step_budget.py). Under `deadline` ordering the prefills take them
+by the time-to-first-token deadline each would miss (a prefix hit's short suffix first, long
+prompts promoted as they age); under `fcfs` in arrival order. When the pool runs dry the most
+recently admitted running request is preempted by recompute (its blocks freed, its counter
+reset, and it returns to the head of the waiting queue). Waiting requests are admitted while
+budget, `max_num_seqs` and blocks last; the first that cannot get its blocks stops admission
+(nothing smaller skips ahead of it).
 
 The scheduler owns every request's token list and status, and a step has one exit:
 `update_from_output` applies the runner's output (counters, tokens, token stops, stop strings
@@ -33,6 +34,7 @@ from typing import Protocol
 
 from engine.core.batch import Emitted, ScheduledRequest, SchedulerOutput, StepUpdate
 from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.step_budget import StepBudget
 from engine.kv.manager import KVCacheManager
 from engine.runner.runner_output import RunnerOutput
 
@@ -54,21 +56,23 @@ class Scheduler:
         self,
         kv: KVCacheManager,
         max_num_seqs: int,
-        max_num_batched_tokens: int,
+        budget: StepBudget,
         preempt_by_swap: bool = False,
         num_lookahead_tokens: int = 0,
-        short_prefill_tokens: int = 0,
+        by_deadline: bool = True,
         stop_strings: StopStrings | None = None,
         grammars: Grammars | None = None,
     ) -> None:
         self.kv = kv
         self.stop_strings = stop_strings
         self.grammars = grammars
-        self.short_prefill_tokens = short_prefill_tokens
+        self.by_deadline = by_deadline
         self.num_lookahead_tokens = num_lookahead_tokens
         self.preempt_by_swap = preempt_by_swap
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.budget = budget
+        self.last_short_arrival = float("-inf")
+        self.cost_scale = 1.0  # served steps' time over the measured costs' prediction
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -81,6 +85,13 @@ class Scheduler:
     # ---- queue management --------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        # the deadline from the prefix cached now (a device or host lookup, no loading)
+        self.kv.update_block_hashes(request)
+        cached = self.kv.num_cached_prefix(request.block_hashes) * self.kv.block_size
+        request.prefill_estimate = max(1, request.num_tokens - cached)
+        request.deadline = self.budget.deadline(request.arrival_time, request.prefill_estimate)
+        if self.budget.is_short(request.prefill_estimate):
+            self.last_short_arrival = max(self.last_short_arrival, request.arrival_time)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -134,50 +145,119 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         self.kv.begin_step()
         self.finished_this_step.clear()
         self.freed_tables.clear()
-
-        if self.short_prefill_tokens > 0:
-            budget = self._schedule_running(out, budget, prefills=False)
-            budget = self._admit(out, budget, self.short_prefill_tokens)
-        budget = self._schedule_running(out, budget, prefills=True)
-        self._admit(out, budget, None)
+        full = self.budget.max_tokens
+        left = self._schedule_running(out, full, prefills=False)
+        streamed = sum(1 for s in out.scheduled if s.request.sampling_params.streamed)
+        held = unheld = left
+        if left > 0 and (self.waiting or len(out.scheduled) < len(self.running)):
+            now = time.monotonic()
+            due = self._prefills_due(out)
+            decode = full - left
+            scale = self.cost_scale
+            unheld = min(left, self.budget.prefill_tokens(decode, streamed, now, due, False, scale))
+            held = unheld
+            if self._shorts_near(now):
+                held = min(
+                    left, self.budget.prefill_tokens(decode, streamed, now, due, True, scale)
+                )
+        if self.by_deadline:
+            self._schedule_prefills(out, held, unheld)
+        else:
+            self._admit(out, self._schedule_running(out, held, prefills=True))
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, prefills: bool) -> int:
-        """Schedule running requests not scheduled yet this step: all of them, or (prefills
-        False) only those at their end (decodes, verification). Returns the budget left."""
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step's wall time, against what the measured costs predicted for its tokens."""
+        predicted = self.budget.predicted(out.num_tokens)
+        if predicted is not None:
+            self.cost_scale = 0.9 * self.cost_scale + 0.1 * min(seconds / predicted, 10.0)
+
+    def _shorts_near(self, now: float) -> bool:
+        if now - self.last_short_arrival <= self.budget.hold_s:
+            return True
+        return any(self.budget.is_short(r.prefill_estimate) for r in self.waiting)
+
+    def _prefills_due(self, out: SchedulerOutput) -> list[tuple[float, int]] | None:
+        """(deadline, tokens left) of every prefill not scheduled yet, by deadline; None
+        without streamed rows in the step (nothing asks for it)."""
+        if not any(s.request.sampling_params.streamed for s in out.scheduled):
+            return None
         done = {id(s.request) for s in out.scheduled}
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            remaining = request.num_tokens - request.num_computed_tokens
-            if id(request) in done or (not prefills and remaining > 1):
-                i += 1
+        pending = [r for r in (*self.running, *self.waiting) if id(r) not in done]
+        return [(self.budget.yield_deadline(r.arrival_time, r.deadline), _prefill_left(r))
+                for r in sorted(pending, key=_by_deadline)]  # fmt: skip
+
+    def _schedule_prefills(self, out: SchedulerOutput, held: int, unheld: int) -> None:
+        """Running requests' next chunks and waiting requests' admissions, one list in order of
+        deadline: long prefills within `held` tokens, short ones (their whole remainder in one
+        step, for their first token) within `unheld`."""
+        done = {id(s.request) for s in out.scheduled}
+        running = [r for r in self.running if id(r) not in done]
+        preempted_now = set(out.preempted)
+        admitting = True
+        for request in sorted([*running, *self.waiting], key=_by_deadline):
+            if unheld <= 0:
+                break
+            cap = unheld if self.budget.is_short(_prefill_left(request)) else held
+            if cap <= 0:
                 continue
-            n = min(remaining, budget)
-            num_spec = 0
-            if remaining == 1 and request.spec_token_ids:
-                num_spec = min(request.num_spec, budget - 1)
-                del request.spec_token_ids[num_spec:]
-                if request.spec_probs is not None:
-                    request.spec_probs = request.spec_probs[:num_spec] if num_spec else None
-                n += num_spec
-            lookahead = self._lookahead(request, request.num_computed_tokens, n)
-            while not self.kv.allocate_slots(request, n + lookahead):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim.request_id)
-                budget += self._unschedule(out, victim)
-                if victim is request:
-                    break
+            if request.status == RequestStatus.RUNNING and request in self.running:
+                left = self._schedule_one(out, request, cap)
+            elif request.status == RequestStatus.WAITING and admitting:
+                if request.request_id in preempted_now:
+                    continue  # don't re-admit a victim in the step that evicted it
+                if len(self.running) >= self.max_num_seqs:
+                    admitting = False
+                    continue
+                left = self._admit_one(out, request, cap)
+                admitting = left is not None
+                if left is None:
+                    continue
             else:
-                out.scheduled.append(ScheduledRequest(request, n, num_spec))
-                budget -= n
-                i += 1
+                continue
+            held, unheld = held - (cap - left), unheld - (cap - left)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefills: bool) -> int:
+        """Schedule running requests not scheduled yet this step, in their order: all of them,
+        or (prefills False) only those at their end (decodes, verification). Returns the budget
+        left."""
+        done = {id(s.request) for s in out.scheduled}
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            remaining = request.num_tokens - request.num_computed_tokens
+            if id(request) in done or request not in self.running:
+                continue  # scheduled already, or preempted by an earlier one's growth
+            if prefills or remaining <= 1:
+                budget = self._schedule_one(out, request, budget)
         return budget
+
+    def _schedule_one(self, out: SchedulerOutput, request: Request, budget: int) -> int:
+        """Grant a running request its next tokens (a chunk, a decode token, or 1 + drafts),
+        preempting the newest running requests while its blocks do not fit (it may be the
+        victim itself). Returns the budget left."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        n = min(remaining, budget)
+        num_spec = 0
+        if remaining == 1 and request.spec_token_ids:
+            num_spec = min(request.num_spec, budget - 1)
+            del request.spec_token_ids[num_spec:]
+            if request.spec_probs is not None:
+                request.spec_probs = request.spec_probs[:num_spec] if num_spec else None
+            n += num_spec
+        lookahead = self._lookahead(request, request.num_computed_tokens, n)
+        while not self.kv.allocate_slots(request, n + lookahead):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            budget += self._unschedule(out, victim)
+            if victim is request:
+                return budget
+        out.scheduled.append(ScheduledRequest(request, n, num_spec))
+        return budget - n
 
     @staticmethod
     def _unschedule(out: SchedulerOutput, victim: Request) -> int:
@@ -190,37 +270,39 @@ class Scheduler:
                 return item.num_new_tokens
         return 0
 
-    def _admit(self, out: SchedulerOutput, budget: int, at_most: int | None) -> int:
-        """Admit waiting requests in arrival order; with `at_most`, only those whose uncached
-        remainder fits in it (the others keep their places). Returns the budget left."""
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests in arrival order. Returns the budget left."""
         preempted_now = set(out.preempted)
-        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.request_id in preempted_now:
                 break  # don't re-admit a victim in the step that evicted it
-            hits = self.kv.get_computed_blocks(request)
-            num_hit = hits.num_tokens(self.kv.block_size)
-            if at_most is not None and request.num_tokens - num_hit > at_most:
-                skipped.append(self.waiting.popleft())
-                continue
-            n = min(request.num_tokens - num_hit, budget)
-            lookahead = self._lookahead(request, num_hit, n)
-            if not self.kv.allocate_slots(request, n + lookahead, hits):
+            left = self._admit_one(out, request, budget)
+            if left is None:
                 break
-            self.waiting.popleft()
-            self.kv.record_hit(request, hits)
-            if request.first_scheduled_time is None:  # first admission, not a re-admission
-                request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens = num_hit
-                request.prefix_hit = hits.summary(self.kv.block_size)
-            request.num_computed_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, n))
-            budget -= n
-        self.waiting.extendleft(reversed(skipped))
+            budget = left
         return budget
+
+    def _admit_one(self, out: SchedulerOutput, request: Request, budget: int) -> int | None:
+        """Admit one waiting request with its prefix hit and first chunk; None (and no change)
+        when the pool cannot supply its blocks. Returns the budget left."""
+        hits = self.kv.get_computed_blocks(request)
+        num_hit = hits.num_tokens(self.kv.block_size)
+        n = min(request.num_tokens - num_hit, budget)
+        lookahead = self._lookahead(request, num_hit, n)
+        if not self.kv.allocate_slots(request, n + lookahead, hits):
+            return None
+        self.waiting.remove(request)
+        self.kv.record_hit(request, hits)
+        if request.first_scheduled_time is None:  # first admission, not a re-admission
+            request.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = num_hit
+            request.prefix_hit = hits.summary(self.kv.block_size)
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, n))
+        return budget - n
 
     def _lookahead(self, request: Request, start: int, n: int) -> int:
         """Slots for the draft head's chain when this chunk reaches the request's end."""
@@ -312,3 +394,13 @@ class Scheduler:
         self.finish(request.request_id, FinishReason.STOP, matched,
                     num_tokens=request.num_tokens - (len(tokens) - kept))  # fmt: skip
         return tokens[:kept]
+
+
+def _by_deadline(request: Request) -> tuple[float, float]:
+    return (request.deadline, request.arrival_time)
+
+
+def _prefill_left(request: Request) -> int:
+    if request.status == RequestStatus.WAITING:
+        return request.prefill_estimate
+    return request.num_tokens - request.num_computed_tokens

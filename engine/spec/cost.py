@@ -13,12 +13,12 @@ against `target(batch x (1 + k)) + k x draft(batch)`.
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.core.step_budget import piecewise_linear
 from engine.runner.step_inputs import step_metadata
 from models.eagle.head import EagleHead
 from models.llama import LlamaForCausalLM
@@ -32,18 +32,11 @@ class SpecCostModel:
     target_s: tuple[float, ...]  # one target step of rows[i] rows
     draft_s: tuple[float, ...]  # one draft step of rows[i] rows
 
-    @staticmethod
-    def _at(rows: tuple[int, ...], secs: tuple[float, ...], r: int) -> float:
-        """Piecewise-linear in rows, extrapolated linearly past the last measurement."""
-        i = min(max(bisect_left(rows, r), 1), len(rows) - 1)
-        r0, r1, s0, s1 = rows[i - 1], rows[i], secs[i - 1], secs[i]
-        return max(s0 + (s1 - s0) * (r - r0) / (r1 - r0), 1e-9)
-
     def target(self, rows: int) -> float:
-        return self._at(self.rows, self.target_s, rows)
+        return piecewise_linear(self.rows, self.target_s, rows)
 
     def draft(self, rows: int) -> float:
-        return self._at(self.rows, self.draft_s, rows)
+        return piecewise_linear(self.rows, self.draft_s, rows)
 
     def best_k(self, batch: int, acceptance: float, k_max: int, max_rows: int) -> int:
         """The k in 0..k_max (batch x (1 + k) <= max_rows) with the most tokens per second."""
@@ -65,12 +58,12 @@ class SpecCostModel:
         )
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _median_times(steps: list, repeats: int, device: torch.device) -> list[float]:
+def median_times(steps: list, repeats: int, device: torch.device) -> list[float]:
     """The median time of each step, the steps interleaved round by round so that a burst of
     load on a shared machine lands on all of them alike (and a noisy startup cannot make
     verification look dearer than it is)."""
@@ -79,10 +72,10 @@ def _median_times(steps: list, repeats: int, device: torch.device) -> list[float
     times: list[list[float]] = [[] for _ in steps]
     for _ in range(repeats):
         for i, step in enumerate(steps):
-            _sync(device)
+            sync(device)
             t = time.perf_counter()
             step()
-            _sync(device)
+            sync(device)
             times[i].append(time.perf_counter() - t)
     return [sorted(ts)[len(ts) // 2] for ts in times]
 
@@ -119,14 +112,14 @@ def measure(
     the KV written there is never read as anyone's). Without a head, drafts cost nothing to
     make (suffix and grammar drafts)."""
     context, rows = measured_shape(rows, head is not None, num_blocks, block_size, context)
-    target_s = _median_times(
-        [_target_step(model, backend, r, context, block_size, device) for r in rows],
+    target_s = median_times(
+        [chunk_step(model, backend, r, context, block_size, device) for r in rows],
         repeats,
         device,
     )
     draft_s = [0.0] * len(rows)
     if head is not None:
-        draft_s = _median_times(
+        draft_s = median_times(
             [_draft_step(model, head, backend, r, context, block_size, device) for r in rows],
             repeats,
             device,
@@ -134,12 +127,20 @@ def measure(
     return SpecCostModel(rows, tuple(target_s), tuple(draft_s))
 
 
-def _target_step(model, backend, rows: int, context: int, block_size: int, device):
-    """One sequence's chunk of `rows` tokens after `context` (a verification's rows)."""
+def chunk_step(
+    model, backend, rows: int, context: int, block_size: int, device, every_logit: bool = True
+):
+    """One sequence's chunk of `rows` tokens after `context`: a verification's rows (logits for
+    each), or a prefill chunk's (`every_logit` False: the last row's only)."""
     table = list(range(-(-(context + rows) // block_size)))
     positions, meta = step_metadata([(table, context, rows)], block_size, device)
     ids = torch.zeros(rows, dtype=torch.long, device=device)
-    return lambda: model.compute_logits(model(ids, positions, backend.plan(meta)))
+
+    def step() -> None:
+        hidden = model(ids, positions, backend.plan(meta))
+        model.compute_logits(hidden if every_logit else hidden[-1:])
+
+    return step
 
 
 def _draft_step(model, head, backend, rows: int, context: int, block_size: int, device):

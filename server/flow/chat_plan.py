@@ -152,6 +152,7 @@ def chat_plan(
         session=session,
         kv_transfer_params=body.kv_transfer_params,
         param_names=param_names or {},
+        streamed=bool(body.stream),
     )
     calls_parser = parser if tools is not None and tools.parses else None
     # a grammar shapes the output from its first token: no room for a thought

@@ -172,6 +172,7 @@ def chat_request(body: MessagesRequest) -> tuple[ChatCompletionRequest, list[str
     data: dict[str, Any] = {
         "messages": messages,
         "max_completion_tokens": body.max_tokens,
+        "stream": body.stream,
         "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k,

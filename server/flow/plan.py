@@ -84,6 +84,7 @@ def make_choices(
                 export_kv=exports_kv and first,
                 thought_budget=plan.thought_budget,
                 keep_prefix=plan.keep_prefix if first else None,
+                streamed=plan.streamed,
             )  # fmt: skip
             index = p_idx * body.n + i
             choices.append(Choice(index, ids, params, f"{plan.req_id}-{index}",
@@ -108,6 +109,7 @@ class GenerationPlan:
     prompt_logprobs: int | None = None  # score each prompt too (echo), with this many top
     thought_budget: ThoughtBudget | None = None
     keep_prefix: KeepPrefix | None = None  # cache_control: the prefix pinned after the request
+    streamed: bool = False  # the client reads the tokens as they come
     param_names: dict[str, str] = field(default_factory=dict)
 
 

@@ -130,6 +130,7 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
     data: dict[str, Any] = {
         "messages": messages,
         "max_completion_tokens": body.max_output_tokens,
+        "stream": body.stream,
         "temperature": body.temperature,
         "top_p": body.top_p,
         "user": body.user,

@@ -63,6 +63,7 @@ async def completions(request: Request) -> Response:
         grammar=grammar_for(body),
         kv_transfer_params=body.kv_transfer_params,
         prompt_logprobs=body.logprobs if echo_logprobs else None,
+        streamed=bool(body.stream),
     )
     tokenizer = engine.tokenizer
 

@@ -1,0 +1,195 @@
+"""How many tokens a step may take, and in what order prefills get them: the scheduler's policy
+for time to first token and inter-token latency, from step costs measured at startup
+(engine/build/step_costs.py). Pure: no clock, no model.
+
+A step's latency is what every request in it waits. A 1,024-token prefill chunk makes a step
+last as long as that chunk takes, and everything else waits behind it: a decode row's next
+token, a prefix hit's one short chunk, and every request that arrives meanwhile (the engine
+reads its inbox only between steps). Cutting every chunk small costs throughput, though (each
+step reads the weights again, and a later chunk reads its earlier context again), so:
+
+- With no short prefill around, a step takes the full budget.
+- While a short prefill (at most `short_tokens` uncached: a prefix hit, a new turn) waits, or
+  one arrived within `hold_s` (they come in streams: the next is likely to land mid-step),
+  long prefills' chunks are held to `target_rows` a step, the most that fit in the target
+  latency: by default the shortest step whose prefill costs within `EFFICIENT_TOLERANCE` a
+  token of the cheapest measured. A short prefill then waits at most one such step to be
+  admitted, and takes its whole remainder in one step.
+- A step that carries streamed decode rows (a client reading tokens as they come) costs at most
+  `max_itl_factor` times their decode step alone (Sarathi-Serve's stall-free batching), as
+  long as every pending prefill still finishes within `YIELD_SLOWDOWN` times its prefill alone
+  at that rate: under a queue of prompts the bound gives way, first tokens first.
+- Prefills take their tokens in order of the deadline they would miss: arrival plus
+  `SLOWDOWN` times what their uncached tokens cost alone. A prefix hit's suffix is due soon
+  after it arrives and goes first; a long prompt that has waited long enough is due earlier than
+  a newcomer's, so nothing starves.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+# a chunk size is efficient when its cost per token is within this of the full budget's
+EFFICIENT_TOLERANCE = 0.05
+# a request's time-to-first-token deadline: this many times its prefill alone after arrival
+SLOWDOWN = 4.0
+# streamed rows' bound gives way when a prefill would take more than this many times its
+# prefill alone (tighter than the ordering's SLOWDOWN: under a queue, first tokens first)
+YIELD_SLOWDOWN = 2.0
+# steps stay held this many full steps' time after a short prefill arrived
+HOLD_FULL_STEPS = 10
+# without measured costs (a scheduler built by hand): a nominal cost per prefill token, so
+# deadlines still order short before long at equal arrival
+NOMINAL_TOKEN_S = 1e-3
+
+
+def piecewise_linear(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    """ys at x, linear between measurements and extrapolated linearly past the ends."""
+    if len(xs) == 1:
+        return max(ys[0] * x / xs[0], 1e-9)
+    i = min(max(bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """Seconds of one step of `rows[i]` tokens (a chunk of one sequence after a short context),
+    measured on this device, rows ascending."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def cost(self, rows: int) -> float:
+        return piecewise_linear(self.rows, self.seconds, rows)
+
+    def rows_within(self, seconds: float) -> int:
+        """The most tokens a step can hold and still cost at most `seconds` (at least 1)."""
+        lo, hi = 1, max(self.rows[-1], 1)
+        while hi < 1 << 20 and self.cost(hi) <= seconds:
+            hi *= 2
+        while lo < hi:  # cost is monotone between measurements: bisect on it
+            mid = (lo + hi + 1) // 2
+            if self.cost(mid) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def efficient_rows(self, full: int) -> int:
+        """The smallest measured step of at most `full` tokens whose cost per token is within
+        EFFICIENT_TOLERANCE of the cheapest (a big chunk is not always the cheapest a token:
+        attention grows with it, and its activations leave the caches)."""
+        measured = [(r, s) for r, s in zip(self.rows, self.seconds, strict=True) if r <= full]
+        if not measured:
+            return full
+        cheapest = min(s / r for r, s in measured)
+        return next(r for r, s in measured if s / r <= (1 + EFFICIENT_TOLERANCE) * cheapest)
+
+    def table(self) -> str:
+        return ", ".join(f"{r}: {1000 * s:.1f} ms" for r, s in zip(self.rows, self.seconds,
+                                                                  strict=True))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class StepBudget:
+    """The scheduler's limits for one step (see the module docstring)."""
+
+    max_tokens: int  # max_num_batched_tokens: no step ever takes more
+    costs: StepCosts | None = None  # None: every step may take max_tokens
+    target_rows: int = 0  # tokens a step holds within the target latency (0: max_tokens)
+    max_itl_factor: float = 0.0  # 0: streamed decode rows do not bound a step
+    min_prefill_tokens: int = 16  # a step with prefills waiting gives them at least this
+    short_tokens: int = 0  # a prefill of at most this is short (0: every step held to target)
+    hold_s: float = 0.0  # steps stay held this long after a short prefill arrived
+
+    @classmethod
+    def measured(
+        cls, max_tokens: int, costs: StepCosts, target_step_ms: float, max_itl_factor: float,
+        min_prefill_tokens: int, short_tokens: int,
+    ) -> StepBudget:  # fmt: skip
+        """target_step_ms 0: the efficient chunk's cost (`StepCosts.efficient_rows`)."""
+        if target_step_ms > 0:
+            target = costs.rows_within(target_step_ms / 1000)
+        else:
+            target = costs.efficient_rows(max_tokens)
+        hold = HOLD_FULL_STEPS * costs.cost(max_tokens)
+        return cls(max_tokens, costs, min(target, max_tokens), max_itl_factor,
+                   min_prefill_tokens, short_tokens, hold)  # fmt: skip
+
+    def is_short(self, prefill_tokens: int) -> bool:
+        return 0 < prefill_tokens <= self.short_tokens
+
+    @property
+    def target_s(self) -> float | None:
+        return self.costs.cost(self.target_rows) if self.costs and self.target_rows else None
+
+    def describe(self) -> str:
+        """The kernel matrix's line: what a step is held to, and the costs behind it."""
+        if self.costs is None:
+            return f"{self.max_tokens} tokens a step (not measured: --target-step-ms -1)"
+        itl = (f"; with streamed decode rows at most {self.max_itl_factor:g}x their step alone"
+               if self.max_itl_factor else "")  # fmt: skip
+        held = (f"while a prefill of at most {self.short_tokens} tokens waits or came in the "
+                f"last {self.hold_s:.1f} s, " if self.short_tokens else "")  # fmt: skip
+        return (
+            f"{held}{self.target_rows} of {self.max_tokens} tokens a step "
+            f"({1000 * (self.target_s or 0):.0f} ms){itl}; measured {self.costs.table()}"
+        )
+
+    def prefill_tokens(
+        self,
+        decode_tokens: int,
+        streamed_rows: int,
+        now: float = 0.0,
+        prefills: list[tuple[float, int]] | None = None,
+        shorts_near: bool = True,
+        cost_scale: float = 1.0,
+    ) -> int:
+        """Prefill tokens a step may add after its `decode_tokens` (decode and verification
+        rows, `streamed_rows` of them streamed). `prefills`: (deadline, tokens left) of the
+        prefills waiting or running, in deadline order: the streamed rows' bound holds only
+        while every one of them still meets its deadline at the bounded rate (a prefill spike
+        under light load is spread out; under a queue of prompts, first tokens come first).
+        `shorts_near`: a short prefill waits or arrived within `hold_s`. `cost_scale`: served
+        steps' time over what the startup measurement predicts for them (their decode rows'
+        contexts, a later chunk's earlier context, the step's own work around the forward)."""
+        held = self.target_rows and (shorts_near or not self.short_tokens)
+        rows = self.target_rows if held else self.max_tokens
+        room = max(rows - decode_tokens, self.min_prefill_tokens)
+        if streamed_rows and self.max_itl_factor > 0 and self.costs is not None:
+            itl = self.max_itl_factor * self.costs.cost(decode_tokens)
+            bounded = max(min(rows, self.costs.rows_within(itl)) - decode_tokens,
+                          self.min_prefill_tokens)  # fmt: skip
+            per_token = cost_scale * self.costs.cost(decode_tokens + bounded) / bounded
+            if bounded < room and _all_meet(prefills or [], now, per_token):
+                room = bounded
+        return min(room, self.max_tokens - decode_tokens)
+
+    def predicted(self, tokens: int) -> float | None:
+        return self.costs.cost(tokens) if self.costs is not None and tokens > 0 else None
+
+    @staticmethod
+    def yield_deadline(arrival: float, deadline: float) -> float:
+        """When a prefill due at `deadline` stops letting streamed rows bound its steps."""
+        return arrival + (deadline - arrival) * YIELD_SLOWDOWN / SLOWDOWN
+
+    def deadline(self, arrival: float, uncached_tokens: int) -> float:
+        """When a request's first token is due: SLOWDOWN times its prefill alone after arrival."""
+        if self.costs is None:
+            alone = NOMINAL_TOKEN_S * uncached_tokens
+        else:
+            alone = self.costs.cost(max(1, uncached_tokens))
+        return arrival + SLOWDOWN * alone
+
+
+def _all_meet(prefills: list[tuple[float, int]], now: float, per_token_s: float) -> bool:
+    """Whether prefills served one after another in deadline order, at `per_token_s` a
+    token, each finish by its deadline (EDF's feasibility test)."""
+    tokens = 0
+    for deadline, left in prefills:
+        tokens += left
+        if now + tokens * per_token_s > deadline:
+            return False
+    return True

@@ -1,0 +1,145 @@
+"""The step budget (engine/core/step_budget.py) and the scheduler driving it: steps held to the
+target, streamed decode rows bounding the prefill they ride with, prefills by deadline with
+aging, and the measured budget on a real engine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.core.step_budget import SLOWDOWN, StepBudget, StepCosts
+from tests.test_scheduler import check, fake_run, make, request
+
+# a step of n tokens costs 2 + n ms
+COSTS = StepCosts((1, 16, 64), (0.003, 0.018, 0.066))
+
+
+def test_costs_interpolate_and_invert() -> None:
+    assert COSTS.cost(8) == pytest.approx(0.010)
+    assert COSTS.cost(128) == pytest.approx(0.130)  # extrapolated
+    assert COSTS.rows_within(0.010) == 8
+    assert COSTS.rows_within(0.0005) == 1  # never below one row
+    assert COSTS.rows_within(0.130) == 128
+
+
+def test_the_efficient_chunk_is_the_smallest_within_tolerance_a_token() -> None:
+    # fixed 2 ms a step: 16 rows cost 1.125 ms a token against 64 rows' 1.031 (9% more);
+    # 64 itself is the full budget
+    assert COSTS.efficient_rows(64) == 64
+    flat = StepCosts((1, 16, 64, 256), (0.0012, 0.0162, 0.0642, 0.2562))  # 0.2 ms fixed
+    assert flat.efficient_rows(256) == 16  # 1.0125 ms/token vs 1.0008: within 5%
+    # measured on a Sapphire Rapids: a 1,024-token step costs more a token than a 256-token one
+    dearer = StepCosts((1, 64, 256, 1024), (0.0106, 0.0529, 0.1178, 0.6242))
+    assert dearer.efficient_rows(1024) == 256
+    assert dearer.efficient_rows(128) == 64  # only steps the budget allows
+
+
+def test_the_measured_budget_follows_the_target() -> None:
+    assert StepBudget.measured(64, COSTS, 0.0, 2.0, 4, 32).target_rows == 64
+    assert StepBudget.measured(64, COSTS, 12.0, 2.0, 4, 32).target_rows == 10
+    assert StepBudget.measured(64, COSTS, 1000.0, 2.0, 4, 32).target_rows == 64  # never past full
+    assert StepBudget.measured(64, COSTS, 0.0, 2.0, 4, 32).hold_s == pytest.approx(0.66)
+
+
+def test_steps_are_held_only_near_a_short_prefill() -> None:
+    budget = StepBudget(64, COSTS, target_rows=16, short_tokens=32, hold_s=1.0)
+    assert budget.prefill_tokens(0, 0, shorts_near=False) == 64
+    assert budget.prefill_tokens(0, 0, shorts_near=True) == 16
+    sched = make(num_blocks=64, block_size=4, budget=budget, by_deadline=True)
+    sched.add(request("long", list(range(1, 101)), 1))
+    assert sched.schedule().num_tokens == 64  # nothing short around: the full budget
+    sched.add(request("short", [7, 8, 9], 1))
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("short", 3),
+        ("long", 13),
+    ]
+    sched.update_from_output(out, fake_run(out, random.Random(0)))
+    assert sched.schedule().num_tokens == 16  # the short one came within hold_s: still held
+
+
+def test_streamed_decode_rows_bound_the_prefill_beside_them() -> None:
+    budget = StepBudget(64, COSTS, target_rows=48, max_itl_factor=2.0, min_prefill_tokens=4)
+    assert budget.prefill_tokens(decode_tokens=4, streamed_rows=0) == 44  # the target
+    # 4 streamed rows cost 6 ms alone: the step may cost 12, i.e. 10 rows, 6 of them prefill
+    assert budget.prefill_tokens(decode_tokens=4, streamed_rows=4) == 6
+    # a decode step already at the bound still lets prefills move
+    assert budget.prefill_tokens(decode_tokens=60, streamed_rows=60) == 4
+    unbounded = StepBudget(64, COSTS, target_rows=48, max_itl_factor=0.0)
+    assert unbounded.prefill_tokens(decode_tokens=4, streamed_rows=4) == 44
+
+
+def test_deadlines_are_slowdown_times_the_prefill_alone() -> None:
+    budget = StepBudget(64, COSTS, target_rows=48)
+    assert budget.deadline(10.0, 8) == pytest.approx(10.0 + SLOWDOWN * 0.010)
+
+
+def test_a_streamed_decode_keeps_its_step_short_beside_a_long_prompt() -> None:
+    """Every step after the streamer starts decoding costs at most twice its decode step alone;
+    the same scheduler without the bound lets the long prompt's chunks fill the step."""
+    rng = random.Random(0)
+    for factor, bounded in ((2.0, True), (0.0, False)):
+        budget = StepBudget(64, COSTS, target_rows=64, max_itl_factor=factor, min_prefill_tokens=1)
+        sched = make(num_blocks=128, block_size=4, budget=budget, by_deadline=True)
+        sched.add(request("stream", [1, 2, 3], 30, streamed=True))
+        out = sched.schedule()
+        sched.update_from_output(out, fake_run(out, rng))
+        sched.add(request("long", list(range(1, 150)), 1))  # in time at the bounded rate
+        worst = 0.0
+        while sched.has_unfinished():
+            out = sched.schedule()
+            if any(s.request.request_id == "stream" for s in out.scheduled):
+                worst = max(worst, COSTS.cost(out.num_tokens) / COSTS.cost(1))
+            sched.update_from_output(out, fake_run(out, rng))
+        assert (worst <= 2.0 + 1e-9) is bounded, worst
+
+
+def test_the_bound_gives_way_when_a_prefill_would_miss_its_deadline() -> None:
+    budget = StepBudget(64, COSTS, target_rows=48, max_itl_factor=2.0, min_prefill_tokens=4)
+    # 4 streamed rows: 6 prefill tokens a step at 12 ms, 2 ms a token
+    assert budget.prefill_tokens(4, 4, now=0.0, prefills=[(1.0, 400)]) == 6  # 0.8 s: in time
+    assert budget.prefill_tokens(4, 4, now=0.0, prefills=[(1.0, 600)]) == 44  # 1.2 s: late
+    # the second of two in deadline order would miss its deadline behind the first
+    assert budget.prefill_tokens(4, 4, now=0.0, prefills=[(0.5, 200), (0.9, 300)]) == 44
+
+
+def test_a_long_prompt_that_has_waited_goes_before_a_new_short_one() -> None:
+    budget = StepBudget(8, COSTS, target_rows=8)
+    sched = make(num_blocks=64, block_size=4, budget=budget, by_deadline=True)
+    old = request("old", list(range(1, 41)), 1)
+    old.arrival_time -= 10.0  # waited far past SLOWDOWN x its prefill alone
+    sched.add(old)
+    sched.add(request("new", [7, 8, 9], 1))
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled][0] == "old"
+    # a fresh long prompt waits behind the same short one
+    sched = make(num_blocks=64, block_size=4, budget=budget, by_deadline=True)
+    sched.add(request("long", list(range(1, 41)), 1))
+    sched.add(request("short", [7, 8, 9], 1))
+    assert sched.schedule().scheduled[0].request.request_id == "short"
+
+
+def test_shorts_arriving_every_step_do_not_starve_a_long_prompt() -> None:
+    """A short prompt that takes a whole step arrives every (simulated) 10 ms step; the long
+    one's deadline, 4 x its 82 ms prefill after it arrived, comes before a newcomer's (4 x 10
+    ms after it) from step 29 on, and its 10 chunks follow."""
+    rng = random.Random(1)
+    budget = StepBudget(8, COSTS, target_rows=8)
+    sched = make(num_blocks=256, block_size=4, max_num_seqs=64, budget=budget, by_deadline=True,
+                 caching=False)  # fmt: skip
+    long = request("long", list(range(1, 81)), 1)
+    sched.add(long)
+    first: dict[str, int] = {}
+    for step in range(1, 400):
+        if step < 200:  # a new short prompt each step, forever as far as the long one knows
+            short = request(f"s{step}", [step % 40 + 1, 2, 3, 4, 5, 6, 7, 8], 1)
+            short.arrival_time = long.arrival_time + 0.010 * step
+            sched.add(short)
+        out = sched.schedule()
+        check(sched, out)
+        for e in sched.update_from_output(out, fake_run(out, rng)).emitted:
+            first.setdefault(e.request.request_id, step)
+        if "long" in first:
+            break
+    assert "long" in first and 29 <= first["long"] <= 45, first.get("long")
