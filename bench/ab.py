@@ -52,7 +52,8 @@ def step_ms(tree: Path, steps: int) -> float:
     return float(match.group(1))
 
 
-def streams_tok_s(tree: Path, concurrency: int, requests: int) -> float:
+def streams(tree: Path, concurrency: int, requests: int, output_len: int) -> tuple[float, float]:
+    """(output tok/s, TTFT p50 in seconds) of the wave."""
     cmd = [sys.executable, "-m", "server", "--log-level", "warning"]
     launch = lambda port: [*cmd, "--port", str(port)]  # noqa: E731
     with Process(f"ab-{tree.name}", launch, tree_env(tree), cwd=tree) as server:
@@ -67,7 +68,7 @@ def streams_tok_s(tree: Path, concurrency: int, requests: int) -> float:
                 "--input-len",
                 "256",
                 "--output-len",
-                "64",
+                str(output_len),
                 "--ignore-eos",
                 "--quiet",
                 "--seed",
@@ -77,7 +78,7 @@ def streams_tok_s(tree: Path, concurrency: int, requests: int) -> float:
         summary = asyncio.run(serve.run(args, concurrency))
     if summary.get("errors"):
         raise RuntimeError(f"{tree}: {summary['errors']} failed requests")
-    return summary["output_throughput"]
+    return summary["output_throughput"], summary["ttft_s"]["p50"]
 
 
 def main() -> None:
@@ -87,17 +88,20 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--output-len", type=int, default=64)
     a = ap.parse_args()
     trees = {"before": a.before.resolve(), "after": ROOT}
-    results: dict[str, dict[str, list[float]]] = {k: {"step": [], "tok_s": []} for k in trees}
+    results = {k: {"step": [], "tok_s": [], "ttft": []} for k in trees}
     for r in range(a.rounds):
         order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
         for name in order:
             results[name]["step"].append(step_ms(trees[name], a.steps))
-            results[name]["tok_s"].append(streams_tok_s(trees[name], a.concurrency, a.requests))
+            tok_s, ttft = streams(trees[name], a.concurrency, a.requests, a.output_len)
+            results[name]["tok_s"].append(tok_s)
+            results[name]["ttft"].append(ttft)
             print(
                 f"round {r + 1} {name:6s}: batch-1 step {results[name]['step'][-1]:.1f} ms, "
-                f"c={a.concurrency} {results[name]['tok_s'][-1]:.1f} output tok/s",
+                f"c={a.concurrency} {tok_s:.1f} output tok/s, TTFT p50 {ttft:.2f} s",
                 flush=True,
             )
     b, f = results["before"], results["after"]
@@ -109,6 +113,10 @@ def main() -> None:
     print(
         f"| c={a.concurrency} output tok/s | {mean(b['tok_s']):.1f} | {mean(f['tok_s']):.1f} | "
         f"{mean(f['tok_s']) / mean(b['tok_s']):.3f} |"
+    )
+    print(
+        f"| c={a.concurrency} TTFT p50 (s) | {mean(b['ttft']):.2f} | {mean(f['ttft']):.2f} | "
+        f"{mean(f['ttft']) / mean(b['ttft']):.3f} |"
     )
 
 

@@ -88,11 +88,10 @@ def histogram_means(base: str) -> dict[str, float]:
         "queue": "request_queue_time_seconds",
         "prefill": "request_prefill_time_seconds",
     }
-    for key, name in names.items():
-        total = re.search(rf"^kvserve:{name}_sum (\S+)$", text, re.M)
-        count = re.search(rf"^kvserve:{name}_count (\S+)$", text, re.M)
-        n = float(count.group(1)) if count else 0.0
-        means[key] = float(total.group(1)) / n if total and n else float("nan")
+    for key, name in names.items():  # summed over label sets (queue and prefill: by class)
+        total = sum(map(float, re.findall(rf"^kvserve:{name}_sum(?:{{.*}})? (\S+)$", text, re.M)))
+        n = sum(map(float, re.findall(rf"^kvserve:{name}_count(?:{{.*}})? (\S+)$", text, re.M)))
+        means[key] = total / n if n else float("nan")
     return means
 
 

@@ -5,14 +5,24 @@ hash of it), else `prompt_cache_key`, else `user`, else "default". The first MAX
 their own label; later ones count as "other", so the metrics' label sets stay bounded whatever
 clients send.
 
-A miss is counted by cause. *Eviction*: the blocks right after the hit were cached here and
-evicted since (the engine reports it; the cache is too small). *Divergence*: the prompt shares a
-prefix with a recent prompt of the same application, differs for a few tokens, then continues
-identically for at least two blocks and four times as many tokens as differed; those identical
-tokens were computed again because a block hash covers everything before it (a timestamp or a
-request id in a system prompt). Each such divergence is a *breaker*, kept with where it happens
-(the token position), the tokens on each side in both prompts and the prefill it cost; the top
-breakers per application are in `/v1/stats` and a log line (at most once a minute per breaker).
+Every prompt token not served from a cache is counted under one cause, so the causes sum to
+the misses (`attribute_misses`), read against the recent prompt of the same application that
+shares the longest prefix with it:
+- *eviction*: right after the hit, blocks that were cached here and evicted since (the engine
+  reports them: the cache is too small);
+- *uncached*: whole blocks the earlier prompt shares that were never cached when this one came
+  (still being computed beside it, caching off, or evicted past the engine's memory of it);
+- *divergence*: tokens the earlier prompt shares but that a small difference made computed again:
+  the shared part of the block where the prompts part, and the identical tokens after the
+  difference (a block hash covers everything before it: a timestamp or a request id in a system
+  prompt). Each such divergence is a *breaker*, kept with where it happens (the token position),
+  the tokens on each side in both prompts and the prefill it cost; a breaker that has cost at
+  least a block twice is named in `/v1/stats` and a log line (at most once a minute);
+- *partial_block*: shared tokens in the block where the prompts part without rejoining, or in
+  the prompt's last, incomplete block (blocks are cached whole, and the last token is always
+  computed for its logits);
+- *salt*: whole blocks a recent prompt of another `cache_salt` shares (salts never share KV);
+- *first_seen*: the rest, text no recent prompt of the application had there.
 """
 
 from __future__ import annotations
@@ -64,10 +74,10 @@ class Break:
 
 def find_break(new: array, old: array, block: int) -> Break | None:
     """Where `new` leaves `old` for a few tokens and then continues as `old` does, if it does:
-    for at least two blocks and four times the differing span (a different question before
-    the same chat-template tail is not a break). None when `new` only extends `old`, or goes
-    its own way."""
-    min_rejoin = 2 * block
+    for at least a block and four times the differing span (a different question before the
+    same chat-template tail is not a break). None when `new` only extends `old`, or goes its
+    own way."""
+    min_rejoin = block
     p = common_prefix(new, old)
     if p >= len(new) - min_rejoin or p >= len(old):
         return None
@@ -92,6 +102,38 @@ def _find(hay: array, needle: array) -> int | None:
     return at // size if at >= 0 else None
 
 
+CAUSES = ("first_seen", "divergence", "eviction", "uncached", "partial_block", "salt")
+
+
+def attribute_misses(
+    n: int, hit: PrefixSummary, shared: int, brk: Break | None, other_salt: int, block: int
+) -> dict[str, int]:
+    """The prompt's `n - hit.cached` missed tokens by cause (the module docstring's). `shared`:
+    tokens the closest recent prompt of the same salt shares from the start; `brk`: where it
+    rejoins that prompt after a difference (positioned at `shared`); `other_salt`: tokens the
+    closest recent prompt of another salt shares."""
+    out = dict.fromkeys(CAUSES, 0)
+    cacheable = (n - 1) // block * block  # the last token is always computed
+    at = min(n, hit.cached + hit.evicted)
+    out["eviction"] = at - hit.cached
+    if other_salt > shared:
+        end = max(at, min(other_salt, cacheable) // block * block)
+        out["salt"], at = end - at, end
+    if shared > at:
+        full = max(at, min(shared, cacheable) // block * block)
+        out["uncached"] = full - at
+        out["divergence" if brk is not None else "partial_block"] = shared - full
+        at = shared
+    if brk is not None:  # at its position, unless a partial-block hit reached into it
+        for cause, end in (("first_seen", brk.position + brk.new_span),
+                           ("divergence", brk.position + brk.new_span + brk.rejoined)):  # fmt: skip
+            end = min(n, end)
+            out[cause] += max(0, end - at)
+            at = max(at, end)
+    out["first_seen"] += n - at
+    return out
+
+
 @dataclass(slots=True)
 class Breaker:
     app: str
@@ -114,10 +156,13 @@ class Breaker:
 
 @dataclass(slots=True)
 class AppRecord:
-    recent: deque[array] = field(default_factory=lambda: deque(maxlen=RECENT_PROMPTS))
+    # recent prompts, with their cache salts
+    recent: deque[tuple[array, str | None]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_PROMPTS)
+    )
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    missed: dict[str, int] = field(default_factory=lambda: {"eviction": 0, "divergence": 0})
+    missed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
     hit_rates: deque[float] = field(default_factory=lambda: deque(maxlen=30))  # per request
     breakers: dict[int, Breaker] = field(default_factory=dict)  # by the block broken
 
@@ -144,8 +189,8 @@ class AppCacheStats:
         )  # fmt: skip
         self.missed_tokens = Counter(
             "kvserve:app_missed_tokens",
-            "Prompt tokens computed again that a cache held once (eviction) or that matched a "
-            "recent prompt after a small difference (divergence), per application.",
+            "Prompt tokens not served from a cache, per application and cause (first_seen, "
+            "divergence, eviction, uncached, partial_block, salt; they sum to the misses).",
             ["app", "cause"], registry=registry,
         )  # fmt: skip
         self.breaks = Counter(
@@ -158,7 +203,9 @@ class AppCacheStats:
             return name
         return "other"
 
-    def observe(self, name: str, prompt: list[int], hit: PrefixSummary) -> None:
+    def observe(
+        self, name: str, prompt: list[int], hit: PrefixSummary, salt: str | None = None
+    ) -> None:
         app = self.label(name)
         record = self.apps.setdefault(app, AppRecord())
         n = len(prompt)
@@ -169,35 +216,28 @@ class AppCacheStats:
         for tier in TIERS:
             if tokens := getattr(hit, tier):
                 self.cached_tokens.labels(app, tier).inc(tokens)
-        if hit.evicted:
-            record.missed["eviction"] += hit.evicted
-            self.missed_tokens.labels(app, "eviction").inc(hit.evicted)
         tokens = array("q", prompt[:MAX_SKETCH_TOKENS])
-        found = self._divergence(record, tokens, hit)
-        if found is not None:
-            brk, old = found
-            record.missed["divergence"] += brk.rejoined
-            self.missed_tokens.labels(app, "divergence").inc(brk.rejoined)
-            self.breaks.labels(app).inc()
-            self._record_breaker(app, record, brk, tokens, old)
-        record.recent.append(tokens)
-
-    def _divergence(
-        self, record: AppRecord, tokens: array, hit: PrefixSummary
-    ) -> tuple[Break, array] | None:
-        """The break against the recent prompt sharing the longest prefix, if the request's
-        hit ended at it (a miss the prompt caused, not eviction)."""
-        if not record.recent:
-            return None
-        best = max(reversed(record.recent), key=lambda old: common_prefix(tokens, old))
         bs = self.block_size()
-        brk = find_break(tokens, best, bs)
-        if brk is None or hit.cached + hit.evicted > brk.position + bs:
-            return None
-        return brk, best
+        same = [old for old, s in record.recent if s == salt]
+        other = [old for old, s in record.recent if s != salt]
+        best = max(reversed(same), key=lambda old: common_prefix(tokens, old), default=None)
+        shared = common_prefix(tokens, best) if best is not None else 0
+        brk = find_break(tokens, best, bs) if best is not None else None
+        if brk is not None and hit.cached + hit.evicted > brk.position + bs:
+            brk = None  # the hit reached past it: not what cost this prompt
+        other_salt = max((common_prefix(tokens, old) for old in other), default=0)
+        causes = attribute_misses(n, hit, shared, brk, other_salt, bs)
+        for cause, count in causes.items():
+            if count:
+                record.missed[cause] += count
+                self.missed_tokens.labels(app, cause).inc(count)
+        if brk is not None and best is not None:
+            self.breaks.labels(app).inc()
+            self._record_breaker(app, record, brk, tokens, best, causes["divergence"])
+        record.recent.append((tokens, salt))
 
     def _record_breaker(
-        self, app: str, record: AppRecord, brk: Break, new: array, old: array
+        self, app: str, record: AppRecord, brk: Break, new: array, old: array, lost: int
     ) -> None:
         p = brk.position
         key = p // self.block_size()  # one breaker per block it breaks (tokenizations vary)
@@ -215,21 +255,22 @@ class AppCacheStats:
         breaker.position = p  # the latest occurrence
         breaker.new_text, breaker.old_text = show(new, brk.new_span), show(old, brk.old_span)
         breaker.count += 1
-        breaker.lost_tokens += brk.rejoined
+        breaker.lost_tokens += lost
         now = time.monotonic()
-        if now - breaker.last_logged >= LOG_EVERY_S:
+        if breaker.count >= 2 and now - breaker.last_logged >= LOG_EVERY_S:
             breaker.last_logged = now
             log.warning(
                 "app %r: prompts differ at token %d (%r, before: %r) and then continue alike: "
                 "%d tokens of prefill lost (%d times so far); keep changing text out of the "
                 "prompt's shared beginning",
-                app, p, breaker.new_text, breaker.old_text, brk.rejoined, breaker.count,
+                app, p, breaker.new_text, breaker.old_text, lost, breaker.count,
             )  # fmt: skip
 
     def snapshot(self) -> dict:
         out = {}
         for app, r in self.apps.items():
-            top = sorted(r.breakers.values(), key=lambda b: -b.lost_tokens)[:TOP_BREAKERS]
+            named = [b for b in r.breakers.values() if b.count >= 2]  # repeatedly, a block or more
+            top = sorted(named, key=lambda b: -b.lost_tokens)[:TOP_BREAKERS]
             out[app] = {
                 "prompt_tokens": r.prompt_tokens,
                 "cached_tokens": r.cached_tokens,

@@ -128,11 +128,19 @@ class Metrics:
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
         self.itl = hist("inter_token_latency_seconds", "Time between streamed tokens.")
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
-        self.queue = hist("request_queue_time_seconds", "Time from arrival to first step.")
-        self.prefill = hist(
-            "request_prefill_time_seconds",
-            "Time from first step to first token (the uncached prompt, in shared steps).",
-        )
+        # by request class: "cached" (the prompt hit the prefix cache) or "cold"; the decode
+        # rows' latency is inter_token_latency_seconds
+        self.queue = Histogram(
+            "kvserve:request_queue_time_seconds",
+            "Time from arrival to first step, by class (cached: a prefix hit; cold).",
+            ["class"], registry=self.registry, buckets=_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.prefill = Histogram(
+            "kvserve:request_prefill_time_seconds",
+            "Time from first step to first token (the uncached prompt, in shared steps), by "
+            "class (cached: a prefix hit; cold).",
+            ["class"], registry=self.registry, buckets=_LATENCY_BUCKETS,
+        )  # fmt: skip
 
         # prefill/decode disaggregation (server/kv_transfer.py), per request
         reg = self.registry

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from engine.core.outputs import PrefixSummary
-from server.app_cache import MAX_APPS, AppCacheStats, find_break
+from server.app_cache import CAUSES, MAX_APPS, AppCacheStats, attribute_misses, find_break
 from tests.server_utils import server_fixture
 
 BLOCK = 8
@@ -59,6 +59,51 @@ def test_a_break_is_where_the_prompts_part_and_rejoin() -> None:
     assert find_break(tokens(head + list(range(300, 400))), old, 8) is None  # goes its own way
 
 
+def test_every_missed_token_has_one_cause() -> None:
+    # the earlier prompt shares 40 tokens, 3 differ, 60 rejoin, 7 are new; blocks of 16: the
+    # hit ends at 32, and the 8 shared tokens of the block where they part are lost to it
+    new = tokens(list(range(100, 140)) + [3, 4, 5] + list(range(200, 267)))
+    brk = find_break(new, tokens(list(range(100, 140)) + [1, 2] + list(range(200, 260))), 16)
+    hit = PrefixSummary(device=32)
+    causes = attribute_misses(110, hit, 40, brk, 0, 16)
+    assert causes == {"first_seen": 3 + 7, "divergence": 8 + 60, "eviction": 0, "uncached": 0,
+                      "partial_block": 0, "salt": 0}  # fmt: skip
+    # the same prompt again, fully cached but its last block (the last token is computed)
+    assert attribute_misses(100, PrefixSummary(device=96), 100, None, 0, 8) == {
+        **dict.fromkeys(CAUSES, 0),
+        "partial_block": 4,
+    }
+    # an extension of a prompt that is still being computed beside it
+    assert attribute_misses(100, PrefixSummary(), 64, None, 0, 8) == {
+        **dict.fromkeys(CAUSES, 0),
+        "uncached": 64,
+        "first_seen": 36,
+    }
+    # evicted blocks, then another salt's blocks, then new text
+    assert attribute_misses(100, PrefixSummary(device=16, evicted=16), 0, None, 60, 8) == {
+        **dict.fromkeys(CAUSES, 0),
+        "eviction": 16,
+        "salt": 24,
+        "first_seen": 44,
+    }
+
+
+def test_a_stamp_in_a_short_prompt_is_named_once_it_repeats() -> None:
+    """The issue's case on CPU blocks of 64: a ~190-token system prompt whose stamp ~60 tokens
+    in breaks its first block; every prompt after the first loses ~185 tokens to it."""
+    stats = AppCacheStats(CollectorRegistry(), block_size=lambda: 64, decode=str)
+    before, after = list(range(1000, 1060)), list(range(2000, 2125))
+    for i in range(4):
+        prompt = before + [i, i + 10, i + 20, i + 30, i + 40] + after + [5000 + i]
+        stats.observe("stamped", prompt, PrefixSummary())
+        app = stats.snapshot()["stamped"]
+        assert sum(app["missed_tokens"].values()) == app["prompt_tokens"] - app["cached_tokens"]
+        assert bool(app["breakers"]) == (i >= 2), (i, app["breakers"])  # named at the second
+    (breaker,) = app["breakers"]
+    assert breaker["position"] == 60 and breaker["count"] == 3
+    assert app["missed_tokens"]["divergence"] == 3 * (60 + 125)
+
+
 def test_labels_stay_bounded_under_10000_applications() -> None:
     registry = CollectorRegistry()
     stats = AppCacheStats(registry, block_size=lambda: BLOCK, decode=str)
@@ -87,10 +132,10 @@ def test_a_timestamp_in_the_system_prompt_is_named_and_a_steady_one_keeps_its_hi
     stamped, steady = stats["stamped"], stats["steady"]
     assert steady["hit_rate"] > 0.6 and not steady["breakers"], steady
     assert stamped["hit_rate"] < 0.25 < steady["hit_rate"] - 0.35, (stamped, steady)
-    assert stamped["missed_tokens"]["divergence"] > 4 * 20 and steady["missed_tokens"] == {
-        "eviction": 0,
-        "divergence": 0,
-    }
+    assert stamped["missed_tokens"]["divergence"] > 4 * 20, stamped
+    assert steady["missed_tokens"]["divergence"] == steady["missed_tokens"]["eviction"] == 0
+    for app in (stamped, steady):
+        assert sum(app["missed_tokens"].values()) == app["prompt_tokens"] - app["cached_tokens"]
     (breaker,) = stamped["breakers"]
     assert breaker["count"] == 4 and breaker["lost_prefill_tokens"] >= 4 * 20
     # the changing second, shown between the tokens around it in both prompts
@@ -114,6 +159,9 @@ def test_a_miss_after_eviction_is_counted_as_eviction(server) -> None:
     ask(server, "evicted", system, "Anvils?")
     evicted = apps(server)["evicted"]
     assert evicted["missed_tokens"]["eviction"] >= 2 * BLOCK, evicted
+    assert sum(evicted["missed_tokens"].values()) == (
+        evicted["prompt_tokens"] - evicted["cached_tokens"]
+    )
     assert evicted["missed_tokens"]["divergence"] == 0 and not evicted["breakers"], evicted
 
 
@@ -124,3 +172,35 @@ def test_application_names_are_bounded_labels_on_the_metrics_page(server) -> Non
     metrics = httpx.get(server.base + "/metrics").text
     labelled = set(re.findall(r'kvserve:app_prompt_tokens_total\{app="([^"]+)"\}', metrics))
     assert len(labelled) == MAX_APPS + 1 and "other" in labelled
+
+
+@pytest.mark.slow
+def test_misses_by_cause_sum_to_the_misses_wherever_the_stamp_is(server) -> None:
+    """Short and long system prompts with a changing stamp at the start, the middle or the end:
+    for every application the causes sum to prompt minus cached tokens, and a stamp that keeps
+    breaking a block in the middle is named, whatever the prompt's length."""
+    long_rules = " ".join([RULES] * 2)  # the server serves 512 tokens
+    for length, rules in (("short", RULES), ("long", long_rules)):
+        half = len(rules) // 2
+        for i in range(4):
+            stamp = f" [id {i}{i * 7}{i * 3}] "
+            ask(server, f"start-{length}", stamp + rules, "Anvils?")
+            ask(server, f"middle-{length}", rules[:half] + stamp + rules[half:], "Anvils?")
+            ask(server, f"end-{length}", rules + stamp, "Anvils?")
+    stats = apps(server)
+    for length in ("short", "long"):
+        for where in ("start", "middle", "end"):
+            app = stats[f"{where}-{length}"]
+            missed = app["missed_tokens"]
+            assert set(missed) == {"first_seen", "divergence", "eviction", "uncached",
+                                   "partial_block", "salt"}  # fmt: skip
+            assert sum(missed.values()) == app["prompt_tokens"] - app["cached_tokens"], app
+        middle = stats[f"middle-{length}"]
+        assert middle["breakers"] and middle["missed_tokens"]["divergence"] > 0, middle
+        assert stats[f"end-{length}"]["hit_rate"] > middle["hit_rate"], stats
+    # queue and prefill time by request class: prompts that hit the cache, and cold ones
+    metrics = httpx.get(server.base + "/metrics").text
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds"):
+        for kind in ("cached", "cold"):
+            m = re.search(rf'^kvserve:{name}_count{{class="{kind}"}} (\S+)$', metrics, re.M)
+            assert m and float(m.group(1)) > 0, (name, kind)

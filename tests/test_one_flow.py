@@ -71,7 +71,11 @@ def test_a_mid_stream_failure_has_one_code_on_every_route(live, monkeypatch) -> 
 
 def metric(live: InProcessServer, name: str) -> float:
     text = httpx.get(live.base + "/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith((name + " ", name + "{"))  # every label set
+    )
 
 
 def test_embeddings_record_request_latency_like_generation(live) -> None:

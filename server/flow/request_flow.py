@@ -193,7 +193,8 @@ class Generation:
                     raise RequestFailed(f"request {choice.request_id} failed: {out.error}")
                 timing.output(out)
                 if choice.app is not None and out.prefix_hit is not None:
-                    self.state.app_cache.observe(choice.app, choice.prompt_ids, out.prefix_hit)
+                    self.state.app_cache.observe(choice.app, choice.prompt_ids, out.prefix_hit,
+                                                 choice.params.cache_salt)  # fmt: skip
                     choice.app = None  # once per prompt
                 choice.add(out)
                 yield choice, out
@@ -322,8 +323,9 @@ class Timing:
         self.queued = False
 
     def output(self, out: RequestOutput) -> None:
+        kind = "cached" if out.num_cached_tokens else "cold"
         if not self.queued and out.queue_time is not None:
-            self.metrics.queue.observe(out.queue_time)
+            self.metrics.queue.labels(kind).observe(out.queue_time)
             self.queued = True
         if not out.new_token_ids:
             return
@@ -332,7 +334,7 @@ class Timing:
             self.ttft = now - self.start
             self.metrics.ttft.observe(self.ttft)
             if out.prefill_time is not None:
-                self.metrics.prefill.observe(out.prefill_time)
+                self.metrics.prefill.labels(kind).observe(out.prefill_time)
         else:
             self.metrics.itl.observe(now - self.last)
         self.last = now
