@@ -72,7 +72,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.budget = budget
         self.last_short_arrival = float("-inf")
-        self.cost_scale = 1.0  # served steps' time over the measured costs' prediction
+        # served steps' time over the measured costs' prediction: with prefill chunks, without
+        self.cost_scale = 1.0
+        self.decode_scale = 1.0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -172,8 +174,13 @@ class Scheduler:
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """A step's wall time, against what the measured costs predicted for its tokens."""
         predicted = self.budget.predicted(out.num_tokens)
-        if predicted is not None:
-            self.cost_scale = 0.9 * self.cost_scale + 0.1 * min(seconds / predicted, 10.0)
+        if predicted is None:
+            return
+        ratio = min(seconds / predicted, 10.0)
+        if any(s.num_new_tokens - s.num_spec > 1 for s in out.scheduled):
+            self.cost_scale = 0.9 * self.cost_scale + 0.1 * ratio
+        else:
+            self.decode_scale = 0.9 * self.decode_scale + 0.1 * ratio
 
     def _shorts_near(self, now: float) -> bool:
         if now - self.last_short_arrival <= self.budget.hold_s:
