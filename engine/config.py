@@ -136,9 +136,10 @@ class EngineConfig:
         "cheapest measured); -1: every step may take max_num_batched_tokens",
     )
     max_itl_factor: float = setting(
-        2.0,
+        0.0,
         "a step that carries streamed decode rows costs at most this times their decode step "
-        "alone (their inter-token latency under long prompts); 0: unbounded",
+        "alone while every pending prefill still finishes within 2x its prefill alone (their "
+        "inter-token latency under long prompts; e.g. 2); 0 (default): unbounded",
     )
     max_model_len: int | None = setting(None, "context length served (0: the model's own)")
     enable_prefix_caching: bool = setting(True, "reuse KV blocks across requests by prefix hash")

@@ -18,6 +18,10 @@ BLOCK = 8
 server = server_fixture(
     num_kv_blocks=64, block_size=BLOCK, max_model_len=512, served_model_name="m"
 )
+# a server of its own: the label test fills the other's application labels
+stamps_server = server_fixture(
+    num_kv_blocks=256, block_size=BLOCK, max_model_len=512, served_model_name="m"
+)
 
 RULES = (
     "You answer questions about the ACME product catalogue. Be brief and precise. Quote "
@@ -175,7 +179,7 @@ def test_application_names_are_bounded_labels_on_the_metrics_page(server) -> Non
 
 
 @pytest.mark.slow
-def test_misses_by_cause_sum_to_the_misses_wherever_the_stamp_is(server) -> None:
+def test_misses_by_cause_sum_to_the_misses_wherever_the_stamp_is(stamps_server) -> None:
     """Short and long system prompts with a changing stamp at the start, the middle or the end:
     for every application the causes sum to prompt minus cached tokens, and a stamp that keeps
     breaking a block in the middle is named, whatever the prompt's length."""
@@ -184,10 +188,10 @@ def test_misses_by_cause_sum_to_the_misses_wherever_the_stamp_is(server) -> None
         half = len(rules) // 2
         for i in range(4):
             stamp = f" [id {i}{i * 7}{i * 3}] "
-            ask(server, f"start-{length}", stamp + rules, "Anvils?")
-            ask(server, f"middle-{length}", rules[:half] + stamp + rules[half:], "Anvils?")
-            ask(server, f"end-{length}", rules + stamp, "Anvils?")
-    stats = apps(server)
+            ask(stamps_server, f"start-{length}", stamp + rules, "Anvils?")
+            ask(stamps_server, f"middle-{length}", rules[:half] + stamp + rules[half:], "Anvils?")
+            ask(stamps_server, f"end-{length}", rules + stamp, "Anvils?")
+    stats = apps(stamps_server)
     for length in ("short", "long"):
         for where in ("start", "middle", "end"):
             app = stats[f"{where}-{length}"]
@@ -199,7 +203,7 @@ def test_misses_by_cause_sum_to_the_misses_wherever_the_stamp_is(server) -> None
         assert middle["breakers"] and middle["missed_tokens"]["divergence"] > 0, middle
         assert stats[f"end-{length}"]["hit_rate"] > middle["hit_rate"], stats
     # queue and prefill time by request class: prompts that hit the cache, and cold ones
-    metrics = httpx.get(server.base + "/metrics").text
+    metrics = httpx.get(stamps_server.base + "/metrics").text
     for name in ("request_queue_time_seconds", "request_prefill_time_seconds"):
         for kind in ("cached", "cold"):
             m = re.search(rf'^kvserve:{name}_count{{class="{kind}"}} (\S+)$', metrics, re.M)

@@ -5,14 +5,13 @@ timed on scratch blocks. Kept per process by what it depends on, like the specul
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from engine.attention.base import AttentionBackend
 from engine.config import EngineConfig
 from engine.core.step_budget import StepBudget, StepCosts
-from engine.spec.cost import chunk_step, measured_shape, sync
+from engine.spec.cost import chunk_step, measured_shape, median_times
 from models.llama import LlamaForCausalLM
 
 log = logging.getLogger("kvserve.engine")
@@ -32,31 +31,12 @@ def step_budget(
     device: torch.device,
 ) -> StepBudget:
     """The budget `config` asks for: the full token budget every step when `target_step_ms`
-    is negative (no measurement), else held to the target (0: measured) and, with
-    `max_itl_factor`, to streamed decode rows' inter-token latency."""
+    is negative (no measurement), else held to the target (0: measured) near short prefills
+    and, with `max_itl_factor`, to streamed decode rows' inter-token latency."""
     full = config.max_num_batched_tokens
     if config.target_step_ms < 0:
         return StepBudget(full)
-    costs = _measure(config, weights_key, model, backend, num_blocks, device)
-    budget = StepBudget.measured(full, costs, config.target_step_ms, config.max_itl_factor,
-                                 backend.block_size, config.short_prefill_tokens)  # fmt: skip
-    log.info(
-        "step budget: %d tokens (%.0f ms) of %d; step costs %s",
-        budget.target_rows, 1000 * (budget.target_s or 0), full, costs.table(),
-    )  # fmt: skip
-    return budget
-
-
-def _measure(
-    config: EngineConfig,
-    weights_key: tuple,
-    model: LlamaForCausalLM,
-    backend: AttentionBackend,
-    num_blocks: int,
-    device: torch.device,
-) -> StepCosts:
     block_size = backend.block_size
-    full = config.max_num_batched_tokens
     rows = tuple(sorted({r for r in STEP_ROWS if r < full} | {full}))
     context, rows = measured_shape(rows, False, num_blocks, block_size, context=64)
     key = (weights_key, str(backend.kv_caches[0].dtype), type(backend).__name__, str(device),
@@ -66,25 +46,15 @@ def _measure(
         with torch.inference_mode():
             steps = [chunk_step(model, backend, r, context, block_size, device, every_logit=False)
                      for r in rows]  # fmt: skip
-            seconds = _fastest_times(steps, device)
+            seconds = median_times(steps, repeats=2, device=device, fastest=True)
         # a noisy sample must not make a longer step look cheaper than a shorter one
         for i in range(1, len(seconds)):
             seconds[i] = max(seconds[i], seconds[i - 1])
-        costs = StepCosts(rows, tuple(seconds))
-        _MEASURED[key] = costs
-    return costs
-
-
-def _fastest_times(steps: list, device: torch.device, rounds: int = 2) -> list[float]:
-    """Each step's fastest of `rounds` timings, interleaved round by round, after one warm-up
-    call of the first (allocations, lazy packing)."""
-    steps[0]()
-    times = [float("inf")] * len(steps)
-    for _ in range(rounds):
-        for i, step in enumerate(steps):
-            sync(device)
-            t = time.perf_counter()
-            step()
-            sync(device)
-            times[i] = min(times[i], time.perf_counter() - t)
-    return times
+        costs = _MEASURED[key] = StepCosts(rows, tuple(seconds))
+    budget = StepBudget.measured(full, costs, config.target_step_ms, config.max_itl_factor,
+                                 block_size, config.short_prefill_tokens)  # fmt: skip
+    log.info(
+        "step budget: %d tokens (%.0f ms) of %d; step costs %s",
+        budget.target_rows, 1000 * (budget.target_s or 0), full, costs.table(),
+    )  # fmt: skip
+    return budget
