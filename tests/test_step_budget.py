@@ -143,3 +143,17 @@ def test_shorts_arriving_every_step_do_not_starve_a_long_prompt() -> None:
         if "long" in first:
             break
     assert "long" in first and 29 <= first["long"] <= 45, first.get("long")
+
+
+def test_shorts_that_arrive_together_go_one_step_each() -> None:
+    """Held to 16 tokens a step, two 12-token prompts: the first takes its whole remainder, the
+    second only what is left of the held step (not its whole remainder, which would make the
+    first one's step, and so its first token, twice as long)."""
+    budget = StepBudget(64, COSTS, target_rows=16, short_tokens=32, hold_s=1.0)
+    sched = make(num_blocks=64, block_size=4, budget=budget, by_deadline=True, caching=False)
+    sched.add(request("a", list(range(1, 13)), 1))
+    sched.add(request("b", list(range(21, 33)), 1))
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("a", 12), ("b", 4)
+    ]

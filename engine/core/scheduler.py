@@ -199,16 +199,22 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, held: int, unheld: int) -> None:
         """Running requests' next chunks and waiting requests' admissions, one list in order of
-        deadline: long prefills within `held` tokens, short ones (their whole remainder in one
-        step, for their first token) within `unheld`."""
+        deadline: within `held` tokens, but for the first short one (its whole remainder in one
+        step, for its first token), within `unheld`."""
         done = {id(s.request) for s in out.scheduled}
         running = [r for r in self.running if id(r) not in done]
         preempted_now = set(out.preempted)
         admitting = True
+        first_unheld = unheld
         for request in sorted([*running, *self.waiting], key=_by_deadline):
             if unheld <= 0:
                 break
-            cap = unheld if self.budget.is_short(_prefill_left(request)) else held
+            # a short prefill takes its whole remainder, beyond the held room only as the
+            # step's first prefill: shorts that arrived together go one step each, shortest
+            # deadline first, rather than all waiting for one long step
+            first = unheld == first_unheld
+            short = self.budget.is_short(_prefill_left(request))
+            cap = unheld if short and first else held
             if cap <= 0:
                 continue
             if request.status == RequestStatus.RUNNING and request in self.running:
