@@ -155,5 +155,6 @@ def test_shorts_that_arrive_together_go_one_step_each() -> None:
     sched.add(request("b", list(range(21, 33)), 1))
     out = sched.schedule()
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
-        ("a", 12), ("b", 4)
+        ("a", 12),
+        ("b", 4),
     ]
