@@ -218,14 +218,16 @@ class AppCacheStats:
                 self.cached_tokens.labels(app, tier).inc(tokens)
         tokens = array("q", prompt[:MAX_SKETCH_TOKENS])
         bs = self.block_size()
-        same = [old for old, s in record.recent if s == salt]
-        other = [old for old, s in record.recent if s != salt]
-        best = max(reversed(same), key=lambda old: common_prefix(tokens, old), default=None)
-        shared = common_prefix(tokens, best) if best is not None else 0
+        # each recent prompt's shared prefix, newest first (the newest wins a tie)
+        shares = [
+            (common_prefix(tokens, old), old, s == salt) for old, s in reversed(record.recent)
+        ]
+        shared, best = max(((length, old) for length, old, same in shares if same),
+                           key=lambda share: share[0], default=(0, None))  # fmt: skip
         brk = find_break(tokens, best, bs) if best is not None else None
         if brk is not None and hit.cached + hit.evicted > brk.position + bs:
             brk = None  # the hit reached past it: not what cost this prompt
-        other_salt = max((common_prefix(tokens, old) for old in other), default=0)
+        other_salt = max((length for length, _, same in shares if not same), default=0)
         causes = attribute_misses(n, hit, shared, brk, other_salt, bs)
         for cause, count in causes.items():
             if count:

@@ -72,9 +72,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.budget = budget
         self.last_short_arrival = float("-inf")
-        # served steps' time over the measured costs' prediction: with prefill chunks, without
+        # steps with prefill chunks: served time over the measured costs' prediction
         self.cost_scale = 1.0
-        self.decode_scale = 1.0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -88,8 +87,10 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         # the deadline from the prefix cached now (a device or host lookup, no loading)
-        self.kv.update_block_hashes(request)
-        cached = self.kv.num_cached_prefix(request.block_hashes) * self.kv.block_size
+        cached = 0
+        if self.kv.enable_caching:
+            self.kv.update_block_hashes(request)
+            cached = self.kv.num_cached_prefix(request.block_hashes) * self.kv.block_size
         request.prefill_estimate = max(1, request.num_tokens - cached)
         request.deadline = self.budget.deadline(request.arrival_time, request.prefill_estimate)
         if self.budget.is_short(request.prefill_estimate):
@@ -172,15 +173,13 @@ class Scheduler:
         return out
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step's wall time, against what the measured costs predicted for its tokens."""
+        """A step's wall time, against what the measured costs predicted for its tokens (only
+        the streamed rows' bound reads it; decode-only steps serve at their measured cost)."""
         predicted = self.budget.predicted(out.num_tokens)
-        if predicted is None:
+        if predicted is None or not self.budget.max_itl_factor:
             return
-        ratio = min(seconds / predicted, 10.0)
         if any(s.num_new_tokens - s.num_spec > 1 for s in out.scheduled):
-            self.cost_scale = 0.9 * self.cost_scale + 0.1 * ratio
-        else:
-            self.decode_scale = 0.9 * self.decode_scale + 0.1 * ratio
+            self.cost_scale = 0.9 * self.cost_scale + 0.1 * min(seconds / predicted, 10.0)
 
     def _shorts_near(self, now: float) -> bool:
         if now - self.last_short_arrival <= self.budget.hold_s:
@@ -189,8 +188,10 @@ class Scheduler:
 
     def _prefills_due(self, out: SchedulerOutput) -> list[tuple[float, int]] | None:
         """(deadline, tokens left) of every prefill not scheduled yet, by deadline; None
-        without streamed rows in the step (nothing asks for it)."""
-        if not any(s.request.sampling_params.streamed for s in out.scheduled):
+        without streamed rows in the step or their bound (nothing asks for it)."""
+        if not self.budget.max_itl_factor or not any(
+            s.request.sampling_params.streamed for s in out.scheduled
+        ):
             return None
         done = {id(s.request) for s in out.scheduled}
         pending = [r for r in (*self.running, *self.waiting) if id(r) not in done]

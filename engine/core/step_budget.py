@@ -146,23 +146,22 @@ class StepBudget:
         prefills: list[tuple[float, int]] | None = None,
         shorts_near: bool = True,
         cost_scale: float = 1.0,
-        decode_scale: float = 1.0,
     ) -> int:
         """Prefill tokens a step may add after its `decode_tokens` (decode and verification
         rows, `streamed_rows` of them streamed). `prefills`: (deadline, tokens left) of the
         prefills waiting or running, in deadline order: the streamed rows' bound holds only
         while every one of them still meets its deadline at the bounded rate (a prefill spike
         under light load is spread out; under a queue of prompts, first tokens come first).
-        `shorts_near`: a short prefill waits or arrived within `hold_s`. `cost_scale` and
-        `decode_scale`: served steps' time over what the startup measurement predicts for them,
-        for steps with prefill chunks and for decode-only ones (the decode rows' contexts, a
-        later chunk's earlier context, the step's own work around the forward)."""
+        `shorts_near`: a short prefill waits or arrived within `hold_s`. `cost_scale`: served steps
+        with prefill chunks' time over what the startup measurement predicts for them (a later
+        chunk's earlier context, the decode rows' contexts); decode-only steps are taken at
+        their measured cost."""
         held = self.target_rows and (shorts_near or not self.short_tokens)
         rows = self.target_rows if held else self.max_tokens
         room = max(rows - decode_tokens, self.min_prefill_tokens)
         if streamed_rows and self.max_itl_factor > 0 and self.costs is not None:
             # the bound on served times: factor x the decode step alone, as a mixed step's cost
-            itl = self.max_itl_factor * self.costs.cost(decode_tokens) * decode_scale / cost_scale
+            itl = self.max_itl_factor * self.costs.cost(decode_tokens) / cost_scale
             bounded = max(min(rows, self.costs.rows_within(itl)) - decode_tokens,
                           self.min_prefill_tokens)  # fmt: skip
             per_token = cost_scale * self.costs.cost(decode_tokens + bounded) / bounded

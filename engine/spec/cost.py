@@ -58,7 +58,7 @@ class SpecCostModel:
         )
 
 
-def sync(device: torch.device) -> None:
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -75,10 +75,10 @@ def median_times(
     times: list[list[float]] = [[] for _ in steps]
     for _ in range(repeats):
         for i, step in enumerate(steps):
-            sync(device)
+            _sync(device)
             t = time.perf_counter()
             step()
-            sync(device)
+            _sync(device)
             times[i].append(time.perf_counter() - t)
     return [min(ts) if fastest else sorted(ts)[len(ts) // 2] for ts in times]
 
