@@ -64,17 +64,25 @@ class LLMEngine:
         self.info.validate(prompt_token_ids, params)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
     ) -> Request:
         """Admit a request the caller's door has validated (`info.validate`: the offline `LLM`
         and `AsyncEngine.submit` each do, once, where they can answer the caller), as vLLM's
-        engine core leaves validation to its input processor."""
+        engine core leaves validation to its input processor. `arrival_time` (time.monotonic's
+        clock; now by default) is when it reached the server: its queue time and its place in
+        the prefill order count from it."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id}")
         request = Request(
             request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len,
             device=self.runner.device,  # seeded generators draw on the engine's device
         )  # fmt: skip
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         if params.grammar is not None:
             if self.structured is None:
                 raise ParamError(
