@@ -25,10 +25,11 @@ from engine.config import EngineConfig
 from engine.core.engine_info import EngineInfo
 from engine.core.llm_engine import LLMEngine
 from engine.core.outputs import RequestOutput
-from engine.core.sampling_params import GrammarSpec, ParamError, SamplingParams
+from engine.core.sampling_params import GrammarSpec, LoRARef, ParamError, SamplingParams
 from engine.core.snapshot import EngineSnapshot
 from engine.grammar.budget import GrammarBudget
 from engine.kv.remote import KVStoreError, Prefetch, RedisBlockStore
+from engine.lora.registry import LoRALimits
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -53,6 +54,7 @@ class AsyncEngine:
         # grammar compiler, and the prefix hasher (its root is fixed at startup)
         self._structured = engine.structured
         self._hasher = engine.kv.hasher
+        self._loras = engine.loras  # its `refs` snapshot is replaced whole: read from any thread
         self.grammar_budget: GrammarBudget | None = None
         self._remote: RedisBlockStore | None = None
         self.on_death = on_death
@@ -183,6 +185,28 @@ class AsyncEngine:
         if self.dead is not None:  # died between the check and the put: nobody will run it
             self._fail_pending_calls(EngineDeadError(f"engine loop died: {self.dead}"))
         return await asyncio.wrap_future(fut)
+
+    @property
+    def loras(self) -> dict[str, LoRARef]:
+        """The LoRA adapters served now, by name (a snapshot)."""
+        return self._loras.refs
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        return self._loras.paths
+
+    @property
+    def lora_limits(self) -> LoRALimits:
+        return self._loras.limits
+
+    async def load_lora(self, name: str, path: str) -> LoRARef:
+        """Read and check an adapter off the engine thread, then serve it (LoRAError)."""
+        adapter = await asyncio.to_thread(self._loras.read, path)
+        return await self.call(lambda e: e.add_lora(name, adapter))
+
+    async def unload_lora(self, name: str) -> None:
+        """KeyError if not loaded; LoRAInUse while requests use it."""
+        await self.call(lambda e: e.remove_lora(name))
 
     def budget_grammar_compiles(self, budget_s: float, workers: int) -> None:
         """From now on a grammar compiles within `budget_s` seconds, at most `workers` at once

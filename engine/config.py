@@ -3,6 +3,7 @@ keyword arguments and (with dashes) the command-line flags."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,26 @@ def choose_dtype(
     if checkpoint_dtype in ("float32", "float64"):
         return torch.float32, f"auto: the checkpoint is {checkpoint_dtype} ({speed})"
     return torch.bfloat16, f"auto: {speed}, {checkpoint_dtype} checkpoint"
+
+
+def lora_modules(specs: list[str]) -> dict[str, str]:
+    """`--lora-modules` entries (NAME=PATH or JSON {"name", "path"}) as name -> path."""
+    out: dict[str, str] = {}
+    for item in specs:
+        if item.lstrip().startswith("{"):
+            try:
+                entry = json.loads(item)
+                name, path = str(entry["name"]), str(entry["path"])
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"lora_modules entry {item!r}: JSON needs name and path") from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep:
+                raise ValueError(f"lora_modules entry {item!r}: expected NAME=PATH")
+        if not name or not path or name in out:
+            raise ValueError(f"lora_modules entry {item!r}: an empty or repeated name or path")
+        out[name] = path
+    return out
 
 
 def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -255,6 +276,19 @@ class EngineConfig:
         "embeddings pooling; auto: the checkpoint's sentence-transformers config, else last",
         ("auto", "last", "mean"),
     )
+    lora_modules: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "LoRA adapters served from startup, each NAME=PATH (a PEFT directory or a "
+            'GGUF LoRA file) or JSON {"name": ..., "path": ...}; a request picks one by its '
+            "model name; more load at run time (POST /v1/load_lora_adapter)",
+            "choices": None,
+        },
+    )
+    max_loras: int = setting(
+        4, "LoRA adapters whose requests run at once (a step batches their rows); 0: LoRA off"
+    )
+    max_lora_rank: int = setting(64, "largest rank a LoRA adapter may have")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -322,5 +356,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_allreduce must be auto, shm or gloo")
         if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout_s <= 0:
             raise ValueError("tensor_parallel_size must be >= 1, tensor_parallel_timeout_s > 0")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
+        lora_modules(self.lora_modules)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")

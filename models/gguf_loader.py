@@ -291,3 +291,28 @@ def _gguf_parts(path: str, spec: ModelSpec) -> Iterator[Part]:
         for name, part, expert in names:
             matrix = array if expert is None else array[expert]
             yield name, part, to_tensor(_unpermuted(spec, part, matrix))
+
+
+def gguf_lora_tensors(
+    path: str, spec: ModelSpec
+) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """A GGUF LoRA file (llama.cpp's convert_lora_to_gguf.py): its metadata and its tensors
+    ("blk.N.attn_q.weight.lora_a" [r, in], "...lora_b" [out, r]) as float32, lora_b's q/k rows
+    un-permuted where the file's architecture permutes them (A's rows are the rank's)."""
+    r = GGUFReader(path)  # not the cached reader: an adapter is read once
+    meta = {key: f.contents() for key, f in r.fields.items() if not key.startswith("GGUF.")}
+    permuted = meta.get("general.architecture") in _PERMUTED
+    layer = spec.layers[0]
+    tensors = {}
+    for t in r.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            array = np.asarray(t.data, dtype=np.float32).reshape(shape)
+        else:
+            array = dequantize(t.data, t.tensor_type).reshape(shape)
+        if permuted and t.name.endswith(".lora_b") and t.name.split(".")[2] in ("attn_q", "attn_k"):
+            heads = layer.num_heads if t.name.split(".")[2] == "attn_q" else layer.num_kv_heads
+            if array.shape[0] % (2 * heads) == 0:
+                array = _unpermute(array, heads)
+        tensors[t.name] = to_tensor(array)
+    return meta, tensors

@@ -33,6 +33,7 @@ from models.layers import (
     rope_inv_freq,
     silu_mul,
 )
+from models.lora import LoRARows
 from models.moe import MoE
 from models.spec import LayerSpec, ModelSpec
 
@@ -104,23 +105,28 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionStep,
+        lora: LoRARows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lora`: the step's adapters and their rows (models/lora.py), added to each
+        projection they target."""
         residual, h = add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
         if self.q_dim == 0:  # tensor parallel: this layer's heads are all on other ranks
-            return self._mlp(x.new_zeros(x.shape), residual)
-        qkv = self.qkv_proj(h)
+            return self._mlp(x.new_zeros(x.shape), residual, lora)
+        qkv = self._project("qkv_proj", h, lora)
         t, lay = x.shape[0], self.layer
         fused = None
         if self.fused_rope and hasattr(attn, "rope_decode"):
             fused = attn.rope_decode(self.idx, qkv, cos, sin, lay.num_heads)
         if fused is not None:  # a decode step: rotary, KV write and attention in one op
-            return self._mlp(self.o_proj(fused.reshape(t, self.q_dim)), residual)
+            return self._mlp(self._project("o_proj", fused.reshape(t, self.q_dim), lora),
+                             residual, lora)  # fmt: skip
         if self.fused_rope and hasattr(attn, "rope_write"):
             # rotary and the KV write fused (so the attention below writes nothing)
             q = attn.rope_write(self.idx, qkv, cos, sin, lay.num_heads)
             if q is not None:
                 o = attn.forward(self.idx, q, None, None)
-                return self._mlp(self.o_proj(o.reshape(t, self.q_dim)), residual)
+                return self._mlp(self._project("o_proj", o.reshape(t, self.q_dim), lora),
+                                 residual, lora)  # fmt: skip
         k = v = None
         if self.writes_kv:
             v = qkv[:, self.q_dim + self.kv_dim :].view(t, lay.num_kv_heads, lay.head_dim)
@@ -144,9 +150,15 @@ class DecoderLayer(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         o = attn.forward(self.idx, q, k, v)
-        return self._mlp(self.o_proj(o.reshape(t, self.q_dim)), residual)
+        return self._mlp(self._project("o_proj", o.reshape(t, self.q_dim), lora), residual, lora)
 
-    def _mlp(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _project(self, name: str, x: torch.Tensor, lora: LoRARows | None) -> torch.Tensor:
+        out = getattr(self, name)(x)
+        return out if lora is None else lora.add(out, x, self.idx, name)
+
+    def _mlp(
+        self, x: torch.Tensor, residual: torch.Tensor, lora: LoRARows | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.reduce is not None:
             x = self.reduce(x)
         if self.attn_output_norm is not None:
@@ -155,7 +167,8 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             out = self.moe(h)
         else:
-            out = self.down_proj(self.act(self.gate_up_proj(h)))
+            gated = self.act(self._project("gate_up_proj", h, lora))
+            out = self._project("down_proj", gated, lora)
         if self.reduce is not None:
             out = self.reduce(out)
         if self.ffn_output_norm is not None:  # on the whole sum (after tensor parallelism's)
@@ -200,9 +213,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionStep,
         aux_layers: tuple[int, ...] = (),
+        lora: LoRARows | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [tokens, hidden]. With `aux_layers` (EAGLE-3),
-        the inputs of those layers are concatenated after it: [tokens, hidden * (1 + n)]."""
+        the inputs of those layers are concatenated after it: [tokens, hidden * (1 + n)].
+        `lora`: LoRA adapters' rows in the step (models/lora.py)."""
         x = self.embed_tokens(input_ids)
         if self.spec.embedding_multiplier != 1.0:
             # in the serving dtype, as Gemma's own code rounds its sqrt(hidden) normaliser
@@ -211,14 +226,14 @@ class LlamaForCausalLM(nn.Module):
         rope = {k: rope_cos_sin(positions, inv, factor) for k, inv in tables.items()}
         residual = None
         captured: dict[int, torch.Tensor] = {}
-        stacked = None if aux_layers else self._decode_stack(x, rope, attn)
+        stacked = None if aux_layers or lora else self._decode_stack(x, rope, attn)
         if stacked is not None:
             x, residual = stacked
         for i, layer in enumerate(self.layers if stacked is None else ()):
             if i in aux_layers:
                 captured[i] = x if residual is None else residual + x
             cos, sin = rope[self.rope_keys[i]]
-            x, residual = layer(x, residual, cos, sin, attn)
+            x, residual = layer(x, residual, cos, sin, attn, lora)
         assert residual is not None
         hidden = rms_norm(residual + x, self.norm.weight, self.norm.eps)
         if not aux_layers:

@@ -43,6 +43,7 @@ from server.routes.admin import (
 from server.routes.chat import chat_completions
 from server.routes.completions import completions
 from server.routes.embeddings import embeddings
+from server.routes.lora import load_lora_adapter, unload_lora_adapter
 from server.routes.messages import count_tokens, create_message
 from server.routes.responses import (
     cancel_response,
@@ -204,6 +205,8 @@ def build_app(
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
     ]
     middleware = [
         Middleware(

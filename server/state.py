@@ -8,6 +8,7 @@ import os
 import time
 
 from engine.async_engine import AsyncEngine
+from engine.core.sampling_params import LoRARef
 from server.app_cache import AppCacheStats
 from server.config import Config
 from server.errors import APIError
@@ -71,7 +72,18 @@ class ServerState:
         return self.engine
 
     def check_model(self, name: str) -> None:
-        if name and name != self.model_name:
+        """The base model's name (or none) or a served LoRA adapter's, else a 404."""
+        if name and name != self.model_name and (self.engine is None
+                                                 or name not in self.engine.loras):  # fmt: skip
             raise APIError(
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )
+
+    def adapter(self, name: str) -> LoRARef | None:
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        if not name or name == self.model_name or self.engine is None:
+            return None
+        ref = self.engine.loras.get(name)
+        if ref is None:  # unloaded since the route checked the name
+            self.check_model(name)
+        return ref

@@ -107,6 +107,8 @@ def server_args(model_dir: str | Path, **options: object) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             args.append(flag)
+        elif isinstance(value, list):
+            args += [flag, *map(str, value)]
         elif value is not False and value is not None:
             args += [flag, str(value)]
     return args

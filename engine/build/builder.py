@@ -19,6 +19,7 @@ from engine.attention.torch_backend import TorchBackend
 from engine.build import pool as kv_phase
 from engine.build import window as window_phase
 from engine.build.kv_judge import judge_int8_kv
+from engine.build.lora import build_loras
 from engine.build.prefill_choice import choose_prefill_attention
 from engine.build.speculation import build_drafter, load_draft_head
 from engine.build.step_costs import step_budget
@@ -39,6 +40,7 @@ from engine.kv.host import HostTier
 from engine.kv.identity import hash_root_from_seed, kv_namespace
 from engine.kv.manager import KVCacheManager
 from engine.kv.window import WindowTables
+from engine.lora.registry import LoRARegistry
 from engine.parallel.messages import Load, WorkerBuild
 from engine.parallel.tensor_parallel import TPGroup, start_ranks
 from engine.runner.model_runner import ModelRunner
@@ -78,6 +80,7 @@ class EngineParts:
     outputs: OutputProcessor
     drafter: Drafter | None
     structured: StructuredOutputs | None  # None without a tokenizer or xgrammar
+    loras: LoRARegistry
     tp: TPGroup | None = None  # the other tensor-parallel ranks
 
 
@@ -168,7 +171,8 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     grammars = _structured_outputs(tokenizer, spec.vocab_size, list(eos))
     outputs = OutputProcessor(tokenizer, kv.export_prompt)
     budget = step_budget(config, key, weights.model, pool.backend, pool.scratch_blocks, device)
-    kernel_table += f"\n  step budget: {budget.describe()}"
+    loras = build_loras(config, spec, dtype)
+    kernel_table += f"\n  step budget: {budget.describe()}\n  lora: {loras.describe()}"
     scheduler = Scheduler(
         kv,
         config.max_num_seqs,
@@ -176,6 +180,7 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         preempt_by_swap=config.preemption_mode == "swap" and host is not None,
         num_lookahead_tokens=config.num_speculative_tokens if draft else 0,
         by_deadline=config.scheduling == "deadline",
+        max_loras=loras.limits.max_loras,
         stop_strings=outputs.match_stop,
         grammars=grammars,
     )
@@ -193,7 +198,7 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
                         dtype_reason, facts, packed, kernel_table, runner)  # fmt: skip
     return EngineParts(
         info, weights.model, spec, draft, tokenizer, frozenset(eos), pool.backend.kv_caches,
-        host, kv, scheduler, runner, outputs, drafter, grammars, tp,
+        host, kv, scheduler, runner, outputs, drafter, grammars, loras, tp,
     )  # fmt: skip
 
 

@@ -14,9 +14,10 @@ from engine.core.batch import StepUpdate
 from engine.core.engine_info import EngineInfo
 from engine.core.outputs import RequestOutput
 from engine.core.request import FinishReason, Request
-from engine.core.sampling_params import ParamError, SamplingParams
+from engine.core.sampling_params import LoRARef, ParamError, SamplingParams
 from engine.core.snapshot import EngineSnapshot, HostTierSnapshot, SpecSnapshot
 from engine.kv.host import SWAP_IN_BUCKETS
+from engine.lora.registry import LoRAAdapter
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class LLMEngine:
         self.host, self.kv, self.scheduler = parts.host, parts.kv, parts.scheduler
         self.runner, self.drafter = parts.runner, parts.drafter
         self.structured = parts.structured
+        self.loras = parts.loras
         self.tp = parts.tp
         self.outputs = parts.outputs
         self.stats = EngineStats()
@@ -83,6 +85,8 @@ class LLMEngine:
         )  # fmt: skip
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        if params.lora is not None:
+            request.lora = self.loras.weights(params.lora)
         if params.grammar is not None:
             if self.structured is None:
                 raise ParamError(
@@ -105,6 +109,16 @@ class LLMEngine:
         for request_id in ids:
             self.abort_request(request_id)
         return ids
+
+    def add_lora(self, name: str, adapter: LoRAAdapter) -> LoRARef:
+        """Serve a read adapter (engine/lora/registry.py `read_adapter`) under `name`."""
+        return self.loras.add(name, adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name`; LoRAInUse while requests are served with it."""
+        in_use = sum(1 for r in self.scheduler.requests.values()
+                     if r.sampling_params.lora and r.sampling_params.lora.name == name)  # fmt: skip
+        self.loras.remove(name, in_use)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

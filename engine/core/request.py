@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
     from engine.spec.draft_state import DraftState
+    from models.lora import LoRAWeights
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +51,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit when first admitted (any tier)
     prefix_hit: PrefixSummary | None = None  # the same by tier, and the evicted tokens after it
+    lora: LoRAWeights | None = None  # the adapter its `sampling_params.lora` names, resolved
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -57,6 +57,16 @@ class KeepPrefix:
     app: str = "default"
 
 
+@dataclass(frozen=True, slots=True)
+class LoRARef:
+    """The LoRA adapter a request is served with (engine/lora/): its name, and the fingerprint
+    of its weights, which keys its KV blocks apart from the base model's and every other
+    adapter's (an adapter loaded again under the same name with other weights shares none)."""
+
+    name: str
+    key: str
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -95,6 +105,15 @@ class SamplingParams:
     # the client reads tokens as they come: its decode rows bound the step's latency
     # (`max_itl_factor`, engine/core/step_budget.py)
     streamed: bool = False
+    lora: LoRARef | None = None  # None: the base model
+
+    @property
+    def cache_namespace(self) -> str | None:
+        """What keys the prompt's KV blocks beside its tokens (engine/kv/hashing.py): the cache
+        salt, and the adapter's fingerprint where an adapter serves it."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora.key}"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

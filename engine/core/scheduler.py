@@ -62,8 +62,10 @@ class Scheduler:
         by_deadline: bool = True,
         stop_strings: StopStrings | None = None,
         grammars: Grammars | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.kv = kv
+        self.max_loras = max_loras
         self.stop_strings = stop_strings
         self.grammars = grammars
         self.by_deadline = by_deadline
@@ -226,6 +228,8 @@ class Scheduler:
                 if len(self.running) >= self.max_num_seqs:
                     admitting = False
                     continue
+                if not self._lora_admissible(request):
+                    continue
                 left = self._admit_one(out, request, cap)
                 admitting = left is not None
                 if left is None:
@@ -287,10 +291,13 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests in arrival order. Returns the budget left."""
         preempted_now = set(out.preempted)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if request.request_id in preempted_now:
                 break  # don't re-admit a victim in the step that evicted it
+            if not self._lora_admissible(request):
+                continue
             left = self._admit_one(out, request, budget)
             if left is None:
                 break
@@ -317,6 +324,15 @@ class Scheduler:
         self.running.append(request)
         out.scheduled.append(ScheduledRequest(request, n))
         return budget - n
+
+    def _lora_admissible(self, request: Request) -> bool:
+        """A request of an adapter no running request uses joins only while fewer than
+        `max_loras` adapters run, so that no step holds rows of more."""
+        lora = request.sampling_params.lora
+        if lora is None:
+            return True
+        running = {r.sampling_params.lora.name for r in self.running if r.sampling_params.lora}
+        return lora.name in running or len(running) < self.max_loras
 
     def _lookahead(self, request: Request, start: int, n: int) -> int:
         """Slots for the draft head's chain when this chunk reaches the request's end."""

@@ -112,12 +112,15 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         """Extend `request.block_hashes` to cover every full block of its tokens."""
         self.hasher.extend(
-            request.block_hashes, request.all_token_ids, request.sampling_params.cache_salt
+            request.block_hashes, request.all_token_ids, request.sampling_params.cache_namespace
         )
 
     def _cache_block(self, request: Request, block: KVBlock, index: int) -> BlockKey:
         key = self.hasher.key(
-            request.block_hashes, request.all_token_ids, request.sampling_params.cache_salt, index
+            request.block_hashes,
+            request.all_token_ids,
+            request.sampling_params.cache_namespace,
+            index,
         )
         self.pool.cache(block, key.block_hash, key)
         return key
@@ -178,7 +181,7 @@ class KVCacheManager:
         parent = self.hasher.parent(request.block_hashes, j)
         tokens = request.all_token_ids[j * bs : j * bs + limit]
         block, n = self.pool.best_partial(
-            parent, tokens, extra_keys(request.sampling_params.cache_salt, j)
+            parent, tokens, extra_keys(request.sampling_params.cache_namespace, j)
         )
         if block is not None and n > 0:
             hit.partial, hit.partial_len = block, n

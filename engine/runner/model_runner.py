@@ -20,6 +20,7 @@ from engine.runner.cuda_graphs import CudaGraphs
 from engine.runner.runner_output import GrammarMask, RunnerOutput, pool, sample_step, score_prompts
 from engine.runner.step_inputs import step_inputs
 from models.llama import LlamaForCausalLM
+from models.lora import LoRARows, rows_of
 
 log = logging.getLogger("kvserve.engine")
 
@@ -133,7 +134,7 @@ class ModelRunner:
     def all_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Float32 logits for every scheduled token (prompt scoring), without sampling."""
         input_ids, positions, meta, _ = self.prepare(out)
-        hidden = self.model(input_ids, positions, self.backend.plan(meta))
+        hidden = self.model(input_ids, positions, self.backend.plan(meta), (), self._lora(out))
         return self.model.compute_logits(hidden)
 
     def execute(self, out: SchedulerOutput, grammar: GrammarMask | None = None) -> RunnerOutput:
@@ -170,13 +171,14 @@ class ModelRunner:
         [tokens, hidden], or [tokens, hidden * (1 + len(aux_layers))]), and the positions and
         plan it ran with (None under a CUDA graph)."""
         input_ids, positions, meta, rows, index = self._prepare(out)
+        lora = self._lora(out)
         plan = None
-        if self.graphs is not None and self.graphs.can_run(meta):
+        if self.graphs is not None and lora is None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             attn = self.backend.plan(meta)
             plan = (positions, attn)
-            hidden = self.model(input_ids, positions, attn, self.aux_layers)
+            hidden = self.model(input_ids, positions, attn, self.aux_layers, lora)
         if not rows:
             empty = hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32)
             return empty, hidden, plan
@@ -185,3 +187,12 @@ class ModelRunner:
             final = final.index_select(0, index)
         logits = self.tp.logits(final) if self.tp is not None else self.model.compute_logits(final)
         return logits, hidden, plan
+
+    def _lora(self, out: SchedulerOutput) -> LoRARows | None:
+        """The step's rows of each LoRA adapter (the flat batch's order), None without any."""
+        spans, row = [], 0
+        for item in out.scheduled:
+            if item.request.lora is not None:
+                spans.append((item.request.lora, row, item.num_new_tokens))
+            row += item.num_new_tokens
+        return LoRARows(tuple(rows_of(spans, self.device))) if spans else None  # type: ignore[arg-type]

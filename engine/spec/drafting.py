@@ -185,7 +185,9 @@ class Drafter:
         if params.thought_budget is not None:  # its end may have to be forced at any row
             return "", [], 0.0
         best: tuple[float, str, list[int]] = (0.0, "", [])
-        if "eagle" in self.sources and r.spec_token_ids:
+        # the head was trained on the base model's features: an adapter's rows take the other
+        # sources' drafts (still verified by the adapter's model)
+        if "eagle" in self.sources and r.spec_token_ids and r.lora is None:
             eagle = r.spec_token_ids[:k]
             best = (expected_accepted(state.acceptance["eagle"], len(eagle)), "eagle", eagle)
         # A seeded sampled request is not drafted for: how many uniforms verification draws

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 
 from engine.async_engine import AsyncEngine
-from engine.core.sampling_params import GrammarSpec, KeepPrefix, ThoughtBudget
+from engine.core.sampling_params import GrammarSpec, KeepPrefix, LoRARef, ThoughtBudget
 from server.errors import APIError
 from server.flow.generation import Choice
 from server.state import ServerState
@@ -65,10 +65,12 @@ def make_choices(
     cache_salt: str | None,
     app: str | None,
     exports_kv: bool,
+    lora: LoRARef | None = None,
 ) -> list[Choice]:
     """n choices per prompt, each with its sampling parameters made whole (validated against
     the engine once, when submitted). A prompt's first choice scores the prompt (echo), counts
-    its cache hit for `app`, and carries its KV out at its end when `exports_kv` (P/D)."""
+    its cache hit for `app`, and carries its KV out at its end when `exports_kv` (P/D); `lora`:
+    the adapter the request's model names."""
     body, grammar = plan.body, plan.grammar[0] if plan.grammar else None
     choices = []
     for p_idx, ids in enumerate(plan.prompts):
@@ -84,7 +86,7 @@ def make_choices(
                 export_kv=exports_kv and first,
                 thought_budget=plan.thought_budget,
                 keep_prefix=plan.keep_prefix if first else None,
-                streamed=plan.streamed,
+                streamed=plan.streamed, lora=lora,
             )  # fmt: skip
             index = p_idx * body.n + i
             choices.append(Choice(index, ids, params, f"{plan.req_id}-{index}",

@@ -67,7 +67,10 @@ async def start(
             await compile_grammar(state, engine, *plan.grammar)
         state.kv_transfer.check(plan.kv_transfer_params)
         exports = state.kv_transfer.publishes(plan.kv_transfer_params)
-        choices = make_choices(engine, plan, salt, app, exports)
+        lora = state.adapter(body.model)
+        if app is not None and lora is not None:  # an adapter's hits are counted apart
+            app = f"{app}@{lora.name}"[:96]
+        choices = make_choices(engine, plan, salt, app, exports, lora)
         publish = await kv_handover(state, engine, choices, body.n, plan.kv_transfer_params)
     except (APIError, ParamError) as e:
         raise renamed(to_api_error(e), plan.param_names) from None
@@ -79,7 +82,7 @@ async def start(
         def on_done(done: list[Choice]) -> None:
             first = done[0]
             state.sessions.end_turn(
-                session, first.prompt_ids + first.token_ids, first.params.cache_salt
+                session, first.prompt_ids + first.token_ids, first.params.cache_namespace
             )
 
     return Generation.admit(state, engine, choices, body.n, plan.req_id, on_done, publish)
@@ -194,7 +197,7 @@ class Generation:
                 timing.output(out)
                 if choice.app is not None and out.prefix_hit is not None:
                     self.state.app_cache.observe(choice.app, choice.prompt_ids, out.prefix_hit,
-                                                 choice.params.cache_salt)  # fmt: skip
+                                                 choice.params.cache_namespace)  # fmt: skip
                     choice.app = None  # once per prompt
                 choice.add(out)
                 yield choice, out
@@ -261,7 +264,7 @@ async def kv_handover(
     if transfer.fetches(params):
         for c in firsts:
             sent = params if len(firsts) == 1 else None
-            await transfer.fetch(engine, c.prompt_ids, c.params.cache_salt, sent)
+            await transfer.fetch(engine, c.prompt_ids, c.params.cache_namespace, sent)
     if not transfer.publishes(params):
         return None
 

@@ -34,6 +34,21 @@ class EmptyRequest(_Base):
     well-formed JSON."""
 
 
+class LoadLoRARequest(_Base):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(_Base):
+    """vLLM's POST /v1/unload_lora_adapter (its `lora_int_id` is accepted and not needed:
+    the name is the adapter's identity here)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(_Base):
     model: str = ""
     tokens: list[int]
@@ -51,6 +66,8 @@ class ModelCard(_Out):
     type: Literal["model"]
     display_name: str
     created_at: str  # RFC 3339
+    root: str  # what serves it: the checkpoint's path, or the LoRA adapter's (vLLM's field)
+    parent: str | None  # a LoRA adapter's base model (None: a base model)
 
 
 class ModelList(_Out):

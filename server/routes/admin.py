@@ -94,33 +94,42 @@ async def version(request: Request) -> Response:
     return JSONResponse({"version": VERSION})
 
 
-def model_card(state: ServerState) -> dict:
+def model_card(state: ServerState, name: str | None = None) -> dict:
+    """The base model's card, or (`name`) a LoRA adapter's, with the base as its parent."""
     engine = state.ready_engine()
     created = datetime.datetime.fromtimestamp(state.created, datetime.UTC)
+    root, parent = engine.info.model_path, None
+    if name is not None and name != state.model_name:
+        root, parent = engine.lora_paths.get(name, ""), state.model_name
+    model_id = name or state.model_name
     return {
-        "id": state.model_name,
+        "id": model_id,
         "object": "model",
         "created": state.created,
         "owned_by": "kvserve",
         "max_model_len": engine.info.max_model_len,
         "type": "model",
-        "display_name": state.model_name,
+        "display_name": model_id,
         "created_at": created.isoformat().replace("+00:00", "Z"),
+        "root": root,
+        "parent": parent,
     }
 
 
 async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.kv
-    card = model_card(state)
-    body = {"object": "list", "data": [card], "has_more": False,
-            "first_id": card["id"], "last_id": card["id"]}  # fmt: skip
+    engine = state.ready_engine()
+    cards = [model_card(state)] + [model_card(state, name) for name in engine.loras]
+    body = {"object": "list", "data": cards, "has_more": False,
+            "first_id": cards[0]["id"], "last_id": cards[-1]["id"]}  # fmt: skip
     return reply(ModelList, body)
 
 
 async def get_model(request: Request) -> Response:
     state: ServerState = request.app.state.kv
-    state.check_model(request.path_params["model"] or "/")
-    return reply(ModelCard, model_card(state))
+    name = request.path_params["model"] or "/"
+    state.check_model(name)
+    return reply(ModelCard, model_card(state, name))
 
 
 BodyT = TypeVar("BodyT", TokenizeRequest, DetokenizeRequest)

@@ -74,6 +74,7 @@ async def embeddings(request: Request) -> Response:
         max_tokens=1,
         pooling=engine.info.pooling,
         cache_salt=effective_salt(state, request, None),
+        lora=state.adapter(body.model),
     )
     req_id = f"embd-{uuid.uuid4().hex}"
     choices = [Choice(i, p, params, f"{req_id}-{i}") for i, p in enumerate(inputs)]

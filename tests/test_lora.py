@@ -1,0 +1,178 @@
+"""LoRA adapters in the engine: each adapter's float32 greedy output and prompt logprobs equal
+PEFT's merged model in transformers; a batch mixing the base model and two adapters equals each
+alone; prefix hits within one adapter and none across; at most max_loras adapters run at once;
+bad adapter files are clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from models.lora import LoRAError
+from tests.lora_utils import make_adapter, merged_model, reference_greedy
+
+PROMPTS = [[5, 17, 99, 3, 44, 8, 120, 7, 61, 33, 11, 250, 18], list(range(3, 40)), [40, 41, 42]]
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_dir, tmp_path_factory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "a": make_adapter(llama_dir, root / "a", seed=1),
+        # attention only, another rank and rsLoRA scaling
+        "b": make_adapter(
+            llama_dir,
+            root / "b",
+            seed=2,
+            r=8,
+            alpha=4,
+            targets=["q_proj", "v_proj", "o_proj"],
+            use_rslora=True,
+        ),  # fmt: skip
+    }
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir, adapters) -> LLM:
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    return LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, block_size=4,
+               max_num_batched_tokens=32, lora_modules=modules)  # fmt: skip
+
+
+def greedy(llm: LLM, lora: str | None, n: int = 8, **extra) -> SamplingParams:
+    ref = llm.engine.loras.refs[lora] if lora else None
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, lora=ref, **extra)
+
+
+@pytest.mark.parametrize("name", [None, "a", "b"])
+def test_each_adapter_equals_peft_merged(llm, llama_dir, adapters, name) -> None:
+    model = merged_model(llama_dir, adapters[name] if name else None)
+    params = greedy(llm, name, prompt_logprobs=0)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
+        tokens, logprobs = reference_greedy(model, prompt, 8)
+        assert out.outputs[0].token_ids == tokens
+        want = logprobs[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        got = [e.logprob for e in out.outputs[0].prompt_logprobs[1:]]
+        assert got == pytest.approx(want.tolist(), abs=1e-4)
+
+
+def test_adapters_change_the_output(llm) -> None:
+    outs = {name: llm.generate([PROMPTS[1]], greedy(llm, name, 12))[0].outputs[0].token_ids
+            for name in (None, "a", "b")}  # fmt: skip
+    assert len({tuple(v) for v in outs.values()}) == 3, outs
+
+
+def test_a_mixed_batch_equals_each_alone(llm) -> None:
+    names = [None, "a", "b", "a", None, "b"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    alone = [llm.generate([p], greedy(llm, n))[0].outputs[0].token_ids
+             for p, n in zip(prompts, names, strict=True)]  # fmt: skip
+    llm.engine.reset_prefix_cache()
+    mixed = llm.generate(prompts, [greedy(llm, n) for n in names])
+    assert [o.outputs[0].token_ids for o in mixed] == alone
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
+
+
+def test_prefix_hits_within_an_adapter_and_none_across(llm) -> None:
+    prompt = list(range(60, 100))
+    llm.engine.reset_prefix_cache()
+    first = llm.generate([prompt], greedy(llm, "a", 2))[0]
+    again = llm.generate([prompt], greedy(llm, "a", 2))[0]
+    other = llm.generate([prompt], greedy(llm, "b", 2))[0]
+    base = llm.generate([prompt], greedy(llm, None, 2))[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_at_most_max_loras_adapters_run_at_once(llama_dir, adapters) -> None:
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, block_size=4,
+              lora_modules=modules, max_loras=1)  # fmt: skip
+    engine = llm.engine
+    for i, name in enumerate(["a", "b", "a", "b"]):
+        engine.add_request(str(i), PROMPTS[0], greedy(llm, name, 4))
+    done = set()
+    while engine.has_unfinished():
+        running = {r.sampling_params.lora.name for r in engine.scheduler.running}
+        assert len(running) <= 1
+        done |= {o.request_id for o in engine.step() if o.finished}
+    assert done == {"0", "1", "2", "3"}
+
+
+def test_load_and_unload_at_run_time(llm, adapters) -> None:
+    from engine.lora.registry import LoRAInUse
+
+    engine = llm.engine
+    adapter = engine.loras.read(str(adapters["a"]))
+    ref = engine.add_lora("a2", adapter)
+    assert ref.key == engine.loras.refs["a"].key  # the same weights: the same KV identity
+    want = llm.generate([PROMPTS[0]], greedy(llm, "a"))[0].outputs[0].token_ids
+    engine.add_request("busy", PROMPTS[0], greedy(llm, "a2"))
+    with pytest.raises(LoRAInUse):
+        engine.remove_lora("a2")
+    out = []
+    while engine.has_unfinished():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    assert out == want
+    engine.remove_lora("a2")
+    assert "a2" not in engine.loras.refs
+    with pytest.raises(ValueError, match="no longer loaded"):
+        engine.add_request("gone", PROMPTS[0], SamplingParams(lora=ref))
+
+
+def _broken(src, dst, edit) -> str:
+    shutil.copytree(src, dst)
+    edit(dst)
+    return str(dst)
+
+
+def test_bad_adapter_files_are_clear_errors(llama_dir, adapters, tmp_path, model_dirs) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from engine.lora.registry import LoRALimits, LoRARegistry
+    from models.loader import load_spec
+
+    spec = load_spec(str(llama_dir))
+
+    def read(path: str, max_rank: int = 64) -> None:
+        LoRARegistry(LoRALimits(4, max_rank), spec, torch.float32).read(path)
+
+    def rewrite(d, fn) -> None:
+        f = d / "adapter_model.safetensors"
+        save_file(fn(load_file(str(f))), str(f))
+
+    def drop_b(d) -> None:
+        rewrite(d, lambda t: {k: v for k, v in t.items() if not ("layers.1.mlp.up" in k
+                                                                 and "lora_B" in k)})  # fmt: skip
+
+    def wrong_rank(d) -> None:
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        cfg["r"] = 16
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+
+    cases = {
+        "lacks lora_B": drop_b,
+        "the config says 16": wrong_rank,
+        "no adapter_model": lambda d: (d / "adapter_model.safetensors").unlink(),
+        "DoRA": lambda d: (d / "adapter_config.json").write_text(json.dumps(
+            {**json.loads((d / "adapter_config.json").read_text()), "use_dora": True})),
+    }  # fmt: skip
+    for i, (message, edit) in enumerate(cases.items()):
+        with pytest.raises(LoRAError, match=message):
+            read(_broken(adapters["a"], tmp_path / str(i), edit))
+    with pytest.raises(LoRAError, match="exceeds --max-lora-rank 4"):
+        read(str(adapters["b"]), max_rank=4)
+    # an adapter made for another base model (smollm: hidden 96, not 64)
+    other = make_adapter(model_dirs["smollm"], tmp_path / "smol", seed=3)
+    with pytest.raises(LoRAError, match="another base model"):
+        read(str(other))
+    with pytest.raises(LoRAError, match="not a PEFT adapter"):
+        read(str(tmp_path / "missing"))
+    # and at startup: the engine does not start, saying which adapter
+    with pytest.raises(ValueError, match="LoRA adapter 'x'"):
+        LLM(str(llama_dir), num_kv_blocks=16, lora_modules=[f"x={other}"])
