@@ -298,9 +298,13 @@ def gguf_lora_tensors(
 ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """A GGUF LoRA file (llama.cpp's convert_lora_to_gguf.py): its metadata and its tensors
     ("blk.N.attn_q.weight.lora_a" [r, in], "...lora_b" [out, r]) as float32, lora_b's q/k rows
-    un-permuted where the file's architecture permutes them (A's rows are the rank's)."""
-    r = GGUFReader(path)  # not the cached reader: an adapter is read once
-    meta = {key: f.contents() for key, f in r.fields.items() if not key.startswith("GGUF.")}
+    un-permuted where the file's architecture permutes them (A's rows are the rank's); no
+    tensors unless the file says it is an adapter."""
+    r = _Reader(path)  # not the cached `reader`: an adapter is read once
+    meta = {key: f.contents() for key, f in r.fields.items()
+            if key.startswith(("general.", "adapter."))}  # fmt: skip
+    if meta.get("general.type") != "adapter":
+        return meta, {}  # a model file, say: not dequantized only to be refused
     permuted = meta.get("general.architecture") in _PERMUTED
     layer = spec.layers[0]
     tensors = {}

@@ -173,3 +173,30 @@ def _add_tokenizer(w, hf_dir: Path, cfg: dict) -> None:  # w: gguf.GGUFWriter
     template = json.loads((hf_dir / "tokenizer_config.json").read_text()).get("chat_template")
     if template:
         w.add_chat_template(template)
+
+
+def write_gguf_lora(peft_dir: Path, base_cfg: dict, out: Path) -> Path:
+    """A PEFT adapter as llama.cpp's convert_lora_to_gguf.py writes it: "blk.N.attn_q.weight
+    .lora_a" [r, in] and ".lora_b" [out, r] (lora_b's q/k rows in llama.cpp's permuted order,
+    as the base file's q/k weights are), F32, general.type adapter, adapter.lora.alpha."""
+    import gguf
+
+    cfg = json.loads((peft_dir / "adapter_config.json").read_text())
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(cfg["lora_alpha"]))
+    heads, kv_heads = base_cfg["num_attention_heads"], base_cfg["num_key_value_heads"]
+    for name, t in sorted(load_file(str(peft_dir / "adapter_model.safetensors")).items()):
+        module, ab = name.removeprefix("base_model.model.model.layers.").split(".lora_")
+        idx, rest = module.split(".", 1)
+        gname = _LAYER[rest]
+        a = t.float().numpy()
+        if ab.startswith("B") and gname in ("attn_q", "attn_k"):
+            a = _permute(a, heads if gname == "attn_q" else kv_heads)
+        w.add_tensor(f"blk.{idx}.{gname}.weight.lora_{ab[0].lower()}", np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

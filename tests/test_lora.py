@@ -14,6 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from models.lora import LoRAError
 from tests.lora_utils import make_adapter, merged_model, reference_greedy
+from tests.test_drafting import PIN_K
 
 PROMPTS = [[5, 17, 99, 3, 44, 8, 120, 7, 61, 33, 11, 250, 18], list(range(3, 40)), [40, 41, 42]]
 
@@ -176,3 +177,88 @@ def test_bad_adapter_files_are_clear_errors(llama_dir, adapters, tmp_path, model
     # and at startup: the engine does not start, saying which adapter
     with pytest.raises(ValueError, match="LoRA adapter 'x'"):
         LLM(str(llama_dir), num_kv_blocks=16, lora_modules=[f"x={other}"])
+
+
+def test_a_gguf_lora_file_is_the_same_adapter(llama_dir, adapters, tmp_path) -> None:
+    """llama.cpp's GGUF LoRA form of adapter a (q/k rows of B permuted, alpha in the metadata)
+    reads back as the very same weights: the same fingerprint, the same tokens."""
+    from tests.gguf_export import write_gguf_lora
+
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    gguf_file = write_gguf_lora(adapters["a"], cfg, tmp_path / "a.gguf")
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=32, block_size=4,
+              lora_modules=[f"a={adapters['a']}", f"g={gguf_file}"])  # fmt: skip
+    refs = llm.engine.loras.refs
+    assert refs["g"].key == refs["a"].key
+    a, g = (llm.generate(PROMPTS, greedy(llm, n))[0].outputs[0].token_ids for n in ("a", "g"))
+    assert a == g
+
+
+def test_speculation_and_grammars_are_unchanged_with_an_adapter(llama_dir, adapters) -> None:
+    """Suffix drafts verified by the adapter's model: greedy tokens as without speculation; a
+    JSON-schema request on an adapter gives JSON of that schema."""
+    from engine.core.sampling_params import GrammarSpec
+
+    modules = [f"a={adapters['a']}"]
+    plain = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, block_size=4,
+                lora_modules=modules, num_speculative_tokens=0)  # fmt: skip
+    spec = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, block_size=4,
+               lora_modules=modules, num_speculative_tokens=4, speculative_method="suffix",
+               **PIN_K)  # fmt: skip
+    for prompt in PROMPTS[:2]:
+        want = plain.generate([prompt], greedy(plain, "a", 24))[0].outputs[0].token_ids
+        for _ in range(2):  # the second time, drafts from the first answer (recent outputs)
+            assert spec.generate([prompt], greedy(spec, "a", 24))[0].outputs[0].token_ids == want
+    assert spec.engine.drafter is not None
+    assert spec.engine.drafter.stats["suffix"].num_accepted_tokens > 20
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    grammar = GrammarSpec("json_schema", json.dumps(schema))
+    out = plain.generate([PROMPTS[0]], greedy(plain, "a", 40, grammar=grammar))[0].outputs[0]
+    assert isinstance(json.loads(out.text)["n"], int)
+
+
+@pytest.mark.slow
+def test_an_adapter_on_gguf_blocks_served_as_stored(smollm2_path, tmp_path) -> None:
+    """The shipped Q4_1 file served as stored, with a random PEFT adapter of its shape, against
+    transformers' dequantization of the same file with the adapter merged by PEFT: the same
+    argmax at every prompt position and cosine > 0.9999 (the bar the file itself meets
+    without an adapter, tests/test_gguf_blocks.py)."""
+    import functools
+    import os
+
+    import gguf
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from engine.core.scoring import score_prompt
+    from models.gguf_loader import _Reader
+
+    d, f = os.path.split(smollm2_path)
+    with pytest.MonkeyPatch.context() as patch:  # test_smollm2.py's two speed-ups
+        patch.setattr(gguf, "GGUFReader", _Reader)
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    peft_model = get_peft_model(hf, cfg)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    peft_model.save_pretrained(tmp_path / "smol-lora")
+    merged = peft_model.merge_and_unload()
+    llm = LLM(smollm2_path, num_kv_blocks=32, dtype="float32", gguf_int8_activations="off",
+              num_speculative_tokens=0, target_step_ms=-1,
+              lora_modules=[f"s={tmp_path / 'smol-lora'}"])  # fmt: skip
+    assert "GGUF blocks as stored (Q4_1 " in llm.engine.info.kernel_table
+    assert "s (rank 8," in llm.engine.info.kernel_table  # the banner's adapter line
+    tok = llm.tokenizer
+    ids = tok.encode("The mitochondria is the part of the cell that")
+    # prompt scoring through the engine's own prefill, served with the adapter
+    ours = score_prompt(llm.engine, ids, llm.engine.loras.refs["s"])
+    base = score_prompt(llm.engine, ids)
+    with torch.no_grad():
+        theirs = merged(torch.tensor([ids])).logits[0].float()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    assert torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min() > 0.9999
+    assert (ours - base).abs().max() > 0.1  # the adapter did change the logits

@@ -12,6 +12,8 @@ import threading
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.lora_utils import make_adapter, merged_model, reference_greedy
 from tests.server_utils import kvserve_server
@@ -158,3 +160,27 @@ def test_cache_statistics_per_adapter(client, server) -> None:
     assert apps[name]["cached_tokens"] > 0  # its second request hit its first's blocks
     base = [k for k in apps if "@" not in k]
     assert base and all(apps[k]["prompt_tokens"] > 0 for k in base)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    path=st.sampled_from(["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]),
+    body=st.one_of(
+        st.dictionaries(
+            st.sampled_from(["lora_name", "lora_path", "lora_int_id", "x"]),
+            st.one_of(st.text(max_size=40), st.integers(), st.none(), st.lists(st.integers())),
+        ),
+        st.lists(st.integers(), max_size=3),
+        st.text(max_size=20),
+    ),
+)
+def test_hostile_lora_bodies_are_4xx_never_5xx(server, client, path, body) -> None:
+    r = post(server, path, body)
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
+    if r.status_code == 200 and path.endswith("load_lora_adapter"):  # a real path loaded
+        post(server, "/v1/unload_lora_adapter", {"lora_name": body["lora_name"]})
+    assert completion(client, "a", 2)

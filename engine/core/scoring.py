@@ -11,17 +11,22 @@ import torch
 
 from engine.core.batch import ScheduledRequest, SchedulerOutput
 from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import LoRARef, SamplingParams
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
 
 
-def score_prompt(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
-    """Float32 logits [len(token_ids), vocab]; row i predicts token i + 1."""
-    params = SamplingParams(max_tokens=1)
+def score_prompt(
+    engine: LLMEngine, token_ids: list[int], lora: LoRARef | None = None
+) -> torch.Tensor:
+    """Float32 logits [len(token_ids), vocab]; row i predicts token i + 1. `lora`: the model
+    with that adapter."""
+    params = SamplingParams(max_tokens=1, lora=lora)
     engine.validate_prompt(token_ids, params)
     request = Request("__score__", list(token_ids), params, frozenset(), engine.max_model_len)
+    if lora is not None:
+        request.lora = engine.loras.weights(lora)
     if not engine.kv.allocate_slots(request, len(token_ids)):
         raise MemoryError("not enough free KV blocks to score this prompt now")
     try:
