@@ -184,3 +184,27 @@ def test_hostile_lora_bodies_are_4xx_never_5xx(server, client, path, body) -> No
     if r.status_code == 200 and path.endswith("load_lora_adapter"):  # a real path loaded
         post(server, "/v1/unload_lora_adapter", {"lora_name": body["lora_name"]})
     assert completion(client, "a", 2)
+
+
+def test_every_generation_route_serves_the_adapter(server, client) -> None:
+    """Chat, Responses and Anthropic Messages pick the adapter by `model` and answer as it."""
+    import anthropic
+
+    msgs = [{"role": "user", "content": "hello there"}]
+    chat = {
+        m: client.chat.completions.create(
+            model=m, messages=msgs, max_tokens=8, temperature=0
+        )  # fmt: skip
+        for m in ("base", "a")
+    }
+    assert chat["a"].model == "a" and chat["base"].model == "base"
+    text = chat["a"].choices[0].message.content
+    resp = client.responses.create(model="a", input="hello there", max_output_tokens=8,
+                                   temperature=0)  # fmt: skip
+    assert resp.model == "a" and resp.output_text == text
+    claude = anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0)
+    msg = claude.messages.create(model="a", max_tokens=8, messages=msgs,
+                                 extra_body={"temperature": 0.0})  # fmt: skip
+    assert msg.model == "a" and "".join(b.text for b in msg.content if b.type == "text") == text
+    forced = {m: completion(client, m, 8, "hello there") for m in ("base", "a")}
+    assert forced["a"] != forced["base"]

@@ -13,6 +13,7 @@ against `target(batch x (1 + k)) + k x draft(batch)`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,15 @@ class SpecCostModel:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def time_step(step: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call of `step` (the device synchronised on both sides)."""
+    _sync(device)
+    t = time.perf_counter()
+    step()
+    _sync(device)
+    return time.perf_counter() - t
 
 
 def median_times(

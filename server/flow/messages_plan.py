@@ -170,6 +170,7 @@ def chat_request(body: MessagesRequest) -> tuple[ChatCompletionRequest, list[str
         response_format = {"type": "json_schema",
                            "json_schema": {"name": "output", "schema": fmt.schema_}}  # fmt: skip
     data: dict[str, Any] = {
+        "model": body.model,  # a LoRA adapter's name picks it (server/state.py `adapter`)
         "messages": messages,
         "max_completion_tokens": body.max_tokens,
         "stream": body.stream,

@@ -176,10 +176,12 @@ class Generation:
     ) -> Generation:
         """Every choice enters the engine now, or the request gets a 429."""
         q = submit_or_429(state, engine, [(c.request_id, c.prompt_ids, c.params) for c in choices])
+        lora = choices[0].params.lora if choices else None
         head = {
             "id": req_id,
             "created": int(time.time()),
-            "model": state.model_name,
+            # what served it: the base model, or the LoRA adapter the request named
+            "model": lora.name if lora is not None else state.model_name,
             "system_fingerprint": f"kvserve-{VERSION}",
         }
         return cls(state, engine, choices, n, head, q, on_done, publish)

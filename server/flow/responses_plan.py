@@ -128,6 +128,7 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
     choice = body.tool_choice
     with_logprobs = INCLUDE_LOGPROBS in (body.include or []) or bool(body.top_logprobs)
     data: dict[str, Any] = {
+        "model": body.model,  # a LoRA adapter's name picks it (server/state.py `adapter`)
         "messages": messages,
         "max_completion_tokens": body.max_output_tokens,
         "stream": body.stream,
