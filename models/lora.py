@@ -57,10 +57,11 @@ class LoRAError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class LoRAProjection:
-    """One projection's update: `a` [R, in], `b` [out, R] with the scale folded in."""
+    """One projection's update, stored transposed for `x @ a_t @ b_t`: `a_t` [in, R] (A^T),
+    `b_t` [R, out] ((s B)^T)."""
 
-    a: torch.Tensor
-    b: torch.Tensor
+    a_t: torch.Tensor
+    b_t: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +92,9 @@ class LoRARows:
             if p is None:
                 continue
             if isinstance(rows, slice):
-                out[rows].addmm_(x[rows] @ p.a.t(), p.b.t())
+                out[rows].addmm_(x[rows] @ p.a_t, p.b_t)
             else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ p.a.t()) @ p.b.t())
+                out.index_add_(0, rows, (x.index_select(0, rows) @ p.a_t) @ p.b_t)
         return out
 
 
@@ -276,10 +277,10 @@ def fuse(parts: list[Part], spec: ModelSpec, dtype: torch.dtype, max_rank: int) 
                     col += b.shape[1]
                     targets.add(f"{module}.{name}")
                 row += n
-        proj = LoRAProjection(a_cat.to(dtype).contiguous(), b_cat.to(dtype).contiguous())
-        for t in (proj.a, proj.b):
-            digest.update(t.float().numpy().tobytes())
-            nbytes += t.numel() * t.element_size()
+        proj = LoRAProjection(a_cat.t().to(dtype).contiguous(), b_cat.t().to(dtype).contiguous())
+        for source, served in ((a_cat, proj.a_t), (b_cat, proj.b_t)):
+            digest.update(source.float().contiguous().numpy().tobytes())
+            nbytes += served.numel() * served.element_size()
         digest.update(f"{layer}.{module}".encode())
         layers[layer][module] = proj
     return LoRAWeights(rank, tuple(layers), digest.hexdigest()[:32], nbytes,

@@ -243,7 +243,10 @@ class Scheduler:
         or (prefills False) only those at their end (decodes, verification). Returns the budget
         left."""
         done = {id(s.request) for s in out.scheduled}
-        for request in list(self.running):
+        # an adapter's rows side by side (base rows first): each LoRA product then runs on a
+        # slice of the step's rows rather than a gather and a scatter (models/lora.py)
+        order = sorted(self.running, key=_by_adapter) if self.max_loras else list(self.running)
+        for request in order:
             if budget <= 0:
                 break
             remaining = request.num_tokens - request.num_computed_tokens
@@ -424,6 +427,11 @@ class Scheduler:
         self.finish(request.request_id, FinishReason.STOP, matched,
                     num_tokens=request.num_tokens - (len(tokens) - kept))  # fmt: skip
         return tokens[:kept]
+
+
+def _by_adapter(request: Request) -> str:
+    lora = request.sampling_params.lora
+    return lora.name if lora is not None else ""
 
 
 def _by_deadline(request: Request) -> tuple[float, float]:
