@@ -262,3 +262,20 @@ def test_an_adapter_on_gguf_blocks_served_as_stored(smollm2_path, tmp_path) -> N
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
     assert torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min() > 0.9999
     assert (ours - base).abs().max() > 0.1  # the adapter did change the logits
+
+
+def test_lora_modules_settings(llama_dir, adapters) -> None:
+    from engine.config import lora_modules
+
+    path = str(adapters["a"])
+    assert lora_modules([f"a={path}", json.dumps({"name": "b", "path": path})]) == {
+        "a": path, "b": path}  # fmt: skip
+    for bad in (["a"], [f"a={path}", f"a={path}"], ['{"name": "x"}'], ["=p"]):
+        with pytest.raises(ValueError, match="lora_modules entry"):
+            lora_modules(bad)
+    with pytest.raises(ValueError, match="max_loras 0"):
+        LLM(str(llama_dir), num_kv_blocks=16, lora_modules=[f"a={path}"], max_loras=0)
+    off = LLM(str(llama_dir), num_kv_blocks=16, max_loras=0)
+    assert "lora: off" in off.engine.info.kernel_table
+    with pytest.raises(LoRAError, match="LoRA is off"):
+        off.engine.add_lora("a", off.engine.loras.read(path))
