@@ -159,16 +159,8 @@ def _peft_parts(root: Path) -> tuple[list[Part], str | None]:
     tensors = _read_tensors(root)
     r, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        m = _PEFT_KEY.fullmatch(key)
-        if m is None or m[2] not in PEFT_TARGETS:
-            raise LoRAError(f"{root}: tensor {key}: no projection of the decoder to adapt")
-        pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = tensor
     parts = []
-    for (layer, name), ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise LoRAError(f"{root}: layer {layer} {name} lacks lora_{'B' if 'A' in ab else 'A'}")
+    for (layer, name), ab in _paired(tensors, _PEFT_KEY, PEFT_TARGETS, root).items():
         module = f"model.layers.{layer}.{name}"
         rank = int(_pattern(rank_pattern, module, r))
         scale = float(_pattern(alpha_pattern, module, alpha))
@@ -179,6 +171,24 @@ def _peft_parts(root: Path) -> tuple[list[Part], str | None]:
         own, part = PEFT_TARGETS[name]
         parts.append((layer, own, part, ab["A"].float(), ab["B"].float() * scale))
     return parts, cfg.get("base_model_name_or_path")
+
+
+def _paired(
+    tensors: dict[str, torch.Tensor], key: re.Pattern, targets: dict, where: Path
+) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """(layer, module name) -> {"A": ..., "B": ...}, in layer order; LoRAError for a tensor
+    of no projection the decoder has, or a lone A or B."""
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        m = key.fullmatch(name)
+        if m is None or m[2] not in targets:
+            raise LoRAError(f"{where}: tensor {name}: no projection of the decoder to adapt")
+        pairs.setdefault((int(m[1]), m[2]), {})[m[3].upper()] = tensor
+    for (layer, module), ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"{where}: layer {layer} {module} lacks lora_"
+                            f"{'B' if 'A' in ab else 'A'}")  # fmt: skip
+    return dict(sorted(pairs.items()))
 
 
 def _pattern(patterns: dict, module: str, default: float) -> float:
@@ -211,20 +221,12 @@ def _gguf_parts(path: Path, spec: ModelSpec) -> tuple[list[Part], str | None]:
         raise LoRAError(f"{path}: not a GGUF LoRA adapter (general.type "
                         f"{meta.get('general.type')!r})")  # fmt: skip
     alpha = meta.get("adapter.lora.alpha")
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        m = _GGUF_KEY.fullmatch(key)
-        if m is None or m[2] not in GGUF_TARGETS:
-            raise LoRAError(f"{path}: tensor {key}: no projection of the decoder to adapt")
-        pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = tensor
     parts = []
-    for (layer, name), ab in sorted(pairs.items()):
-        if set(ab) != {"a", "b"}:
-            raise LoRAError(f"{path}: layer {layer} {name} lacks lora_{'b' if 'a' in ab else 'a'}")
-        rank = ab["a"].shape[0]
+    for (layer, name), ab in _paired(tensors, _GGUF_KEY, GGUF_TARGETS, path).items():
+        rank = ab["A"].shape[0]
         scale = float(alpha) / rank if alpha else 1.0  # llama.cpp: no alpha means scale 1
         own, part = GGUF_TARGETS[name]
-        parts.append((layer, own, part, ab["a"], ab["b"] * scale))
+        parts.append((layer, own, part, ab["A"], ab["B"] * scale))
     return parts, meta.get("adapter.base_model") or None
 
 
