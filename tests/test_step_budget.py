@@ -120,6 +120,25 @@ def test_a_long_prompt_that_has_waited_goes_before_a_new_short_one() -> None:
     assert sched.schedule().scheduled[0].request.request_id == "short"
 
 
+def test_costs_measured_flat_still_put_a_short_prompt_first() -> None:
+    """Noise can make the measured steps cost alike (the small ones' samples lowered to the
+    large ones'): a long prompt past the measured range still costs more than a short one, and
+    at equal deadlines the one with less prefill left goes first. (Seen in CI: a long prompt
+    arriving with a prefix hit took every step until its prefill was done.)"""
+    flat = StepCosts((1, 4, 16, 64), (0.02, 0.02, 0.02, 0.02))
+    assert flat.cost(600) > 4 * flat.cost(3)
+    assert flat.cost(128) == pytest.approx(0.02 + 64 * 0.5 * 0.02 / 64)
+    budget = StepBudget(64, flat, target_rows=64)
+    sched = make(num_blocks=256, block_size=4, budget=budget, by_deadline=True)
+    long, short = request("long", list(range(1, 601)), 1), request("short", [7, 8, 9], 1)
+    short.arrival_time = long.arrival_time
+    sched.add(long)
+    sched.add(short)
+    assert short.deadline < long.deadline
+    short.deadline = long.deadline  # and a tie: the less prefill left first
+    assert sched.schedule().scheduled[0].request.request_id == "short"
+
+
 def test_shorts_arriving_every_step_do_not_starve_a_long_prompt() -> None:
     """A short prompt that takes a whole step arrives every (simulated) 10 ms step; the long
     one's deadline, 4 x its 82 ms prefill after it arrived, comes before a newcomer's (4 x 10

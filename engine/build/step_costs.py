@@ -73,7 +73,8 @@ def _measure(
             seconds.append(min(time_step(step, device), time_step(step, device)))
             if seconds[-1] > MEASURE_UP_TO_S:
                 break
-    # a noisy sample must not make a longer step look cheaper than a shorter one
-    for i in range(1, len(seconds)):
-        seconds[i] = max(seconds[i], seconds[i - 1])
+    # a longer step never costs less than a shorter one: where samples say so, the shorter
+    # one's is the noisy sample (load only adds time), lowered to the longer one's
+    for i in range(len(seconds) - 2, -1, -1):
+        seconds[i] = min(seconds[i], seconds[i + 1])
     return StepCosts(rows[: len(seconds)], tuple(seconds))

@@ -434,8 +434,10 @@ def _by_adapter(request: Request) -> str:
     return lora.name if lora is not None else ""
 
 
-def _by_deadline(request: Request) -> tuple[float, float]:
-    return (request.deadline, request.arrival_time)
+def _by_deadline(request: Request) -> tuple[float, int, float]:
+    """Earliest deadline first; at equal deadlines the less prefill left (a tie under costs
+    measured flat), then the earlier arrival."""
+    return (request.deadline, _prefill_left(request), request.arrival_time)
 
 
 def _prefill_left(request: Request) -> int:

@@ -62,7 +62,15 @@ class StepCosts:
     seconds: tuple[float, ...]
 
     def cost(self, rows: int) -> float:
-        return piecewise_linear(self.rows, self.seconds, rows)
+        last, last_s = self.rows[-1], self.seconds[-1]
+        if rows <= last:
+            return piecewise_linear(self.rows, self.seconds, rows)
+        # past the measured range, at least half the last step's cost a token: a flat last
+        # segment (two steps within noise) must not make a long prefill look as cheap as the
+        # last measured chunk
+        slope = max((piecewise_linear(self.rows, self.seconds, rows) - last_s) / (rows - last),
+                    0.5 * last_s / last)  # fmt: skip
+        return last_s + slope * (rows - last)
 
     def rows_within(self, seconds: float) -> int:
         """The most tokens a step can hold and still cost at most `seconds` (at least 1)."""
