@@ -305,6 +305,17 @@ def test_server_flags_stream_and_metrics(llama_dir, heads, reference) -> None:
         metrics = httpx.get(server.base + "/metrics", timeout=10).text
         assert "kvserve:spec_decode_num_draft_tokens_total" in metrics
         assert "kvserve:spec_decode_num_speculative_tokens 3.0" in metrics
+        # /v1/stats: per source, and why each recent request sped up (the picker's choices)
+        spec = httpx.get(server.base + "/v1/stats", timeout=10).json()["speculation"]
+        assert spec["by_source"]["eagle"]["draft_tokens"] > 0
+        recent = spec["recent_requests"]
+        assert len(recent) == 8  # 4 prompts, whole and streamed
+        for r in recent:
+            assert r["steps"] > 0 and sum(r["share_by_source"].values()) == pytest.approx(
+                1, abs=0.01
+            )
+            assert set(r["share_by_source"]) <= {"eagle", "none"} and "eagle" in r["acceptance"]
+        assert any(r["share_by_source"].get("eagle", 0) > 0.5 for r in recent)
 
 
 def test_stop_strings_inside_a_verified_chunk(llama_dir, heads, reference, monkeypatch) -> None:

@@ -154,7 +154,7 @@ class LLMEngine:
             spec = SpecSnapshot(
                 s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
                 s.mean_acceptance_length, self.drafter.current_k, list(s.accepted_per_position),
-                by_source,
+                by_source, tuple(self.drafter.recent_picks),
             )  # fmt: skip
         return EngineSnapshot(
             num_running=sched.num_running,

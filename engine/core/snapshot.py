@@ -31,6 +31,9 @@ class SpecSnapshot:
     accepted_per_position: list[int]
     # per draft source (engine/spec/drafting.py): (draft tokens, accepted tokens)
     by_source: dict[str, tuple[int, int]]
+    # the last finished requests: the share of their decode steps each source's drafts won
+    # ("none": no draft), and each source's running acceptance for them
+    recent_requests: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,9 @@ class DraftState:
     index: SuffixIndex
     acceptance: dict[str, float] = field(default_factory=lambda: dict(PRIOR_ACCEPTANCE))
     source: str | None = None
+    # the picker's choice for each of the request's decode steps: source -> steps ("none": no
+    # source had a draft worth its verify row), for /v1/stats
+    picks: dict[str, int] = field(default_factory=dict)
 
     def record(self, source: str, num_drafted: int, num_accepted: int) -> None:
         a = self.acceptance[source]

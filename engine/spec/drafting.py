@@ -23,7 +23,7 @@ The drafter is the one speculation controller: one acceptance record per request
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import torch
@@ -36,6 +36,7 @@ from engine.spec.eagle import EagleDrafts, StepPlan, room_for_drafts
 from engine.spec.suffix_index import NGRAM_SIZES, RecentOutputs, SuffixIndex
 
 MAX_SALTS = 64  # tenants / applications with recent outputs kept
+RECENT_PICKS = 32  # finished requests whose picks /v1/stats shows
 RECENT_TOKENS_PER_SALT = 1 << 15
 SHORT_MATCH = 3  # a match of fewer tokens drafts at most this many: it is a weak guess
 
@@ -64,6 +65,8 @@ class Drafter:
     ) -> None:
         self.eagle = eagle
         self.sources = sources
+        # the last requests' picks and acceptance by source (/v1/stats: why one sped up)
+        self.recent_picks: deque[dict] = deque(maxlen=RECENT_PICKS)
         self.max_tokens = max_tokens
         self.max_verify_rows = max_verify_rows
         self.cost = cost
@@ -125,6 +128,16 @@ class Drafter:
         return total
 
     def finished(self, request: Request) -> None:
+        state = request.drafts
+        if state is not None and state.picks:
+            steps = sum(state.picks.values())
+            self.recent_picks.append({
+                "request_id": request.request_id,
+                "steps": steps,
+                "share_by_source": {s: round(n / steps, 3) for s, n in state.picks.items()},
+                "acceptance": {s: round(a, 3) for s, a in state.acceptance.items()
+                               if s in self.sources},
+            })  # fmt: skip
         if "suffix" in self.sources and request.num_output_tokens > 1:
             salt = request.sampling_params.cache_salt
             recent = self.recent.pop(salt, None) or RecentOutputs(RECENT_TOKENS_PER_SALT)
@@ -209,6 +222,7 @@ class Drafter:
     def _apply(r: Request, source: str, drafts: list[int]) -> None:
         assert r.drafts is not None
         r.drafts.source = source or None
+        r.drafts.picks[source or "none"] = r.drafts.picks.get(source or "none", 0) + 1
         if source != "eagle":
             r.spec_token_ids, r.spec_probs = drafts, None
         elif len(drafts) < r.num_spec:

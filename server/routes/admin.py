@@ -74,6 +74,15 @@ async def stats(request: Request) -> Response:
             if host is None
             else {"used_bytes": host.used_bytes, "capacity_bytes": host.capacity_bytes},
             "apps": state.app_cache.snapshot(),
+            "speculation": None
+            if snap.spec is None
+            else {
+                "by_source": {
+                    source: {"draft_tokens": drafted, "accepted_tokens": accepted}
+                    for source, (drafted, accepted) in snap.spec.by_source.items()
+                },
+                "recent_requests": list(snap.spec.recent_requests),
+            },
             "grammar_compiles": None
             if budget is None
             else {
