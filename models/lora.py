@@ -74,9 +74,6 @@ class LoRAWeights:
     nbytes: int
     targets: tuple[str, ...]  # the projections (and parts) it changes, for the banner
 
-    def projection(self, layer: int, module: str) -> LoRAProjection | None:
-        return self.layers[layer].get(module)
-
 
 @dataclass(frozen=True, slots=True)
 class LoRARows:
@@ -116,27 +113,25 @@ def projection_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, list[
     return shapes
 
 
-def load_lora(
-    path: str, spec: ModelSpec, dtype: torch.dtype, max_rank: int
-) -> tuple[LoRAWeights, str | None]:
+def load_lora(path: str, spec: ModelSpec, dtype: torch.dtype, max_rank: int) -> LoRAWeights:
     """An adapter from a PEFT directory (adapter_config.json + adapter_model.safetensors or
-    .bin) or a GGUF LoRA file, checked against `spec`. Returns it and the base model its
-    config names (None if it names none). Raises LoRAError saying what does not fit."""
+    .bin) or a GGUF LoRA file, checked against `spec` (by its tensors' shapes, not by the base
+    model its config names). Raises LoRAError saying what does not fit."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        parts, base = _gguf_parts(p, spec)
+        parts = _gguf_parts(p, spec)
     elif p.is_dir():
-        parts, base = _peft_parts(p)
+        parts = _peft_parts(p)
     else:
         raise LoRAError(f"{path}: not a PEFT adapter directory or a .gguf LoRA file")
-    return fuse(parts, spec, dtype, max_rank), base
+    return fuse(parts, spec, dtype, max_rank)
 
 
 # (layer, projection, part or None, A [r, in], B [out, r] scaled)
 Part = tuple[int, str, str | None, torch.Tensor, torch.Tensor]
 
 
-def _peft_parts(root: Path) -> tuple[list[Part], str | None]:
+def _peft_parts(root: Path) -> list[Part]:
     config_file = root / "adapter_config.json"
     if not config_file.is_file():
         raise LoRAError(f"{root}: no adapter_config.json")
@@ -170,7 +165,7 @@ def _peft_parts(root: Path) -> tuple[list[Part], str | None]:
                             f"{ab['A'].shape[0]}, the config says {rank}")  # fmt: skip
         own, part = PEFT_TARGETS[name]
         parts.append((layer, own, part, ab["A"].float(), ab["B"].float() * scale))
-    return parts, cfg.get("base_model_name_or_path")
+    return parts
 
 
 def _paired(
@@ -213,7 +208,7 @@ def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
     raise LoRAError(f"{root}: no adapter_model.safetensors or adapter_model.bin")
 
 
-def _gguf_parts(path: Path, spec: ModelSpec) -> tuple[list[Part], str | None]:
+def _gguf_parts(path: Path, spec: ModelSpec) -> list[Part]:
     from models.gguf_loader import gguf_lora_tensors
 
     meta, tensors = gguf_lora_tensors(str(path), spec)
@@ -227,7 +222,7 @@ def _gguf_parts(path: Path, spec: ModelSpec) -> tuple[list[Part], str | None]:
         scale = float(alpha) / rank if alpha else 1.0  # llama.cpp: no alpha means scale 1
         own, part = GGUF_TARGETS[name]
         parts.append((layer, own, part, ab["A"], ab["B"] * scale))
-    return parts, meta.get("adapter.base_model") or None
+    return parts
 
 
 def fuse(parts: list[Part], spec: ModelSpec, dtype: torch.dtype, max_rank: int) -> LoRAWeights:

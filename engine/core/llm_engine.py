@@ -111,7 +111,7 @@ class LLMEngine:
         return ids
 
     def add_lora(self, name: str, adapter: LoRAAdapter) -> LoRARef:
-        """Serve a read adapter (engine/lora/registry.py `read_adapter`) under `name`."""
+        """Serve an adapter read by `LoRARegistry.read` under `name`."""
         return self.loras.add(name, adapter)
 
     def remove_lora(self, name: str) -> None:

@@ -19,10 +19,10 @@ class LoRAInUse(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class LoRAAdapter:
-    ref: LoRARef
+    """A read adapter: where it came from, and its weights (their fingerprint its identity)."""
+
     path: str
     weights: LoRAWeights
-    base_model: str | None  # what the adapter's config names as its base, if anything
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +48,7 @@ class LoRARegistry:
     def read(self, path: str) -> LoRAAdapter:
         """An adapter's file read and checked against the model (any thread: it reads only
         what never changes); it is served once `add` names it. Raises LoRAError."""
-        weights, base = load_lora(path, self.spec, self.dtype, self.limits.max_rank)
-        return LoRAAdapter(LoRARef("", weights.fingerprint), path, weights, base)
+        return LoRAAdapter(path, load_lora(path, self.spec, self.dtype, self.limits.max_rank))
 
     def add(self, name: str, adapter: LoRAAdapter) -> LoRARef:
         if not self.limits.enabled:
@@ -57,8 +56,8 @@ class LoRARegistry:
         if not name or name in self.adapters:
             raise LoRAError(f"an adapter named {name!r} is already loaded" if name else
                             "an adapter needs a name")  # fmt: skip
-        ref = LoRARef(name, adapter.ref.key)
-        self.adapters[name] = LoRAAdapter(ref, adapter.path, adapter.weights, adapter.base_model)
+        ref = LoRARef(name, adapter.weights.fingerprint)
+        self.adapters[name] = adapter
         self.refs, self.paths = {**self.refs, name: ref}, {**self.paths, name: adapter.path}
         return ref
 
@@ -75,7 +74,7 @@ class LoRARegistry:
         """The weights a request's adapter reference names, or ParamError (unloaded since the
         server resolved the name, or loaded again with other weights)."""
         adapter = self.adapters.get(ref.name)
-        if adapter is None or adapter.ref.key != ref.key:
+        if adapter is None or adapter.weights.fingerprint != ref.key:
             raise ParamError("model", f"the adapter {ref.name!r} is no longer loaded")
         return adapter.weights
 
