@@ -11,6 +11,7 @@ whether greedy output was identical with speculation on.
     python bench/speculative.py                       # --method auto, k <= 8, batch 1 and 8
     python bench/speculative.py --method eagle --k 4  # round 2's EAGLE-only figure
     python bench/speculative.py --batch-sizes 1,8,32,64 --pin-k
+    python bench/speculative.py --base no-corpus      # what corpus drafts add to the rest
 """
 
 from __future__ import annotations
@@ -187,19 +188,27 @@ def main() -> None:
         help="adaptive k by measured costs (else the row cap alone)",
     )  # fmt: skip
     ap.add_argument("--pin-k", action="store_true", help="k drafts at every batch size")
+    ap.add_argument(
+        "--base", choices=("off", "no-corpus"), default="off",
+        help="the engine compared against: speculation off, or on without corpus drafts",
+    )  # fmt: skip
     ap.add_argument("--categories", default="", help="comma list (default: all)")
     args = ap.parse_args()
     items = workload(args.num_chat)
     if args.categories:
         items = [item for item in items if item[0] in args.categories.split(",")]
-    base = LLM(dtype=args.dtype, num_speculative_tokens=0)
-    spec = LLM(
+    on = dict(
         dtype=args.dtype,
         speculative_method=args.method,
         num_speculative_tokens=args.k,
         spec_max_verify_rows=1 << 16 if args.pin_k else args.max_verify_rows,
         spec_cost_model=args.cost_model and not args.pin_k,
     )
+    if args.base == "off":
+        base = LLM(dtype=args.dtype, num_speculative_tokens=0)
+    else:
+        base = LLM(**on, speculative_corpus="off")
+    spec = LLM(**on)
     # warm-up: the first constrained request builds the grammar compiler's tables
     warm = prompts_of(base, items)
     warm_params = [SamplingParams(max_tokens=4, grammar=g) for _, _, g in items]

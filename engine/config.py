@@ -204,10 +204,17 @@ class EngineConfig:
     speculative_method: str = setting(
         "auto",
         "where drafts come from (engine/spec/drafting.py): suffix (this request's prompt and "
-        "output, recent outputs), grammar (tokens a constraint forces), eagle (the draft head), "
-        "auto (each request's best expected source each step: grammar, suffix, and eagle when "
-        "--speculative-model names a head), off",
-        ("auto", "suffix", "grammar", "eagle", "off"),
+        "output, recent outputs), grammar (tokens a constraint forces), corpus (the model's own "
+        "answers to a broad prompt set, tools/answer_corpus.py), eagle (the draft head), auto "
+        "(each request's best expected source each step: grammar, suffix, corpus where one "
+        "exists for the model, and eagle when --speculative-model names a head), off",
+        ("auto", "suffix", "grammar", "corpus", "eagle", "off"),
+    )
+    speculative_corpus: str = setting(
+        "",
+        "answer corpus directory for corpus drafts (answers.tokens.npy, answers.suffixes.npy: "
+        "tools/answer_corpus.py --out); empty: the one shipped for these weights, if any; "
+        "off: none",
     )
     spec_cost_model: bool = setting(
         True,
@@ -335,8 +342,10 @@ class EngineConfig:
         parse_bytes(self.disk_bytes)
         if self.num_speculative_tokens < 0 or self.spec_max_verify_rows < 1:
             raise ValueError("num_speculative_tokens must be >= 0, spec_max_verify_rows >= 1")
-        if self.speculative_method not in ("auto", "suffix", "grammar", "eagle", "off"):
-            raise ValueError("speculative_method must be auto, suffix, grammar, eagle or off")
+        if self.speculative_method not in ("auto", "suffix", "grammar", "corpus", "eagle", "off"):
+            raise ValueError(
+                "speculative_method must be auto, suffix, grammar, corpus, eagle or off"
+            )
         if self.kv_cache_dtype not in ("auto", "bfloat16", "float32", "fp8", "int8"):
             raise ValueError("kv_cache_dtype must be auto, bfloat16, float32, fp8 or int8")
         if self.quantization not in ("auto", "none", "int8", "int4", "int8wo"):

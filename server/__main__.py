@@ -75,6 +75,7 @@ def banner(config: Config, info: EngineInfo) -> str:
             f"  speculate  drafts from {', '.join(info.draft_sources)},"
             f" k<={info.num_speculative_tokens}"
             f" (adaptive up to {info.spec_max_verify_rows} verify rows){head}"
+            + (f"\n  corpus     {info.draft_corpus}" if info.draft_corpus else "")
             + (f"\n  step costs {info.spec_cost}" if info.spec_cost else ""),
         )
     lines += ["  kernel matrix:", info.kernel_table]

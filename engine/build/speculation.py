@@ -12,6 +12,7 @@ from engine.attention.base import AttentionBackend
 from engine.config import EngineConfig
 from engine.grammar.structured_output import StructuredOutputs
 from engine.kv.manager import KVCacheManager
+from engine.spec.answer_corpus import AnswerCorpus
 from engine.spec.cost import MEASURED_ROWS, SpecCostModel, measured_shape
 from engine.spec.cost import measure as measure_spec_cost
 from engine.spec.drafting import Drafter
@@ -76,8 +77,11 @@ def build_drafter(
     method, k = config.speculative_method, config.num_speculative_tokens
     if method == "off" or k <= 0:
         return None
-    sources = ("grammar", "suffix", "eagle") if method == "auto" else (method,)
-    sources = tuple(s for s in sources if s != "eagle" or head is not None)
+    sources = ("grammar", "suffix", "corpus", "eagle") if method == "auto" else (method,)
+    corpus = load_answer_corpus(config, model) if "corpus" in sources else None
+    sources = tuple(
+        s for s in sources if (s != "eagle" or head is not None) and (s != "corpus" or corpus)
+    )
     log.info("speculative decoding: drafts from %s, at most %d per request", sources, k)
     cost = None
     if config.spec_cost_model:
@@ -88,7 +92,33 @@ def build_drafter(
     encode = None
     if tokenizer is not None:
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    return Drafter(sources, k, config.spec_max_verify_rows, cost, encode, eagle)
+    return Drafter(sources, k, config.spec_max_verify_rows, cost, encode, eagle, corpus)
+
+
+def load_answer_corpus(config: EngineConfig, model: LlamaForCausalLM) -> AnswerCorpus | None:
+    """The answer corpus named by `speculative_corpus`, else the one beside the head shipped
+    for these very weights (matched by their embeddings, so any format of the default model
+    gets it); None where there is none and auto asked. Memory-mapped, not read."""
+    if config.speculative_corpus == "off":
+        if config.speculative_method == "corpus":
+            raise ValueError("speculative_method corpus with speculative_corpus off")
+        return None
+    path = config.speculative_corpus or shipped_head_for(model.embed_tokens.weight)
+    if path is None or not AnswerCorpus.present(path):
+        if config.speculative_corpus:
+            raise ValueError(
+                f"speculative_corpus {path}: no answer corpus there (answers.tokens.npy and "
+                "answers.suffixes.npy, as tools/answer_corpus.py --out writes them)"
+            )
+        if config.speculative_method == "corpus":
+            raise ValueError(
+                "speculative_method corpus: no answer corpus was built for this model (its "
+                "weights match no shipped head); name one with speculative_corpus"
+            )
+        return None
+    corpus = AnswerCorpus.load(path)
+    log.info("speculative decoding: corpus drafts from %s", corpus.describe())
+    return corpus
 
 
 def _step_costs(

@@ -46,6 +46,7 @@ class EngineInfo:
     draft_sources: tuple[str, ...]  # engine/spec/drafting.py; () when speculation is off
     spec_max_verify_rows: int
     spec_cost: str  # measured verify/draft step costs (adaptive k), "" when not measured
+    draft_corpus: str  # corpus drafts' answer corpus: its size and directory; "" without one
     has_host_tier: bool
     pooling: str = "last"  # embedding requests' pooling (engine/runner/pooling.py)
     # the remote store's key namespace for this instance's blocks (engine/kv/identity.py)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from engine.spec.suffix_index import SuffixIndex
 
-SOURCES = ("grammar", "suffix", "eagle")
-PRIOR_ACCEPTANCE = {"grammar": 0.9, "suffix": 0.6, "eagle": 0.7}
+SOURCES = ("grammar", "suffix", "corpus", "eagle")
+PRIOR_ACCEPTANCE = {"grammar": 0.9, "suffix": 0.6, "corpus": 0.5, "eagle": 0.7}
 MIN_GAIN = 0.1  # expected accepted tokens a draft position must bring to be drafted
 
 

@@ -8,6 +8,9 @@ accepted tokens among those the server has.
   its prompt and output, else in the recent outputs of requests with the same cache salt
   (engine/spec/suffix_index.py): a tenant's drafts never come from another's outputs, so the time a
   request takes says nothing about what others were told.
+- corpus: the continuation the model's own answers to a broad prompt set most often give the
+  longest n-gram ending the request (engine/spec/answer_corpus.py, built offline per model and
+  keyed to its weights like the head): free text's stock phrasing without a trained head.
 - eagle: the draft head's chain (engine/spec/eagle.py), run by this drafter before it picks,
   as deep as the measured costs make worthwhile.
 
@@ -30,6 +33,7 @@ import torch
 
 from engine.core.batch import StepUpdate
 from engine.core.request import Request
+from engine.spec.answer_corpus import CONTEXT_TOKENS, AnswerCorpus
 from engine.spec.cost import SpecCostModel
 from engine.spec.draft_state import DraftState, SpecStats, expected_accepted, useful_depth
 from engine.spec.eagle import EagleDrafts, StepPlan, room_for_drafts
@@ -62,8 +66,10 @@ class Drafter:
         cost: SpecCostModel | None = None,
         encode: Callable[[str], list[int]] | None = None,
         eagle: EagleDrafts | None = None,
+        corpus: AnswerCorpus | None = None,
     ) -> None:
         self.eagle = eagle
+        self.corpus = corpus
         self.sources = sources
         # the last requests' picks and acceptance by source (/v1/stats: why one sped up)
         self.recent_picks: deque[dict] = deque(maxlen=RECENT_PICKS)
@@ -207,7 +213,7 @@ class Drafter:
         # depends on the drafts, and suffix drafts on what other requests wrote, so its tokens
         # would depend on more than its seed (greedy output never depends on drafts).
         reproducible = params.seed is None or params.greedy
-        for source in ("grammar", "suffix"):
+        for source in ("grammar", "suffix", "corpus"):
             if source not in self.sources or k == 0 or not reproducible:
                 continue
             alpha = state.acceptance[source]
@@ -241,6 +247,9 @@ class Drafter:
             ids = self.encode(text) if text else []
             # the last token may be the start of a longer one the model would write
             return ids[: min(k, len(ids) - 1)] if len(ids) > 1 else []
+        if source == "corpus":
+            assert self.corpus is not None
+            return self.corpus.match(r.all_token_ids[-CONTEXT_TOKENS:], k)[0]
         assert r.drafts is not None
         drafts, n = r.drafts.index.match(k)
         if not drafts:
