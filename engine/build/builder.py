@@ -120,9 +120,18 @@ def build_engine(config: EngineConfig) -> EngineParts:
         raise
 
 
+def use_device(device: torch.device) -> None:
+    """Make `device` this thread's current CUDA device. Kernels that launch on the current
+    device (xformers' Triton kernels, a stream asked for without a device) would otherwise run
+    on cuda:0 under --device cuda:N; the engine builds and steps on this one thread."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     model_path = config.model or default_model_path()
     device = config.resolved_device()
+    use_device(device)
     facts = DeviceFacts.detect(device)
     dtype, dtype_reason = config.dtype_choice(facts, checkpoint_dtype(model_path))
     log.info("dtype %s (%s)", dtype_name(dtype), dtype_reason)
@@ -164,6 +173,8 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     )
     if pool.prefill_attention:
         kernel_table += f"\n  prefill attention: {pool.prefill_attention}"
+    if host is not None:
+        kernel_table += f"\n  host tier: {host.describe()}"
     spec = weights.spec
     eos = spec.eos_token_ids or (
         [tokenizer.eos_token_id] if tokenizer and tokenizer.eos_token_id is not None else []

@@ -140,6 +140,7 @@ class LLMEngine:
         host = None
         if self.host is not None:
             h = self.host
+            h.settle_latencies()  # swap-ins whose copies completed since (only counts them)
             host = HostTierSnapshot(
                 h.used_bytes, h.capacity_bytes, h.block_bytes, h.saved_blocks, h.loaded_blocks,
                 h.evicted_blocks, SWAP_IN_BUCKETS, tuple(h.load_latency_counts), h.load_seconds,

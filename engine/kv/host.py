@@ -18,6 +18,7 @@ the storage (the disk tier, `load_from_disk`).
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -28,6 +29,43 @@ from engine.kv.disk import DiskTier
 
 # upper bounds (seconds) of the swap-in latency histogram's buckets
 SWAP_IN_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+def pin_with_cuda(buffer: torch.Tensor) -> None:
+    """Page-lock `buffer`'s memory for asynchronous copies (cudaHostRegister): exactly its
+    bytes, where torch's pinned allocator rounds each allocation up to a power of two (a 24
+    GiB tier would pin 32). Unregistered never: the tier lives as long as the engine."""
+    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    if int(err) != 0:
+        raise RuntimeError(
+            f"cudaHostRegister of the host KV tier ({buffer.numel()} bytes) failed: {err}"
+        )
+
+
+def host_storage(
+    shapes: list[tuple[int, ...]],
+    dtypes: list[torch.dtype],
+    pin: bool,
+    pin_memory: Callable[[torch.Tensor], None] = pin_with_cuda,
+) -> tuple[list[torch.Tensor], int]:
+    """One tensor per KV group, all views of one allocation of exactly their bytes (each
+    group's start aligned to 64), and that size. Zeroed here so the pages are resident from the
+    start: the tier's memory is reserved at startup (an over-sized --host-bytes fails now, not
+    mid-run), and the process's RSS stays flat while the tier fills instead of looking like a
+    leak. `pin`: registered with CUDA for asynchronous copies."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True)]
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += -(-size // 64) * 64
+    buffer = torch.zeros(total, dtype=torch.uint8)
+    if pin and total:
+        pin_memory(buffer)
+    views = [
+        buffer[start : start + size].view(dtype).view(shape)
+        for start, size, shape, dtype in zip(starts, sizes, shapes, dtypes, strict=True)
+    ]
+    return views, total
 
 
 class HostTier:
@@ -55,13 +93,9 @@ class HostTier:
             self.num_blocks = num_blocks
         self.mirror = mirror
         pin = bool(device_caches) and device_caches[0].is_cuda
-        # Written once here so the pages are resident from the start: the tier's memory is
-        # reserved at startup (an over-sized --host-bytes fails now, not mid-run), and the
-        # process's RSS stays flat while the tier fills instead of looking like a leak.
-        self.storage = [
-            torch.empty((self.num_blocks, *s), dtype=c.dtype, pin_memory=pin).zero_()
-            for s, c in zip(shapes, device_caches, strict=True)
-        ]
+        self.storage, self.allocated_bytes = host_storage(
+            [(self.num_blocks, *s) for s in shapes], [c.dtype for c in device_caches], pin
+        )
         self.index: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
         self.free_slots = list(range(self.num_blocks - 1, -1, -1))
         self.disk = disk
@@ -80,6 +114,7 @@ class HostTier:
         self._async = pin
         self.kv_device = device_caches[0].device if device_caches else torch.device("cpu")
         self._pending: torch.cuda.Event | None = None
+        self._timed_copies: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def _after_copies(self) -> None:
         if self._async:
@@ -91,6 +126,10 @@ class HostTier:
         if self._pending is not None:
             self._pending.synchronize()
             self._pending = None
+
+    def describe(self) -> str:
+        pinned = ", page-locked for CUDA copies" if self._async else ""
+        return f"{self.num_blocks} blocks in {self.allocated_bytes / 2**20:.1f} MiB{pinned}"
 
     @property
     def used_bytes(self) -> int:
@@ -160,15 +199,33 @@ class HostTier:
         """Copy host blocks into the given device blocks (all hashes must be present)."""
         if not hashes:
             return
+        self.settle_latencies()
         t = time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True) if self._async else None
+        if start is not None:
+            start.record(torch.cuda.current_stream(self.kv_device))
         self.copy_in([self.index[h] for h in hashes], device_blocks)
         for h in hashes:
             self.index.move_to_end(h)
         self.remote.difference_update(hashes)
         self.loaded_blocks += len(hashes)
-        elapsed = time.perf_counter() - t
-        self.load_seconds += elapsed
-        self.load_latency_counts[bisect.bisect_left(SWAP_IN_BUCKETS, elapsed)] += 1
+        if start is None:
+            self._count_latency(time.perf_counter() - t)
+        else:  # the copies are in flight: timed on the stream, read once they have completed
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.kv_device))
+            self._timed_copies.append((start, end))
+
+    def _count_latency(self, seconds: float) -> None:
+        self.load_seconds += seconds
+        self.load_latency_counts[bisect.bisect_left(SWAP_IN_BUCKETS, seconds)] += 1
+
+    def settle_latencies(self) -> None:
+        """Count the swap-ins whose copies have completed since (CUDA: their time on the
+        stream, start to completion; enqueueing them takes microseconds whatever they cost)."""
+        while self._timed_copies and self._timed_copies[0][1].query():
+            start, end = self._timed_copies.pop(0)
+            self._count_latency(start.elapsed_time(end) / 1000)
 
     def _whole_blocks_only(self) -> None:
         """Blocks as bytes (disk, remote store) are whole; under tensor parallelism this rank

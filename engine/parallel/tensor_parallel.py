@@ -87,8 +87,17 @@ def meet(
         ) from None
     store = dist.PrefixStore("kvserve-tp", store)
     if device.type == "cuda":  # (unrun here: no GPU in this project's CI)
-        return dist.ProcessGroupNCCL(store, rank, world)
-    return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        group: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, world)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    # one collective now: NCCL makes its communicator at the first one, so a broken one (two
+    # ranks on one GPU, a missing peer link) fails here, before the server reports ready
+    probe = torch.ones(1, device=device)
+    group.allreduce([probe]).wait()
+    if int(probe.item()) != world:
+        raise RuntimeError(f"tensor-parallel ranks' first all-reduce summed {probe.item()}, "
+                           f"not {world}")  # fmt: skip
+    return group
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -339,8 +348,19 @@ def _watch(group: weakref.ref[TPGroup], rank: int, proc: subprocess.Popen) -> No
         owner._rank_exited(rank, code)
 
 
-def refusal(config: EngineConfig) -> str | None:
-    """Why these settings cannot run tensor parallel, or None."""
+def refusal(config: EngineConfig, cuda_devices: Callable[[], int] | None = None) -> str | None:
+    """Why these settings cannot run tensor parallel, or None. On CUDA each rank needs a GPU of
+    its own (rank r on cuda:(i + r) after --device cuda:i): two ranks on one GPU would fail at
+    the first request's all-reduce, after /health said ready."""
+    device = config.resolved_device()
+    if device.type == "cuda":
+        n, first = config.tensor_parallel_size, device.index or 0
+        count = (cuda_devices or torch.cuda.device_count)()
+        if first + n > count:
+            return (
+                f"{n} ranks need {n} GPUs from cuda:{first}; this machine has {count} "
+                "(each rank runs on a GPU of its own)"
+            )
     if config.quantization in ("int8", "int4", "int8wo"):
         return (
             f"--quantization {config.quantization} calibrates or rounds the whole model at "

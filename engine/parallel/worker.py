@@ -74,8 +74,8 @@ def worker_main(setup: Setup, rank: int, conn: Connection) -> None:
     )
     torch.set_num_threads(setup.threads)
     device = torch.device(setup.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+    if device.type == "cuda":  # rank 0 on --device cuda:i, rank r on cuda:(i + r) (refusal)
+        device = torch.device("cuda", (device.index or 0) + rank)
         torch.cuda.set_device(device)
     config, plan = setup.config, setup.plan
     reducer = None
