@@ -15,7 +15,6 @@ from __future__ import annotations
 import bisect
 import json
 import os
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -82,6 +81,9 @@ class AnswerCorpus:
         if len(tokens) != len(suffixes):
             raise ValueError("an answer corpus needs one suffix per token")
         self.tokens, self.suffixes, self.source = tokens, suffixes, source
+        # each suffix's first token, in suffix-array order: a search starts from its first
+        # token's run (one numpy search) instead of the whole array
+        self.first_tokens = np.asarray(tokens)[np.asarray(suffixes)]
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> AnswerCorpus:
@@ -108,11 +110,15 @@ class AnswerCorpus:
             start = int(sa[row])
             return toks[start : start + n].tolist()
 
-        lo = bisect.bisect_left(range(len(sa)), gram, key=key)
-        if lo == len(sa) or key(lo) != gram:
+        head = np.int32(gram[0])  # the array's own dtype: no converted copy of it per search
+        first = np.searchsorted(self.first_tokens, head, side="left")
+        last = np.searchsorted(self.first_tokens, head, side="right")
+        rows = range(int(first), int(last))
+        lo = rows.start + bisect.bisect_left(rows, gram, key=key)
+        if lo == rows.stop or key(lo) != gram:
             return lo, lo
         hi = lo + 1
-        while hi < len(sa) and hi - lo < MAX_VOTES and key(hi) == gram:
+        while hi < rows.stop and hi - lo < MAX_VOTES and key(hi) == gram:
             hi += 1
         return lo, hi
 
@@ -130,18 +136,20 @@ class AnswerCorpus:
             lo, hi = self._range(gram)
             if lo == hi:
                 continue
-            starts = [int(self.suffixes[row]) + n for row in range(lo, hi)]
+            # where each occurrence continues; they vote token by token, the losers dropped
+            starts = np.asarray(self.suffixes[lo:hi], dtype=np.int64) + n
             drafts: list[int] = []
-            while starts and len(drafts) < limit:
-                votes = Counter(int(self.tokens[s]) for s in starts if s < len(self.tokens))
-                votes.pop(SEPARATOR, None)
-                if not votes:
+            while len(drafts) < limit:
+                starts = starts[starts < len(self.tokens)]
+                nxt = np.asarray(self.tokens[starts])
+                values, counts = np.unique(nxt[nxt != SEPARATOR], return_counts=True)
+                if not len(values):
                     break
-                token, count = votes.most_common(1)[0]
-                if 2 * count <= len(starts) and drafts:  # no majority from here on
+                best = int(counts.argmax())
+                if 2 * int(counts[best]) <= len(starts) and drafts:  # no majority from here on
                     break
-                drafts.append(token)
-                starts = [s + 1 for s in starts if s < len(self.tokens) and self.tokens[s] == token]
+                drafts.append(int(values[best]))
+                starts = starts[nxt == values[best]] + 1
             if drafts:
                 return drafts, n
         return [], 0
