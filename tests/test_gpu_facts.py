@@ -29,7 +29,7 @@ def test_tensor_parallel_needs_a_gpu_per_rank(device, ranks, gpus, refused) -> N
         assert f"{ranks} ranks need {ranks} GPUs" in why and f"has {gpus}" in why
 
 
-def test_ranks_meet_with_a_collective() -> None:
+def test_ranks_meet_with_a_collective(monkeypatch) -> None:
     """Both ranks' first all-reduce runs inside `meet` (NCCL builds its communicator at the
     first collective: a broken one must fail before the server is ready)."""
     import socket
@@ -44,21 +44,17 @@ def test_ranks_meet_with_a_collective() -> None:
             calls.append("allreduce")
             return super().allreduce(*args, **kwargs)
 
-    real = torch.distributed.ProcessGroupGloo
-    torch.distributed.ProcessGroupGloo = Counting  # type: ignore[misc]
-    try:
-        groups: list[object] = [None, None]
-        threads = [
-            threading.Thread(target=lambda r=r: groups.__setitem__(
-                r, meet(r, 2, port, torch.device("cpu"), 30.0)))
-            for r in range(2)
-        ]  # fmt: skip
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        torch.distributed.ProcessGroupGloo = real  # type: ignore[misc]
+    monkeypatch.setattr(torch.distributed, "ProcessGroupGloo", Counting)
+    groups: list[object] = [None, None]
+    threads = [
+        threading.Thread(target=lambda r=r: groups.__setitem__(
+            r, meet(r, 2, port, torch.device("cpu"), 30.0)))
+        for r in range(2)
+    ]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
     assert all(g is not None for g in groups)
     assert calls == ["allreduce", "allreduce"]
 

@@ -1,5 +1,5 @@
-"""The answer corpus corpus drafts read (engine/spec/answer_corpus.py): the target answers every
-training prompt (`models.eagle.prompts.train_prompts`: templates x subjects; the held-out
+"""The answer corpus that corpus drafts read (engine/spec/answer_corpus.py): the target answers
+every training prompt (`models.eagle.prompts.train_prompts`: templates x subjects; the held-out
 subjects `bench/speculative.py` measures on never appear), greedily, with kvserve's batched
 engine, and the answers are written with their suffix array beside the shipped head, whose
 `target_probe.json` keys the corpus to the model's weights like the head.

@@ -404,7 +404,7 @@ def _engine_info(
         draft_sources=drafter.sources if drafter is not None else (),
         spec_max_verify_rows=config.spec_max_verify_rows,
         spec_cost=drafter.cost.table() if drafter is not None and drafter.cost else "",
-        draft_corpus=drafter.corpus.describe() if drafter is not None and drafter.corpus else "",
+        draft_corpus=drafter.corpus.describe() if drafter and drafter.corpus is not None else "",
         has_host_tier=host is not None,
         pooling=resolve_pooling(model_path, config.pooling),
         kv_namespace=kv_namespace(

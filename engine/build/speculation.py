@@ -79,9 +79,8 @@ def build_drafter(
         return None
     sources = ("grammar", "suffix", "corpus", "eagle") if method == "auto" else (method,)
     corpus = load_answer_corpus(config, model) if "corpus" in sources else None
-    sources = tuple(
-        s for s in sources if (s != "eagle" or head is not None) and (s != "corpus" or corpus)
-    )
+    have = {"eagle": head is not None, "corpus": corpus is not None}
+    sources = tuple(s for s in sources if have.get(s, True))
     log.info("speculative decoding: drafts from %s, at most %d per request", sources, k)
     cost = None
     if config.spec_cost_model:

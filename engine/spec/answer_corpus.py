@@ -4,10 +4,11 @@ A model's answers to different questions share their phrasing ("Here are some ti
 skeletons, code idioms, closing lines); the continuation of the longest n-gram ending a request
 that also occurs in the corpus is the guess, verified like any other draft.
 
-Pure helpers over two int32 arrays (memory-mapped at startup, so every worker process shares
-the pages): `tokens`, the answers one after another with SEPARATOR between them, and `suffixes`,
-the start of every suffix in lexicographic order. `AnswerCorpus.match` is a binary search per
-n-gram size; `build_suffix_array` is numpy prefix doubling (O(n log^2 n)).
+Pure helpers over two int32 arrays, memory-mapped at startup: `tokens`, the answers one after
+another with SEPARATOR between them, and `suffixes`, the start of every suffix in lexicographic
+order (each suffix's first token is gathered into memory once, where every search starts).
+`AnswerCorpus.match` is a binary search per n-gram size; `build_suffix_array` is numpy prefix
+doubling (O(n log^2 n)).
 """
 
 from __future__ import annotations
@@ -42,14 +43,16 @@ def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
     rank = np.unique(tokens, return_inverse=True)[1].astype(np.int64) + 1  # 0: past the end
     step = 1
     while True:
+        # ranks order the suffixes by their first `step` tokens, so they are all distinct once
+        # 2 * step >= n: this loop returns before step reaches n
         nxt = np.zeros(n, dtype=np.int64)
-        nxt[: n - step] = rank[step:] if step < n else nxt[:0]
+        nxt[: n - step] = rank[step:]
         order = np.lexsort((nxt, rank))
         key_r, key_n = rank[order], nxt[order]
         new = np.empty(n, dtype=np.int64)
         new[order] = np.cumsum(np.r_[True, (key_r[1:] != key_r[:-1]) | (key_n[1:] != key_n[:-1])])
         rank = new
-        if rank.max() == n or step >= n:
+        if rank.max() == n:
             return order.astype(np.int32)
         step *= 2
 
