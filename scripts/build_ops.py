@@ -40,16 +40,12 @@ def build(entry: str, march: str) -> str:
 
 
 def built(entry: str, march: str) -> bool:
-    """Whether the op's library exists and is newer than its source and headers (the load at
-    first use checks more, and rebuilds if it must)."""
+    """Whether the op's library for its current sources is complete on disk."""
     import importlib
 
     os.environ["KVSERVE_CPP_MARCH"] = march  # read by build_dir()
     module, attr = entry.split(":")
-    ops = getattr(importlib.import_module(module), attr)
-    library = Path(ops.build_dir()) / f"{ops.name}.so"
-    newest = max(path.stat().st_mtime for path in ops.inputs)
-    return library.is_file() and library.stat().st_mtime >= newest
+    return getattr(importlib.import_module(module), attr).is_built()
 
 
 def main() -> None:

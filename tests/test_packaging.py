@@ -139,24 +139,20 @@ def _pypi_reachable() -> bool:
 def test_image_package_set_resolves_for_its_python_and_platform(tmp_path) -> None:
     """The image's pip install (the project's dependencies and its `gpu` extra) resolves from
     PyPI for the image's Python and platform, binary wheels only, without downloading them;
-    and the torch it gets is built for the base image's CUDA."""
-    import json
-
+    and the torch it gets is built for the base image's CUDA. uv resolves it (pip's resolver
+    took ~35 s of the suite for the same answer)."""
     cuda, _, ubuntu = _base_image()
     project = _pyproject()["project"]
-    reqs = tmp_path / "requirements.txt"
+    reqs = tmp_path / "requirements.in"
     reqs.write_text("\n".join(project["dependencies"] + project["optional-dependencies"]["gpu"]))
-    platforms = ["manylinux2014_x86_64"] + [f"manylinux_2_{i}_x86_64" for i in range(17, 40)]
-    report = tmp_path / "report.json"
+    pinned = tmp_path / "requirements.txt"
     cmd = [
-        sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-        "--target", str(tmp_path / "target"), "--python-version", UBUNTU_PYTHON[ubuntu],
-        "--only-binary=:all:", "--report", str(report), "-r", str(reqs),
+        sys.executable, "-m", "uv", "pip", "compile", str(reqs), "--output-file", str(pinned),
+        "--python-version", UBUNTU_PYTHON[ubuntu], "--python-platform", "x86_64-manylinux_2_39",
+        "--only-binary", ":all:", "--no-header", "--no-annotate", "--quiet",
     ]  # fmt: skip
-    for platform in platforms:
-        cmd += ["--platform", platform]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and ("NewConnectionError" in r.stderr or "timed out" in r.stderr):
+    if r.returncode != 0 and ("Failed to fetch" in r.stderr or "timed out" in r.stderr):
         pytest.skip("PyPI unreachable during resolution")
     assert r.returncode == 0, r.stderr[-3000:]
     import re
@@ -164,10 +160,10 @@ def test_image_package_set_resolves_for_its_python_and_platform(tmp_path) -> Non
     def norm(name: str) -> str:
         return re.sub(r"[-_.]+", "-", name).lower()
 
-    got = {
-        norm(i["metadata"]["name"]): i["metadata"]["version"]
-        for i in json.loads(report.read_text())["install"]
-    }
+    got = dict(
+        (norm(name), version)
+        for name, version in (line.split("==") for line in pinned.read_text().split() if line)
+    )
     for dep in project["dependencies"] + project["optional-dependencies"]["gpu"]:
         name, version = dep.split("==")
         assert got[norm(name)] == version.split(";")[0].strip(), name
