@@ -28,13 +28,9 @@ STEP = re.compile(r"decode step, batch \d+: ([\d.]+) ms")
 def tree_env(tree: Path) -> dict[str, str]:
     """Each tree runs its own code (PYTHONPATH: the venv's editable install maps the packages
     to the checkout it was installed from, and a script's own folder comes first on sys.path,
-    not the tree's root) and builds its C++ ops in its own directory: sharing one, torch would
-    rebuild the ops at every switch between trees (their sources or flags differ)."""
-    return {
-        **os.environ,
-        "PYTHONPATH": str(tree),
-        "TORCH_EXTENSIONS_DIR": f"/tmp/kvserve-ab-ext-{tree.name}",
-    }
+    not the tree's root); their C++ ops build by content (models/cpp_ext.py), so trees whose
+    sources agree share them."""
+    return {**os.environ, "PYTHONPATH": str(tree)}
 
 
 def step_ms(tree: Path, steps: int) -> float:

@@ -7,7 +7,7 @@ sends a cold ~1,500-token prompt every `--every` seconds (8 tokens, streamed for
 Prints the streams' ITL p50 / p99 in both phases and their ratio (the target: p99 under the
 burst <= 2x the idle p99), the long prompts' TTFT, and output tok/s of the streams.
 
-    python bench/prefill_burst.py [--seconds 30] [--every 3] [--server-arg=--max-itl-factor=0 ...]
+    python bench/prefill_burst.py [--seconds 30] [--every 3] [--server-arg=--max-itl-factor=-1 ...]
 """
 
 from __future__ import annotations

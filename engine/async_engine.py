@@ -128,9 +128,12 @@ class AsyncEngine:
             if request_id in self._queues:
                 raise ValueError(f"duplicate request id {request_id}")
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        # arrival is now, not when the engine thread reads its inbox (the end of the step it is
+        # in): queue time and the deadline order count the wait for that step too
+        arrival = time.monotonic()
         for request_id, ids, params in requests:
             self._queues[request_id] = q
-            self._inbox.put(("add", request_id, ids, params))
+            self._inbox.put(("add", request_id, ids, params, arrival))
         return q
 
     async def stream(
@@ -316,9 +319,9 @@ class AsyncEngine:
     def _handle(self, msg: tuple[Any, ...], out: list) -> None:
         kind = msg[0]
         if kind == "add":
-            _, request_id, ids, params = msg
+            _, request_id, ids, params, arrival = msg
             try:
-                self._core.add_request(request_id, ids, params)
+                self._core.add_request(request_id, ids, params, arrival_time=arrival)
             except Exception as e:  # invalid after all: fail just this request
                 out.append((request_id, e))
         elif kind == "abort":

@@ -158,9 +158,11 @@ class EngineConfig:
     )
     max_itl_factor: float = setting(
         0.0,
-        "a step that carries streamed decode rows costs at most this times their decode step "
-        "alone while every pending prefill still finishes within 2x its prefill alone (their "
-        "inter-token latency under long prompts; e.g. 2); 0 (default): unbounded",
+        "streamed decode rows' inter-token latency under long prompts, while every pending "
+        "prefill still finishes within 2x its prefill alone: 0 (default) a step carrying them "
+        "gives prefills at most the chunk measured at startup (the shortest whose prefill "
+        "costs within 25% a token of the cheapest); N >= 1: such a step costs at most N times "
+        "their decode step alone; -1: unbounded",
     )
     max_model_len: int | None = setting(None, "context length served (0: the model's own)")
     enable_prefix_caching: bool = setting(True, "reuse KV blocks across requests by prefix hash")
@@ -328,8 +330,10 @@ class EngineConfig:
             raise ValueError("block_size must be a power of two up to 128")
         if self.short_prefill_tokens < 0:
             raise ValueError("short_prefill_tokens must be >= 0 (0: every step held to target)")
-        if self.max_itl_factor < 0 or (0 < self.max_itl_factor < 1):
-            raise ValueError("max_itl_factor must be 0 (unbounded) or at least 1")
+        if self.max_itl_factor not in (-1, 0) and self.max_itl_factor < 1:
+            raise ValueError(
+                "max_itl_factor must be 0 (the measured chunk), -1 (unbounded) or at least 1"
+            )
         if self.target_step_ms < 0 and self.target_step_ms != -1:
             raise ValueError("target_step_ms must be -1 (off), 0 (measured) or positive")
         if not 0.0 <= self.kv_pin_share <= 1.0:

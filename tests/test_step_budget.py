@@ -70,6 +70,30 @@ def test_streamed_decode_rows_bound_the_prefill_beside_them() -> None:
     assert unbounded.prefill_tokens(decode_tokens=4, streamed_rows=4) == 44
 
 
+def test_by_default_streamed_rows_hold_prefills_to_the_measured_stream_chunk() -> None:
+    """The default bound (max_itl_factor 0): beside streamed rows a step's prefill takes the
+    shortest measured chunk within STREAM_TOLERANCE a token of the cheapest; -1 lifts it."""
+    # 16 rows cost 1.125 ms a token, 9% over 64 rows' 1.031: within 25%
+    budget = StepBudget.measured(64, COSTS, 0.0, 0.0, 4, 32)
+    assert budget.stream_rows == 16 and budget.bounds_streams
+    assert budget.prefill_tokens(decode_tokens=4, streamed_rows=0) == 60
+    assert budget.prefill_tokens(decode_tokens=4, streamed_rows=4) == 16
+    assert budget.prefill_tokens(decode_tokens=4, streamed_rows=2) == 16  # any streamed row
+    assert "beside streamed decode rows 16 prefill tokens a step" in budget.describe()
+    lifted = StepBudget.measured(64, COSTS, 0.0, 0.0, 4, 32, stream_bound=False)
+    assert not lifted.bounds_streams
+    assert lifted.prefill_tokens(decode_tokens=4, streamed_rows=4) == 60
+
+
+def test_the_server_default_bounds_streams_and_minus_one_lifts_it() -> None:
+    from engine.config import EngineConfig
+
+    EngineConfig(model="m", max_itl_factor=-1).validate()
+    EngineConfig(model="m", max_itl_factor=2).validate()
+    with pytest.raises(ValueError, match="max_itl_factor"):
+        EngineConfig(model="m", max_itl_factor=0.5).validate()
+
+
 def test_deadlines_are_slowdown_times_the_prefill_alone() -> None:
     budget = StepBudget(64, COSTS, target_rows=48)
     assert budget.deadline(10.0, 8) == pytest.approx(10.0 + SLOWDOWN * 0.010)
@@ -95,6 +119,26 @@ def test_a_streamed_decode_keeps_its_step_short_beside_a_long_prompt() -> None:
         assert (worst <= 2.0 + 1e-9) is bounded, worst
 
 
+def test_beside_a_stream_a_long_prompt_moves_in_stream_chunks() -> None:
+    """The default bound on the scheduler: while the streamer decodes, every step's prefill is
+    at most the stream chunk, and the whole long prompt moves beside it."""
+    rng = random.Random(0)
+    budget = StepBudget(64, COSTS, target_rows=64, stream_rows=16, min_prefill_tokens=1)
+    sched = make(num_blocks=128, block_size=4, budget=budget, by_deadline=True)
+    sched.add(request("stream", [1, 2, 3], 40, streamed=True))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out, rng))
+    sched.add(request("long", list(range(1, 150)), 1))
+    chunks = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        ids = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+        if "stream" in ids and "long" in ids:
+            chunks.append(ids["long"])
+        sched.update_from_output(out, fake_run(out, rng))
+    assert chunks and max(chunks) <= 16 and sum(chunks) >= 149, chunks
+
+
 def test_the_bound_gives_way_when_a_prefill_would_miss_its_deadline() -> None:
     budget = StepBudget(64, COSTS, target_rows=48, max_itl_factor=2.0, min_prefill_tokens=4)
     # 4 streamed rows: 6 prefill tokens a step at 12 ms, 2 ms a token
@@ -102,6 +146,9 @@ def test_the_bound_gives_way_when_a_prefill_would_miss_its_deadline() -> None:
     assert budget.prefill_tokens(4, 4, now=0.0, prefills=[(1.0, 600)]) == 44  # 1.2 s: late
     # the second of two in deadline order would miss its deadline behind the first
     assert budget.prefill_tokens(4, 4, now=0.0, prefills=[(0.5, 200), (0.9, 300)]) == 44
+    # it gives way by what the late ones need: a newcomer's short prompt due at once widens
+    # the step by itself, not to the whole room (the long prompt behind it is in time)
+    assert budget.prefill_tokens(4, 4, now=0.0, prefills=[(0.01, 20), (5.0, 400)]) == 20
 
 
 def test_a_long_prompt_that_has_waited_goes_before_a_new_short_one() -> None:

@@ -39,7 +39,7 @@ def step_budget(
 ) -> StepBudget:
     """The budget `config` asks for: the full token budget every step when `target_step_ms`
     is negative (no measurement), else held to the target (0: measured) near short prefills
-    and, with `max_itl_factor`, to streamed decode rows' inter-token latency."""
+    and to streamed decode rows' inter-token latency (`max_itl_factor`)."""
     full = config.max_num_batched_tokens
     if config.target_step_ms < 0:
         return StepBudget(full)
@@ -51,8 +51,10 @@ def step_budget(
     costs = _MEASURED.get(key)
     if costs is None:
         costs = _MEASURED[key] = _measure(model, backend, rows, context, block_size, device)
-    budget = StepBudget.measured(full, costs, config.target_step_ms, config.max_itl_factor,
-                                 block_size, config.short_prefill_tokens)  # fmt: skip
+    factor = config.max_itl_factor
+    budget = StepBudget.measured(full, costs, config.target_step_ms, max(factor, 0.0),
+                                 block_size, config.short_prefill_tokens,
+                                 stream_bound=factor != -1)  # fmt: skip
     log.info(
         "step budget: %d tokens (%.0f ms) of %d; step costs %s",
         budget.target_rows, 1000 * (budget.target_s or 0), full, costs.table(),

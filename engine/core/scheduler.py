@@ -156,12 +156,15 @@ class Scheduler:
         full = self.budget.max_tokens
         left = self._schedule_running(out, full, prefills=False)
         streamed = sum(1 for s in out.scheduled if s.request.sampling_params.streamed)
-        held = unheld = left
+        held = unheld = short_room = left
         if left > 0 and (self.waiting or len(out.scheduled) < len(self.running)):
             now = time.monotonic()
             due = self._prefills_due(out)
             decode = full - left
             scale = self.cost_scale
+            # a short prefill's one step is not cut for the streams: what stalls them is a
+            # long prompt's chunks, and a prefix hit's suffix in stream chunks waits steps
+            short_room = min(left, self.budget.prefill_tokens(decode, 0, shorts_near=False))
             unheld = min(left, self.budget.prefill_tokens(decode, streamed, now, due, False, scale))
             held = unheld
             if self._shorts_near(now):
@@ -169,7 +172,7 @@ class Scheduler:
                     left, self.budget.prefill_tokens(decode, streamed, now, due, True, scale)
                 )
         if self.by_deadline:
-            self._schedule_prefills(out, held, unheld)
+            self._schedule_prefills(out, held, unheld, short_room)
         else:
             self._admit(out, self._schedule_running(out, held, prefills=True))
         return out
@@ -178,7 +181,7 @@ class Scheduler:
         """A step's wall time, against what the measured costs predicted for its tokens (only
         the streamed rows' bound reads it; decode-only steps serve at their measured cost)."""
         predicted = self.budget.predicted(out.num_tokens)
-        if predicted is None or not self.budget.max_itl_factor:
+        if predicted is None or not self.budget.bounds_streams:
             return
         if any(s.num_new_tokens - s.num_spec > 1 for s in out.scheduled):
             self.cost_scale = 0.9 * self.cost_scale + 0.1 * min(seconds / predicted, 10.0)
@@ -191,7 +194,7 @@ class Scheduler:
     def _prefills_due(self, out: SchedulerOutput) -> list[tuple[float, int]] | None:
         """(deadline, tokens left) of every prefill not scheduled yet, by deadline; None
         without streamed rows in the step or their bound (nothing asks for it)."""
-        if not self.budget.max_itl_factor or not any(
+        if not self.budget.bounds_streams or not any(
             s.request.sampling_params.streamed for s in out.scheduled
         ):
             return None
@@ -200,10 +203,12 @@ class Scheduler:
         return [(self.budget.yield_deadline(r.arrival_time, r.deadline), _prefill_left(r))
                 for r in sorted(pending, key=_by_deadline)]  # fmt: skip
 
-    def _schedule_prefills(self, out: SchedulerOutput, held: int, unheld: int) -> None:
+    def _schedule_prefills(
+        self, out: SchedulerOutput, held: int, unheld: int, short_room: int
+    ) -> None:
         """Running requests' next chunks and waiting requests' admissions, one list in order of
         deadline: within `held` tokens, but for the first short one (its whole remainder in one
-        step, for its first token), within `unheld`."""
+        step, for its first token), within `short_room`; none once `unheld` is spent."""
         done = {id(s.request) for s in out.scheduled}
         running = [r for r in self.running if id(r) not in done]
         preempted_now = set(out.preempted)
@@ -217,7 +222,7 @@ class Scheduler:
             # deadline first, rather than all waiting for one long step
             first = unheld == first_unheld
             short = self.budget.is_short(_prefill_left(request))
-            cap = unheld if short and first else held
+            cap = short_room if short and first else held
             if cap <= 0:
                 continue
             if request.status == RequestStatus.RUNNING and request in self.running:

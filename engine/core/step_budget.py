@@ -15,10 +15,15 @@ step reads the weights again, and a later chunk reads its earlier context again)
   latency: by default the shortest step whose prefill costs within `EFFICIENT_TOLERANCE` a
   token of the cheapest measured. A short prefill then waits at most one such step to be
   admitted, and takes its whole remainder in one step.
-- A step that carries streamed decode rows (a client reading tokens as they come) costs at most
-  `max_itl_factor` times their decode step alone (Sarathi-Serve's stall-free batching), as
-  long as every pending prefill still finishes within `YIELD_SLOWDOWN` times its prefill alone
-  at that rate: under a queue of prompts the bound gives way, first tokens first.
+- A step that carries streamed decode rows (a client reading tokens as they come) gives its
+  prefills at most `stream_rows` tokens (Sarathi-Serve's stall-free batching): the shortest
+  measured step whose prefill costs within `STREAM_TOLERANCE` a token of the cheapest, so the
+  streams' inter-token latency stays near a short step's while a long prompt costs a little
+  more a token; or, with `max_itl_factor`, at most that many times their decode step alone.
+  Either bound holds as long as every pending prefill still finishes within `YIELD_SLOWDOWN`
+  times its prefill alone at the bounded rate; where some would not, it gives way by the
+  tokens of those (in deadline order, up to the last that would miss): a newcomer's short
+  prompt widens one step by itself, a queue of prompts lifts the bound, first tokens first.
 - Prefills take their tokens in order of the deadline they would miss: arrival plus
   `SLOWDOWN` times what their uncached tokens cost alone. A prefix hit's suffix is due soon
   after it arrives and goes first; a long prompt that has waited long enough is due earlier than
@@ -32,6 +37,10 @@ from dataclasses import dataclass
 
 # a chunk size is efficient when its cost per token is within this of the full budget's
 EFFICIENT_TOLERANCE = 0.05
+# beside streamed decode rows, a prefill's chunk may cost this much more a token (their ITL is
+# the step's latency): on two cores a 64-token chunk, 50-90 ms against 170-320 ms for 256 (the
+# 64-token step measured 12-24% dearer a token, so a tighter tolerance flips with noise)
+STREAM_TOLERANCE = 0.25
 # a request's time-to-first-token deadline: this many times its prefill alone after arrival
 SLOWDOWN = 4.0
 # streamed rows' bound gives way when a prefill would take more than this many times its
@@ -85,15 +94,15 @@ class StepCosts:
                 hi = mid - 1
         return lo
 
-    def efficient_rows(self, full: int) -> int:
+    def efficient_rows(self, full: int, tolerance: float = EFFICIENT_TOLERANCE) -> int:
         """The smallest measured step of at most `full` tokens whose cost per token is within
-        EFFICIENT_TOLERANCE of the cheapest (a big chunk is not always the cheapest a token:
+        `tolerance` of the cheapest (a big chunk is not always the cheapest a token:
         attention grows with it, and its activations leave the caches)."""
         measured = [(r, s) for r, s in zip(self.rows, self.seconds, strict=True) if r <= full]
         if not measured:
             return full
         cheapest = min(s / r for r, s in measured)
-        return next(r for r, s in measured if s / r <= (1 + EFFICIENT_TOLERANCE) * cheapest)
+        return next(r for r, s in measured if s / r <= (1 + tolerance) * cheapest)
 
     def table(self) -> str:
         return ", ".join(f"{r}: {1000 * s:.1f} ms" for r, s in zip(self.rows, self.seconds,
@@ -107,7 +116,10 @@ class StepBudget:
     max_tokens: int  # max_num_batched_tokens: no step ever takes more
     costs: StepCosts | None = None  # None: every step may take max_tokens
     target_rows: int = 0  # tokens a step holds within the target latency (0: max_tokens)
-    max_itl_factor: float = 0.0  # 0: streamed decode rows do not bound a step
+    # prefill tokens a step with streamed decode rows may hold (0: unbounded), unless
+    # max_itl_factor bounds it instead
+    stream_rows: int = 0
+    max_itl_factor: float = 0.0
     min_prefill_tokens: int = 16  # a step with prefills waiting gives them at least this
     short_tokens: int = 0  # a prefill of at most this is short (0: every step held to target)
     hold_s: float = 0.0  # steps stay held this long after a short prefill arrived
@@ -115,16 +127,24 @@ class StepBudget:
     @classmethod
     def measured(
         cls, max_tokens: int, costs: StepCosts, target_step_ms: float, max_itl_factor: float,
-        min_prefill_tokens: int, short_tokens: int,
+        min_prefill_tokens: int, short_tokens: int, stream_bound: bool = True,
     ) -> StepBudget:  # fmt: skip
-        """target_step_ms 0: the efficient chunk's cost (`StepCosts.efficient_rows`)."""
+        """target_step_ms 0: the efficient chunk's cost (`StepCosts.efficient_rows`).
+        `stream_bound` False: streamed decode rows do not bound a step."""
         if target_step_ms > 0:
             target = costs.rows_within(target_step_ms / 1000)
         else:
             target = costs.efficient_rows(max_tokens)
+        stream = costs.efficient_rows(max_tokens, STREAM_TOLERANCE) if stream_bound else 0
         hold = HOLD_FULL_STEPS * costs.cost(max_tokens)
-        return cls(max_tokens, costs, min(target, max_tokens), max_itl_factor,
-                   min_prefill_tokens, short_tokens, hold)  # fmt: skip
+        return cls(max_tokens, costs, min(target, max_tokens), min(stream, max_tokens),
+                   max_itl_factor if stream_bound else 0.0, min_prefill_tokens, short_tokens,
+                   hold)  # fmt: skip
+
+    @property
+    def bounds_streams(self) -> bool:
+        """Whether streamed decode rows bound the steps they ride in."""
+        return self.costs is not None and (self.max_itl_factor > 0 or self.stream_rows > 0)
 
     def is_short(self, prefill_tokens: int) -> bool:
         return 0 < prefill_tokens <= self.short_tokens
@@ -137,8 +157,12 @@ class StepBudget:
         """The kernel matrix's line: what a step is held to, and the costs behind it."""
         if self.costs is None:
             return f"{self.max_tokens} tokens a step (not measured: --target-step-ms -1)"
-        itl = (f"; with streamed decode rows at most {self.max_itl_factor:g}x their step alone"
-               if self.max_itl_factor else "")  # fmt: skip
+        if self.max_itl_factor:
+            itl = f"; with streamed decode rows at most {self.max_itl_factor:g}x their step alone"
+        elif self.stream_rows:
+            itl = f"; beside streamed decode rows {self.stream_rows} prefill tokens a step"
+        else:
+            itl = ""
         held = (f"while a prefill of at most {self.short_tokens} tokens waits or came in the "
                 f"last {self.hold_s:.1f} s, " if self.short_tokens else "")  # fmt: skip
         return (
@@ -167,14 +191,18 @@ class StepBudget:
         held = self.target_rows and (shorts_near or not self.short_tokens)
         rows = self.target_rows if held else self.max_tokens
         room = max(rows - decode_tokens, self.min_prefill_tokens)
-        if streamed_rows and self.max_itl_factor > 0 and self.costs is not None:
-            # the bound on served times: factor x the decode step alone, as a mixed step's cost
-            itl = self.max_itl_factor * self.costs.cost(decode_tokens) / cost_scale
-            bounded = max(min(rows, self.costs.rows_within(itl)) - decode_tokens,
-                          self.min_prefill_tokens)  # fmt: skip
+        if streamed_rows and self.bounds_streams:
+            assert self.costs is not None
+            if self.max_itl_factor > 0:
+                # factor x the decode step alone, on served times, as a mixed step's cost
+                itl = self.max_itl_factor * self.costs.cost(decode_tokens) / cost_scale
+                bounded = max(min(rows, self.costs.rows_within(itl)) - decode_tokens,
+                              self.min_prefill_tokens)  # fmt: skip
+            else:
+                bounded = max(self.stream_rows, self.min_prefill_tokens)
             per_token = cost_scale * self.costs.cost(decode_tokens + bounded) / bounded
-            if bounded < room and _all_meet(prefills or [], now, per_token):
-                room = bounded
+            if bounded < room:
+                room = min(room, max(bounded, _tokens_to_meet(prefills or [], now, per_token)))
         return min(room, self.max_tokens - decode_tokens)
 
     def predicted(self, tokens: int) -> float | None:
@@ -194,12 +222,13 @@ class StepBudget:
         return arrival + SLOWDOWN * alone
 
 
-def _all_meet(prefills: list[tuple[float, int]], now: float, per_token_s: float) -> bool:
-    """Whether prefills served one after another in deadline order, at `per_token_s` a
-    token, each finish by its deadline (EDF's feasibility test)."""
-    tokens = 0
+def _tokens_to_meet(prefills: list[tuple[float, int]], now: float, per_token_s: float) -> int:
+    """Served one after another in deadline order at `per_token_s` a token (EDF's
+    feasibility test): the tokens of the prefills up to the last one that would finish after
+    its deadline; 0 when every one meets it."""
+    tokens = needed = 0
     for deadline, left in prefills:
         tokens += left
         if now + tokens * per_token_s > deadline:
-            return False
-    return True
+            needed = tokens
+    return needed
