@@ -1,8 +1,8 @@
 """CUDA runs of the engine (skipped without a GPU; scripts/gpu_check.sh runs them on a lent GPU
 host): the torch backend on the device against the CPU (float32 exactly, bfloat16 and float16
 approximately), FlashInfer and xformers against the torch backend, seeded sampling on the
-device (plain and speculative), CUDA graphs on and off (identical greedy tokens), and the
-startup warm-up."""
+device, suffix speculation through FlashInfer (lossless), CUDA graphs on and off (identical
+greedy tokens), and the startup warm-up."""
 
 from __future__ import annotations
 
@@ -80,11 +80,14 @@ def test_seeded_sampling_on_cuda(llama_dir) -> None:
 
 @pytest.fixture(scope="module")
 def head64_dir(tmp_path_factory) -> str:
-    """A tiny Llama with head_dim 64 (FlashInfer's smallest compiled head size), GQA 4."""
+    """A tiny Llama with head_dim 64 (FlashInfer's smallest compiled head size) and GQA 2, so
+    decode runs FlashInfer's CUDA-core module (GQA 4 and up take the tensor-core one, a second
+    multi-unit JIT build): the model scripts/gpu_check.sh builds and compiles for first."""
     from tests.conftest import build_model
 
     out = tmp_path_factory.mktemp("head64") / "llama"
-    dims = dict(hidden_size=256, intermediate_size=512, num_key_value_heads=1)
+    dims = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                num_key_value_heads=2)  # fmt: skip
     return str(build_model("llama", out, **dims))
 
 
@@ -104,6 +107,21 @@ def test_flashinfer_matches_torch_backend(head64_dir) -> None:
     for p in PROMPTS:
         a, b = score_prompt(ref.engine, p).float(), score_prompt(fast.engine, p).float()
         assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+@pytest.mark.skipif(not has_flashinfer, reason="needs flashinfer")
+def test_flashinfer_suffix_speculation_is_lossless(head64_dir) -> None:
+    """Speculation as the server ships it (suffix drafts, verify steps through FlashInfer's
+    prefill): the greedy tokens of speculation off, and the second time a prompt is sent its
+    first answer drafts nearly every token."""
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    kw = dict(num_kv_blocks=64, device="cuda", dtype="bfloat16", speculative_method="suffix")
+    want = tokens(LLM(head64_dir, num_speculative_tokens=0, **kw), PROMPTS, params)
+    on = LLM(head64_dir, num_speculative_tokens=4, **kw)
+    assert on.engine.info.attention_backend == "flashinfer", on.engine.info.kernel_table
+    assert tokens(on, PROMPTS, params) == want
+    assert tokens(on, PROMPTS, params) == want
+    assert on.engine.drafter.stats["suffix"].num_accepted_tokens > 48
 
 
 @pytest.mark.skipif(not has_flashinfer, reason="needs flashinfer")

@@ -1,0 +1,122 @@
+"""Prove, without a GPU, that a FlashInfer package (the trimmed one scripts/gpu_check.sh carries)
+holds every source and header of the JIT modules this project builds: generate each module's
+sources and ninja file as FlashInfer's JIT does, then run every nvcc compile command as a
+dependency scan (`nvcc -M`: the preprocessor only, host and device passes) instead of a compile.
+
+    PYTHONPATH=<site> python scripts/flashinfer_sources.py [--cuda-include DIR ...]
+
+The modules: batch decode (CUDA cores, fa2), batch prefill fa2 and fa3 (sm90), and the paged-KV
+append, for bfloat16 and float16 at head_dim 64 and 128 (the engine's FlashInferBackend,
+engine/attention/flashinfer_backend.py). `--cuda-include` adds a CUDA library's headers that a
+partial toolkit here lacks (curand's, which CUTLASS's utilities include); a header missing from
+the package is a defect of the trim, one missing from the toolkit is reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+MISSING = re.compile(r"fatal error: (\S+): No such file or directory")
+
+
+def module_specs(head_dims: tuple[int, ...]) -> list:
+    import torch
+    from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
+    from flashinfer.jit.page import gen_page_module
+
+    specs = [gen_page_module()]
+    for dtype in (torch.bfloat16, torch.float16):
+        for d in head_dims:
+            common = (dtype, dtype, dtype, torch.int32, d, d, 0, False, False)
+            specs.append(gen_batch_decode_module(*common))
+            for backend in ("fa2", "fa3"):
+                specs.append(gen_batch_prefill_module(backend, *common, False))
+    return specs
+
+
+def scan_commands(spec, cuda_includes: list[str]) -> list[tuple[str, list[str]]]:
+    """(source, the nvcc command as a dependency scan) for each CUDA source of a module."""
+    spec.write_ninja()
+    listed = subprocess.run(
+        ["ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path), "-t", "commands"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    extra = [f for inc in cuda_includes for f in ("-isystem", inc)]
+    scans = []
+    for line in listed:
+        argv = shlex.split(line)
+        if not argv or not argv[0].endswith("nvcc"):
+            continue
+        source = argv[argv.index("-c") + 1]
+        kept, skip = [], 0
+        for arg in argv:
+            if skip:
+                skip -= 1
+            elif arg == "--generate-dependencies-with-compile":
+                pass
+            elif arg in ("-MF", "-o"):
+                skip = 1
+            elif arg == "-c":
+                kept += ["-M", source, "-o", os.devnull]
+                skip = 1
+            else:
+                kept.append(arg)
+        scans.append((source, kept[:1] + extra + kept[1:]))
+    return scans
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cuda-include", action="append", default=[])
+    parser.add_argument("--head-dims", default="64,128")
+    args = parser.parse_args()
+    os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", tempfile.mkdtemp(prefix="fi_sources_"))
+    import flashinfer
+
+    package = Path(flashinfer.__file__).parent
+    toolkit_gaps: set[str] = set()
+    defects: list[str] = []
+    start = time.time()
+    head_dims = tuple(int(d) for d in args.head_dims.split(","))
+    scans = [s for spec in module_specs(head_dims) for s in scan_commands(spec, args.cuda_include)]
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        results = pool.map(lambda s: subprocess.run(s[1], capture_output=True, text=True), scans)
+    count = len(scans)
+    for (source, _), done in zip(scans, results):
+        if done.returncode == 0:
+            continue
+        missing = MISSING.search(done.stderr)
+        if missing is None:
+            defects.append(f"{Path(source).name}: {done.stderr.strip()[-400:]}")
+        elif missing.group(1).startswith(("curand", "cublas", "cusparse", "cufft")):
+            toolkit_gaps.add(missing.group(1))
+        else:
+            defects.append(f"{Path(source).name}: {missing.group(1)} not found")
+    print(
+        f"{count} sources of FlashInfer's JIT scanned against {package} in "
+        f"{time.time() - start:.0f} s"
+    )
+    if toolkit_gaps:
+        print(
+            "not checked past a header this CUDA toolkit lacks (not FlashInfer's):",
+            ", ".join(sorted(toolkit_gaps)),
+        )
+    for line in defects:
+        print("MISSING", line)
+    return 1 if defects else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
