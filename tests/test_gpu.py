@@ -1,8 +1,8 @@
 """CUDA runs of the engine (skipped without a GPU; scripts/gpu_check.sh runs them on a lent GPU
 host): the torch backend on the device against the CPU (float32 exactly, bfloat16 and float16
 approximately), FlashInfer and xformers against the torch backend, seeded sampling on the
-device, suffix speculation through FlashInfer (lossless), CUDA graphs on and off (identical
-greedy tokens), and the startup warm-up."""
+device, suffix speculation through FlashInfer and an EAGLE head (both lossless), CUDA graphs
+on and off (identical greedy tokens), and the startup warm-up."""
 
 from __future__ import annotations
 
@@ -76,6 +76,20 @@ def test_seeded_sampling_on_cuda(llama_dir) -> None:
     mixed = llm.generate(PROMPTS + [PROMPTS[0]], [GREEDY, GREEDY, seeded])
     assert [o.outputs[0].finish_reason for o in mixed] == ["length"] * 3
     assert tokens(llm, [PROMPTS[0]], seeded) == alone
+
+
+def test_eagle_head_is_lossless_on_cuda(llama_dir, tmp_path) -> None:
+    """An EAGLE head's drafts on the device (its layer, the target's hidden states, the tree of
+    one chain verified in one step): the greedy tokens of speculation off."""
+    from tests.test_speculative import PIN_K, write_eagle1
+
+    head = write_eagle1(tmp_path / "head", identity=False)
+    kw = dict(num_kv_blocks=64, device="cuda", dtype="float32")
+    want = tokens(LLM(str(llama_dir), num_speculative_tokens=0, **kw), PROMPTS)
+    spec = LLM(str(llama_dir), speculative_model=str(head), speculative_method="eagle",
+               num_speculative_tokens=3, **PIN_K, **kw)  # fmt: skip
+    assert tokens(spec, PROMPTS) == want
+    assert spec.engine.drafter.stats["eagle"].num_draft_tokens > 0
 
 
 @pytest.fixture(scope="module")
