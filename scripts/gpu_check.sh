@@ -31,7 +31,7 @@ PY=${PYTHON:-python3}
 SITE_PYTHON=3.12          # the host's Python, which the carried packages are built for
 CARRY_LIMIT=$((64 * 1024 * 1024))
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}  # the call's own budget: 8 minutes (the tool's limit is 10)
-FLASHINFER=flashinfer-python==0.7.2.post1
+FLASHINFER=$(sed -n 's/^gpu-without-deps = \["\(.*\)"\]$/\1/p' pyproject.toml)  # as the image
 # the image's GPU set beside FlashInfer (pyproject's `gpu` extra), and what the server needs
 # that the host's image lacks (its package list: /work/.library/device/KINDS.md)
 PACKAGES=("$FLASHINFER" "apache-tvm-ffi==0.1.15.post2" "xformers==0.0.35" "gguf==0.19.0"

