@@ -12,6 +12,8 @@ whether greedy output was identical with speculation on.
     python bench/speculative.py --method eagle --k 4  # round 2's EAGLE-only figure
     python bench/speculative.py --batch-sizes 1,8,32,64 --pin-k
     python bench/speculative.py --base no-corpus      # what corpus drafts add to the rest
+    python bench/speculative.py --method eagle --base shipped-head --speculative-model DIR
+                                                      # a retrained head against the shipped one
 """
 
 from __future__ import annotations
@@ -189,9 +191,11 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--pin-k", action="store_true", help="k drafts at every batch size")
     ap.add_argument(
-        "--base", choices=("off", "no-corpus"), default="off",
-        help="the engine compared against: speculation off, or on without corpus drafts",
+        "--base", choices=("off", "no-corpus", "shipped-head"), default="off",
+        help="the engine compared against: speculation off, on without corpus drafts, or on "
+        "with the shipped EAGLE head (against --speculative-model's)",
     )  # fmt: skip
+    ap.add_argument("--speculative-model", default="", help="the EAGLE head of the 'on' engine")
     ap.add_argument("--categories", default="", help="comma list (default: all)")
     args = ap.parse_args()
     items = workload(args.num_chat)
@@ -206,9 +210,11 @@ def main() -> None:
     )
     if args.base == "off":
         base = LLM(dtype=args.dtype, num_speculative_tokens=0)
-    else:
+    elif args.base == "no-corpus":
         base = LLM(**on, speculative_corpus="off")
-    spec = LLM(**on)
+    else:
+        base = LLM(**on)
+    spec = LLM(**on, speculative_model=args.speculative_model)
     # warm-up: the first constrained request builds the grammar compiler's tables
     warm = prompts_of(base, items)
     warm_params = [SamplingParams(max_tokens=4, grammar=g) for _, _, g in items]

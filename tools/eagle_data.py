@@ -8,8 +8,11 @@
    the target is asked, sampling, to write a user question; duplicates and questions naming a
    held-out subject are dropped. The fixed template prompts are added.
 2. Answers: each question answered greedily, or (a `--sampled-share`) at temperature 0.8.
-3. Written to DIR: `data.pt` (what `tools.eagle_train --data` reads: (token ids, first answer
-   index) per sequence), `questions.jsonl`, and `manifest.json` (counts, tokens, seconds,
+3. Written to DIR as it goes: `questions.jsonl` once the questions are written, then a shard
+   of answers every `--shard-size` questions (`shard-0000.pt`, ...): a run started again on the
+   same DIR reuses the questions and the shards it finds, so an interruption loses at most one
+   shard. At the end `data.pt` (what `tools.eagle_train --data` reads: (token ids, first answer
+   index) per sequence, the shards in order) and `manifest.json` (counts, tokens, seconds,
    tokens per hour on this machine). Same seed, same data.
 """
 
@@ -78,6 +81,35 @@ def write_questions(llm: LLM, per_pair: int) -> list[str]:
     return out
 
 
+def answer_in_shards(
+    llm: LLM,
+    questions: list[str],
+    out: Path,
+    shard_size: int,
+    max_tokens: int,
+    sampled_share: float,
+    seed: int,
+) -> list[tuple[list[int], int]]:
+    """Every question's (token ids, first answer index), `shard_size` questions a shard file in
+    `out`, written whole (a rename) as each finishes; shards already there are read, not
+    generated again."""
+    seqs: list[tuple[list[int], int]] = []
+    start = time.monotonic()
+    for n, first in enumerate(range(0, len(questions), shard_size)):
+        shard = out / f"shard-{n:04d}.pt"
+        if not shard.exists():
+            # which rows sample is seeded by the shard's index; the sampled tokens come from the
+            # engine's generator, so only greedy rows repeat exactly in a restarted run
+            part = generate_data(llm, questions[first : first + shard_size], max_tokens,
+                                 sampled_share, seed + n)  # fmt: skip
+            torch.save(part, shard.with_suffix(".partial"))
+            shard.with_suffix(".partial").rename(shard)
+            took = time.monotonic() - start
+            print(f"{shard.name}: {len(part)} answers, {took:.0f} s", flush=True)
+        seqs += torch.load(shard)
+    return seqs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
@@ -87,6 +119,7 @@ def main() -> None:
     ap.add_argument("--sampled-share", type=float, default=0.3)
     ap.add_argument("--max-num-seqs", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard-size", type=int, default=384, help="questions per shard of answers")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,17 +127,23 @@ def main() -> None:
         args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, seed=args.seed
     )
     start = time.monotonic()
-    questions = write_questions(llm, args.questions_per_pair)
-    questions += train_prompts(10_000, args.seed)  # every template x training subject
-    random.Random(args.seed).shuffle(questions)
+    asked_path = out / "questions.jsonl"
+    if asked_path.exists():  # a run started again: the same questions, the shards it left
+        questions = [json.loads(line) for line in asked_path.read_text().splitlines()]
+    else:
+        questions = write_questions(llm, args.questions_per_pair)
+        questions += train_prompts(10_000, args.seed)  # every template x training subject
+        random.Random(args.seed).shuffle(questions)
+        partial = asked_path.with_suffix(".partial")
+        partial.write_text("".join(json.dumps(q) + "\n" for q in questions))
+        partial.rename(asked_path)
     asked = time.monotonic()
-    seqs = generate_data(llm, questions, args.max_tokens, args.sampled_share, args.seed)
+    seqs = answer_in_shards(
+        llm, questions, out, args.shard_size, args.max_tokens, args.sampled_share, args.seed
+    )
     seconds = time.monotonic() - start
     answer_tokens = sum(len(ids) - first for ids, first in seqs)
     torch.save(seqs, out / "data.pt")
-    with open(out / "questions.jsonl", "w") as f:
-        for q in questions:
-            f.write(json.dumps(q) + "\n")
     manifest = {
         "args": vars(args),
         "dtype": llm.engine.info.dtype,
