@@ -12,8 +12,9 @@ whether greedy output was identical with speculation on.
     python bench/speculative.py --method eagle --k 4  # round 2's EAGLE-only figure
     python bench/speculative.py --batch-sizes 1,8,32,64 --pin-k
     python bench/speculative.py --base no-corpus      # what corpus drafts add to the rest
-    python bench/speculative.py --method eagle --base shipped-head --speculative-model DIR
+    python bench/speculative.py --method eagle --base shipped --speculative-model DIR
                                                       # a retrained head against the shipped one
+    python bench/speculative.py --base shipped --speculative-corpus DIR   # another corpus
 """
 
 from __future__ import annotations
@@ -191,11 +192,12 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--pin-k", action="store_true", help="k drafts at every batch size")
     ap.add_argument(
-        "--base", choices=("off", "no-corpus", "shipped-head"), default="off",
+        "--base", choices=("off", "no-corpus", "shipped"), default="off",
         help="the engine compared against: speculation off, on without corpus drafts, or on "
-        "with the shipped EAGLE head (against --speculative-model's)",
+        "with the shipped head and corpus (against --speculative-model's / -corpus's)",
     )  # fmt: skip
     ap.add_argument("--speculative-model", default="", help="the EAGLE head of the 'on' engine")
+    ap.add_argument("--speculative-corpus", default="", help="the answer corpus of the 'on' one")
     ap.add_argument("--categories", default="", help="comma list (default: all)")
     args = ap.parse_args()
     items = workload(args.num_chat)
@@ -214,7 +216,8 @@ def main() -> None:
         base = LLM(**on, speculative_corpus="off")
     else:
         base = LLM(**on)
-    spec = LLM(**on, speculative_model=args.speculative_model)
+    spec = LLM(**on, speculative_model=args.speculative_model,
+               speculative_corpus=args.speculative_corpus)  # fmt: skip
     # warm-up: the first constrained request builds the grammar compiler's tables
     warm = prompts_of(base, items)
     warm_params = [SamplingParams(max_tokens=4, grammar=g) for _, _, g in items]
