@@ -176,8 +176,8 @@ def train_head(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / total))
     )
-    vocab_weight = head.vocab_weight
-    assert vocab_weight is not None
+    assert head.vocab_weight is not None
+    vocab_weight = head.vocab_weight.float()  # the target's rows (bf16 when it serves bf16), frozen
     step, start = 0, time.monotonic()
     for epoch in range(epochs):
         for batch in _batches(len(seqs), seqs, pack, rng):
