@@ -212,11 +212,10 @@ print('flashinfer from', flashinfer.__file__); print(*(f'{d} {m.version(d)}' for
 ('flashinfer-python', 'xformers', 'starlette', 'pydantic', 'xgrammar')), sep=' | ')"
 }
 step_model() {
-    # a real model directory (the default model's wheel is not on the host): a tiny Llama with
-    # head_dim 64 (FlashInfer's smallest) and GQA 2, so decode stays on the CUDA-core module
-    "$PY" -c "from pathlib import Path; from tests.conftest import build_model; \
-build_model('llama', Path('$MODEL'), hidden_size=256, intermediate_size=512, \
-num_attention_heads=4, num_key_value_heads=2)" && ls "$MODEL"
+    # a real model directory (the default model's wheel is not on the host): the GPU tests'
+    # head-64 GQA-2 Llama, whose kernels the compile step builds for them
+    "$PY" -c "from pathlib import Path; from tests.conftest import HEAD64_GQA2, build_model; \
+build_model('llama', Path('$MODEL'), **HEAD64_GQA2)" && ls "$MODEL"
 }
 step_compile() {
     # FlashInfer's JIT alone, timed: an LLM's warm-up plans and runs prefill and decode

@@ -46,7 +46,7 @@ def test_packed_attention_is_causal_within_each_sequence_alone() -> None:
     lengths = [5, 9, 1, 3]
     n = sum(lengths)
     q, k, v = torch.randn(n, 6, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
-    got = PackedCausalAttention(lengths, torch.device("cpu")).forward(0, q, k, v)
+    got = PackedCausalAttention(lengths).forward(0, q, k, v)
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.cat([torch.arange(m) for m in lengths])
     mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])

@@ -94,15 +94,12 @@ def test_eagle_head_is_lossless_on_cuda(llama_dir, tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def head64_dir(tmp_path_factory) -> str:
-    """A tiny Llama with head_dim 64 (FlashInfer's smallest compiled head size) and GQA 2, so
-    decode runs FlashInfer's CUDA-core module (GQA 4 and up take the tensor-core one, a second
-    multi-unit JIT build): the model scripts/gpu_check.sh builds and compiles for first."""
-    from tests.conftest import build_model
+    """The model scripts/gpu_check.sh builds and compiles FlashInfer's kernels for first
+    (tests/conftest.py HEAD64_GQA2)."""
+    from tests.conftest import HEAD64_GQA2, build_model
 
     out = tmp_path_factory.mktemp("head64") / "llama"
-    dims = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                num_key_value_heads=2)  # fmt: skip
-    return str(build_model("llama", out, **dims))
+    return str(build_model("llama", out, **HEAD64_GQA2))
 
 
 @pytest.mark.skipif(not has_flashinfer, reason="needs flashinfer")

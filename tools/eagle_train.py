@@ -39,17 +39,17 @@ from models.llama import LlamaForCausalLM
 
 class PackedCausalAttention:
     """Attention over packed sequences without a cache: causal within each sequence, one
-    causal SDPA per sequence (a mask over the whole pack computed every pair of it, ~9x the
-    work at SmolLM2's ~220-token answers in a 2,048-token pack, on the slow masked path)."""
+    causal SDPA per sequence (one masked SDPA over the whole pack computed every pair in it,
+    ~9x the work at SmolLM2's ~220-token answers in a 2,048-token pack)."""
 
-    def __init__(self, lengths: list[int], device: torch.device) -> None:
+    def __init__(self, lengths: list[int]) -> None:
         self.lengths = lengths
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         rep = q.shape[1] // k.shape[1]
-        if rep > 1:  # (enable_gqa sends CPU SDPA down its slow math path)
+        if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         outs = []
         for qs, ks, vs in zip(*(t.transpose(0, 1).split(self.lengths, dim=1) for t in (q, k, v))):
@@ -90,7 +90,7 @@ def compute_features(
         lengths = [len(s) for s in batch]
         ids = torch.tensor([t for s in batch for t in s])
         pos = torch.cat([torch.arange(n) for n in lengths])
-        hidden = model(ids, pos, PackedCausalAttention(lengths, ids.device))
+        hidden = model(ids, pos, PackedCausalAttention(lengths))
         feats.extend(h.half() for h in hidden.split(lengths))
         i += len(batch)
         print(f"features: {i}/{len(seqs)} sequences, {time.monotonic() - start:.0f}s", flush=True)
@@ -197,7 +197,7 @@ def train_head(
             ids_t, fin = torch.cat(ids_l), torch.cat(f_in)
             fout, tnext, m = torch.cat(f_out), torch.cat(tok_next), torch.cat(mask)
             pos = torch.cat([torch.arange(n) for n in lengths])
-            attn = PackedCausalAttention(lengths, fin.device)
+            attn = PackedCausalAttention(lengths)
             loss = torch.zeros(())
             stats = []
             inputs = fin + (torch.rand_like(fin) - 0.5) * 0.1  # EAGLE's feature noise
