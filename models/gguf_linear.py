@@ -30,7 +30,11 @@ from models.layers import (
 
 _OPS = CppOps("kvserve_gguf", Path(__file__).with_name("gguf_linear.cpp"))
 # the kernels on the interleaved copy (float and int8 activations; needs AVX2)
-_Q8_OPS = CppOps("kvserve_gguf_q8", Path(__file__).with_name("gguf_q8.cpp"))
+_Q8_OPS = CppOps(
+    "kvserve_gguf_q8",
+    Path(__file__).with_name("gguf_q8.cpp"),
+    (Path(__file__).with_name("gguf_q8_bf16.h"),),
+)
 
 # ggml's type ids, as gguf.GGMLQuantizationType numbers them, and bytes per block of 32
 FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}

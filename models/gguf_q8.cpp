@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -69,6 +70,7 @@ inline ivec isra24(ivec v) { return _mm512_srai_epi32(v, 24); }
 inline ivec iand(ivec a, ivec b) { return _mm512_and_si512(a, b); }
 inline ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 #define KVSERVE_Q8_VNNI 1
+#define KVSERVE_Q8_AVX512 1
 inline ivec dot_add(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
 inline ivec xor80(ivec v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
 #define KVSERVE_Q8 1
@@ -281,21 +283,34 @@ void group_kernel(const uint8_t* g, int64_t nb, const FloatRows& rows, int64_t a
   for (int a = 0; a < MR; ++a) fstore(y + (a0 + a) * n_pad + col, acc[a]);
 }
 
+#include "gguf_q8_bf16.h"
+
+// Rows of activations a group kernel takes at once (its accumulators stay in registers)
+template <typename R> constexpr int kMaxRows = 4;
+#ifdef KVSERVE_BF16_DOT
+template <> constexpr int kMaxRows<Bf16Rows> = kBf16MaxRows;
+#endif
+
+template <int FMT, typename R, int MR>
+void rows_tail(const uint8_t* gp, int64_t nb, const R& rows, int64_t a0, int64_t left, int64_t k,
+               float* y, int64_t n_pad, int64_t col) {
+  if constexpr (MR > 0) {
+    if (left == MR) return group_kernel<FMT, MR>(gp, nb, rows, a0, k, y, n_pad, col);
+    rows_tail<FMT, R, MR - 1>(gp, nb, rows, a0, left, k, y, n_pad, col);
+  }
+}
+
 template <int FMT, typename R>
 void linear_impl(const uint8_t* packed, int64_t groups, int64_t nb, const R& rows, int64_t m,
                  int64_t k, float* y) {
+  constexpr int MR = kMaxRows<R>;
   const int64_t gb = nb * group_block_bytes(FMT), n_pad = groups * NR;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* gp = packed + g * gb;
       int64_t a0 = 0;
-      for (; a0 + 4 <= m; a0 += 4) group_kernel<FMT, 4>(gp, nb, rows, a0, k, y, n_pad, g * NR);
-      switch (m - a0) {
-        case 3: group_kernel<FMT, 3>(gp, nb, rows, a0, k, y, n_pad, g * NR); break;
-        case 2: group_kernel<FMT, 2>(gp, nb, rows, a0, k, y, n_pad, g * NR); break;
-        case 1: group_kernel<FMT, 1>(gp, nb, rows, a0, k, y, n_pad, g * NR); break;
-        default: break;
-      }
+      for (; a0 + MR <= m; a0 += MR) group_kernel<FMT, MR>(gp, nb, rows, a0, k, y, n_pad, g * NR);
+      rows_tail<FMT, R, MR - 1>(gp, nb, rows, a0, m - a0, k, y, n_pad, g * NR);
     }
   });
 }
@@ -353,6 +368,16 @@ namespace {
 // x [m, k] float32 or bfloat16 times the packed weight's [n, k] transposed -> [m, n] in x's
 // dtype; R: the activations as the kernel takes them (Rows: int8; FloatRows: float32).
 template <typename R>
+R make_rows(const at::Tensor& x, int64_t m, int64_t k, int64_t fmt) {
+#ifdef KVSERVE_BF16_DOT
+  if constexpr (std::is_same_v<R, Bf16Rows>) return R(x.data_ptr<at::BFloat16>(), m, k, fmt);
+  else
+#endif
+  return x.scalar_type() == at::kFloat ? R(x.data_ptr<float>(), m, k)
+                                       : R(x.data_ptr<at::BFloat16>(), m, k);
+}
+
+template <typename R>
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t n) {
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2,
               "x: float32 or bfloat16 [rows, in_features]");
@@ -362,7 +387,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(k % 32 == 0 && packed.size(1) == nb * group_block_bytes(fmt) && n <= groups * NR,
               "packed weight does not match in_features ", k, " / out_features ", n);
   const bool f32 = xc.scalar_type() == at::kFloat;
-  const R rows = f32 ? R(xc.data_ptr<float>(), m, k) : R(xc.data_ptr<at::BFloat16>(), m, k);
+  const R rows = make_rows<R>(xc, m, k, fmt);
   // float32 outputs for the whole groups; copied out (narrowed to n, rounded to bf16) unless
   // they already are the result
   const bool direct = f32 && groups * NR == n;
@@ -407,6 +432,9 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& packed, int64_t f
   TORCH_CHECK(false, "the packed-block kernels need AVX2");
   return x;
 #else
+#ifdef KVSERVE_BF16_DOT
+  if (x.scalar_type() == at::kBFloat16) return packed_linear<Bf16Rows>(x, packed, fmt, n);
+#endif
   return packed_linear<FloatRows>(x, packed, fmt, n);
 #endif
 }

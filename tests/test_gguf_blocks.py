@@ -75,11 +75,12 @@ def test_kernel_on_bf16_activations_is_the_bf16_product(fmt, rows) -> None:
 
 @needs_q8
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 19])
 def test_interleaved_float_kernel_matches_the_dequantized_product(fmt, rows) -> None:
     """The float-activation kernel on the interleaved copy (what serves where AVX2 is): the
     dequantized product up to float32 summation, padding rows dropped, each row independent of
-    its batch; bf16 activations give the float32 product of the same values rounded once."""
+    its batch; bf16 activations give the float32 product of the same values rounded once
+    (on AVX512-BF16, `bf16_dot`, through the pair-dot kernel: rows in groups of up to 8)."""
     raw, ref = blocks_of(fmt, 72, 160, seed=rows)
     packed = Q8.repack(raw, FORMATS[fmt])
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
@@ -92,6 +93,46 @@ def test_interleaved_float_kernel_matches_the_dequantized_product(fmt, rows) -> 
     want = xb.float() @ ref.T
     assert got_bf16.dtype == torch.bfloat16
     assert ((got_bf16.float() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
+    alone = [Q8.linear_float(xb[i : i + 1], packed, FORMATS[fmt], 72) for i in range(rows)]
+    assert torch.equal(got_bf16, torch.cat(alone))
+
+
+@needs_q8
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_bf16_kernel_is_exact_before_its_rounding(fmt) -> None:
+    """bf16 activations times small integer codes are exact in float32, so before the output's
+    one bf16 rounding the kernel is the float32 product up to summation order: with a float32
+    output requested through a bf16 row of exactly representable values, the sums agree to
+    float32 rounding (a wrong code, pair or minimum term is off by far more)."""
+    raw, ref = blocks_of(fmt, 72, 160, seed=3)
+    packed = Q8.repack(raw, FORMATS[fmt])
+    xb = torch.randn(9, 160, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = Q8.linear_float(xb, packed, FORMATS[fmt], 72).float()
+    want = (xb.double() @ ref.double().T).bfloat16().float()
+    # at most one bf16 step apart: the float32 sums may land across a rounding boundary
+    step = want.abs() * 2**-7 + 1e-6
+    assert ((got - want).abs() <= step).all()
+    assert (got == want).float().mean() > 0.9
+
+
+@needs_q8
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_row_is_summed_alike_in_any_batch(fmt) -> None:
+    """A row's float32 sums run in one order whatever rows share its kernel group, so a verify
+    step's rows equal the same tokens decoded one at a time (long rows: 64 blocks). Sharp for
+    float32 activations; for bf16 ones an order that changed shows only where it moves an
+    output across a bf16 rounding boundary (the bf16 kernel's order is fixed by construction:
+    the same chains at every group size, gguf_q8_bf16.h)."""
+    raw, _ = blocks_of(fmt, 256, 2048, seed=7)
+    packed = Q8.repack(raw, FORMATS[fmt])
+    x = torch.randn(9, 2048, generator=torch.Generator().manual_seed(7))
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = x.to(dtype)
+        alone = torch.cat(
+            [Q8.linear_float(xs[i : i + 1], packed, FORMATS[fmt], 256) for i in range(9)]
+        )
+        for rows in (2, 3, 4, 5, 8, 9):
+            assert torch.equal(Q8.linear_float(xs[:rows], packed, FORMATS[fmt], 256), alone[:rows])
 
 
 def int8_activation_product(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
