@@ -5,6 +5,8 @@ order, without Python between them. `LlamaForCausalLM.forward` uses it where it 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import torch
 
 from models import cpu_fused, gguf_linear
 from models.cpp_ext import CppOps
+from models.layers import silu_mul
 
 _OPS = CppOps("kvserve_decode_stack", Path(__file__).with_name("decode_stack.cpp"))
 
@@ -40,3 +43,44 @@ def kernel_kind(weights: list[gguf_linear.GGUFWeight], rows: int) -> int | None:
 
 def operands(weights: list[gguf_linear.GGUFWeight], kind: int) -> list[torch.Tensor]:
     return [w.blocks if kind == FLOAT_ON_BLOCKS else w.interleaved for w in weights]  # type: ignore[misc]
+
+
+@dataclass(frozen=True, slots=True)
+class StackLayout:
+    """What the op takes of a model's layers that does not change from step to step: the linear
+    weights (qkv, o, gate_up, down per layer), their formats and output sizes, the norms' weights
+    and the head count."""
+
+    weights: list[gguf_linear.GGUFWeight]
+    fmts: list[int]
+    outs: list[int]
+    norm1: list[torch.Tensor]
+    norm2: list[torch.Tensor]
+    num_heads: int
+
+    @staticmethod
+    def of(layers: Sequence[Any]) -> StackLayout | None:
+        """The layout of `layers` (models/llama.py's DecoderLayer), or None where one of them is
+        not a plain Llama layer on GGUF blocks without biases."""
+        weights: list[gguf_linear.GGUFWeight] = []
+        for layer in layers:
+            if not layer.fused_rope or layer.moe is not None or layer.reduce is not None:
+                return None
+            if layer.attn_output_norm is not None or layer.act is not silu_mul:
+                return None
+            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                w = getattr(linear, "quant", None)
+                if not isinstance(w, gguf_linear.GGUFWeight) or w.bias is not None:
+                    return None
+                weights.append(w)
+        heads = {layer.layer.num_heads for layer in layers}
+        if len(heads) != 1:
+            return None
+        return StackLayout(
+            weights,
+            [gguf_linear.FORMATS[w.format] for w in weights],
+            [w.out_features for w in weights],
+            [layer.input_layernorm.weight for layer in layers],
+            [layer.post_attention_layernorm.weight for layer in layers],
+            heads.pop(),
+        )
