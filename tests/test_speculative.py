@@ -365,15 +365,19 @@ def test_no_shipped_head_for_another_model_is_refused(llama_dir) -> None:
 
 def test_cost_model_picks_k_by_measured_costs() -> None:
     """Memory-bound verification (5 rows cost 1 row's time) makes k = 4 pay at batch 1; at
-    batch 16 every extra row costs its full price, and drafts that are rarely accepted cost
-    more than they return."""
+    batch 16 every extra row costs its full price. A head's first draft comes with the catch-up
+    it runs every step: where a verify row is free it is always worth taking (and keeps the
+    request's acceptance measured, so a head that recovers is noticed), while a chain step for
+    drafts that are rarely accepted costs more than it returns."""
     from engine.spec.cost import SpecCostModel
 
     rows = (1, 2, 4, 8, 16, 32, 64)
     model = SpecCostModel(rows, tuple(0.010 * max(1, r / 8) for r in rows), (0.001,) * len(rows))
     assert model.best_k(1, 0.7, 4, 64) == 4
     assert model.best_k(16, 0.7, 4, 64) == 0
-    assert model.best_k(1, 0.05, 4, 64) == 0
+    assert model.best_k(1, 0.05, 4, 64) == 1
+    assert model.best_k(1, 0.0, 4, 64) == 0
+    assert model.chain(3, 1) == 0.0 and model.chain(3, 3) == pytest.approx(0.002)
     assert model.best_k(4, 0.7, 4, 8) == 1  # the row cap still bounds it
     assert model.target(128) == pytest.approx(0.160)  # extrapolated past the last measurement
 

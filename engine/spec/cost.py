@@ -7,7 +7,9 @@ compute and speculation stops paying. Where that point lies depends on the devic
 and the packed weights, so it is measured, not configured: `measure` times one target step of
 1, 2, 4, ... rows (forward + logits) and one draft step of 1, 2, 4, ... rows, and `best_k`
 weighs the expected accepted tokens (acceptance alpha per draft: 1 + alpha + ... + alpha^k)
-against `target(batch x (1 + k)) + k x draft(batch)`.
+against `target(batch x (1 + k)) + (k - 1) x draft(batch)`: a head's first draft comes from the
+catch-up forward it runs every step anyway (its KV must follow the target's), so only the
+chain's further steps cost a draft step each.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class SpecCostModel:
     def draft(self, rows: int) -> float:
         return piecewise_linear(self.rows, self.draft_s, rows)
 
+    def chain(self, batch: int, k: int) -> float:
+        """What drafting k tokens for `batch` requests costs beyond the step's catch-up."""
+        return max(0, k - 1) * self.draft(batch)
+
     def best_k(self, batch: int, acceptance: float, k_max: int, max_rows: int) -> int:
         """The k in 0..k_max (batch x (1 + k) <= max_rows) with the most tokens per second."""
         best_k, best = 0, batch / self.target(batch)
@@ -47,7 +53,7 @@ class SpecCostModel:
             if batch * (1 + k) > max_rows:
                 break
             tokens = batch * sum(alpha**j for j in range(k + 1))
-            rate = tokens / (self.target(batch * (1 + k)) + k * self.draft(batch))
+            rate = tokens / (self.target(batch * (1 + k)) + self.chain(batch, k))
             if rate > best:
                 best_k, best = k, rate
         return best_k

@@ -11,6 +11,10 @@ from engine.spec.suffix_index import SuffixIndex
 SOURCES = ("grammar", "suffix", "corpus", "eagle")
 PRIOR_ACCEPTANCE = {"grammar": 0.9, "suffix": 0.6, "corpus": 0.5, "eagle": 0.7}
 MIN_GAIN = 0.1  # expected accepted tokens a draft position must bring to be drafted
+# a source's acceptance drifts back to its prior by this share each step it does not draft: an
+# estimate that fell (a stretch the head could not guess) is only ever updated by drafting, so
+# without the drift a source written off early would never be tried again
+RELAX = 0.05
 
 
 @dataclass(slots=True)
@@ -29,6 +33,12 @@ class DraftState:
     def record(self, source: str, num_drafted: int, num_accepted: int) -> None:
         a = self.acceptance[source]
         self.acceptance[source] = 0.7 * a + 0.3 * (num_accepted / num_drafted)
+
+    def relax(self, source: str) -> None:
+        """`source` drafted nothing for this request this step: its acceptance drifts back
+        toward the prior (RELAX)."""
+        a = self.acceptance[source]
+        self.acceptance[source] = a + RELAX * (PRIOR_ACCEPTANCE[source] - a)
 
 
 def useful_depth(alpha: float) -> int:

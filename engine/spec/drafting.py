@@ -169,6 +169,9 @@ class Drafter:
         k = self.step_k(picks)
         for r, (source, drafts, _) in zip(requests, picks):
             self._apply(r, source, drafts[:k])
+            for other in self.sources:
+                if other != r.drafts.source:  # type: ignore[union-attr]
+                    r.drafts.relax(other)  # type: ignore[union-attr]
 
     def step_k(self, picks: list[tuple[str, list[int], float]]) -> int:
         """The most drafts per request this step. By the measured verify cost: the k with the
@@ -191,7 +194,7 @@ class Drafter:
             if rows > self.max_verify_rows:
                 break
             tokens = n + sum(expected_accepted(alpha, min(k, len(d))) for _, d, alpha in picks)
-            secs = self.cost.target(rows) + (k * self.cost.draft(n) if eagle else 0.0)
+            secs = self.cost.target(rows) + (self.cost.chain(n, k) if eagle else 0.0)
             if tokens / secs > best_rate:
                 best_k, best_rate = k, tokens / secs
         self.current_k = best_k
