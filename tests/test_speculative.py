@@ -393,3 +393,33 @@ def test_step_costs_are_measured_at_startup(llama_dir, heads) -> None:
     assert llm.engine.info.spec_cost == cost.table()
     out = llm.generate([[5, 6, 7, 8]], GREEDY)[0].outputs[0].token_ids
     assert len(out) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("name", ["random", "eagle3"])
+def test_head_on_blocks_is_its_dense_self_rounded(llama_dir, heads, name) -> None:
+    """Where the block kernel is built, a head serves its linears (and an EAGLE-3 head its own
+    lm_head) as Q8_0 blocks, since a draft step's time is its weights' bytes: each computes what
+    the head's own weights do up to that rounding, biases included, on the kernel's few rows and
+    on the packed dense copy's many (a prompt's catch-up). The engine-level check that drafts
+    stay lossless and kept is test_smollm2's shipped-head test; the greedy tests above run
+    with it too."""
+    from models.eagle.head import load_eagle_head
+    from models.gguf_linear import GGUFWeight, load_q8
+
+    if load_q8() is None:
+        pytest.skip("the block kernel needs AVX2")  # every x86 CPU this project serves has it
+    model = LLM(str(llama_dir), num_kv_blocks=64).engine.model
+    dtype, cpu = model.embed_tokens.weight.dtype, torch.device("cpu")
+    dense = load_eagle_head(str(heads[name]), model, dtype, cpu)
+    blocks = load_eagle_head(str(heads[name]), model, dtype, cpu)
+    assert blocks.serve_on_blocks().startswith("draft head on Q8_0 blocks")
+    gen = torch.Generator().manual_seed(0)
+    linears = ["fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    for rows in (1, 3, 40):
+        for attr in linears + (["lm_head"] if name == "eagle3" else []):
+            ours, theirs = getattr(blocks, attr), getattr(dense, attr)
+            assert isinstance(ours.quant, GGUFWeight) and theirs.quant is None
+            x = torch.randn(rows, theirs.in_features, generator=gen).to(dtype)
+            want = theirs(x).float()
+            err = (ours(x).float() - want).abs().max() / want.abs().max()
+            assert err < 0.02, (attr, rows, err.item())

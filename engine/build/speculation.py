@@ -52,6 +52,9 @@ def load_draft_head(
             )
     head = load_eagle_head(path, model, dtype, device)
     head.source = path if config.speculative_model else f"{path} (shipped; matched by weights)"
+    blocks = head.serve_on_blocks()
+    if blocks:  # the banner says how the head serves
+        head.source += f"; {blocks}"
     log.info(
         "speculative decoding: %s head from %s, k=%d",
         head.cfg.layout,

@@ -21,19 +21,22 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from models import gguf_linear
 from models.attention_step import AttentionStep
+from models.gguf_linear import GGUFWeight
 from models.layers import (
     Linear,
     RMSNorm,
+    add_rms_norm,
     apply_rope,
     cpu_linear,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
+    silu_mul,
 )
 from models.llama import LlamaForCausalLM
 from models.spec import LayerSpec, ModelSpec
@@ -108,6 +111,8 @@ class EagleHead(nn.Module):
         self._embed = (target.embed_tokens,)
         self._target_lm_head = (target.lm_head,)
         self.vocab_weight: torch.Tensor | None = None  # eagle1 with token_map: lm_head rows
+        # the same rows as the target's own GGUF blocks, where it has them (`serve_on_blocks`)
+        self.vocab_blocks: GGUFWeight | None = None
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, target.spec.rope_scaling)
 
     @property
@@ -147,17 +152,22 @@ class EagleHead(nn.Module):
             assert self.input_layernorm is not None and self.hidden_norm is not None
             attn_in = torch.cat((self.input_layernorm(emb), self.hidden_norm(x)), dim=-1)
         qkv = self.qkv_proj(attn_in)
-        q = qkv[:, : self.q_dim].view(t, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, self.q_dim + self.kv_dim :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if self.inv_freq.device != x.device:  # moved once, not uploaded every draft step
             self.inv_freq = self.inv_freq.to(x.device)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
-        o = attn.forward(self.layer_idx, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-        residual = x + self.o_proj(o.reshape(t, self.q_dim))
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(residual))
-        inter = cfg.intermediate_size
-        return residual + self.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        # a draft chain's step: rotary, KV write and attention in the target's fused decode op
+        # where the step has it (a draft step is mostly such small ops: ~0.3 ms of Python)
+        o = None
+        if hasattr(attn, "rope_decode"):  # (training's packed attention has no such path)
+            o = attn.rope_decode(self.layer_idx, qkv, cos, sin, cfg.num_heads)
+        if o is None:
+            q = qkv[:, : self.q_dim].view(t, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(t, -1, cfg.head_dim)
+            v = qkv[:, self.q_dim + self.kv_dim :].reshape(t, -1, cfg.head_dim)
+            o = attn.forward(self.layer_idx, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        norm = self.post_attention_layernorm
+        residual, h = add_rms_norm(self.o_proj(o.reshape(t, self.q_dim)), x, norm.weight, norm.eps)
+        return residual + self.down_proj(silu_mul(self.gate_up_proj(h)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits [T, draft vocab] (float32); map columns through `token_map`."""
@@ -165,9 +175,40 @@ class EagleHead(nn.Module):
             hidden = rms_norm(hidden, self.norm.weight, self.norm.eps)
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        if self.vocab_blocks is not None:
+            return self.vocab_blocks(hidden).float()
         if self.vocab_weight is None:
             return self._target_lm_head[0](hidden).float()
         return cpu_linear(hidden, self.vocab_weight, None).float()
+
+    def serve_on_blocks(self) -> str:
+        """CPU: the head's linears rounded to Q8_0 blocks on the block kernel (a packed dense
+        copy for a prompt's many catch-up rows), and the draft vocabulary's rows taken from the
+        target's lm_head blocks where it has them (the same values, half the bytes). A draft
+        step's time is its weights' bytes: in bf16 ~16 MB, ~1 ms beside a ~4 ms target step
+        (SmolLM2 here). Drafts only: verification keeps the output the target's. Returns what
+        serves, for the banner ("" where the block kernel is not built here)."""
+        if self.fc.weight.device.type != "cpu" or gguf_linear.load_q8() is None:
+            return ""
+        held = gguf_linear.attach(self, gguf_linear.quantize_to_blocks(self, "Q8_0"))
+        for w in gguf_linear.gguf_weights(self):
+            w.kernel_max_rows = 16  # a chain's rows and a verify step's catch-up
+            w.pack()
+        target = self._target_lm_head[0].quant
+        vocab = ""
+        if self.vocab_weight is not None and isinstance(target, GGUFWeight):
+            assert self.token_map is not None
+            rows = target.blocks.index_select(0, self.token_map.to(target.blocks.device))
+            self.vocab_blocks = GGUFWeight(
+                target.format, rows.contiguous(), target.in_features, rows.shape[0],
+                self.vocab_weight.dtype, kernel_max_rows=16,
+            )  # fmt: skip
+            self.vocab_blocks.interleave()
+            self.vocab_blocks.pack()
+            self.vocab_weight = None
+            vocab = f", {rows.shape[0]} vocabulary rows from the target's {target.format} blocks"
+        size = sum(held.values()) / 2**20
+        return f"draft head on Q8_0 blocks ({size:.1f} MiB{vocab})"
 
 
 def _read_weights(path: str) -> dict[str, torch.Tensor]:
