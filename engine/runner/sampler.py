@@ -4,10 +4,11 @@ Order of processing (as vLLM and OpenAI document it): logit_bias, min_tokens (st
 penalties (repetition on prompt+output; presence/frequency on output), then temperature, top_k,
 top_p, min_p, and a draw. Greedy rows take the argmax of the processed logits.
 
-Draws use the exponential race (argmax p / E with E ~ Exp(1)), one vector of exponentials per
-row; a seeded request draws its vector from its own generator, so its tokens do not depend on
-which other requests share the batch. Logprobs are the model's raw log-softmax (before any
-processing), as vLLM reports them.
+Draws invert the row's cumulative distribution at one uniform (`inverse_cdf`): a seeded request
+draws its uniform from its own generator, so its tokens do not depend on which other requests
+share the batch. (The exponential race, argmax p / E with E ~ Exp(1), draws a whole vocabulary of
+exponentials a row: ~1 ms for SmolLM2's 49,152 on a CPU, a fifth of a decode step.) Logprobs
+are the model's raw log-softmax (before any processing), as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -160,13 +161,13 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingContext]) -> Sampler
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
         probs = sampling_probs(logits.index_select(0, rows), [params[i] for i in sampled_rows])
-        noise = torch.empty_like(probs)
+        u = torch.empty(len(sampled_rows), dtype=torch.float64, device=probs.device)
         seeded = [j for j, i in enumerate(sampled_rows) if requests[i].generator is not None]
         if len(seeded) < len(sampled_rows):
-            noise.exponential_()
+            u.uniform_()
         for j in seeded:
-            noise[j].exponential_(generator=requests[sampled_rows[j]].generator)
-        token_ids[rows] = (probs / noise).argmax(dim=-1)
+            u[j : j + 1].uniform_(generator=requests[sampled_rows[j]].generator)
+        token_ids[rows] = inverse_cdf(probs, u)
 
     ids = token_ids.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * n
@@ -174,6 +175,17 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingContext]) -> Sampler
         for i, p in enumerate(params):
             logprobs[i] = token_logprobs(raw_logprobs[i], ids[i], p.logprobs)
     return SamplerOutput(ids, logprobs)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token a row of `probs` [rows, vocab] (unnormalised is fine) for uniforms `u` [rows]
+    in [0, 1): the first token whose cumulative probability exceeds u x the row's total (in
+    float64), so a token of probability 0 is never drawn."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1]
+    # u x total can round up to the total itself: the largest value below it instead
+    t = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, t.unsqueeze(-1), right=True).squeeze(-1)
 
 
 def token_logprobs(row: torch.Tensor, token_id: int, top_n: int | None) -> TokenLogprobs | None:
