@@ -12,6 +12,7 @@ whether greedy output was identical with speculation on.
     python bench/speculative.py --method eagle --k 4  # round 2's EAGLE-only figure
     python bench/speculative.py --batch-sizes 1,8,32,64 --pin-k
     python bench/speculative.py --base no-corpus      # what corpus drafts add to the rest
+    python bench/speculative.py --temperatures 0,0.7  # sampled rows drafted (unless --seeded)
     python bench/speculative.py --method eagle --base shipped --speculative-model DIR
                                                       # a retrained head against the shipped one
     python bench/speculative.py --base shipped --speculative-corpus DIR   # another corpus
@@ -140,7 +141,12 @@ def source_counts(llm: LLM) -> dict[str, tuple[int, int, int]]:
 def compare(base: LLM, spec: LLM, items, temperature: float, batch: int, args) -> dict:
     prompts = prompts_of(base, items)
     params = [
-        SamplingParams(temperature=temperature, max_tokens=args.max_tokens, grammar=g, seed=i)
+        SamplingParams(
+            temperature=temperature,
+            max_tokens=args.max_tokens,
+            grammar=g,
+            seed=i if args.seeded or temperature == 0 else None,
+        )
         for i, (_, _, g) in enumerate(items)
     ]
     before = source_counts(spec)
@@ -184,6 +190,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--temperatures", default="0")
+    ap.add_argument(
+        "--seeded", action="store_true",
+        help="seed sampled requests (then not drafted for: a seeded request's tokens depend on "
+        "its seed alone); default: unseeded, so sampled rows are drafted and verified",
+    )  # fmt: skip
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-verify-rows", type=int, default=16)
     ap.add_argument(
