@@ -18,6 +18,9 @@
 // signs and m = 0. Each row's sum runs over its blocks in one order whatever else is in the
 // batch: a row's result does not depend on its batch.
 //
+// bf16 activations on a CPU with AVX512-BF16 take a pair-dot variant of the float kernel on the
+// same layout (gguf_q8_bf16.h, included below).
+//
 // Packed layout, one group of NR output rows after another; in a group, block after block:
 //   NR float16 d | NR float16 m (Q4 only) | code chunks
 // A chunk is one vector: lane r holds 4 bytes of row r. Q4 blocks have 4 chunks (chunk j: bytes

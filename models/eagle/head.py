@@ -188,7 +188,10 @@ class EagleHead(nn.Module):
         step's time is its weights' bytes: in bf16 ~16 MB, ~1 ms beside a ~4 ms target step
         (SmolLM2 here). Drafts only: verification keeps the output the target's. Returns what
         serves, for the banner ("" where the block kernel is not built here)."""
-        if self.fc.weight.device.type != "cpu" or gguf_linear.load_q8() is None:
+        weight = self.fc.weight
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+            return ""  # the kernels take float32 or bf16 activations on a CPU
+        if gguf_linear.load_q8() is None:
             return ""
         held = gguf_linear.attach(self, gguf_linear.quantize_to_blocks(self, "Q8_0"))
         for w in gguf_linear.gguf_weights(self):
