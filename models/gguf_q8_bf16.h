@@ -41,15 +41,20 @@ constexpr uint16_t bf16_of(int v) {
   return sign | static_cast<uint16_t>((127 + e) << 7) | mant;
 }
 
-// 32 words: entry i is the code nibble (i & 15) as bf16; `high_q8`: 16 x its signed value
-inline __m512i nibble_table(bool high_q8) {
-  alignas(64) uint16_t t[32];
+// 32 words: entry i is the code nibble (i & 15) as bf16; `high_q8`: 16 x its signed value.
+// Built at compile time: the kernel loads them once a call.
+struct NibbleTable {
+  alignas(64) uint16_t words[32];
+};
+constexpr NibbleTable nibble_table(bool high_q8) {
+  NibbleTable t{};
   for (int i = 0; i < 32; ++i) {
     const int n = i & 15;
-    t[i] = bf16_of(high_q8 ? 16 * (n < 8 ? n : n - 16) : n);
+    t.words[i] = bf16_of(high_q8 ? 16 * (n < 8 ? n : n - 16) : n);
   }
-  return _mm512_load_si512(t);
+  return t;
 }
+constexpr NibbleTable kQ4Nibbles = nibble_table(false), kQ8HighNibbles = nibble_table(true);
 
 // The activations as the kernel reads them: per row and block, 16 int32 = bf16 pairs in the order
 // above, and the block's float32 sum (Q4's minimum term).
@@ -98,7 +103,8 @@ void group_kernel(const uint8_t* g, int64_t nb, const Bf16Rows& rows, int64_t a0
   // independent chains per row, the same at every MR: a row's sums run in one order whatever
   // rows share its group, so a verify step's row equals the same token decoded alone
   constexpr int C = kBf16Chains;
-  const __m512i lo_table = nibble_table(false), hi_table = nibble_table(kQ8);
+  const __m512i lo_table = _mm512_load_si512(kQ4Nibbles.words);
+  const __m512i hi_table = _mm512_load_si512((kQ8 ? kQ8HighNibbles : kQ4Nibbles).words);
   __m512 acc[MR];
   for (int a = 0; a < MR; ++a) acc[a] = fzero();
   for (int64_t b = 0; b < nb; ++b, g += kBytes) {

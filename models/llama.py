@@ -174,6 +174,9 @@ class DecoderLayer(nn.Module):
         return out, residual
 
 
+_UNREAD = object()  # LlamaForCausalLM._stack_key before the layers are read
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, vocab_rows: tuple[int, int] | None = None) -> None:
         """`vocab_rows` [v0, v1): the lm_head holds (and `compute_logits` gives) only those
@@ -195,10 +198,10 @@ class LlamaForCausalLM(nn.Module):
         self.rope_attention_factor = rope_attention_factor(spec.rope_scaling)
         # per device, moved once (not uploaded on every forward: a host->device copy each step)
         self._inv_freq_on: dict[torch.device, dict[int, torch.Tensor]] = {}
-        # the decode stack's view of the layers (False: not read yet; None: they do not fit it),
-        # and the first layer's weight it was read with
-        self._stack: decode_stack.StackLayout | None | bool = False
-        self._stack_key: object = None
+        # the decode stack's view of the layers (None: they do not fit it), and the first
+        # layer's weight it was read with (_UNREAD: to be read at the next decode step)
+        self._stack: decode_stack.StackLayout | None = None
+        self._stack_key: object = _UNREAD
 
     def inv_freq(self, device: torch.device) -> dict[tuple[int, bool], torch.Tensor]:
         """The rotary inverse frequencies per `rope_key`, on `device` (copied there once)."""
@@ -253,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
         # the layers' structure, read again only when their weights were replaced (GGUF blocks
         # or int8 attached at load): reading it took ~0.3 ms of every step in Python
         first = self.layers[0].qkv_proj.quant
-        if self._stack is False or self._stack_key is not first:
+        if self._stack_key is not first:
             self._stack, self._stack_key = decode_stack.StackLayout.of(self.layers), first
         stack = self._stack
         if stack is None or stack.norm1[0].dtype != x.dtype:
@@ -277,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
         """Tensor parallelism's all-reduce of partial layer outputs (None: this rank alone)."""
         for layer in self.layers:
             layer.reduce = reduce
-        self._stack = False  # read again: a reducing layer takes the per-layer path
+        self._stack_key = _UNREAD  # read again: a reducing layer takes the per-layer path
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
