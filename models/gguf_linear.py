@@ -86,13 +86,14 @@ class GGUFWeight:
     int8: Int8Weight | None = None
     int8_min_rows: int = 1 << 30
 
-    def rows(self, start: int, end: int) -> GGUFWeight:
-        """Output rows [start, end) as a weight of their own (block rows are independent);
-        a packed dense copy is made again for them if this one has one."""
+    def rows(self, index: slice | torch.Tensor) -> GGUFWeight:
+        """Output rows `index` (a slice: views of the blocks; row ids: a copy) as a weight of
+        their own, with this one's row limits (block rows are independent); a packed dense copy
+        is made again for them if this one has one."""
+        blocks = self.blocks[index]
         part = replace(
-            self, blocks=self.blocks[start:end], out_features=end - start, packed=None,
-            interleaved=None, bias=None if self.bias is None else self.bias[start:end],
-            int8=None,
+            self, blocks=blocks, out_features=blocks.shape[0], packed=None, interleaved=None,
+            bias=None if self.bias is None else self.bias[index], int8=None,
         )  # fmt: skip
         if self.int8 is not None:
             part.make_int8()
@@ -135,9 +136,9 @@ class GGUFWeight:
         packs that dtype here. Returns its bytes."""
         if not can_pack(torch.empty(0, dtype=self.dtype)):
             return 0
-        dense = self.dense(self.dtype)
-        self.packed = onednn_pack(dense)
-        return dense.numel() * dense.element_size()
+        if self.packed is None:  # (one held already stays: the blocks never change)
+            self.packed = onednn_pack(self.dense(self.dtype))
+        return self.out_features * self.in_features * self.dtype.itemsize
 
     def make_int8(self) -> int:
         """Hold the int8 W8A8 copy (the blocks dequantized, rounded per output channel); returns

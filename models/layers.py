@@ -125,16 +125,16 @@ class Linear(nn.Module):
     def plain_forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear(x, self.weight, self.bias)
 
-    def rows(self, start: int, end: int) -> Linear:
-        """A Linear over output rows [start, end) of this one: views of its weight (a GGUF
-        weight's blocks), packed again if this one is."""
+    def rows(self, index: slice | torch.Tensor) -> Linear:
+        """A Linear over output rows `index` of this one (a slice: views of its weight or a GGUF
+        weight's blocks; row ids: copies), packed again if this one is."""
         part = Linear(self.in_features, 0, bias=self.bias is not None)
         if self.bias is not None:
-            part.bias = nn.Parameter(self.bias.detach()[start:end], requires_grad=False)
+            part.bias = nn.Parameter(self.bias.detach()[index], requires_grad=False)
         if self.quant is not None:
-            part.quant = self.quant.rows(start, end)  # type: ignore[attr-defined]
+            part.quant = self.quant.rows(index)  # type: ignore[attr-defined]
             return part
-        part.weight = nn.Parameter(self.weight.detach()[start:end], requires_grad=False)
+        part.weight = nn.Parameter(self.weight.detach()[index], requires_grad=False)
         if self.packed is not None:
             part.pack()
             part.packed_min_rows = self.packed_min_rows

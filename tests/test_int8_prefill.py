@@ -74,7 +74,7 @@ def test_weight_takes_int8_from_its_rows(dtype) -> None:
     # ~3% of the other weights' spread (real weights have no such block: see the engine test)
     assert torch.nn.functional.cosine_similarity(got.float(), want, dim=-1).min() > 0.995
     # TP slices keep their copy
-    part = w.rows(8, 24)
+    part = w.rows(slice(8, 24))
     assert part.int8 is not None and torch.equal(part.int8.weight, w.int8.weight[:, 8:24])
 
 

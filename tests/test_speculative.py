@@ -405,6 +405,7 @@ def test_head_on_blocks_is_its_dense_self_rounded(llama_dir, heads, name) -> Non
     with it too."""
     from models.eagle.head import load_eagle_head
     from models.gguf_linear import GGUFWeight, load_q8
+    from models.layers import pack_linears
 
     if load_q8() is None:
         pytest.skip("the block kernel needs AVX2")  # every x86 CPU this project serves has it
@@ -412,7 +413,8 @@ def test_head_on_blocks_is_its_dense_self_rounded(llama_dir, heads, name) -> Non
     dtype, cpu = model.embed_tokens.weight.dtype, torch.device("cpu")
     dense = load_eagle_head(str(heads[name]), model, dtype, cpu)
     blocks = load_eagle_head(str(heads[name]), model, dtype, cpu)
-    assert blocks.serve_on_blocks().startswith("draft head on Q8_0 blocks")
+    assert blocks.serve_on_blocks(model).startswith("draft head on Q8_0 blocks")
+    pack_linears(blocks)  # as the engine's build does (its packed copies serve many rows)
     gen = torch.Generator().manual_seed(0)
     linears = ["fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     for rows in (1, 3, 40):

@@ -52,7 +52,7 @@ def load_draft_head(
             )
     head = load_eagle_head(path, model, dtype, device)
     head.source = path if config.speculative_model else f"{path} (shipped; matched by weights)"
-    blocks = head.serve_on_blocks()
+    blocks = head.serve_on_blocks(model)
     if blocks:  # the banner says how the head serves
         head.source += f"; {blocks}"
     log.info(

@@ -248,7 +248,7 @@ class TPGroup:
         rows, the other ranks theirs."""
         self.vocab_part = RankShard.vocab_part_of(vocab_size, self.world, 0)
         self.vocab_size = vocab_size
-        self._vocab_head = lm_head.rows(*self.vocab_part)
+        self._vocab_head = lm_head.rows(slice(*self.vocab_part))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The step's sampling rows' logits, computed by vocabulary part on every rank."""

@@ -111,8 +111,8 @@ class EagleHead(nn.Module):
         self._embed = (target.embed_tokens,)
         self._target_lm_head = (target.lm_head,)
         self.vocab_weight: torch.Tensor | None = None  # eagle1 with token_map: lm_head rows
-        # the same rows as the target's own GGUF blocks, where it has them (`serve_on_blocks`)
-        self.vocab_blocks: GGUFWeight | None = None
+        # those rows as the target's own GGUF blocks, where it has them (`serve_on_blocks`)
+        self.vocab_head: Linear | None = None
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, target.spec.rope_scaling)
 
     @property
@@ -175,41 +175,38 @@ class EagleHead(nn.Module):
             hidden = rms_norm(hidden, self.norm.weight, self.norm.eps)
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self.vocab_blocks is not None:
-            return self.vocab_blocks(hidden).float()
+        if self.vocab_head is not None:
+            return self.vocab_head(hidden).float()
         if self.vocab_weight is None:
             return self._target_lm_head[0](hidden).float()
         return cpu_linear(hidden, self.vocab_weight, None).float()
 
-    def serve_on_blocks(self) -> str:
-        """CPU: the head's linears rounded to Q8_0 blocks on the block kernel (a packed dense
-        copy for a prompt's many catch-up rows), and the draft vocabulary's rows taken from the
-        target's lm_head blocks where it has them (the same values, half the bytes). A draft
-        step's time is its weights' bytes: in bf16 ~16 MB, ~1 ms beside a ~4 ms target step
-        (SmolLM2 here). Drafts only: verification keeps the output the target's. Returns what
-        serves, for the banner ("" where the block kernel is not built here)."""
+    def serve_on_blocks(self, target: LlamaForCausalLM) -> str:
+        """CPU: the head's linears rounded to Q8_0 blocks on the block kernel, and the draft
+        vocabulary's rows taken from `target`'s lm_head blocks where it has them (the same
+        values, half the bytes), each up to the rows the target's weights measured the kernel
+        faster than the dense path (the builder packs dense copies for more, as the target's).
+        A draft step's time is its weights' bytes: in bf16 ~16 MB, ~1 ms beside a ~4 ms target
+        step (SmolLM2 here). Drafts only: verification keeps the output the target's. Returns
+        what serves, for the banner ("" where the block kernel is not built here)."""
         weight = self.fc.weight
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             return ""  # the kernels take float32 or bf16 activations on a CPU
         if gguf_linear.load_q8() is None:
             return ""
         held = gguf_linear.attach(self, gguf_linear.quantize_to_blocks(self, "Q8_0"))
-        for w in gguf_linear.gguf_weights(self):
-            w.kernel_max_rows = 16  # a chain's rows and a verify step's catch-up
-            w.pack()
-        target = self._target_lm_head[0].quant
+        layers = gguf_linear.weight_groups(target).get("decoder layers")
+        for w in gguf_linear.gguf_weights(self) if layers else ():
+            w.kernel_max_rows = layers[0].kernel_max_rows  # measured at the target's load
         vocab = ""
-        if self.vocab_weight is not None and isinstance(target, GGUFWeight):
+        blocks = target.lm_head.quant
+        if self.vocab_weight is not None and isinstance(blocks, GGUFWeight):
             assert self.token_map is not None
-            rows = target.blocks.index_select(0, self.token_map.to(target.blocks.device))
-            self.vocab_blocks = GGUFWeight(
-                target.format, rows.contiguous(), target.in_features, rows.shape[0],
-                self.vocab_weight.dtype, kernel_max_rows=16,
-            )  # fmt: skip
-            self.vocab_blocks.interleave()
-            self.vocab_blocks.pack()
+            self.vocab_head = target.lm_head.rows(self.token_map.to(blocks.blocks.device))
             self.vocab_weight = None
-            vocab = f", {rows.shape[0]} vocabulary rows from the target's {target.format} blocks"
+            vocab = (
+                f", {len(self.token_map)} vocabulary rows from the target's {blocks.format} blocks"
+            )
         size = sum(held.values()) / 2**20
         return f"draft head on Q8_0 blocks ({size:.1f} MiB{vocab})"
 
