@@ -245,11 +245,15 @@ class AsyncEngine:
 
     # ---- the remote KV tier (engine/kv/remote.py) --------------------------------------------
 
-    def open_remote(self, url: str, ttl_s: int) -> None:
-        """Connect the remote tier (once; later calls keep the first store)."""
+    def open_remote(self, url: str, ttl_s: int, secret: str = "") -> None:
+        """Connect the remote tier (once; later calls keep the first store). `secret`: the key
+        every instance sharing the store holds (kv_store_key); values are authenticated with
+        it, else only digested (engine/kv/remote.py)."""
         if self._remote is None:
             info = self.info
-            self._remote = RedisBlockStore(url, info.kv_namespace, info.host_block_bytes, ttl_s)
+            self._remote = RedisBlockStore(
+                url, info.kv_namespace, info.host_block_bytes, ttl_s, secret=secret
+            )
 
     async def prefetch(
         self,
@@ -282,15 +286,17 @@ class AsyncEngine:
             return Prefetch(fallbacks=fallbacks)
         t = time.monotonic()
         try:
-            payloads = await asyncio.to_thread(self._remote.get_run, wanted)
+            payloads, refused = await asyncio.to_thread(self._remote.get_run, wanted)
         except KVStoreError as e:
             log.warning("kv transfer: %s; computing the prompt here", e)
             return Prefetch(len(wanted), fallbacks=(*fallbacks, "store_error"))
         stored = await self.import_blocks(list(zip(wanted, payloads, strict=False)))
-        if stored < len(wanted):
+        if refused:  # a value that failed its tag: the run stopped there (the store counted it)
+            fallbacks = (*fallbacks, "integrity")
+        elif stored < len(wanted):
             fallbacks = (*fallbacks, "missing_blocks")
         nbytes = sum(len(p) for p in payloads[:stored])
-        return Prefetch(len(wanted), stored, nbytes, time.monotonic() - t, fallbacks)
+        return Prefetch(len(wanted), stored, nbytes, time.monotonic() - t, fallbacks, refused)
 
     async def publish(self, blocks: list[tuple[bytes, bytes]]) -> bool:
         """Put a finished prompt's blocks (hash, payload), exported by the engine in the step

@@ -26,6 +26,12 @@ def parse_bytes(value: str | int) -> int:
     return int(number * (1024 if binary else 1000) ** power)
 
 
+# the host tier a disk tier or a remote store needs when host_bytes is 0: both hang under it
+# (blocks reach the disk through it, and received ones land in it), so without one they'd do
+# nothing
+DEFAULT_HOST_BYTES = "1GiB"
+
+
 DTYPE_NAMES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -185,7 +191,11 @@ class EngineConfig:
     host_bytes: str = setting(
         "0", "host-memory KV tier for evicted and idle sessions' blocks, e.g. 8GiB; 0: off"
     )
-    disk_path: str = setting("", "disk KV tier directory under the host tier; empty: off")
+    disk_path: str = setting(
+        "",
+        f"disk KV tier directory under the host tier (of {DEFAULT_HOST_BYTES} if host_bytes "
+        "is 0); empty: off",
+    )
     disk_bytes: str = setting("20GiB", "disk KV tier size")
     preemption_mode: str = setting(
         "swap",
@@ -319,6 +329,12 @@ class EngineConfig:
         self, facts: DeviceFacts | None = None, checkpoint_dtype: str | None = None
     ) -> tuple[torch.dtype, str]:
         return choose_dtype(self.dtype, self.resolved_device(), facts, checkpoint_dtype)
+
+    def host_tier_bytes(self) -> int:
+        """The host tier's bytes: host_bytes, or DEFAULT_HOST_BYTES under a disk path (which
+        alone would otherwise be silently ignored: the disk tier hangs under the host tier)."""
+        host_bytes = parse_bytes(self.host_bytes)
+        return parse_bytes(DEFAULT_HOST_BYTES) if host_bytes <= 0 and self.disk_path else host_bytes
 
     def resolved_block_size(self) -> int:
         if self.block_size is not None:

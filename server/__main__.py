@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from typing import TYPE_CHECKING
+from urllib.parse import urlparse
 
 # oneDNN keeps a compiled primitive per matmul shape it meets (default: up to 1,024 of them);
 # a server meets a new row count at almost every prefill step, and that cache was most of its
@@ -78,8 +79,26 @@ def banner(config: Config, info: EngineInfo) -> str:
             + (f"\n  corpus     {info.draft_corpus}" if info.draft_corpus else "")
             + (f"\n  step costs {info.spec_cost}" if info.spec_cost else ""),
         )
+    if config.server.kv_store_url:
+        lines.insert(-1, kv_store_line(config))
     lines += ["  kernel matrix:", info.kernel_table]
     return "\n".join(lines)
+
+
+def kv_store_line(config: Config) -> str:
+    """The remote KV store, and whether its values are authenticated: without a key every
+    client of the store is trusted to write KV this server will serve, and the operator
+    should see that at startup, not in a postmortem."""
+    s = config.server
+    url = urlparse(s.kv_store_url)  # without a password (redis://:PASSWORD@host)
+    where = url._replace(netloc=url.netloc.rsplit("@", 1)[-1]).geturl()
+    trust = (
+        "values authenticated (HMAC-SHA256 with kv_store_key)"
+        if s.kv_store_key
+        else "TRUSTED, unauthenticated (no kv_store_key): any client of the store can feed "
+        "this server KV; a digest catches corruption only"
+    )
+    return f"  KV store   {where} (role {s.role}); {trust}"
 
 
 def kernels(argv: list[str]) -> int:

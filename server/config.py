@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig, parse_bytes, setting
+from engine.config import DEFAULT_HOST_BYTES, EngineConfig, parse_bytes, setting
 
 # the tool-call formats server/flow/tool_parsers.py reads (its PARSERS)
 PARSER_NAMES = ("hermes", "llama3_json", "mistral", "phi4_mini_json")
@@ -102,6 +102,12 @@ class ServerConfig:
         "", "remote KV tier: redis://HOST:PORT[/DB] (Redis or Valkey); empty: none"
     )
     kv_store_ttl_s: int = setting(3600, "published blocks expire after this long; 0: never")
+    kv_store_key: str = setting(
+        "",
+        "secret shared by every instance of the KV store: values are authenticated "
+        "(HMAC-SHA256) and one written without it is refused; empty: the store is trusted. "
+        "Prefer KVSERVE_KV_STORE_KEY (a flag shows in the process list)",
+    )
 
 
 @dataclass(slots=True)
@@ -211,12 +217,14 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
             "kv_store_url with tensor_parallel_size > 1: the store's blocks are whole, each "
             "rank holds a shard of them; serve P/D or replicas with one rank each"
         )
+    if server.kv_store_key and not server.kv_store_url:
+        raise SystemExit("kv_store_key without kv_store_url: there is no store to authenticate")
     if server.kv_store_url:
         if not engine.enable_prefix_caching:
             raise SystemExit("kv_store_url needs enable_prefix_caching (blocks are keyed by hash)")
         if parse_bytes(engine.host_bytes) == 0:
             # received blocks land in the host tier before a request's lookup meets them
-            engine.host_bytes = "1GiB"
+            engine.host_bytes = DEFAULT_HOST_BYTES
     if server.default_max_tokens < 0:
         raise SystemExit("default_max_tokens must be >= 0 (0: the rest of the context)")
     return Config(server, engine)

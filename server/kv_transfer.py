@@ -30,10 +30,11 @@ log = logging.getLogger("kvserve.kv_transfer")
 
 
 class KVTransfer:
-    def __init__(self, role: str, url: str, ttl_s: int, metrics: Metrics) -> None:
+    def __init__(self, role: str, url: str, ttl_s: int, metrics: Metrics, secret: str = "") -> None:
         self.role = role
         self.url = url
         self.ttl_s = ttl_s
+        self.secret = secret  # kv_store_key: authenticates the store's values (remote.py)
         self.metrics = metrics
         self.engine_id = uuid.uuid4().hex  # names this instance in the params it returns
 
@@ -74,7 +75,7 @@ class KVTransfer:
     ) -> int:
         """Bring the prompt's published blocks this instance lacks into its host tier, before
         the request is admitted. Returns the tokens received. Never raises for the store."""
-        engine.open_remote(self.url, self.ttl_s)
+        engine.open_remote(self.url, self.ttl_s, self.secret)
         sent = _published(params)
         if sent is not None and sent.get("namespace") not in (
             None,
@@ -94,6 +95,7 @@ class KVTransfer:
         )
         for reason in got.fallbacks:
             self.metrics.kv_fallbacks.labels(reason).inc()
+        self.metrics.collector.remote_integrity_failures += got.refused
         if got.stored < got.wanted:
             self.metrics.kv_store_misses.inc(got.wanted - got.stored)
         tokens = got.stored * engine.info.block_size
@@ -111,7 +113,7 @@ class KVTransfer:
         """Put a finished prompt's full blocks (exported by the engine in the step that ended
         it) in the store; the params the decode instance gets (through the router) say how
         many and which chain they end."""
-        engine.open_remote(self.url, self.ttl_s)
+        engine.open_remote(self.url, self.ttl_s, self.secret)
         t = time.monotonic()
         if blocks and not await engine.publish(blocks):
             self.metrics.kv_publish_failures.inc()

@@ -24,6 +24,9 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80
 class EngineCollector(Collector):
     def __init__(self) -> None:
         self.snapshot: EngineSnapshot | None = None  # set just before each scrape
+        # values the remote store refused (engine/kv/remote.py), counted per prefetch by
+        # server/kv_transfer.py on the event loop: shown in one family with the disk tier's
+        self.remote_integrity_failures = 0
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot
@@ -76,6 +79,16 @@ class EngineCollector(Collector):
         if snap.spec is not None:
             yield from _spec_metrics(snap.spec, gauge, counter)
         host = snap.host
+        # both tiers always, 0 included, so an alert on rate() works from the first scrape
+        integrity = CounterMetricFamily(
+            "kvserve:kv_tier_integrity_failures",
+            "KV blocks read back from a tier and refused: bytes that failed their digest or "
+            "tag (never served; the prefix is recomputed).",
+            labels=["tier"],
+        )
+        integrity.add_metric(["disk"], host.disk_integrity_failures if host else 0)
+        integrity.add_metric(["remote"], self.remote_integrity_failures)
+        yield integrity
         if host is not None:
             yield gauge("host_kv_used_bytes", "Bytes of KV held in the host tier.", host.used_bytes)
             yield gauge(
@@ -101,6 +114,11 @@ class EngineCollector(Collector):
             )
             yield counter(
                 "host_kv_evictions", "Blocks evicted from the host tier.", host.evicted_blocks
+            )
+            yield counter(
+                "disk_kv_save_failures",
+                "Blocks the disk tier could not write (disk full, read-only); recomputed later.",
+                host.disk_save_failures,
             )
             cumulative = list(itertools.accumulate(host.load_latency_counts))
             yield HistogramMetricFamily(

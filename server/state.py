@@ -42,7 +42,9 @@ class ServerState:
         self.sessions = SessionTracker()
         self.responses: ResponseStore | None = None  # opened by the app's lifespan
         cfg = config.server
-        self.kv_transfer = KVTransfer(cfg.role, cfg.kv_store_url, cfg.kv_store_ttl_s, self.metrics)
+        self.kv_transfer = KVTransfer(
+            cfg.role, cfg.kv_store_url, cfg.kv_store_ttl_s, self.metrics, cfg.kv_store_key
+        )
         self.draining = False  # SIGTERM received: finish in-flight work, admit nothing new
         self.loop: asyncio.AbstractEventLoop | None = None
 

@@ -174,7 +174,7 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     if pool.prefill_attention:
         kernel_table += f"\n  prefill attention: {pool.prefill_attention}"
     if host is not None:
-        kernel_table += f"\n  host tier: {host.describe()}"
+        kernel_table += kv_phase.host_tier_lines(config, host)
     spec = weights.spec
     eos = spec.eos_token_ids or (
         [tokenizer.eos_token_id] if tokenizer and tokenizer.eos_token_id is not None else []

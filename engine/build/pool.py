@@ -19,7 +19,7 @@ from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.build import window as window_phase
 from engine.build.warmup import warm_up
-from engine.config import DTYPE_NAMES, EngineConfig, parse_bytes
+from engine.config import DEFAULT_HOST_BYTES, DTYPE_NAMES, EngineConfig, parse_bytes
 from engine.kv.disk import DiskTier
 from engine.kv.host import HostTier
 from engine.runner.model_runner import allocate_kv_caches
@@ -275,7 +275,7 @@ def host_tier(
 ) -> HostTier | None:
     """The host tier (and the disk tier under it) the config asks for; `mirror`: tells the
     other tensor-parallel ranks each copy between device and storage."""
-    host_bytes = parse_bytes(config.host_bytes)
+    host_bytes = config.host_tier_bytes()  # a disk path alone brings a host tier
     if host_bytes <= 0 or not config.enable_prefix_caching:
         return None
     disk = None
@@ -298,6 +298,17 @@ def host_tier(
     # as many slots on every tensor-parallel rank, sized by the largest rank's blocks
     return HostTier(kv_caches, backend_cls.block_dim, host_bytes, disk, host_bytes // sizing_bytes,
                     mirror)  # fmt: skip
+
+
+def host_tier_lines(config: EngineConfig, host: HostTier) -> str:
+    """The banner's lines for the host tier and the disk tier under it: a size the operator
+    did not give is named as the default it is."""
+    text = f"\n  host tier: {host.describe()}"
+    if parse_bytes(config.host_bytes) <= 0 and config.disk_path:
+        text += f" (--disk-path without --host-bytes: {DEFAULT_HOST_BYTES} by default)"
+    if host.disk is not None:
+        text += f"\n  disk tier: {host.disk.describe()}"
+    return text
 
 
 def block_layout(

@@ -4,7 +4,7 @@ size: decided once at startup, from the model, the chosen attention backend and 
 from __future__ import annotations
 
 from engine.attention.base import AttentionBackend
-from engine.config import EngineConfig, parse_bytes
+from engine.config import EngineConfig
 from engine.kv.window import window_pool_blocks
 from models.spec import ModelSpec
 
@@ -46,7 +46,7 @@ def reclaim_refusal(
         return "tensor parallelism (the ranks' steps carry one block table)"
     if draft_head:
         return "a draft head (its catch-up reads the target's block table)"
-    if config.enable_prefix_caching and parse_bytes(config.host_bytes) > 0:
+    if config.enable_prefix_caching and config.host_tier_bytes() > 0:
         return "the host tier (it copies a block id across every KV group)"
     return None
 

@@ -19,6 +19,10 @@ class HostTierSnapshot:
     load_buckets: tuple[float, ...] = ()
     load_latency_counts: tuple[int, ...] = ()
     load_seconds: float = 0.0
+    # the disk tier under it (engine/kv/disk.py): files refused by their digest (never
+    # served), and saves the filesystem refused (disk full, read-only)
+    disk_integrity_failures: int = 0
+    disk_save_failures: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -323,15 +323,20 @@ class HostTier:
         return True
 
     def flush_to_disk(self, device_pairs: Sequence[tuple[bytes, int]] = ()) -> int:
-        """Clean shutdown: persist this tier and the device pool's cached blocks to disk."""
+        """Clean shutdown: persist this tier and the device pool's cached blocks to disk.
+        Returns the blocks on disk; a save the filesystem refuses is counted by the disk tier,
+        never raised (a full disk must not turn a clean shutdown into a crash)."""
         if self.disk is None:
             return 0
         self._sync()
+        saved = 0
         for h, slot in self.index.items():
-            self.disk.save(h, [s[slot] for s in self.storage])
+            saved += self.disk.save(h, [s[slot] for s in self.storage])
         for h, block_id in device_pairs:
-            self.disk.save(h, [c.select(self.block_dim, block_id) for c in self.device_caches])
-        return len(self.index) + len(device_pairs)
+            saved += self.disk.save(
+                h, [c.select(self.block_dim, block_id) for c in self.device_caches]
+            )
+        return saved
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
