@@ -58,6 +58,11 @@ class RequestFailed(RuntimeError):
     """One request failed inside the engine; the others carry on."""
 
 
+class RequestRefused(RequestFailed):
+    """One request ended inside the engine by its own inputs' fault (its constraints left no
+    token to pick): the client's error, a 400."""
+
+
 class RequestTimeout(RuntimeError):
     """The request ran past `request_timeout_s`; it has been aborted."""
 
@@ -75,6 +80,8 @@ def to_api_error(exc: BaseException) -> APIError | None:
         return APIError(503, str(exc), code="shutting_down")
     if isinstance(exc, RequestTimeout):
         return APIError(504, str(exc), code="timeout")
+    if isinstance(exc, RequestRefused):
+        return APIError(400, str(exc), code="no_token_allowed")
     if isinstance(exc, RequestFailed):
         return APIError(500, str(exc), code="request_failed")
     return None

@@ -10,14 +10,16 @@ from dataclasses import dataclass
 
 from engine.build.builder import build_engine
 from engine.config import EngineConfig
-from engine.core.batch import StepUpdate
+from engine.core.batch import ScheduledRequest, StepUpdate
 from engine.core.engine_info import EngineInfo
 from engine.core.outputs import RequestOutput
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import LoRARef, ParamError, SamplingParams
 from engine.core.snapshot import EngineSnapshot, HostTierSnapshot, SpecSnapshot
+from engine.core.step_guard import run_step
 from engine.kv.host import SWAP_IN_BUCKETS
 from engine.lora.registry import LoRAAdapter
+from engine.runner.runner_output import GrammarMask
 
 
 @dataclass(slots=True)
@@ -141,9 +143,11 @@ class LLMEngine:
         if self.host is not None:
             h = self.host
             h.settle_latencies()  # swap-ins whose copies completed since (only counts them)
+            disk = h.disk
             host = HostTierSnapshot(
                 h.used_bytes, h.capacity_bytes, h.block_bytes, h.saved_blocks, h.loaded_blocks,
                 h.evicted_blocks, SWAP_IN_BUCKETS, tuple(h.load_latency_counts), h.load_seconds,
+                disk.integrity_failures if disk else 0, disk.save_failures if disk else 0,
             )  # fmt: skip
         spec = None
         if self.drafter is not None:
@@ -196,15 +200,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One batch: schedule -> run -> update -> emit -> draft. A failure that belongs to one
-        request (non-finite logits, detokenizer error) fails that request only; a failed
-        forward fails the requests of that batch; the engine keeps serving. Failures in
-        scheduling itself are engine bugs and propagate."""
+        request (a token outside the vocabulary, nothing its constraints allow, non-finite
+        logits, detokenizer error) fails that request only, and a failed forward is retried
+        without the request that made it fail (engine/core/step_guard.py); the engine keeps
+        serving. Failures in scheduling itself are engine bugs and propagate."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
-        grammar = self.structured.step_mask(scheduled.scheduled) if self.structured else None
-        ran = self.runner.execute(scheduled, grammar)
+        ran = run_step(self.runner, self._grammar, scheduled, self.info.vocab_size)
         update = self.scheduler.update_from_output(scheduled, ran)
         self._count(update)
         outputs = self.outputs.emit(update)
@@ -212,6 +216,9 @@ class LLMEngine:
             self.drafter.step(update, ran.hidden, ran.plan)
         self._time(update, time.perf_counter() - start)
         return outputs
+
+    def _grammar(self, scheduled: list[ScheduledRequest]) -> GrammarMask | None:
+        return self.structured.step_mask(scheduled) if self.structured is not None else None
 
     def _count(self, update: StepUpdate) -> None:
         self.stats.steps += 1

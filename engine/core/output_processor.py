@@ -12,7 +12,7 @@ import torch
 
 from engine.core.batch import StepUpdate
 from engine.core.detokenizer import IncrementalDetokenizer
-from engine.core.outputs import RequestOutput
+from engine.core.outputs import ClientFault, RequestOutput
 from engine.core.request import Request
 from engine.runner.sampler import TokenLogprobs
 from models.tokenizer import Tokenizer
@@ -41,6 +41,7 @@ def request_output(
         num_output_tokens=request.num_output_tokens,
         logprobs=logprobs or [],
         error=error,
+        client_error=isinstance(error, ClientFault),
         queue_time=request.queue_time,
         prefill_time=request.prefill_time,
         embedding=embedding,

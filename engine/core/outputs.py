@@ -9,6 +9,11 @@ import torch
 from engine.runner.sampler import TokenLogprobs
 
 
+class ClientFault(str):
+    """Why a request failed, when its own inputs caused it (constraints that leave no token to
+    pick): the server answers the client's error (4xx), not its own (5xx)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixSummary:
     """Where a request's prompt was found when it was first admitted, in tokens per tier, and
@@ -40,6 +45,7 @@ class RequestOutput:
     prefix_hit: PrefixSummary | None = None  # once admitted
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
+    client_error: bool = False  # `error` is the request's own fault (a ClientFault)
     queue_time: float | None = None  # seconds from arrival to first scheduling
     prefill_time: float | None = None  # seconds from first scheduling to first token
     # with `prompt_logprobs`: each prompt token's logprob (None for the first), in the output

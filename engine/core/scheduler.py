@@ -368,6 +368,7 @@ class Scheduler:
         with their prefill. Returns what the step emitted and who finished."""
         update = StepUpdate(out, pooled=ran.pooled, scored=ran.scored)
         for request, why in ran.failed:
+            self.kv.forget_unwritten(request)
             self.finish(request.request_id, FinishReason.ERROR)
             update.failed.append((request, why))
         sampled = {s.request.request_id: res for s, res in ran.sampled}

@@ -203,10 +203,28 @@ class StructuredOutputs:
     ) -> xgr.CompiledGrammar:
         try:
             if spec.kind == "regex":
-                return compiler.compile_regex(spec.source)
-            return compiler.compile_grammar(grammar_source(spec))
+                compiled = compiler.compile_regex(spec.source)
+            else:
+                compiled = compiler.compile_grammar(grammar_source(spec))
         except Exception as e:  # noqa: BLE001 - the library's errors are many types
             raise ParamError(param, f"{param}: cannot compile this {spec.kind}: {e}") from None
+        self._refuse_empty(compiled, spec, param)
+        return compiled
+
+    def _refuse_empty(
+        self, compiled: xgr.CompiledGrammar, spec: GrammarSpec, param: str
+    ) -> None:
+        """A grammar that allows no first token (`root ::= root`, or text no token spells) has
+        nothing to generate: refused here, where the client gets a 400, rather than at its first
+        step. (An empty language that only shows later ends its request at that step.)"""
+        matcher = self.xgr.GrammarMatcher(compiled)
+        bitmask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()):
+            raise ParamError(
+                param, f"{param}: this {spec.kind} admits no token: its language is empty "
+                "(or spelled by no token of this model's vocabulary)",
+            )  # fmt: skip
 
     def matcher(self, spec: GrammarSpec) -> xgr.GrammarMatcher:
         return self.xgr.GrammarMatcher(self.compile(spec))

@@ -259,6 +259,14 @@ class KVCacheManager:
                 self.window.cache(request.request_id, i, key.block_hash, key)
         self._num_cached_blocks[request.request_id] = max(start, end)
 
+    def forget_unwritten(self, request: Request) -> None:
+        """A request whose step failed: the blocks that step was to fill were registered when it
+        was scheduled (above), but their KV may never have been written; they leave the prefix
+        cache before the request frees them. Blocks computed in earlier steps stay cached."""
+        table = self.block_tables.get(request.request_id, [])
+        for block in table[request.num_computed_tokens // self.block_size :]:
+            self.pool.forget(block)
+
     def free(self, request: Request) -> None:
         """Release a request's blocks; a prefix it asked to keep (`SamplingParams.keep_prefix`)
         is pinned in the pool for its time."""

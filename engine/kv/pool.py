@@ -195,6 +195,12 @@ class BlockPool:
                 best, best_len = block, n
         return best, best_len
 
+    def forget(self, block: KVBlock) -> None:
+        """Drop a block's hash whatever its references: its KV was never written (the step that
+        was to compute it failed), so no lookup may find it."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            self._forget(block)
+
     def uncache(self, block: KVBlock) -> None:
         """Drop a free block's hash (its KV moved to the host tier) and make it the next block
         allocated, so the device copy is not kept twice."""

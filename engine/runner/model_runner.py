@@ -150,6 +150,7 @@ class ModelRunner:
                 "forward pass failed; failing the %d requests of this batch", len(out.scheduled)
             )
             result.failed = [(s.request, "the forward pass failed") for s in out.scheduled]
+            result.forward_failed = True
             return result
         result.hidden = hidden
         width = self.model.spec.hidden_size  # the final-normed state, not EAGLE-3's aux

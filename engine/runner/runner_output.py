@@ -13,6 +13,7 @@ import torch
 
 from engine.attention.base import AttentionStep
 from engine.core.batch import ScheduledRequest
+from engine.core.outputs import ClientFault
 from engine.core.request import Request
 from engine.grammar.token_bitmask import apply_bitmask
 from engine.runner.pooling import normalize
@@ -20,6 +21,12 @@ from engine.runner.sampler import SamplerOutput, TokenLogprobs, sample
 from engine.spec.verify import verify
 
 log = logging.getLogger("kvserve.engine")
+# why a request ends when its constraints leave no token to pick: a client's error, not the
+# server's (a grammar whose language ran out, a logit_bias of -inf on every allowed token)
+NOTHING_ALLOWED = ClientFault(
+    "no token is allowed at this step: the request's grammar, logit_bias and min_tokens "
+    "together exclude every token"
+)
 
 
 @dataclass(slots=True)
@@ -47,6 +54,7 @@ class RunnerOutput:
     # (request, first position, prompt logprobs of the tokens after it) per scoring chunk
     scored: list[tuple[Request, int, list[TokenLogprobs]]] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)
+    forward_failed: bool = False  # the forward itself raised: `failed` holds every request
     hidden: torch.Tensor | None = None
     plan: tuple[torch.Tensor, AttentionStep] | None = None
 
@@ -190,17 +198,27 @@ def _sample(
         else:
             plain.append((s, a))
     sampled: list[tuple[ScheduledRequest, SamplerOutput]] = []
+    refusals: list[Request] = []
     if plain:
         picked, plain_logits = [a for _, a in plain], logits
         if picked != list(range(logits.shape[0])):  # all rows in order: no gather, no upload
             plain_logits = logits.index_select(0, torch.tensor(picked, device=logits.device))
         res = sample(plain_logits, [s.request for s, _ in plain])
-        sampled.extend(
-            (s, SamplerOutput([t], [lp]))
-            for (s, _), t, lp in zip(plain, res.token_ids, res.logprobs)
-        )
+        refused = set(res.refused)
+        for i, ((s, _), t, lp) in enumerate(zip(plain, res.token_ids, res.logprobs)):
+            if i in refused:
+                refusals.append(s.request)
+            else:
+                sampled.append((s, SamplerOutput([t], [lp])))
     if drafted:
         rows = torch.cat([torch.arange(a, b) for _, a, b in drafted]).to(logits.device)
         verified = verify(logits.index_select(0, rows), [s.request for s, _, _ in drafted])
-        sampled.extend((s, res) for (s, _, _), res in zip(drafted, verified))
+        for (s, _, _), res in zip(drafted, verified):
+            if res.refused:
+                refusals.append(s.request)
+            else:
+                sampled.append((s, res))
     into.sampled.extend(sampled)  # only once the whole call succeeded
+    for request in refusals:
+        log.warning("request %s: %s; ending it", request.request_id, NOTHING_ALLOWED)
+        into.failed.append((request, NOTHING_ALLOWED))

@@ -14,7 +14,7 @@ are the model's raw log-softmax (before any processing), as vLLM reports them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -49,8 +49,13 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class SamplerOutput:
+    """`token_ids[i]`, `logprobs[i]`: row i's; `refused`: rows where nothing was allowed (a
+    grammar that admits no token here, a bias or min_tokens masking every token, NaN after
+    processing): their entries in `token_ids` are not tokens and must not be emitted."""
+
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    refused: list[int] = field(default_factory=list)
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingContext]) -> None:
@@ -169,12 +174,27 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingContext]) -> Sampler
             u[j : j + 1].uniform_(generator=requests[sampled_rows[j]].generator)
         token_ids[rows] = inverse_cdf(probs, u)
 
+    refused = refused_rows(logits, token_ids)
     ids = token_ids.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * n
     if raw_logprobs is not None:
         for i, p in enumerate(params):
-            logprobs[i] = token_logprobs(raw_logprobs[i], ids[i], p.logprobs)
-    return SamplerOutput(ids, logprobs)
+            if i not in refused:
+                logprobs[i] = token_logprobs(raw_logprobs[i], ids[i], p.logprobs)
+    return SamplerOutput(ids, logprobs, refused)
+
+
+def refused_rows(processed: torch.Tensor, token_ids: torch.Tensor) -> list[int]:
+    """The rows whose pick is not an allowed token: out of the vocabulary (the inverse CDF of a
+    row whose probabilities are all 0 or NaN answers the vocabulary size) or of logit -inf/NaN
+    after every processor and mask (the argmax of a row of -inf is token 0). A pick is allowed
+    exactly when its processed logit is above -inf, so one gather checks every row: no token the
+    constraints forbid ever leaves the sampler."""
+    vocab = processed.shape[1]
+    in_range = (token_ids >= 0) & (token_ids < vocab)
+    picked = processed.gather(1, token_ids.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)
+    bad = ~(in_range & (picked > float("-inf")))
+    return bad.nonzero().flatten().tolist() if bool(bad.any()) else []
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -68,9 +68,15 @@ def verify(logits: torch.Tensor, requests: list[Request]) -> list[SamplerOutput]
             m = 0
             while m < k and r.spec_token_ids[m] == target[m]:
                 m += 1
-            tokens = r.spec_token_ids[:m] + [target[m]]
+            tokens: list[int] | None = r.spec_token_ids[:m] + [target[m]]
         else:
             tokens = _rejection_sample(r, sampling_probs(rows, [params] * (k + 1)))
+        if tokens is None or not _allowed(rows, tokens):
+            # the row that picks the last token allows nothing (a draft is always allowed by
+            # the row before it, or verification rejected it): the request ends here
+            results.append(SamplerOutput([], [], refused=[0]))
+            row += k + 1
+            continue
         lps: list[TokenLogprobs | None] = [None] * len(tokens)
         if raw is not None and params.logprobs is not None:
             lps = [token_logprobs(raw[row + j], t, params.logprobs) for j, t in enumerate(tokens)]
@@ -79,15 +85,29 @@ def verify(logits: torch.Tensor, requests: list[Request]) -> list[SamplerOutput]
     return results
 
 
-def _rejection_sample(r: Request, p: torch.Tensor) -> list[int]:
+def _allowed(rows: torch.Tensor, tokens: list[int]) -> bool:
+    """Token j came from processed row j: each is in the vocabulary with a logit above -inf."""
+    vocab = rows.shape[1]
+    if not all(0 <= t < vocab for t in tokens):
+        return False
+    index = torch.tensor(tokens, device=rows.device)
+    picked = rows[torch.arange(len(tokens), device=rows.device), index]
+    return bool((picked > float("-inf")).all())
+
+
+def _rejection_sample(r: Request, p: torch.Tensor) -> list[int] | None:
     """Leviathan et al.'s rule over draft tokens drawn from r.spec_probs (q); without q the
     drafts were chosen deterministically (q one-hot at the draft): d is kept with probability
-    p(d), else the token is drawn from p without d."""
+    p(d), else the token is drawn from p without d. None when a row it reads holds no
+    probability (everything masked, or NaN): there is nothing to draw."""
     q, gen = r.spec_probs, r.generator
+    valid = (p.isfinite().all(-1) & (p.sum(-1) > 0)).tolist()
     # drawn where p and the generator live (the engine's device), then read once
     uniforms = torch.rand(r.num_spec, generator=gen, device=p.device).tolist() if r.num_spec else []
     tokens: list[int] = []
     for j, d in enumerate(r.spec_token_ids):
+        if not valid[j]:
+            return None
         pj, qj = float(p[j, d]), (float(q[j, d]) if q is not None else 1.0)
         if uniforms[j] * qj < pj:  # P(u < p/q) = p/q exactly for u in [0, 1)
             tokens.append(d)
@@ -101,5 +121,7 @@ def _rejection_sample(r: Request, p: torch.Tensor) -> list[int]:
             residual = p[j]
         tokens.append(int(torch.multinomial(residual, 1, generator=gen)))
         return tokens
+    if not valid[r.num_spec]:
+        return None
     tokens.append(int(torch.multinomial(p[r.num_spec], 1, generator=gen)))
     return tokens

@@ -20,7 +20,14 @@ from engine.async_engine import AsyncEngine
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import GrammarSpec, ParamError, SamplingParams
 from engine.grammar.budget import GrammarBusyError
-from server.errors import APIError, RequestFailed, RequestTimeout, error_body, to_api_error
+from server.errors import (
+    APIError,
+    RequestFailed,
+    RequestRefused,
+    RequestTimeout,
+    error_body,
+    to_api_error,
+)
 from server.flow.generation import Choice, usage_of
 from server.flow.plan import (
     GenerationPlan,
@@ -195,7 +202,8 @@ class Generation:
             async for out in self.engine.stream(list(by_id), self.queue, timeout):
                 choice = by_id[out.request_id]
                 if out.finish_reason == "error":
-                    raise RequestFailed(f"request {choice.request_id} failed: {out.error}")
+                    failed = RequestRefused if out.client_error else RequestFailed
+                    raise failed(f"request {choice.request_id} failed: {out.error}")
                 timing.output(out)
                 if choice.app is not None and out.prefix_hit is not None:
                     self.state.app_cache.observe(choice.app, choice.prompt_ids, out.prefix_hit,
