@@ -14,6 +14,9 @@
 #   nvcc at first use: the base is the CUDA 13.0 *devel* image (nvcc 13.0 and the headers,
 #   matching torch's CUDA). The compiled kernels (and Triton's, for xformers) are cached under
 #   /cache: mount a volume there and a restarted container starts without recompiling.
+#   Nothing under /cache belongs to root: it is made and chowned to uid 10001 first, and the
+#   variables that point caches into it are set after the last build step.
+# - A CPU-only image (no CUDA): docker/cpu.Dockerfile.
 # - Ubuntu 24.04's python3 is 3.12; pyproject's requires-python admits 3.11 and 3.12, and every
 #   pinned dependency has a cp312 wheel (tests/test_packaging.py resolves the set for this
 #   Python and platform).
@@ -24,8 +27,6 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     CUDA_HOME=/usr/local/cuda \
-    FLASHINFER_WORKSPACE_BASE=/cache \
-    TRITON_CACHE_DIR=/cache/triton \
     KVSERVE_CONFIG=/app/config.toml \
     KVSERVE_HOST=0.0.0.0 \
     KVSERVE_PORT=8000
@@ -63,9 +64,21 @@ COPY server ./server
 COPY bench ./bench
 COPY tools ./tools
 RUN pip install --no-deps . \
-    && python -c "import torch, flashinfer, server; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+    && python -c "import torch, flashinfer, server; print('torch', torch.__version__, 'CUDA', torch.version.cuda)" \
+    && python -c "import xformers; from xformers.ops.fmha import triton_splitk; print('xformers', xformers.__version__, 'ships its paged decode as', triton_splitk.FwOp.NAME, '(Triton); its C++ extension, built for another torch, is not used')"
 
+# What serves paged decode from xformers: its Triton split-K operator, compiled at the first
+# warm-up (cached in /cache/triton); a warm-up that fails passes xformers over in the kernel
+# matrix with the reason, and FlashInfer or the torch backend serves
+LABEL org.kvserve.xformers="0.0.35: Triton split-K paged decode (triton_splitKF); C++ extension unused"
 COPY docker/entrypoint.sh /usr/local/bin/kvserve-entrypoint
+# The caches point into /cache only from here on: a build step run as root with them set (the
+# import check above imports FlashInfer) would leave root-owned directories there that the
+# server, uid 10001, cannot write. kvserve's C++ ops are built natively at first use (g++ is in
+# this image) into TORCH_EXTENSIONS_DIR, kept on the volume like the kernels.
+ENV FLASHINFER_WORKSPACE_BASE=/cache \
+    TRITON_CACHE_DIR=/cache/triton \
+    TORCH_EXTENSIONS_DIR=/cache/torch_extensions
 USER 10001:10001
 VOLUME ["/cache"]
 EXPOSE 8000

@@ -18,7 +18,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 K8S = DOCKER / "k8s"
-COMPOSE_FILES = ["compose.yaml", "compose.disagg.yaml", "compose.replicas.yaml"]
+COMPOSE_FILES = ["compose.yaml", "compose.disagg.yaml", "compose.replicas.yaml", "compose.cpu.yaml"]
+ROUTED = ["compose.disagg.yaml", "compose.replicas.yaml"]  # the compose files with a router
 K8S_FILES = sorted(p.name for p in K8S.glob("*.yaml"))
 K8S_VERSION = "1.31"  # a release kubernetes-validate ships schemas for (offline)
 KVSERVE_PORT = 8000  # the image's KVSERVE_PORT
@@ -506,7 +507,7 @@ def test_k8s_routers_listen_where_they_are_probed_and_declared() -> None:
 
 
 def _all_router_commands() -> list[tuple[str, list[str]]]:
-    out = [(n, [str(a) for a in _compose(n)["router"]["command"]]) for n in COMPOSE_FILES[1:]]
+    out = [(n, [str(a) for a in _compose(n)["router"]["command"]]) for n in ROUTED]
     out += [(name, c.get("args", [])) for name, c in _containers("kvserve-router")]
     return out
 
