@@ -10,6 +10,9 @@ append, for bfloat16 and float16 at head_dim 64 and 128 (the engine's FlashInfer
 engine/attention/flashinfer_backend.py). `--cuda-include` adds a CUDA library's headers that a
 partial toolkit here lacks (curand's, which CUTLASS's utilities include); a header missing from
 the package is a defect of the trim, one missing from the toolkit is reported as such.
+
+`--prebuild` builds an sm90 bfloat16 warm-up's modules in one parallel ninja run (the device
+check's compile step); `--time-one-unit` compiles one fa3 unit here and times it (its bound).
 """
 
 from __future__ import annotations
@@ -28,19 +31,55 @@ from pathlib import Path
 MISSING = re.compile(r"fatal error: (\S+): No such file or directory")
 
 
-def module_specs(head_dims: tuple[int, ...]) -> list:
+def module_specs(head_dims: tuple[int, ...], dtypes: tuple | None = None,
+                 prefill: tuple[str, ...] = ("fa2", "fa3")) -> list:  # fmt: skip
     import torch
     from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
     from flashinfer.jit.page import gen_page_module
 
     specs = [gen_page_module()]
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in dtypes or (torch.bfloat16, torch.float16):
         for d in head_dims:
             common = (dtype, dtype, dtype, torch.int32, d, d, 0, False, False)
             specs.append(gen_batch_decode_module(*common))
-            for backend in ("fa2", "fa3"):
+            for backend in prefill:
                 specs.append(gen_batch_prefill_module(backend, *common, False))
     return specs
+
+
+def prebuild(head_dims: tuple[int, ...]) -> int:
+    """Build the modules an sm90 warm-up of a bfloat16 model loads (page append, decode, fa3
+    prefill) in ONE ninja run, so all their nvcc units compile at once (MAX_JOBS); the engine's
+    warm-up then finds them built. FlashInfer's own JIT builds module after module."""
+    import torch
+    from flashinfer.jit.core import build_jit_specs
+
+    start = time.time()
+    specs = module_specs(head_dims, (torch.bfloat16,), ("fa3",))
+    build_jit_specs(specs, skip_prebuilt=False)
+    print(f"FlashInfer: {len(specs)} modules built in parallel in {time.time() - start:.0f} s")
+    return 0
+
+
+def time_one_unit(head_dim: int) -> int:
+    """Compile (for real, not a scan) the fa3 prefill module's first nvcc unit and time it: the
+    CPU-side cost that the device check's compile step is bounded by (no GPU needed)."""
+    import torch
+
+    spec = module_specs((head_dim,), (torch.bfloat16,), ("fa3",))[-1]
+    spec.write_ninja()
+    listed = subprocess.run(
+        ["ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path), "-t", "commands"],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    units = [line for line in listed if shlex.split(line)[0].endswith("nvcc")]
+    start = time.time()
+    done = subprocess.run(shlex.split(units[0]), capture_output=True, text=True)
+    print(f"fa3 prefill: {len(units)} nvcc units; the first took {time.time() - start:.0f} s "
+          f"on one core here (exit {done.returncode})")  # fmt: skip
+    if done.returncode:
+        print(done.stderr[-2000:])
+    return done.returncode
 
 
 def scan_commands(spec, cuda_includes: list[str]) -> list[tuple[str, list[str]]]:
@@ -80,10 +119,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cuda-include", action="append", default=[])
     parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--prebuild", action="store_true", help=prebuild.__doc__)
+    parser.add_argument("--time-one-unit", action="store_true", help=time_one_unit.__doc__)
     args = parser.parse_args()
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", tempfile.mkdtemp(prefix="fi_sources_"))
     import flashinfer
+
+    if args.prebuild:
+        return prebuild(tuple(int(d) for d in args.head_dims.split(",")))
+    if args.time_one_unit:
+        return time_one_unit(int(args.head_dims.split(",")[0]))
 
     package = Path(flashinfer.__file__).parent
     toolkit_gaps: set[str] = set()

@@ -15,7 +15,8 @@
 #                                    a step the budget cuts or the host cannot run is reported
 #                                    as not run, never as passed
 #   scripts/gpu_check.sh --rehearse  here, after --fetch: --run on this CPU in a copy of exactly
-#                                    what the device receives, the carry and the budget checked
+#                                    what the device receives, the carry and the budget checked,
+#                                    importing only what the host's image has plus the archive
 #   scripts/gpu_check.sh --check-trim here, after --fetch (needs nvcc, not a GPU): every source
 #                                    of the FlashInfer JIT modules this project builds scanned
 #                                    for its headers against the carried, trimmed FlashInfer
@@ -61,19 +62,28 @@ trim_flashinfer() {  # $1: the staged site directory
     find "$experimental" -mindepth 1 -maxdepth 1 -type d "${keep[@]}" -exec rm -rf {} +
 }
 
-# name | bound (s) | needs a GPU | command. The cheapest, most informative first; the compile
-# allowance is FlashInfer's JIT (fa3 sm90 prefill + fa2 decode, nvcc on the host's cores).
+# name | bound (s) | needs a GPU | command. The cheapest, most informative first. Each bound is
+# the step's CPU-side cost measured on a 2-core dev machine (scripts/gpu_step_costs.py) plus
+# what the GPU adds, with room:
+#   unpack: the archive (~40 MB) and `import server.app` (2.9 s here)
+#   model: the head-64 checkpoint (4.3 s); kernels: load + matrix (4.0 s on the CPU) + CUDA init
+#   torch: 9 CUDA engine builds (load, CUDA graphs; the first also inits CUDA and compiles
+#     xformers' Triton kernel, ~30 s) + 1 CPU engine (5.8 s); the warm-up test runs in the
+#     flashinfer step only
+#   flashinfer-compile: one fa3 unit compiled in 59 s on one core here (--time-one-unit); the
+#     prebuild runs the ~12 units of page, decode and fa3 prefill at once on the host's cores
+#   sweep: the 135M random checkpoint (6.8 s) + two engines (graphs on, off) + 3 x 2 runs
 STEPS=(
     "facts|10|0|step_facts"
-    "unpack|25|0|step_unpack"
-    "model|20|0|step_model"
-    "kernels|25|1|$PY -m server kernels --model \$MODEL --device cuda --dtype bfloat16"
-    "torch|60|1|$PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs -k 'not flashinfer and not graphs and not xformers'"
-    "flashinfer-compile|180|1|step_compile"
-    "flashinfer|50|1|$PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs -k 'flashinfer or xformers or warm_up'"
-    "graphs|40|1|$PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs -k graphs"
+    "unpack|20|0|step_unpack"
+    "model|15|0|step_model"
+    "kernels|20|1|$PY -m server kernels --model \$MODEL --device cuda --dtype bfloat16"
+    "torch|100|1|$PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs -k 'not flashinfer and not graphs and not xformers and not warm_up'"
+    "flashinfer-compile|150|1|step_compile"
+    "flashinfer|45|1|$PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs -k 'flashinfer or xformers or warm_up'"
+    "graphs|35|1|$PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs -k graphs"
     "http|45|1|$PY scripts/gpu_http_check.py \$MODEL --device cuda --timeout 40"
-    "sweep|25|1|$PY scripts/gpu_sweep.py --concurrency 1,16,64 --max-tokens 64"
+    "sweep|40|1|$PY scripts/gpu_sweep.py --concurrency 1,16,64 --max-tokens 64"
 )
 
 bytes_of() { du -sb "$@" 2>/dev/null | awk '{s += $1} END {print s + 0}'; }
@@ -153,8 +163,12 @@ case "${1:-}" in
     plan > /dev/null || { echo "the steps' bounds exceed the budget"; status=1; }
     start=$(date +%s)
     here_python=${PYTHON:-$PWD/.venv/bin/python}
+    # the host's package set, imitated: the server may import only what the host's image has
+    # and the archive carries (scripts/gpu_host/sitecustomize.py), whatever this venv holds
     (cd "$device" && OUT="$device/out" GPU_CHECK_REHEARSAL=1 PYTHON="$here_python" \
-        GPU_WHEELS="$WHEELS" timeout 600 bash scripts/gpu_check.sh --run)
+        GPU_WHEELS="$WHEELS" KVSERVE_HOST_PACKAGES="$device/scripts/gpu_host/packages.txt" \
+        KVSERVE_CARRIED_PACKAGES="${PACKAGES[*]%%==*}" PYTHONPATH="$device/scripts/gpu_host" \
+        timeout 600 bash scripts/gpu_check.sh --run)
     rc=$?
     echo "rehearsed: exit $rc, $(($(date +%s) - start)) s (budget $BUDGET_S s, limit 600 s)"
     [ "$rc" -eq 0 ] || status=1
@@ -218,7 +232,12 @@ step_model() {
 build_model('llama', Path('$MODEL'), **HEAD64_GQA2)" && ls "$MODEL"
 }
 step_compile() {
-    # FlashInfer's JIT alone, timed: an LLM's warm-up plans and runs prefill and decode
+    # FlashInfer's JIT alone, timed: first the modules a bfloat16 head-64 warm-up loads, all
+    # their nvcc units in one parallel ninja run (FlashInfer's own JIT builds module after
+    # module: fa3 prefill's units, then decode's); then an LLM's warm-up plans and runs prefill
+    # and decode, loading them (and compiling, one by one, anything the prebuild missed)
+    "$PY" scripts/flashinfer_sources.py --prebuild --head-dims 64 \
+        || echo "parallel prebuild failed: the warm-up compiles module by module"
     "$PY" -c "import time; t = time.time(); from engine import LLM; \
 llm = LLM('$MODEL', device='cuda', attention_backend='flashinfer', num_kv_blocks=64); \
 print('FlashInfer warm-up (JIT compile) %.0f s' % (time.time() - t))"

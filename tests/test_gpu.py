@@ -29,8 +29,14 @@ def tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
 
 
-def test_cuda_matches_cpu(llama_dir) -> None:
-    cpu = LLM(str(llama_dir), num_kv_blocks=64, device="cpu")
+@pytest.fixture(scope="module")
+def cpu(llama_dir) -> LLM:
+    """The CPU reference, built once: each CPU engine build costs the device check's time
+    budget ~6 s of startup measurements (scripts/gpu_step_costs.py)."""
+    return LLM(str(llama_dir), num_kv_blocks=64, device="cpu")
+
+
+def test_cuda_matches_cpu(llama_dir, cpu) -> None:
     gpu = LLM(str(llama_dir), num_kv_blocks=64, device="cuda", dtype="float32")
     assert gpu.engine.block_size == 16  # the CUDA default
     assert tokens(gpu, PROMPTS) == tokens(cpu, PROMPTS)
@@ -40,10 +46,9 @@ def test_cuda_matches_cpu(llama_dir) -> None:
 
 
 @pytest.mark.parametrize("dtype,tol", [("bfloat16", 0.05), ("float16", 0.01)])
-def test_torch_backend_low_precision_decode_on_cuda(llama_dir, dtype, tol) -> None:
+def test_torch_backend_low_precision_decode_on_cuda(llama_dir, cpu, dtype, tol) -> None:
     """The GPU fallback path in bf16/fp16: prefill and batched decode (range and gather paths)
     finish, and scores stay within `tol` of float32 on the CPU."""
-    cpu = LLM(str(llama_dir), num_kv_blocks=64, device="cpu")
     gpu = LLM(str(llama_dir), num_kv_blocks=64, device="cuda", dtype=dtype,
               attention_backend="torch")  # fmt: skip
     assert gpu.engine.info.dtype == dtype

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -73,3 +74,30 @@ def test_the_rehearsal_carries_under_the_limit_and_runs_the_host_steps(tmp_path)
     assert list(results) == STEPS
     assert {results[s] for s in ("facts", "unpack", "model")} == {"passed"}, results
     assert {results[s] for s in STEPS[3:]} == {"not run: no GPU"}, results
+
+
+def test_the_rehearsal_imports_only_what_the_gpu_host_has() -> None:
+    """The rehearsal's fence (scripts/gpu_host/sitecustomize.py): a package of this venv that
+    the host's image lacks and the call does not carry (redis) is absent, to `import` and to
+    `find_spec` alike, while the server and the engine import. `import server.app` died on the
+    host at the unpack step while the server imported redis with its remote store (#65)."""
+    carried = re.search(r"^PACKAGES=\((.*?)\)", (ROOT / "scripts" / "gpu_check.sh").read_text(),
+                        re.S | re.M)  # fmt: skip
+    assert carried is not None
+    names = " ".join(re.findall(r'"([A-Za-z0-9_.-]+)==', carried[1]))
+    assert "xgrammar" in names and "starlette" in names
+    probe = (
+        "import importlib.util\n"
+        "assert importlib.util.find_spec('redis') is None\n"
+        "try:\n    import redis\nexcept ModuleNotFoundError: pass\n"
+        "else:\n    raise SystemExit('redis importable behind the fence')\n"
+        "import server.app, engine.kv.remote\n"
+        "from engine import LLM\n"
+        "print('fenced ok')\n"
+    )
+    env = {**os.environ, "KVSERVE_HOST_PACKAGES": str(ROOT / "scripts/gpu_host/packages.txt"),
+           "KVSERVE_CARRIED_PACKAGES": names,
+           "PYTHONPATH": str(ROOT / "scripts" / "gpu_host")}  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0 and "fenced ok" in run.stdout, run.stderr[-3000:]
