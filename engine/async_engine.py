@@ -57,6 +57,7 @@ class AsyncEngine:
         self._loras = engine.loras  # its `refs` snapshot is replaced whole: read from any thread
         self.grammar_budget: GrammarBudget | None = None
         self._remote: RedisBlockStore | None = None
+        self._failed_puts = 0  # counted on the event loop (publish), logged sparsely
         self.on_death = on_death
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -305,7 +306,11 @@ class AsyncEngine:
         try:
             await asyncio.to_thread(self._remote.put, blocks)
         except KVStoreError as e:
-            log.warning("kv transfer: %s; the decode instance will compute the prompt", e)
+            self._failed_puts += 1
+            n = self._failed_puts
+            if n & (n - 1) == 0:  # the 1st, 2nd, 4th...: a store down for minutes is no flood
+                log.warning("kv transfer: %s (%d failed puts so far); the decode instance will "
+                            "compute the prompt", e, n)  # fmt: skip
             return False
         return True
 

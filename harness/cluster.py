@@ -34,9 +34,17 @@ def redis_server_bin() -> str | None:
 
 
 class KVStoreProcess(Process):
-    """An in-memory Redis: no persistence, LRU within `maxmemory`; `.url` is its redis:// URL."""
+    """An in-memory Redis: no persistence, LRU within `maxmemory`; `.url` is its redis:// URL.
+    `port`: bind that one (a restart on the port the instances know; `log_name` keeps the
+    first one's log apart), else a free one."""
 
-    def __init__(self, maxmemory: str = "2gb", timeout: float = 20.0) -> None:
+    def __init__(
+        self,
+        maxmemory: str = "2gb",
+        timeout: float = 20.0,
+        port: int | None = None,
+        log_name: str | None = None,
+    ) -> None:
         binary = redis_server_bin()
         if binary is None:
             raise RuntimeError("no redis-server (apt-get install redis-server)")
@@ -59,6 +67,8 @@ class KVStoreProcess(Process):
             ],  # fmt: skip
             timeout=timeout,
             stop_timeout=5.0,
+            port=port,
+            log_name=log_name,
         )
 
     @property

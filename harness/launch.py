@@ -26,7 +26,8 @@ def free_port() -> int:
 class Process:
     """`make_cmd(port)` -> argv, run from the repository root with stdout and stderr in
     `$TMPDIR/<log_name>-<port>.log` (default log name `kvserve-bench-<name>`); ready when GET
-    `health_path` answers 200. `wait=False` returns at once (then call `wait_ready`). A context
+    `health_path` answers 200 (`port`: that one, e.g. to restart where clients point, instead of
+    a free one). `wait=False` returns at once (then call `wait_ready`). A context
     manager; `stop()` terminates (kills after `stop_timeout` s) and returns the exit code."""
 
     def __init__(
@@ -41,11 +42,12 @@ class Process:
         log_name: str | None = None,
         stop_timeout: float = 30.0,
         cwd: Path = ROOT,
+        port: int | None = None,
     ) -> None:
         self.name = name
         self.health_path = health_path
         self.stop_timeout = stop_timeout
-        self.port = free_port()
+        self.port = port or free_port()  # a given port: a restart where clients already point
         self.base = f"http://127.0.0.1:{self.port}"
         tmp = Path(os.environ.get("TMPDIR", "/tmp"))
         self.log_path = tmp / f"{log_name or f'kvserve-bench-{name}'}-{self.port}.log"
