@@ -6,16 +6,15 @@ token and k draft tokens, verified in one forward; `update` rolls the counter ba
 drafts, whose slots are simply overwritten later). With speculation every request that reaches its
 end also reserves `num_lookahead_tokens` slots for the draft head's chained steps.
 
-A step first takes every running request at its end (decodes, verification), then gives prefill
-tokens (running requests' next chunks and newly admitted prompts) as many as the `StepBudget`
-allows after those rows: held to the target step latency, and tighter while streamed decode rows
-ride in the step (engine/core/step_budget.py). Under `deadline` ordering the prefills take them
-by the time-to-first-token deadline each would miss (a prefix hit's short suffix first, long
-prompts promoted as they age); under `fcfs` in arrival order. When the pool runs dry the most
-recently admitted running request is preempted by recompute (its blocks freed, its counter
-reset, and it returns to the head of the waiting queue). Waiting requests are admitted while
-budget, `max_num_seqs` and blocks last; the first that cannot get its blocks stops admission
-(nothing smaller skips ahead of it).
+This module is the mechanism (vLLM v1's): a step first takes every running request at its end
+(decodes, verification), then serves prefills (running requests' next chunks and newly admitted
+prompts) in the order and within the caps that the `PrefillPolicy` plans for the step
+(engine/core/prefill_policy.py: `deadline` or `fcfs`, over the `StepBudget`'s target latency
+and streamed-row bound), in one admission loop. When the pool runs dry the most recently
+admitted running request is preempted by recompute (its blocks freed, its counter reset, and it
+returns to the head of the waiting queue). Waiting requests are admitted while the caps,
+`max_num_seqs` and blocks last; the first that cannot join (no slot, no blocks, preempted in
+this very step) stops admission: nothing behind it in the policy's order skips ahead.
 
 The scheduler owns every request's token list and status, and a step has one exit:
 `update_from_output` applies the runner's output (counters, tokens, token stops, stop strings
@@ -33,6 +32,14 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine.core.batch import Emitted, ScheduledRequest, SchedulerOutput, StepUpdate
+from engine.core.prefill_policy import (
+    DeadlinePolicy,
+    FcfsPolicy,
+    PrefillPlan,
+    PrefillPolicy,
+    by_adapter,
+    prefill_left,
+)
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.step_budget import StepBudget
 from engine.kv.manager import KVCacheManager
@@ -68,14 +75,14 @@ class Scheduler:
         self.max_loras = max_loras
         self.stop_strings = stop_strings
         self.grammars = grammars
-        self.by_deadline = by_deadline
         self.num_lookahead_tokens = num_lookahead_tokens
         self.preempt_by_swap = preempt_by_swap
         self.max_num_seqs = max_num_seqs
         self.budget = budget
-        self.last_short_arrival = float("-inf")
-        # steps with prefill chunks: served time over the measured costs' prediction
-        self.cost_scale = 1.0
+        # the order prefills are served in and the step's caps (engine/core/prefill_policy.py)
+        self.policy: PrefillPolicy = (
+            DeadlinePolicy(budget) if by_deadline else FcfsPolicy(budget, bool(max_loras))
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -93,10 +100,7 @@ class Scheduler:
         if self.kv.enable_caching:
             self.kv.update_block_hashes(request)
             cached = self.kv.num_cached_prefix(request.block_hashes) * self.kv.block_size
-        request.prefill_estimate = max(1, request.num_tokens - cached)
-        request.deadline = self.budget.deadline(request.arrival_time, request.prefill_estimate)
-        if self.budget.is_short(request.prefill_estimate):
-            self.last_short_arrival = max(self.last_short_arrival, request.arrival_time)
+        self.policy.arrive(request, cached)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -153,111 +157,63 @@ class Scheduler:
         self.kv.begin_step()
         self.finished_this_step.clear()
         self.freed_tables.clear()
-        full = self.budget.max_tokens
-        left = self._schedule_running(out, full, prefills=False)
-        streamed = sum(1 for s in out.scheduled if s.request.sampling_params.streamed)
-        held = unheld = short_room = left
-        if left > 0 and (self.waiting or len(out.scheduled) < len(self.running)):
-            now = time.monotonic()
-            due = self._prefills_due(out)
-            decode = full - left
-            scale = self.cost_scale
-            # a short prefill's one step is not cut for the streams: what stalls them is a
-            # long prompt's chunks, and a prefix hit's suffix in stream chunks waits steps
-            short_room = min(left, self.budget.prefill_tokens(decode, 0, shorts_near=False))
-            unheld = min(left, self.budget.prefill_tokens(decode, streamed, now, due, False, scale))
-            held = unheld
-            if self._shorts_near(now):
-                held = min(
-                    left, self.budget.prefill_tokens(decode, streamed, now, due, True, scale)
-                )
-        if self.by_deadline:
-            self._schedule_prefills(out, held, unheld, short_room)
-        else:
-            self._admit(out, self._schedule_running(out, held, prefills=True))
+        left = self._schedule_decodes(out, self.budget.max_tokens)
+        done = {id(s.request) for s in out.scheduled}
+        running = [r for r in self.running if id(r) not in done]
+        self._schedule_prefills(out, self.policy.plan(out, running, list(self.waiting), left))
         return out
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step's wall time, against what the measured costs predicted for its tokens (only
-        the streamed rows' bound reads it; decode-only steps serve at their measured cost)."""
-        predicted = self.budget.predicted(out.num_tokens)
-        if predicted is None or not self.budget.bounds_streams:
-            return
-        if any(s.num_new_tokens - s.num_spec > 1 for s in out.scheduled):
-            self.cost_scale = 0.9 * self.cost_scale + 0.1 * min(seconds / predicted, 10.0)
+        self.policy.observe_step(out, seconds)
 
-    def _shorts_near(self, now: float) -> bool:
-        if now - self.last_short_arrival <= self.budget.hold_s:
-            return True
-        return any(self.budget.is_short(r.prefill_estimate) for r in self.waiting)
-
-    def _prefills_due(self, out: SchedulerOutput) -> list[tuple[float, int]] | None:
-        """(deadline, tokens left) of every prefill not scheduled yet, by deadline; None
-        without streamed rows in the step or their bound (nothing asks for it)."""
-        if not self.budget.bounds_streams or not any(
-            s.request.sampling_params.streamed for s in out.scheduled
-        ):
-            return None
-        done = {id(s.request) for s in out.scheduled}
-        pending = [r for r in (*self.running, *self.waiting) if id(r) not in done]
-        return [(self.budget.yield_deadline(r.arrival_time, r.deadline), _prefill_left(r))
-                for r in sorted(pending, key=_by_deadline)]  # fmt: skip
-
-    def _schedule_prefills(
-        self, out: SchedulerOutput, held: int, unheld: int, short_room: int
-    ) -> None:
-        """Running requests' next chunks and waiting requests' admissions, one list in order of
-        deadline: within `held` tokens, but for the first short one (its whole remainder in one
-        step, for its first token), within `short_room`; none once `unheld` is spent."""
-        done = {id(s.request) for s in out.scheduled}
-        running = [r for r in self.running if id(r) not in done]
+    def _schedule_prefills(self, out: SchedulerOutput, plan: PrefillPlan) -> None:
+        """The one admission loop: running requests' next chunks and waiting requests'
+        admissions, in the policy's order, within its caps: `held` each, but for the first
+        short one (its whole remainder in one step, for its first token) `short_room`; none
+        once `total` is spent. Admission stops at the first waiting request that cannot join
+        (no sequence slot, no blocks, preempted in this very step: nothing behind it skips
+        ahead); running requests behind it still get their chunks."""
+        held, total = plan.caps.held, plan.caps.total
         preempted_now = set(out.preempted)
         admitting = True
-        first_unheld = unheld
-        for request in sorted([*running, *self.waiting], key=_by_deadline):
-            if unheld <= 0:
+        for request in plan.order:
+            if total <= 0:
                 break
             # a short prefill takes its whole remainder, beyond the held room only as the
             # step's first prefill: shorts that arrived together go one step each, shortest
             # deadline first, rather than all waiting for one long step
-            first = unheld == first_unheld
-            short = self.budget.is_short(_prefill_left(request))
-            cap = short_room if short and first else held
+            first = total == plan.caps.total
+            short = self.budget.is_short(prefill_left(request))
+            cap = min(plan.caps.short_room if short and first else held, total)
             if cap <= 0:
                 continue
             if request.status == RequestStatus.RUNNING and request in self.running:
                 left = self._schedule_one(out, request, cap)
             elif request.status == RequestStatus.WAITING and admitting:
-                if request.request_id in preempted_now:
-                    continue  # don't re-admit a victim in the step that evicted it
-                if len(self.running) >= self.max_num_seqs:
-                    admitting = False
-                    continue
                 if not self._lora_admissible(request):
                     continue
-                left = self._admit_one(out, request, cap)
-                admitting = left is not None
-                if left is None:
+                joins = (request.request_id not in preempted_now
+                         and len(self.running) < self.max_num_seqs)  # fmt: skip
+                admitted = self._admit_one(out, request, cap) if joins else None
+                if admitted is None:
+                    admitting = False
                     continue
+                left = admitted
             else:
                 continue
-            held, unheld = held - (cap - left), unheld - (cap - left)
+            held, total = held - (cap - left), total - (cap - left)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, prefills: bool) -> int:
-        """Schedule running requests not scheduled yet this step, in their order: all of them,
-        or (prefills False) only those at their end (decodes, verification). Returns the budget
-        left."""
-        done = {id(s.request) for s in out.scheduled}
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
+        """Schedule the running requests at their end (decodes, verification), in their order.
+        Returns the budget left."""
         # an adapter's rows side by side (base rows first): each LoRA product then runs on a
         # slice of the step's rows rather than a gather and a scatter (models/lora.py)
-        order = sorted(self.running, key=_by_adapter) if self.max_loras else list(self.running)
+        order = sorted(self.running, key=by_adapter) if self.max_loras else list(self.running)
         for request in order:
             if budget <= 0:
                 break
             remaining = request.num_tokens - request.num_computed_tokens
-            if id(request) in done or request not in self.running:
-                continue  # scheduled already, or preempted by an earlier one's growth
-            if prefills or remaining <= 1:
+            if request in self.running and remaining <= 1:  # not preempted by an earlier one
                 budget = self._schedule_one(out, request, budget)
         return budget
 
@@ -295,22 +251,6 @@ class Scheduler:
                 del out.scheduled[k]
                 return item.num_new_tokens
         return 0
-
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit waiting requests in arrival order. Returns the budget left."""
-        preempted_now = set(out.preempted)
-        for request in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                break
-            if request.request_id in preempted_now:
-                break  # don't re-admit a victim in the step that evicted it
-            if not self._lora_admissible(request):
-                continue
-            left = self._admit_one(out, request, budget)
-            if left is None:
-                break
-            budget = left
-        return budget
 
     def _admit_one(self, out: SchedulerOutput, request: Request, budget: int) -> int | None:
         """Admit one waiting request with its prefix hit and first chunk; None (and no change)
@@ -433,20 +373,3 @@ class Scheduler:
         self.finish(request.request_id, FinishReason.STOP, matched,
                     num_tokens=request.num_tokens - (len(tokens) - kept))  # fmt: skip
         return tokens[:kept]
-
-
-def _by_adapter(request: Request) -> str:
-    lora = request.sampling_params.lora
-    return lora.name if lora is not None else ""
-
-
-def _by_deadline(request: Request) -> tuple[float, int, float]:
-    """Earliest deadline first; at equal deadlines the less prefill left (a tie under costs
-    measured flat), then the earlier arrival."""
-    return (request.deadline, _prefill_left(request), request.arrival_time)
-
-
-def _prefill_left(request: Request) -> int:
-    if request.status == RequestStatus.WAITING:
-        return request.prefill_estimate
-    return request.num_tokens - request.num_computed_tokens
