@@ -272,7 +272,9 @@ class EngineConfig:
     kv_cache_dtype: str = setting(
         "auto",
         "KV cache dtype. auto: the serving dtype; bfloat16: half a float32 model's KV bytes "
-        "(CPU); fp8 and int8 are refused",
+        "(CPU); int8: int8 values with a float32 scale per 32 (1.125 bytes a value) under a "
+        "float32 or bfloat16 model, served by the torch backend, its agreement with a cache of "
+        "the serving dtype measured at startup (banner); fp8 is refused (no kernel reads it)",
         ("auto", "bfloat16", "float32", "fp8", "int8"),
     )
     tensor_parallel_size: int = setting(

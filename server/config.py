@@ -4,6 +4,7 @@ into one typed object (server settings + `EngineConfig`) that is passed down."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import tomllib
@@ -31,6 +32,88 @@ def default_config_path(env: dict[str, str] | None = None) -> Path | None:
         if path.is_file():
             return path
     return None
+
+
+# config.toml's sections and the settings each holds. A setting is read from its own section only:
+# flattened, `[server] max_num_seqs = 8` took effect as if it sat under [engine], so the
+# sections told a reader nothing and a key pasted in the wrong place was silently obeyed.
+# tests/test_config.py holds this table, the settings and the shipped config.toml together.
+SECTIONS: dict[str, list[str]] = {
+    "server": (
+        "host port api_key salt_cache_per_key served_model_name allowed_origins max_queue_len "
+        "max_body_bytes max_n max_top_logprobs max_stop_sequences max_stop_length "
+        "default_max_tokens tool_call_parser reasoning_parser log_level request_timeout_s "
+        "app_cache_stats max_grammar_compile_s grammar_compile_workers shutdown_grace_s"
+    ).split(),
+    "model": (
+        "model dtype quantization gguf_int8_activations gguf_int8_prefill cpu_packed_weights "
+        "kv_cache_dtype device max_model_len"
+    ).split(),
+    "engine": (
+        "max_num_seqs max_num_batched_tokens scheduling short_prefill_tokens target_step_ms "
+        "max_itl_factor kv_pin_share seed tensor_parallel_size tensor_parallel_allreduce "
+        "tensor_parallel_timeout_s pooling"
+    ).split(),
+    "cache": (
+        "block_size num_kv_blocks kv_cache_memory gpu_memory_utilization enable_prefix_caching "
+        "reclaim_window_blocks"
+    ).split(),
+    "offload": "host_bytes idle_seconds disk_path disk_bytes preemption_mode".split(),
+    "responses": "responses_db responses_max_stored responses_max_age_s".split(),
+    "kv_transfer": "role kv_store_url kv_store_ttl_s kv_store_key kv_hash_seed".split(),
+    "speculative": (
+        "speculative_model num_speculative_tokens speculative_method speculative_corpus "
+        "spec_max_verify_rows spec_cost_model"
+    ).split(),
+    "lora": "lora_modules max_loras max_lora_rank".split(),
+    "attention": "attention_backend allow_slow_dtype require_fast_kernels enforce_eager".split(),
+}
+HOME = {key: section for section, keys in SECTIONS.items() for key in keys}  # setting -> section
+
+
+def _did_you_mean(word: str, known: list[str], where: dict[str, str] | None = None) -> str:
+    """A hint naming the closest known name (and its section, from `where`), or ""."""
+    close = difflib.get_close_matches(word, known, n=1)
+    if not close:
+        return ""
+    section = f" in [{where[close[0]]}]" if where else ""
+    return f" (did you mean {close[0]}{section}?)"
+
+
+def _misplaced(key: str, where: str) -> str:
+    """What is wrong with `key` found `where` ("[section]", or outside every section)."""
+    if key in HOME:
+        return f"{where} {key} belongs in [{HOME[key]}]"
+    return f"{where} {key}: unknown setting" + _did_you_mean(key, list(HOME), HOME)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The settings of a config.toml, each taken from its own section (`SECTIONS`). Every key
+    that is misplaced (in another section, or above every section header), unknown, or under an
+    unknown section is reported at once, each line naming the fix, and none is applied: a
+    half-read file would serve with settings its author did not mean."""
+    try:
+        with open(path, "rb") as f:
+            document = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise SystemExit(f"{path}: {e}") from None
+    values: dict[str, Any] = {}
+    errors: list[str] = []
+    for section, body in document.items():
+        if not isinstance(body, dict):  # `key = value` above the first [section] header
+            errors.append(_misplaced(section, "outside every section:"))
+        elif section not in SECTIONS:
+            hint = _did_you_mean(f"[{section}]", [f"[{name}]" for name in SECTIONS])
+            errors.append(f"unknown section [{section}]{hint}")
+        else:
+            for key, value in body.items():
+                if HOME.get(key) == section:
+                    values[key] = value
+                else:
+                    errors.append(_misplaced(key, f"[{section}]"))
+    if errors:
+        raise SystemExit("\n".join(f"{path}: {e}" for e in errors))
+    return values
 
 
 _ZERO_IS_NONE = {"num_kv_blocks", "max_model_len", "block_size"}
@@ -174,20 +257,15 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
     named = args.config or env.get("KVSERVE_CONFIG")
     path = Path(named) if named else default_config_path(env)
     if named and not Path(named).is_file():
-        raise SystemExit(f"config file {named} not found")
+        source = "--config" if args.config else "KVSERVE_CONFIG"
+        raise SystemExit(f"config file {named} ({source}) not found")
     if path is None:
         logging.getLogger("kvserve.config").warning(
             "no config.toml found (KVSERVE_CONFIG unset, none in the checkout or ./): "
             "using built-in defaults"
         )
-    elif path.is_file():
-        with open(path, "rb") as f:
-            for section in tomllib.load(f).values():
-                if isinstance(section, dict):
-                    values.update(section)
-    unknown = set(values) - set(defaults)
-    if unknown:
-        raise SystemExit(f"{path}: unknown settings {sorted(unknown)}")
+    else:
+        values.update(read_config_file(path))
     for name, default in defaults.items():
         raw = env.get("KVSERVE_" + name.upper())
         if raw is not None:

@@ -63,13 +63,24 @@ def test_models(server, client) -> None:
 
 
 def test_chat_non_streaming_n2(server, client) -> None:
+    # a prompt of more than a block, seen once before with one token generated (whose KV is
+    # never computed), so exactly its blocks are cached: the n=2 request finds its whole
+    # blocks, all but its last token where the prompt is whole blocks (that one is recomputed
+    # for its logits), and usage counts them once, for the prompt, not per choice
+    messages = [{"role": "user", "content": "Hello, how are you? " * 12}]
+    prompt = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    prompt_tokens = prompt.usage.prompt_tokens
+    block = raw(server, "GET", "/v1/stats").json()["block_size"]
+    assert prompt_tokens > block  # else there is no whole block to find
     resp = client.chat.completions.create(
-        model="tiny", messages=HELLO, max_tokens=8, n=2, temperature=1.0, seed=3
+        model="tiny", messages=messages, max_tokens=8, n=2, temperature=1.0, seed=3
     )
     validate("CreateChatCompletionResponse", resp.model_dump(exclude_unset=True))
     assert len(resp.choices) == 2 and {c.index for c in resp.choices} == {0, 1}
     assert 2 <= resp.usage.completion_tokens <= 16
-    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+    assert resp.usage.prompt_tokens == prompt_tokens
+    cached = min(prompt_tokens // block * block, prompt_tokens - 1)
+    assert resp.usage.prompt_tokens_details.cached_tokens == cached
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
 
 
