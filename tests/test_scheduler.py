@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 from engine.core.batch import SchedulerOutput
 from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.sampled import SamplerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.step_budget import StepBudget, StepCosts
 from engine.kv.manager import KVCacheManager
 from engine.runner.runner_output import RunnerOutput
-from engine.runner.sampler import SamplerOutput
 
 EOS = 0
 VOCAB = 50

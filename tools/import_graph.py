@@ -1,7 +1,8 @@
 """The project's import graph, read from the source with `ast` (type-only imports under
 `if TYPE_CHECKING:` count like any other): its circles (strongly connected components of more
 than one module), its upward edges (a floor importing a floor above it: scripts/bench/tools ->
-server -> engine -> models), and the folders' `__init__` docstrings.
+server -> engine -> models -> kernels), the folders' `__init__` docstrings, and every import
+between rooms against the table of allowed ones (tools/rooms.py).
 
     python -m tools.import_graph    # from the checkout's root; exits 1 on a circle or upward edge
 """
@@ -13,8 +14,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from tools.rooms import violations
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("server", "engine", "models")  # top floor first
+PACKAGES = ("server", "engine", "models", "kernels")  # top floor first
 FLOOR = {name: i for i, name in enumerate(PACKAGES)}
 
 
@@ -129,6 +132,8 @@ def main() -> int:
     modules = project_modules()
     edges = graph(modules)
     found, up, bare = circles(edges), upward(edges), undocumented_rooms(modules)
+    packages = {name for name, path in modules.items() if path.name == "__init__.py"}
+    off_table = violations(edges, packages)
     n_edges = sum(len(t) for t in edges.values())
     print(f"{len(modules)} modules, {n_edges} import edges (type-only included)")
     print(f"circles: {len(found)}")
@@ -138,7 +143,10 @@ def main() -> int:
     for a, b in up:
         print(f"  {a} -> {b}")
     print(f"rooms without a docstring: {len(bare)} {' '.join(bare)}")
-    return 1 if found or up or bare else 0
+    print(f"imports the room table does not allow (tools/rooms.py): {len(off_table)}")
+    for a, b in off_table:
+        print(f"  {a} -> {b}")
+    return 1 if found or up or bare or off_table else 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """What a step is made of, as leaf value objects every room may import: the scheduler's grant
 (`SchedulerOutput`: each request's `num_new_tokens`) going in, and the step's result once the
-scheduler has applied the runner's output (`StepUpdate`) coming out. The output processor and
-the drafter read a `StepUpdate`; nothing else is handed between them."""
+scheduler has applied the runner's output (`StepUpdate`) coming out, and the grammar's mask that
+goes into the runner beside the grant (`GrammarMask`, with the logits rows it covers). The
+output processor and the drafter read a `StepUpdate`; nothing else is handed between them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.request import Request
-from engine.runner.sampler import TokenLogprobs
+from engine.core.sampled import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -75,3 +76,23 @@ class StepUpdate:
     failed: list[tuple[Request, str]] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
     tables: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class GrammarMask:
+    """The step's grammar constraint, an input to the runner: `bitmask` row i says what logits
+    row `rows[i]` may sample (xgrammar's packed int32 layout)."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+
+def logits_spans(scheduled: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int, int]]:
+    """Each sampling request with its rows [start, end) of the step's logits: one row, plus
+    one per draft token."""
+    spans, row = [], 0
+    for s in scheduled:
+        if s.samples:
+            spans.append((s, row, row + 1 + s.num_spec))
+            row += 1 + s.num_spec
+    return spans

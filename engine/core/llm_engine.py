@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from engine.build.builder import build_engine
 from engine.config import EngineConfig
-from engine.core.batch import ScheduledRequest, StepUpdate
+from engine.core.batch import GrammarMask, ScheduledRequest, StepUpdate
 from engine.core.engine_info import EngineInfo
 from engine.core.outputs import RequestOutput
 from engine.core.request import FinishReason, Request
@@ -19,7 +19,6 @@ from engine.core.snapshot import EngineSnapshot, HostTierSnapshot, SpecSnapshot
 from engine.core.step_guard import run_step
 from engine.kv.host import SWAP_IN_BUCKETS
 from engine.lora.registry import LoRAAdapter
-from engine.runner.runner_output import GrammarMask
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from engine.core.batch import StepUpdate
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.outputs import ClientFault, RequestOutput
 from engine.core.request import Request
-from engine.runner.sampler import TokenLogprobs
+from engine.core.sampled import TokenLogprobs
 from models.tokenizer import Tokenizer
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.runner.sampler import TokenLogprobs
+from engine.core.sampled import TokenLogprobs
 
 
 class ClientFault(str):

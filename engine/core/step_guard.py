@@ -17,8 +17,9 @@ from engine.core.batch import ScheduledRequest, SchedulerOutput
 from engine.core.request import Request
 
 if TYPE_CHECKING:
+    from engine.core.batch import GrammarMask
     from engine.runner.model_runner import ModelRunner
-    from engine.runner.runner_output import GrammarMask, RunnerOutput
+    from engine.runner.runner_output import RunnerOutput
 
 log = logging.getLogger("kvserve.engine")
 GrammarOf = Callable[[list[ScheduledRequest]], "GrammarMask | None"]

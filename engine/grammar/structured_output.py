@@ -24,12 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.core.batch import ScheduledRequest
+from engine.core.batch import GrammarMask, ScheduledRequest, logits_spans
 from engine.core.request import Request
 from engine.core.sampling_params import GrammarSpec, ParamError
 from engine.grammar.object_properties import balance_object_properties
 from engine.grammar.token_bitmask import apply_bitmask
-from engine.runner.runner_output import GrammarMask, logits_spans
 
 if TYPE_CHECKING:
     import xgrammar as xgr

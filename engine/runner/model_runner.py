@@ -12,12 +12,12 @@ import torch
 
 from engine.attention import kv_quant
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
-from engine.core.batch import SchedulerOutput
+from engine.core.batch import GrammarMask, SchedulerOutput
 from engine.kv.manager import KVCacheManager
 from engine.parallel.messages import Step
 from engine.parallel.tensor_parallel import TPGroup
 from engine.runner.cuda_graphs import CudaGraphs
-from engine.runner.runner_output import GrammarMask, RunnerOutput, pool, sample_step, score_prompts
+from engine.runner.runner_output import RunnerOutput, pool, sample_step, score_prompts
 from engine.runner.step_inputs import step_inputs
 from models.llama import LlamaForCausalLM
 from models.lora import LoRARows, rows_of

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.base import AttentionStep
-from engine.core.batch import ScheduledRequest
+from engine.core.batch import GrammarMask, ScheduledRequest, logits_spans
 from engine.core.outputs import ClientFault
 from engine.core.request import Request
+from engine.core.sampled import SamplerOutput, TokenLogprobs
 from engine.grammar.token_bitmask import apply_bitmask
 from engine.runner.pooling import normalize
-from engine.runner.sampler import SamplerOutput, TokenLogprobs, sample
+from engine.runner.sampler import sample
 from engine.spec.verify import verify
 
 log = logging.getLogger("kvserve.engine")
@@ -27,15 +28,6 @@ NOTHING_ALLOWED = ClientFault(
     "no token is allowed at this step: the request's grammar, logit_bias and min_tokens "
     "together exclude every token"
 )
-
-
-@dataclass(slots=True)
-class GrammarMask:
-    """The step's grammar constraint, an input to the runner: `bitmask` row i says what logits
-    row `rows[i]` may sample (xgrammar's packed int32 layout)."""
-
-    bitmask: torch.Tensor
-    rows: list[int]
 
 
 @dataclass(slots=True)
@@ -57,17 +49,6 @@ class RunnerOutput:
     forward_failed: bool = False  # the forward itself raised: `failed` holds every request
     hidden: torch.Tensor | None = None
     plan: tuple[torch.Tensor, AttentionStep] | None = None
-
-
-def logits_spans(scheduled: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int, int]]:
-    """Each sampling request with its rows [start, end) of the step's logits: one row, plus
-    one per draft token."""
-    spans, row = [], 0
-    for s in scheduled:
-        if s.samples:
-            spans.append((s, row, row + 1 + s.num_spec))
-            row += 1 + s.num_spec
-    return spans
 
 
 def pool(

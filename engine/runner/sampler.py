@@ -14,11 +14,11 @@ are the model's raw log-softmax (before any processing), as vLLM reports them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from engine.core.sampled import SamplerOutput, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 
 
@@ -38,24 +38,6 @@ class SamplingContext(Protocol):
     def eos_token_ids(self) -> frozenset[int]: ...
     @property
     def generator(self) -> torch.Generator | None: ...
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # top-N alternatives, best first
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    """`token_ids[i]`, `logprobs[i]`: row i's; `refused`: rows where nothing was allowed (a
-    grammar that admits no token here, a bias or min_tokens masking every token, NaN after
-    processing): their entries in `token_ids` are not tokens and must not be emitted."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
-    refused: list[int] = field(default_factory=list)
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingContext]) -> None:

@@ -10,14 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.request import Request
+from engine.core.sampled import SamplerOutput, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
-from engine.runner.sampler import (
-    SamplerOutput,
-    TokenLogprobs,
-    apply_logits_processors,
-    sampling_probs,
-    token_logprobs,
-)
+from engine.runner.sampler import apply_logits_processors, sampling_probs, token_logprobs
 
 
 @dataclass(slots=True)

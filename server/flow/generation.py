@@ -9,7 +9,7 @@ import torch
 
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
-from engine.runner.sampler import TokenLogprobs
+from engine.core.sampled import TokenLogprobs
 from models.tokenizer import Tokenizer
 
 

@@ -9,7 +9,7 @@ import base64
 import uuid
 from typing import Any
 
-from engine.runner.sampler import TokenLogprobs
+from engine.core.sampled import TokenLogprobs
 from models.tokenizer import Tokenizer
 from server.errors import APIError
 from server.flow.generation import chat_logprobs

@@ -13,7 +13,6 @@ from starlette.responses import Response
 
 from engine.async_engine import AsyncEngine
 from engine.core.sampling_params import SamplingParams
-from engine.runner.pooling import normalize
 from server.errors import APIError, RequestFailed
 from server.flow.generation import Choice
 from server.flow.plan import effective_salt
@@ -49,7 +48,7 @@ def embedding_inputs(engine: AsyncEngine, body: EmbeddingRequest) -> list[list[i
 
 def encode(vector: torch.Tensor, dimensions: int | None, fmt: str) -> list[float] | str:
     if dimensions is not None and dimensions < vector.shape[0]:
-        vector = normalize(vector[:dimensions])
+        vector = torch.nn.functional.normalize(vector[:dimensions].float(), dim=-1)  # unit L2
     if fmt == "base64":
         return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()
