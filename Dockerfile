@@ -58,6 +58,7 @@ RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['p
 
 # Then the source, installed without touching the dependencies.
 COPY README.md config.toml ./
+COPY kernels ./kernels
 COPY engine ./engine
 COPY models ./models
 COPY server ./server

@@ -28,7 +28,7 @@ STEP = re.compile(r"decode step, batch \d+: ([\d.]+) ms")
 def tree_env(tree: Path) -> dict[str, str]:
     """Each tree runs its own code (PYTHONPATH: the venv's editable install maps the packages
     to the checkout it was installed from, and a script's own folder comes first on sys.path,
-    not the tree's root); their C++ ops build by content (models/cpp_ext.py), so trees whose
+    not the tree's root); their C++ ops build by content (kernels/build.py), so trees whose
     sources agree share them."""
     return {**os.environ, "PYTHONPATH": str(tree)}
 

@@ -1,7 +1,7 @@
 """The GGUF block kernel by row count on the default model: one pass over the decoder's weights in
 forward order, and over the lm_head apart, through the few-row kernel (the path a decode or verify
 step of that many rows takes), best of several passes. Where the serving dtype is bf16 on a CPU
-with AVX512-BF16 this is the pair-dot kernel (models/gguf_q8_bf16.h); float32 takes the FMA one.
+with AVX512-BF16 this is the pair-dot kernel (kernels/gguf_q8_bf16.h); float32 takes the FMA one.
 
     python bench/gguf_rows.py                    # --dtype auto
     python bench/gguf_rows.py --dtype float32    # the FMA kernel

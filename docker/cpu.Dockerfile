@@ -15,7 +15,7 @@
 # - Those C++ ops are compiled in the build stage (g++) for three portable levels, x86-64-v3
 #   (AVX2, FMA, F16C: any x86 server since 2013), x86-64-v4 (AVX-512) and x86-64-v4-bf16 (plus
 #   AVX512-BF16 and VNNI: the fast paths of Zen 4/5 and Sapphire Rapids); the runtime stage has
-#   no compiler and a start loads the best level its CPU runs (models/cpp_ext.py PORTABLE), so a
+#   no compiler and a start loads the best level its CPU runs (kernels/build.py PORTABLE), so a
 #   start compiles nothing. An image FROM this one that adds g++ builds the ops natively at
 #   first start instead, into /cache/torch_extensions (TORCH_EXTENSIONS_DIR) on the volume.
 # - Size, estimated from installed sizes (no Docker engine on the development machines): the
@@ -50,6 +50,7 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
 # venv's prebuilt directory (/opt/kvserve/share/kvserve/ops); --strict fails the build if one
 # does not compile.
 COPY README.md config.toml ./
+COPY kernels ./kernels
 COPY engine ./engine
 COPY models ./models
 COPY server ./server

@@ -16,7 +16,7 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class DecodeStackArgs:
-    """What the whole-stack decode op (models/decode_stack.cpp) needs from attention: each
+    """What the whole-stack decode op (kernels/decode_stack.cpp) needs from attention: each
     layer's KV cache, the step's slots, block tables and lengths (as `rope_decode` takes them)."""
 
     kv_caches: list[torch.Tensor]

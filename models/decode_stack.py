@@ -1,33 +1,29 @@
-"""A decode step's whole decoder stack in one C++ op (decode_stack.cpp beside this file, compiled
-at first use; see models/cpp_ext.py): the same kernels the per-layer path calls, in the same
-order, without Python between them. `LlamaForCausalLM.forward` uses it where it applies
+"""A decode step's whole decoder stack in one C++ op (kernels/decode_stack.cpp, compiled at
+first use with the ops it calls; see kernels/ops.py): the same kernels the per-layer path calls,
+in the same order, without Python between them. `LlamaForCausalLM.forward` uses it where it applies
 (`LlamaForCausalLM._decode_stack`) and runs its layers one by one otherwise."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from models import cpu_fused, gguf_linear
-from models.cpp_ext import CppOps
+from kernels.ops import DECODE_STACK
+from models import gguf_linear
 from models.layers import silu_mul
 
-_OPS = CppOps("kvserve_decode_stack", Path(__file__).with_name("decode_stack.cpp"))
-
-# the block kernels the op calls, as decode_stack.cpp numbers them: float activations on the
-# ggml blocks, int8 or float activations on the interleaved copy (gguf_q8.cpp)
+# the block kernels the op calls, as kernels/decode_stack.cpp numbers them: float activations on
+# the ggml blocks, int8 or float activations on the interleaved copy (kernels/gguf_q8.cpp)
 FLOAT_ON_BLOCKS, INT8_INTERLEAVED, FLOAT_INTERLEAVED = 0, 1, 2
 
 
 def load() -> Any:
-    """The compiled op (`.forward`), or None where it or a kernel it calls cannot be built."""
-    if cpu_fused.load() is None or gguf_linear.load() is None:
-        return None
-    return _OPS.load()
+    """The compiled op (`.forward`), or None where it or an op it calls (its `needs`: the
+    fused norms, the block kernels, decode attention) cannot be built."""
+    return DECODE_STACK.load()
 
 
 def kernel_kind(weights: list[gguf_linear.GGUFWeight], rows: int) -> int | None:

@@ -1,23 +1,22 @@
 """A GGUF checkpoint's quantized matrices served as the file stores them (Q4_0, Q4_1, Q8_0):
-`GGUFWeight` is a linear layer's weight as ggml blocks, multiplied by gguf_linear.cpp's kernel
-for few rows (decode: the time is the weights' bytes, 4-6x fewer than float32) and dequantized
-into a dense matrix for many (prefill: a dense GEMM wins once the dequantization is spread over
-enough rows). Where the two meet is measured at startup on this CPU (`measure_crossover`), never
-assumed. Activations stay in the serving dtype; the kernel computes in float32, so its product is
-the dequantized float32 model's up to summation order."""
+`GGUFWeight` is a linear layer's weight as ggml blocks, multiplied by kernels/gguf_linear.cpp's
+kernel for few rows (decode: the time is the weights' bytes, 4-6x fewer than float32) and
+dequantized into a dense matrix for many (prefill: a dense GEMM wins once the dequantization is
+spread over enough rows). Where the two meet is measured at startup on this CPU
+(`measure_crossover`), never assumed. Activations stay in the serving dtype; the kernel computes
+in float32, so its product is the dequantized float32 model's up to summation order."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from kernels.ops import GGUF, GGUF_Q8
 from models import int8_prefill
-from models.cpp_ext import CppOps
 from models.int8_prefill import Int8Weight
 from models.layers import (
     Linear,
@@ -26,14 +25,6 @@ from models.layers import (
     cpu_linear,
     onednn_linear,
     onednn_pack,
-)
-
-_OPS = CppOps("kvserve_gguf", Path(__file__).with_name("gguf_linear.cpp"))
-# the kernels on the interleaved copy (float and int8 activations; needs AVX2)
-_Q8_OPS = CppOps(
-    "kvserve_gguf_q8",
-    Path(__file__).with_name("gguf_q8.cpp"),
-    (Path(__file__).with_name("gguf_q8_bf16.h"),),
 )
 
 # ggml's type ids, as gguf.GGMLQuantizationType numbers them, and bytes per block of 32
@@ -45,14 +36,15 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 def load() -> Any:
     """The compiled ops (`.linear`, `.dequantize`), or None where they cannot be built."""
-    return _OPS.load()
+    return GGUF.load()
 
 
 @functools.cache  # called per linear call on the hot path: decided once
 def load_q8() -> Any:
-    """The interleaved copy's ops (`.repack`, `.linear_float`, `.linear` on int8 activations,
-    `.lanes`), or None where they cannot be built or this CPU has no AVX2 (`lanes() == 0`)."""
-    ops = _Q8_OPS.load()
+    """The kernels on the interleaved copy (`.repack`, `.linear_float`, `.linear` on int8
+    activations, `.lanes`), or None where they cannot be built or this CPU has no AVX2
+    (`lanes() == 0`)."""
+    ops = GGUF_Q8.load()
     return ops if ops is not None and ops.lanes() > 0 else None
 
 
@@ -78,7 +70,7 @@ class GGUFWeight:
     # oneDNN-packed dense copy for many rows (`pack`, --cpu-packed-weights); without it each
     # dense call dequantizes the blocks first
     packed: torch.Tensor | None = None
-    # the blocks repacked for gguf_q8.cpp's kernels (`interleave`: NR rows per vector lane),
+    # the blocks repacked for kernels/gguf_q8.cpp's kernels (`interleave`: NR rows per vector lane),
     # which serve both float and int8 activations where built (AVX2); else the blocks serve
     interleaved: torch.Tensor | None = None
     # from int8_min_rows rows on, the dense path on an int8 W8A8 copy (`make_int8`; the startup
@@ -123,8 +115,8 @@ class GGUFWeight:
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def interleave(self) -> int:
-        """Hold the blocks repacked for gguf_q8.cpp's kernels; returns its bytes (0 where they
-        are not built here)."""
+        """Hold the blocks repacked for kernels/gguf_q8.cpp's kernels; returns its bytes (0 where
+        they are not built here)."""
         ops = load_q8()
         if ops is None:
             return 0

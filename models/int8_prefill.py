@@ -1,7 +1,7 @@
 """int8 W8A8 for the dense path of GGUF weights (prefill: many rows): the weight dequantized from
 its blocks and rounded again per output channel to int8, each activation row rounded to int8 by
 its own range, int32 sums from `torch._int_mm` (oneDNN: VNNI where the CPU has it), scaled back in
-one pass (int8_rows.cpp beside this file; its build and fallback: models/cpp_ext.py).
+one pass (kernels/int8_rows.cpp; its build and fallback: kernels/build.py).
 
 Whether it serves is measured at startup (engine/weights/quantization.py: faster than the packed
 float GEMM at the rows it takes, and the model on it agrees with float prefill on held-out text).
@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from models.cpp_ext import CppOps
-
-_OPS = CppOps("kvserve_int8_rows", Path(__file__).with_name("int8_rows.cpp"))
+from kernels.ops import INT8_ROWS
 
 
 def load() -> Any:
     """The compiled ops (`.quantize_rows`, `.scale_rows`), or None where they cannot be built
     or `torch._int_mm` is not exact here."""
-    return _OPS.load() if int_mm_exact() else None
+    return INT8_ROWS.load() if int_mm_exact() else None
 
 
 @functools.cache

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import cpu_fused
+from kernels.ops import CPU_FUSED
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -203,7 +203,7 @@ def _fused_ops(x: torch.Tensor):  # -> the compiled ops, or None
         return None
     if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
         return None
-    return cpu_fused.load()
+    return CPU_FUSED.load()
 
 
 def add_rms_norm(

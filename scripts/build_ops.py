@@ -6,14 +6,16 @@ startup, a test). An op that cannot build here is reported and left to its PyTor
     .venv/bin/python scripts/build_ops.py [MARCH ...]     # default: native
     python scripts/build_ops.py --prebuilt --strict x86-64-v3 x86-64-v4 x86-64-v4-bf16  # an image's
 
---prebuilt writes into the install's prebuilt directory (models/cpp_ext.py `prebuilt_dir()`, under
+--prebuilt writes into the install's prebuilt directory (kernels/build.py `prebuilt_dir()`, under
 the environment's prefix) instead of TORCH_EXTENSIONS_DIR: a later start without a compiler loads
 the best portable level there that its CPU runs. --strict fails (exit 1) if any op did not build,
-so an image never ships without the ops it promises. --only MODULE:ATTR limits the ops built.
+so an image never ships without the ops it promises. --only NAME (an op's name, e.g.
+kvserve_cpu_fused) limits the ops built.
 
-The ops are imported from wherever this interpreter finds `models` and `engine` (the venv's
-editable install, or an installed wheel): the build directory is named by the sources' content,
-so either copy of the same sources builds the same thing.
+The ops are kernels/ops.py's `ALL`, imported from wherever this interpreter finds `kernels` (the
+venv's editable install, or an installed wheel): the build directory is named by the sources'
+content, so either copy of the same sources builds the same thing. An op that calls others
+(`needs`) loads them first, so its child may wait on their builds (each under its own lock).
 """
 
 from __future__ import annotations
@@ -25,32 +27,26 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-# the modules that own a `CppOps` (models/cpp_ext.py), as "module:attribute"
-MODULES = ("models.cpu_fused:_OPS", "models.gguf_linear:_OPS", "models.gguf_linear:_Q8_OPS",
-           "engine.attention.cpu_decode:_OPS", "engine.grammar.token_bitmask:_OPS",
-           "models.decode_stack:_OPS", "engine.attention.cpu_prefill:_OPS",
-           "models.int8_prefill:_OPS")  # fmt: skip
+from kernels.ops import ALL, BY_NAME
+
+NAMES = tuple(op.name for op in ALL)
 
 
-def build(entry: str, march: str) -> tuple[bool, str]:
-    module, attr = entry.split(":")
+def build(name: str, march: str) -> tuple[bool, str]:
     env = {**os.environ, "KVSERVE_CPP_MARCH": march}
-    code = f"import sys, {module} as m; sys.exit(0 if m.{attr}.load() is not None else 1)"
+    code = f"import sys, kernels.ops as m; sys.exit(m.BY_NAME[{name!r}].load() is None)"
     t = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     took = f"{time.monotonic() - t:.0f} s"
     if done.returncode == 0:
-        return True, f"{entry} ({march}): ok, {took}"
-    return False, f"{entry} ({march}): not built, PyTorch fallback ({done.stderr.strip()[-200:]})"
+        return True, f"{name} ({march}): ok, {took}"
+    return False, f"{name} ({march}): not built, PyTorch fallback ({done.stderr.strip()[-200:]})"
 
 
-def built(entry: str, march: str) -> bool:
+def built(name: str, march: str) -> bool:
     """Whether the op's library for its current sources is complete on disk."""
-    import importlib
-
     os.environ["KVSERVE_CPP_MARCH"] = march  # read by build_dir()
-    module, attr = entry.split(":")
-    return getattr(importlib.import_module(module), attr).is_built()
+    return BY_NAME[name].is_built()
 
 
 def main() -> None:
@@ -58,14 +54,14 @@ def main() -> None:
     parser.add_argument("marches", nargs="*", default=["native"], metavar="MARCH")
     parser.add_argument("--prebuilt", action="store_true", help="build into prebuilt_dir()")
     parser.add_argument("--strict", action="store_true", help="exit 1 if an op did not build")
-    parser.add_argument("--only", action="append", choices=MODULES, help="build only these ops")
+    parser.add_argument("--only", action="append", choices=NAMES, help="build only these ops")
     args = parser.parse_args()
     if args.prebuilt:
-        from models.cpp_ext import prebuilt_dir
+        from kernels.build import prebuilt_dir
 
         # the children and built() read it: a build is made (and found) where it will ship
         os.environ["TORCH_EXTENSIONS_DIR"] = prebuilt_dir()
-    jobs = [(m, a) for a in args.marches for m in args.only or MODULES if not built(m, a)]
+    jobs = [(m, a) for a in args.marches for m in args.only or NAMES if not built(m, a)]
     failed = 0
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for ok, line in pool.map(lambda job: build(*job), jobs):

@@ -24,7 +24,7 @@ from engine.build.prefill_choice import SDPA_MARGIN
 from engine.config import choose_dtype
 from engine.runner.model_runner import allocate_kv_caches
 from engine.runner.step_inputs import step_metadata
-from models.cpp_ext import target_arch
+from kernels.build import target_arch
 from models.layers import onednn_pack_refusal
 from models.loader import checkpoint_dtype, load_model
 

@@ -1,4 +1,4 @@
-"""The C++ paged prefill attention (engine/attention/cpu_prefill.cpp) against a float64
+"""The C++ paged prefill attention (kernels/cpu_prefill.cpp) against a float64
 reference, and the torch backend's prefill through it against the same step on SDPA: chunks with
 and without earlier context, shuffled pages, GQA, a sliding window, head sizes that take each of
 the op's vector blockings, float32, a bf16 cache under float32 queries, bf16 throughout

@@ -80,16 +80,18 @@ def _checkout(name: str) -> str | None:
 
 def test_wheel_ships_every_cpp_source_and_the_headers_it_includes(wheel) -> None:
     """The ops compile from the installed package (at first use or by scripts/build_ops.py), so
-    each .cpp/.h of the checkout ships, and so does every header they include, beside them."""
+    each .cpp/.h of the checkout ships, and so does every header they include, beside them. All
+    of them live in kernels/, the room below models/ (a source elsewhere is a hidden edge)."""
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         ours = sorted(
             p.relative_to(ROOT).as_posix()
-            for package in ("engine", "models")
-            for p in (ROOT / package).rglob("*")
+            for package in _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+            for p in (ROOT / package.rstrip("*")).rglob("*")
             if p.suffix in (".cpp", ".h") and "__pycache__" not in p.parts
         )
         assert any(n.endswith(".h") for n in ours), "the checkout's headers were not found"
+        assert [n for n in ours if not n.startswith("kernels/")] == [], "C++ outside kernels/"
         assert [n for n in ours if n not in names] == [], "C++ files missing from the wheel"
         for name in ours:
             included = _local_includes(name, lambda n: z.read(n).decode() if n in names else None)
@@ -99,19 +101,27 @@ def test_wheel_ships_every_cpp_source_and_the_headers_it_includes(wheel) -> None
 def test_every_op_build_covers_the_headers_its_source_includes() -> None:
     """A CppOps' inputs name its build directory and what ninja rebuilds on: a header its source
     includes that it does not list would leave a stale build after the header's edit."""
-    import importlib
+    from kernels.ops import ALL
+
+    for ops in ALL:
+        source = ops.source.relative_to(ROOT).as_posix()
+        listed = {p.relative_to(ROOT).as_posix() for p in ops.inputs}
+        assert _local_includes(source, _checkout) <= listed, ops.name
+
+
+def test_build_ops_builds_every_declared_op() -> None:
+    """scripts/build_ops.py (the images' --strict build) builds kernels/ops.py's every op, and
+    each op's needs are declared ops, listed before it."""
+    from kernels.ops import ALL
 
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        from build_ops import MODULES
+        from build_ops import NAMES
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    for entry in MODULES:
-        module, attr = entry.split(":")
-        ops = getattr(importlib.import_module(module), attr)
-        source = ops.source.relative_to(ROOT).as_posix()
-        listed = {p.relative_to(ROOT).as_posix() for p in ops.inputs}
-        assert _local_includes(source, _checkout) <= listed, entry
+    assert NAMES == tuple(op.name for op in ALL)
+    for i, op in enumerate(ALL):
+        assert all(need in ALL[:i] for need in op.needs), op.name
 
 
 # ---- the ops built at install time, loaded without a compiler ------------------------------------
@@ -120,10 +130,10 @@ def test_every_op_build_covers_the_headers_its_source_includes() -> None:
 @pytest.mark.slow  # one g++ build (~15 s)
 def test_prebuilt_ops_load_from_an_install_without_a_compiler(wheel, tmp_path) -> None:
     """The wheel installed into its own directory; scripts/build_ops.py --prebuilt builds one op
-    (models.cpu_fused: each op is ~15 s of g++, the set for two levels minutes) for the portable
+    (kvserve_cpu_fused: each op is ~15 s of g++, the set for two levels minutes) for the portable
     baseline x86-64-v3 from that install; then a Python whose PATH has no compiler and no ninja,
     with an empty TORCH_EXTENSIONS_DIR, loads it and runs it (the CPU image's start)."""
-    from models.cpp_ext import compiler, portable_targets
+    from kernels.build import compiler, portable_targets
 
     if "x86-64-v3" not in portable_targets() or compiler() is None:
         pytest.skip("needs an AVX2 x86 CPU and a C++ compiler to prebuild")
@@ -134,22 +144,23 @@ def test_prebuilt_ops_load_from_an_install_without_a_compiler(wheel, tmp_path) -
     env = {**os.environ, "PYTHONPATH": str(site), "KVSERVE_PREBUILT_OPS": str(prebuilt)}
     env.pop("KVSERVE_CPP_MARCH", None)
     cmd = [sys.executable, str(ROOT / "scripts" / "build_ops.py"), "--prebuilt", "--strict",
-           "--only", "models.cpu_fused:_OPS", "x86-64-v3"]  # fmt: skip
+           "--only", "kvserve_cpu_fused", "x86-64-v3"]  # fmt: skip
     r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     (built,) = prebuilt.glob("kvserve_cpu_fused-x86-64-v3-*")
-    assert str(site / "models" / "cpu_fused.cpp") in (built / "build.ninja").read_text()
+    assert str(site / "kernels" / "cpu_fused.cpp") in (built / "build.ninja").read_text()
 
     bare = tmp_path / "bin"  # PATH: this directory only, with nothing in it but python
     bare.mkdir()
     (bare / "python").symlink_to(sys.executable)
     code = (  # the install's directory and the prebuilt build come as arguments
-        "import shutil, sys, torch, models, models.cpu_fused as m\n"
-        "from models.cpp_ext import compiler\n"
+        "import shutil, sys, torch, kernels\n"
+        "from kernels.build import compiler\n"
+        "from kernels.ops import CPU_FUSED as m\n"
         "assert compiler() is None and not shutil.which('g++') and not shutil.which('ninja')\n"
-        "assert models.__file__.startswith(sys.argv[1]), models.__file__\n"
+        "assert kernels.__file__.startswith(sys.argv[1]), kernels.__file__\n"
         "ops = m.load()\n"
-        "assert ops is not None and m._OPS.library.startswith(sys.argv[2]), m._OPS.library\n"
+        "assert ops is not None and m.library.startswith(sys.argv[2]), m.library\n"
         "x = torch.randn(3, 64)\n"
         "ref = torch.nn.functional.silu(x[:, :32]) * x[:, 32:]\n"
         "torch.testing.assert_close(ops.silu_mul(x), ref, rtol=1e-4, atol=1e-5)\n"
@@ -163,7 +174,7 @@ def test_prebuilt_ops_load_from_an_install_without_a_compiler(wheel, tmp_path) -
 
 
 def test_portable_levels_follow_the_cpus_flags(monkeypatch) -> None:
-    from models import cpp_ext
+    from kernels import build
 
     v3 = "flags\t: fpu sse2 avx avx2 bmi1 bmi2 f16c fma abm movbe xsave"  # Zen 3
     for line, want in (
@@ -174,21 +185,21 @@ def test_portable_levels_follow_the_cpus_flags(monkeypatch) -> None:
         ("flags\t: fpu sse2 avx", []),  # Sandy Bridge: no prebuilt level, PyTorch ops
         ("Features\t: fp asimd sve", []),  # aarch64
     ):
-        monkeypatch.setattr(cpp_ext, "_cpu_flags", lambda line=line: line)
-        assert cpp_ext.portable_targets() == want, line
+        monkeypatch.setattr(build, "_cpu_flags", lambda line=line: line)
+        assert build.portable_targets() == want, line
 
 
 def test_no_compiler_and_nothing_prebuilt_is_the_pytorch_fallback(monkeypatch, tmp_path) -> None:
     """Without a compiler a start does not try to build: with no prebuilt level either, the ops
     are None (callers keep their PyTorch paths), at once."""
-    from models import cpu_fused
-    from models.cpp_ext import CppOps
+    from kernels.build import CppOps
+    from kernels.ops import CPU_FUSED
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setenv("KVSERVE_PREBUILT_OPS", str(tmp_path / "prebuilt"))
     monkeypatch.delenv("KVSERVE_CPP_MARCH", raising=False)
-    assert CppOps("kvserve_cpu_fused", cpu_fused._OPS.source).load() is None
+    assert CppOps("kvserve_cpu_fused", CPU_FUSED.source).load() is None
     assert not (tmp_path / "extensions").exists()  # no build was started
 
 
@@ -281,8 +292,8 @@ def test_cpu_image_installs_what_the_gpu_image_installs_without_deps() -> None:
 def test_cpu_image_prebuilds_the_ops_and_runs_without_a_compiler(monkeypatch) -> None:
     """The build stage compiles every op (--strict) for portable levels, x86-64-v3 among them,
     into the venv's prebuilt directory; the runtime stage copies that venv and installs no
-    compiler, so a start loads the best prebuilt level (models/cpp_ext.py)."""
-    from models.cpp_ext import PORTABLE, prebuilt_dir
+    compiler, so a start loads the best prebuilt level (kernels/build.py)."""
+    from kernels.build import PORTABLE, prebuilt_dir
 
     all_steps, image = steps(CPU_IMAGE), final_stage(steps(CPU_IMAGE))
     ((build_step, build),) = [(s, c) for s, c in _commands(CPU_IMAGE) if "build_ops.py" in c]

@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM
 from engine.core.scoring import score_prompt
+from kernels.ops import INT8_ROWS
 from models import gguf_linear, int8_prefill
 from models.gguf_linear import GGUFWeight
 from models.int8_prefill import Int8Weight
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test
 
 
 def ops():
-    loaded = int8_prefill._OPS.load()
+    loaded = INT8_ROWS.load()
     assert loaded is not None  # CI has g++ and ninja: a silent fallback would hide a regression
     return loaded
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.cpp_ext import COMPLETE, CppOps
+from kernels.build import COMPLETE, CppOps
+from kernels.ops import BY_NAME, CPU_FUSED
 from models.layers import PACKED_MIN_ROWS, Linear, can_pack, pack_linears
 
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
@@ -54,10 +55,9 @@ def test_packing_skips_what_onednn_cannot_take() -> None:
 def test_fused_ops_match_pytorch(rows: int) -> None:
     """The C++ residual-add + RMSNorm and SiLU x up equal their PyTorch definitions (the ops
     must build here: CI has g++ and ninja)."""
-    from models import cpu_fused
     from models.layers import add_rms_norm, rms_norm, silu_mul
 
-    assert cpu_fused.load() is not None
+    assert CPU_FUSED.load() is not None
     torch.manual_seed(rows)
     x, res, w = torch.randn(rows, 96), torch.randn(rows, 96), torch.randn(96)
     with torch.inference_mode():
@@ -78,10 +78,9 @@ def test_fused_ops_bf16_match_float32_math(rows: int) -> None:
     equals bf16(res + x) exactly; the norm and SiLU x up are within one bf16 rounding (2**-8
     relative, plus the sum's own rounding) of the float32 result on the same bf16 inputs, and
     closer to it than PyTorch's op-by-op bf16 path is (which rounds after every op)."""
-    from models import cpu_fused
     from models.layers import add_rms_norm, rms_norm, silu_mul
 
-    assert cpu_fused.load() is not None
+    assert CPU_FUSED.load() is not None
     torch.manual_seed(rows)
     bf = torch.bfloat16
     x, res, w = (torch.randn(rows, 96).to(bf), torch.randn(rows, 96).to(bf), torch.randn(96).to(bf))
@@ -112,29 +111,22 @@ def test_fused_ops_bf16_match_float32_math(rows: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.main_pass_only  # a lock file's age, not the ISA
-@pytest.mark.parametrize(
-    "module, ext",
-    [
-        ("models.cpu_fused", "kvserve_cpu_fused"),
-        ("engine.attention.cpu_decode", "kvserve_cpu_decode"),
-    ],
-)
-def test_a_stale_build_lock_does_not_hang_startup(module: str, ext: str) -> None:
+@pytest.mark.parametrize("name", ["kvserve_cpu_fused", "kvserve_cpu_decode"])
+def test_a_stale_build_lock_does_not_hang_startup(name: str) -> None:
     """A process killed while compiling the C++ ops leaves torch's `lock` file behind; the next
     start must not wait on it forever (it did: a killed first start hung every later one)."""
-    import importlib
     import subprocess
     import sys
     from pathlib import Path
 
-    ops = importlib.import_module(module)
+    ops = BY_NAME[name]
     assert ops.load() is not None  # built (or found) by this process
-    lock = Path(ops._OPS.build_dir()) / "lock"
+    lock = Path(ops.build_dir()) / "lock"
     complete = lock.parent / COMPLETE
-    assert Path(lock.parent).name.startswith(ext) and complete.is_file()
+    assert Path(lock.parent).name.startswith(name) and complete.is_file()
     complete.unlink()  # what a build killed mid-way leaves: torch's lock, no completion mark
     lock.write_text("")
-    code = f"import {module} as ops; assert ops.load() is not None"
+    code = f"from kernels.ops import BY_NAME; assert BY_NAME[{name!r}].load() is not None"
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", code], cwd=root, timeout=180, check=True)
     assert not lock.exists() and complete.is_file()
@@ -149,19 +141,17 @@ def test_a_complete_build_loads_without_ninja() -> None:
     import sys
     from pathlib import Path
 
-    from models import cpu_fused
-
-    assert cpu_fused.load() is not None and cpu_fused._OPS.is_built()
+    assert CPU_FUSED.load() is not None and CPU_FUSED.is_built()
     root = Path(__file__).resolve().parent.parent
     code = (
         "import torch.utils.cpp_extension as ext\n"
         "def refuse(*a, **k): raise AssertionError('ninja ran')\n"
         "ext.load = refuse\n"
-        "import models.cpu_fused as ops; assert ops.load() is not None"
+        "from kernels.ops import CPU_FUSED; assert CPU_FUSED.load() is not None"
     )
     subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60, check=True)
-    edited = CppOps("kvserve_cpu_fused", cpu_fused._OPS.source, (Path(__file__),))
-    assert edited.build_dir() != cpu_fused._OPS.build_dir() and not edited.is_built()
+    edited = CppOps("kvserve_cpu_fused", CPU_FUSED.source, (Path(__file__),))
+    assert edited.build_dir() != CPU_FUSED.build_dir() and not edited.is_built()
 
 
 def test_packed_rows_are_measured_here_and_set_on_every_packed_layer() -> None:

@@ -1,25 +1,20 @@
-"""The torch backend's paged prefill attention for CPU float32 and bfloat16, from cpu_prefill.cpp
-beside this file, compiled at first use (the build and its fallback: models/cpp_ext.py)."""
+"""The torch backend's paged prefill attention for CPU float32 and bfloat16: whether the C++ op
+(kernels/cpu_prefill.cpp, compiled at first use; its build and fallback: kernels/build.py) serves
+on this CPU, and what it multiplies with."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from models.cpp_ext import CppOps
-
-_HERE = Path(__file__).parent
-_OPS = CppOps(
-    "kvserve_cpu_prefill", _HERE / "cpu_prefill.cpp", (_HERE / "cpu_simd.h", _HERE / "kv_int8.h")
-)
+from kernels.ops import CPU_PREFILL
 
 
 def load() -> Any:
     """The compiled ops (`.paged_prefill`, `.simd_width`), or None where they cannot be built
     or were built without AVX2 (width 0)."""
-    ops = _OPS.load()
+    ops = CPU_PREFILL.load()
     return ops if ops is not None and ops.simd_width() > 0 else None
 
 

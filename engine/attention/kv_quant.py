@@ -1,7 +1,7 @@
 """The int8 KV cache's rows in PyTorch, for the paths that are not the C++ ops (the format and
-why it is per row: kv_int8.h). A row of one KV head's `head_dim` values is stored as that many
-int8 values followed by one float32 scale per GROUP values, all in the int8 cache tensor, so a
-block stays one slice along the block dimension for every tier that copies blocks."""
+why it is per row: kernels/kv_int8.h). A row of one KV head's `head_dim` values is stored as that
+many int8 values followed by one float32 scale per GROUP values, all in the int8 cache tensor, so
+a block stays one slice along the block dimension for every tier that copies blocks."""
 
 from __future__ import annotations
 

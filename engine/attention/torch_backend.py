@@ -8,8 +8,8 @@ one copy of the KV per step instead of gather-then-reshape (decode is bound by r
 Decode rows (one query token) are attended in buckets of similar length (padding is bounded by
 the bucket), with two batched matmuls that handle GQA without repeating K/V. Prefill chunks are
 attended one sequence at a time: on CPU by the C++ prefill op reading the pages in place
-(cpu_prefill.cpp); otherwise with SDPA, a chunk with no earlier context attending its own fresh
-K/V directly and one with context gathering its pages under a mask.
+(kernels/cpu_prefill.cpp); otherwise with SDPA, a chunk with no earlier context attending its own
+fresh K/V directly and one with context gathering its pages under a mask.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import engine.attention.cpu_decode as cpu_decode
 import engine.attention.cpu_prefill as cpu_prefill
 from engine.attention import kv_quant
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.masks import decode_mask, padded_tables, prefill_mask
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name, model_refusals
 from engine.attention.range_decode import RangeDecodePlan
+from kernels.ops import CPU_DECODE
 from models.attention_step import DecodeStackArgs
 from models.spec import ModelSpec
 
@@ -351,7 +351,7 @@ class TorchBackend(AttentionBackend):
         # multiple of its vector width; None: SDPA (tests compare them).
         self.prefill_op = None
         if kv_caches[0].device.type == "cpu" and kv_caches[0].dtype in CPP_CACHE_DTYPES:
-            ops = cpu_decode.load()
+            ops = CPU_DECODE.load()
             if ops is not None:
                 self.decode_op, self.rope_decode_op = ops.paged_decode, ops.rope_write_decode
                 self.rope_write_op = ops.rope_write

@@ -1,4 +1,4 @@
-"""Which CPU prefill attention serves: kvserve's C++ flash attention (engine/attention/
+"""Which CPU prefill attention serves: kvserve's C++ flash attention (kernels/
 cpu_prefill.cpp) or torch's SDPA, by timing both at startup on this model's layer geometry.
 
 Neither wins everywhere: on a Zen 5 (AVX512-BF16, no AMX) the C++ op took 0.37x SDPA's time on a

@@ -1,15 +1,12 @@
-"""Applying grammar token bitmasks to logits rows: a C++ op on CPU (token_bitmask.cpp beside this
-file, compiled at first use, see models/cpp_ext.py), PyTorch elsewhere and as the fallback."""
+"""Applying grammar token bitmasks to logits rows: a C++ op on CPU (kernels/token_bitmask.cpp,
+compiled at first use, see kernels/build.py), PyTorch elsewhere and as the fallback."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from models.cpp_ext import CppOps
+from kernels.ops import TOKEN_BITMASK
 
-_OPS = CppOps("kvserve_token_bitmask", Path(__file__).with_name("token_bitmask.cpp"))
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
@@ -24,7 +21,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     """logits[rows[i], t] = -inf where bit t of bitmask[i] is 0 (in place; float32 logits)."""
     index = torch.tensor(rows, dtype=torch.long)
     cpu_f32 = logits.device.type == "cpu" and logits.dtype == torch.float32
-    ops = _OPS.load() if cpu_f32 and logits.is_contiguous() else None
+    ops = TOKEN_BITMASK.load() if cpu_f32 and logits.is_contiguous() else None
     if ops is not None:
         ops.apply_(logits, bitmask.contiguous(), index)
     else:

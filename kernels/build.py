@@ -1,25 +1,21 @@
-"""kvserve's C++ ops: `.cpp` files beside the module that uses them, compiled at first use.
+"""Compiling kvserve's C++ ops: `CppOps`, one source built at first use (kernels/ops.py declares
+every op; the `.cpp`/`.h` files sit beside this module).
 
 Each source registers its ops with `TORCH_LIBRARY(<name>, m)` and is built as the extension
 `<name>` by `torch.utils.cpp_extension.load` for this CPU (`target_arch`; g++ and ninja; ~15 s
 once per source). A build lives under TORCH_EXTENSIONS_DIR in a directory named by the content of
 what it is built from (its sources, flags, torch, the target and, for `native`, this CPU's
-flags): a second checkout of the same sources finds it built, an edit builds anew, and a start
-that finds its library complete loads it without running ninja (which took ~0.4 s an op in every
-process, ~3 s of each server start). Where it cannot build (no compiler, or KVSERVE_NO_CPP=1),
-`load()` returns None and callers keep their pure-PyTorch paths; tests compare the two.
+flags), never by where the sources sit: a second checkout of the same sources finds it built, an
+edit builds anew, and a start that finds its library complete loads it without running ninja
+(which took ~0.4 s an op in every process, ~3 s of each server start). Where it cannot build (no
+compiler, or KVSERVE_NO_CPP=1), `load()` returns None and callers keep their pure-PyTorch paths;
+tests compare the two.
 
 An install without a compiler (the CPU image) loads builds made ahead of time:
 `scripts/build_ops.py --prebuilt x86-64-v3 x86-64-v4` writes portable builds into
 `prebuilt_dir()`, and a start that finds no `native` build and no compiler loads the best of them
 this CPU runs (`PORTABLE`). Where a compiler is present the start builds for this CPU as before
 (the AVX-512 BF16 and VNNI paths exist only in a native build).
-
-Consumers: models/cpu_fused.py (fused elementwise ops for models/layers.py),
-models/gguf_linear.py (GGUF block matmuls) and
-engine/attention/cpu_decode.py and cpu_prefill.py (paged decode and prefill attention for the torch
-backend). The build logic
-lives here, in models/, because models must not import the engine.
 """
 
 from __future__ import annotations
@@ -120,13 +116,22 @@ def _cpu_flags() -> str:
 
 
 class CppOps:
-    """One C++ source compiled at first `load()` into `torch.ops.<name>`; `headers` are the
-    files beside it that it includes (ninja rebuilds on their change; `inputs` lists them all)."""
+    """One C++ source compiled at first `load()` into `torch.ops.<name>`. `headers` are the
+    files it includes (ninja rebuilds on their change; `inputs` lists them all and names the
+    build). `needs` are the ops whose kernels this one calls through the dispatcher by name (a
+    link no import shows): they are loaded first, and where one cannot be, neither is this."""
 
-    def __init__(self, name: str, source: Path, headers: tuple[Path, ...] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        source: Path,
+        headers: tuple[Path, ...] = (),
+        needs: tuple[CppOps, ...] = (),
+    ) -> None:
         self.name = name
         self.source = source
         self.inputs = (source, *headers)
+        self.needs = needs
         self._lock = threading.Lock()
         self._ops: Any = None
         self._tried = False
@@ -142,6 +147,10 @@ class CppOps:
                 return self._ops
             self._tried = True
             if os.environ.get("KVSERVE_NO_CPP") == "1":
+                return None
+            missing = [need.name for need in self.needs if need.load() is None]
+            if missing:  # its lookups by name would throw at the first call
+                log.warning("kvserve's C++ ops %s unavailable: needs %s", self.name, missing)
                 return None
             try:
                 self._ops = self._load(target_arch())
