@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.outputs import RequestOutput
-from engine.core.sampling_params import SamplingParams
 from engine.core.sampled import TokenLogprobs
+from engine.core.sampling_params import SamplingParams
 from models.tokenizer import Tokenizer
 
 
