@@ -68,4 +68,6 @@ def _parts_of(spec: ModelSpec, name: str) -> tuple[str, ...]:
         i = int(idx)
         if spec.kv_group_owner(spec.layers[i].kv_group) != i:
             return ("q",)
+        if spec.layers[i].k_eq_v:  # values from the key projection: no v rows
+            return ("q", "k")
     return FUSED_PARTS[module]

@@ -237,12 +237,14 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim; `weight` None: no scale (Gemma 4's value and router norms)."""
     if x.dtype == torch.float32:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return out if weight is None else out * weight
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return xf.to(x.dtype) if weight is None else weight * xf.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -283,6 +285,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled).float()
+    if kind == "proportional":
+        # Gemma 4's global layers: the first `partial_rotary_factor` of the frequencies, at
+        # their full-head_dim values, rotate pairs (i, i + head_dim/2) across the whole head;
+        # the others are zero (cos 1, sin 0: those dims pass unchanged, exactly)
+        angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv_freq[angles:] = 0.0
+        return (inv_freq / float(scaling.get("factor", 1.0))).float()
     if kind in (None, "default"):
         return inv_freq.float()
     raise ValueError(f"unsupported rope_scaling type {kind!r}")

@@ -69,9 +69,13 @@ class DecoderLayer(nn.Module):
         h, q_dim = spec.hidden_size, layer.num_heads * layer.head_dim
         kv_dim = layer.num_kv_heads * layer.head_dim if self.writes_kv else 0
         self.q_dim, self.kv_dim = q_dim, kv_dim
+        # where V's rows start in qkv: K's own where values are the key projection (k_eq_v)
+        self.v_start = q_dim + (0 if layer.k_eq_v else kv_dim)
+        self.v_norm = spec.v_norm
         self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
         # no projections at all where tensor parallelism put every head on other ranks
-        self.qkv_proj = Linear(h, q_dim + 2 * kv_dim, bias=spec.qkv_bias) if q_dim else None
+        rows = q_dim + (1 if layer.k_eq_v else 2) * kv_dim
+        self.qkv_proj = Linear(h, rows, bias=spec.qkv_bias) if q_dim else None
         self.o_proj = Linear(q_dim, h) if q_dim else None
         self.q_norm = RMSNorm(layer.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(layer.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
@@ -93,6 +97,7 @@ class DecoderLayer(nn.Module):
         self.fused_rope = (
             self.q_norm is None and self.writes_kv and self.q_scale == 1.0
             and spec.rotary_dim(layer.head_dim) == layer.head_dim
+            and not layer.k_eq_v and not self.v_norm
         )  # fmt: skip
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -127,7 +132,10 @@ class DecoderLayer(nn.Module):
                                  residual, lora)  # fmt: skip
         k = v = None
         if self.writes_kv:
-            v = qkv[:, self.q_dim + self.kv_dim :].view(t, lay.num_kv_heads, lay.head_dim)
+            v = qkv[:, self.v_start : self.v_start + self.kv_dim]
+            v = v.reshape(t, lay.num_kv_heads, lay.head_dim)
+            if self.v_norm:
+                v = rms_norm(v, None, self.eps)
         if self.q_norm is None and self.writes_kv:
             # q and k heads side by side in qkv: one rotary pass over both (fewer small ops)
             qk = qkv[:, : self.q_dim + self.kv_dim].view(t, -1, lay.head_dim)
@@ -162,22 +170,29 @@ class DecoderLayer(nn.Module):
         if self.attn_output_norm is not None:
             x = self.attn_output_norm(x)
         residual, h = add_rms_norm(x, residual, self.post_attention_layernorm.weight, self.eps)
-        if self.moe is not None:
-            out = self.moe(h)
-        else:
-            gated = self.act(self._project("gate_up_proj", h, lora))
-            out = self._project("down_proj", gated, lora)
+        out = self._ffn(h, residual, lora)
         if self.reduce is not None:
             out = self.reduce(out)
         if self.ffn_output_norm is not None:  # on the whole sum (after tensor parallelism's)
             out = self.ffn_output_norm(out)
         return out, residual
 
+    def _ffn(self, h: torch.Tensor, residual: torch.Tensor, lora: LoRARows | None) -> torch.Tensor:
+        """The FFN on its normed input `h` (`residual`: the un-normed sum, which Gemma 4's
+        router reads)."""
+        return self.moe(h) if self.moe is not None else self._dense(h, lora)
+
+    def _dense(self, h: torch.Tensor, lora: LoRARows | None) -> torch.Tensor:
+        gated = self.act(self._project("gate_up_proj", h, lora))
+        return self._project("down_proj", gated, lora)
+
 
 _UNREAD = object()  # LlamaForCausalLM._stack_key before the layers are read
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class: type[DecoderLayer] = DecoderLayer  # a variation's own layer (models/gemma4.py)
+
     def __init__(self, spec: ModelSpec, vocab_rows: tuple[int, int] | None = None) -> None:
         """`vocab_rows` [v0, v1): the lm_head holds (and `compute_logits` gives) only those
         vocabulary rows (a tensor-parallel rank's part); default all."""
@@ -189,7 +204,9 @@ class LlamaForCausalLM(nn.Module):
         weight = torch.empty(spec.vocab_size, spec.hidden_size)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=weight)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, lay, i) for i, lay in enumerate(spec.layers))
+        self.layers = nn.ModuleList(
+            self.layer_class(spec, lay, i) for i, lay in enumerate(spec.layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, self.vocab_rows[1] - self.vocab_rows[0])
         self.rope_keys = [rope_key(spec, i) for i in range(spec.num_layers)]
@@ -229,21 +246,29 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype)
         factor, tables = self.rope_attention_factor, self.inv_freq(x.device)
         rope = {k: rope_cos_sin(positions, inv, factor) for k, inv in tables.items()}
-        residual = None
+        residual: torch.Tensor | None = None
         captured: dict[int, torch.Tensor] = {}
-        stacked = None if aux_layers or lora else self._decode_stack(x, rope, attn)
+        per_layer = self.per_layer_inputs(input_ids, x)
+        plain = not aux_layers and not lora and per_layer is None
+        stacked = self._decode_stack(x, rope, attn) if plain else None
         if stacked is not None:
             x, residual = stacked
         for i, layer in enumerate(self.layers if stacked is None else ()):
             if i in aux_layers:
                 captured[i] = x if residual is None else residual + x
             cos, sin = rope[self.rope_keys[i]]
-            x, residual = layer(x, residual, cos, sin, attn, lora)
-        assert residual is not None
-        hidden = rms_norm(residual + x, self.norm.weight, self.norm.eps)
+            extra = () if per_layer is None else (per_layer[:, i],)
+            # a layer may hand back its whole sum with no residual (Gemma 4 scales it)
+            x, residual = layer(x, residual, cos, sin, attn, lora, *extra)
+        hidden = rms_norm(x if residual is None else residual + x, self.norm.weight, self.norm.eps)
         if not aux_layers:
             return hidden
         return torch.cat([hidden, *(captured[i] for i in aux_layers)], dim=-1)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """[tokens, layers, width]: an input of each layer's own (Gemma 4's per-layer
+        embeddings); None: the layers take none."""
+        return None
 
     def _decode_stack(
         self, x: torch.Tensor, rope: dict[int, tuple[torch.Tensor, torch.Tensor]],

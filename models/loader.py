@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from models.checkpoint import Part, fuse_parts
 from models.gemma3 import gemma3_fields, gemma3_weights
+from models.gemma4 import Gemma4ForCausalLM, gemma4_spec, gemma4_weights
 from models.llama import LlamaForCausalLM
 from models.openelm import openelm_spec, openelm_weights
 from models.phi3 import phi3_fields
@@ -33,6 +34,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",  # models/gemma3.py
+    "Gemma4ForCausalLM",  # models/gemma4.py (its own layer and model classes)
     "Phi3ForCausalLM",  # models/phi3.py
     "MixtralForCausalLM",  # mixture of experts: models/moe.py
     "Qwen3MoeForCausalLM",
@@ -93,6 +95,8 @@ def load_model(
         weights = gguf_weights(path, spec)
     elif spec.architecture == "OpenELMForCausalLM":
         weights = openelm_weights(hf_weights(path, dtype))
+    elif spec.architecture == "Gemma4ForCausalLM":
+        weights = fuse_parts(spec, gemma4_weights(hf_weights(path, dtype), spec))
     elif spec.architecture == "Gemma3ForCausalLM":
         weights = fuse_parts(spec, hf_llama_parts(gemma3_weights(hf_weights(path, dtype))))
     else:
@@ -109,8 +113,9 @@ def empty_model(
 ) -> LlamaForCausalLM:
     """The model with uninitialised parameters of `dtype` on `device` (built on the meta device:
     nothing is allocated twice); biases zeroed, since a checkpoint may omit them."""
+    cls = Gemma4ForCausalLM if spec.architecture == "Gemma4ForCausalLM" else LlamaForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, vocab_rows)
+        model = cls(spec, vocab_rows)
     model = model.to(dtype=dtype).to_empty(device=device)
     for name, param in model.named_parameters():
         if name.endswith(".bias"):
@@ -164,6 +169,10 @@ def hf_spec(path: str, context: int | None = None) -> ModelSpec:
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch == "Gemma3ForConditionalGeneration" and "text_config" in cfg:
         arch, cfg = "Gemma3ForCausalLM", {**cfg, **cfg["text_config"]}  # its language model
+    if arch == "Gemma4ForConditionalGeneration" and "text_config" in cfg:
+        arch, cfg = "Gemma4ForCausalLM", {**cfg, **cfg["text_config"]}  # its language model
+    if arch == "Gemma4ForCausalLM":
+        return gemma4_spec(cfg, tuple(_eos_ids(root, cfg)))
     if cfg.get("model_type") == "openelm" or arch == "OpenELMForCausalLM":
         return openelm_spec(cfg, tuple(_eos_ids(root, cfg)))
     if arch not in SUPPORTED_HF_ARCHITECTURES:

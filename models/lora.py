@@ -101,9 +101,12 @@ def projection_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, list[
     lay = spec.layers[layer]
     q, kv = lay.num_heads * lay.head_dim, lay.num_kv_heads * lay.head_dim
     writes_kv = spec.kv_group_owner(lay.kv_group) == layer
+    # no v rows where values are the key projection (Gemma 4's k_eq_v layers)
+    kv_parts = ("k",) if lay.k_eq_v else ("k", "v")
+    kv_parts = kv_parts if writes_kv else ()
     h = spec.hidden_size
     shapes = {
-        "qkv_proj": (h, [("q", q)] + ([("k", kv), ("v", kv)] if writes_kv else [])),
+        "qkv_proj": (h, [("q", q)] + [(p, kv) for p in kv_parts]),
         "o_proj": (q, [("", h)]),
     }
     if not lay.num_experts:

@@ -54,7 +54,11 @@ class MoE(nn.Module):
         return weights, ids
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(h)
+        return self.combine(h, *self.route(h))
+
+    def combine(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' outputs on `h`, weighted and summed per token (apart from
+        `route`: Gemma 4 routes on another tensor than the experts multiply)."""
         if h.shape[0] == 1:  # a single decode row: its k experts, summed (no grouping ops),
             out = None  # in expert order, as the grouped path below adds them
             for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())):

@@ -18,6 +18,9 @@ class LayerSpec:
     kv_group: int
     num_experts: int = 0  # 0: a dense FFN
     num_experts_per_tok: int = 0
+    # values are the key projection's output (Gemma 4's `attention_k_eq_v` full layers): the
+    # layer projects no v rows, though it still stores V (normed and unrotated, unlike K)
+    k_eq_v: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,7 @@ class ModelSpec:
     # softmax scale query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5; tanh-capped logits
     embedding_multiplier: float = 1.0
     sandwich_norms: bool = False
+    v_norm: bool = False  # Gemma 4: RMSNorm without a weight on the values before they are stored
     attention_scale: float | None = None
     final_logit_softcap: float | None = None
     moe_renormalize: bool = True  # top-k routing weights renormalised to sum to 1
@@ -122,12 +126,15 @@ class ModelSpec:
         total = 0
         for i, lay in enumerate(self.layers):
             q = lay.num_heads * lay.head_dim
-            kv = (
-                2 * lay.num_kv_heads * lay.head_dim if self.kv_group_owner(lay.kv_group) == i else 0
-            )
+            owner = self.kv_group_owner(lay.kv_group) == i
+            kv = (1 if lay.k_eq_v else 2) * lay.num_kv_heads * lay.head_dim if owner else 0
             total += 2 * self.hidden_size * (q + kv) + 2 * q * self.hidden_size
-            active = lay.num_experts_per_tok if lay.num_experts else 1
-            total += 2 * 3 * self.hidden_size * lay.intermediate_size * active
+            beside = self.extra.get("moe_intermediate_size", 0)  # Gemma 4: experts + dense MLP
+            if lay.num_experts and beside:
+                width = lay.intermediate_size + beside * lay.num_experts_per_tok
+            else:
+                width = lay.intermediate_size * (lay.num_experts_per_tok or 1)
+            total += 2 * 3 * self.hidden_size * width
         if include_lm_head:
             total += 2 * self.hidden_size * self.vocab_size
         return total

@@ -124,6 +124,12 @@ def plan_tensor_parallel(spec: ModelSpec, world: int) -> TPPlan:
     """The plan for `world` ranks; ValueError, with the reason, for a layout it cannot split."""
     if world < 1:
         raise ValueError("tensor_parallel_size must be >= 1")
+    if spec.architecture == "Gemma4ForCausalLM":
+        raise ValueError(
+            "tensor parallelism is not planned for Gemma 4 (its per-layer inputs, experts beside "
+            "the dense MLP and k=v layers have no shard plan yet); serve with "
+            "--tensor-parallel-size 1"
+        )
     if spec.has_kv_sharing:
         raise ValueError(
             "tensor parallelism does not split models whose layers share KV across layers "

@@ -1,0 +1,187 @@
+"""Gemma 4's text decoder (issue #68) through the engine against transformers 5.24 on the same
+tiny random weights: float32 logits and greedy text (prefill whole and chunked, decode), a
+prefix hit, preemption to the host tier, speculation; the shared layers' KV stored once.
+
+Three shapes: (a) KV shared by the last two layers (one sliding, one global, each reading the
+last earlier layer of its type), sliding and global layers of different head_dim, per-layer
+inputs, soft-capped logits; (b) `attention_k_eq_v` (global layers' values from the key
+projection, with their own KV head count); (c) experts beside the dense MLP, double-wide MLP on
+the shared layers, no per-layer inputs. And (a)'s weights inside a
+`Gemma4ForConditionalGeneration` (its language model served)."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.scoring import score_prompt
+from tests.conftest import build_tokenizer
+
+S, F = "sliding_attention", "full_attention"
+BASE = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+    sliding_window=8, layer_types=[S, F, S, F], max_position_embeddings=4096, rms_norm_eps=1e-6,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size_per_layer_input=0,
+    vocab_size_per_layer_input=512,
+)  # fmt: skip
+# (a): layers 3 (sliding) and 4 (global) read the last earlier layer of their type: 1 and 2
+CONFIGS = {
+    "shared": dict(num_hidden_layers=5, layer_types=[S, S, F, S, F], num_kv_shared_layers=2,
+                   hidden_size_per_layer_input=8, final_logit_softcapping=30.0),
+    "k_eq_v": dict(attention_k_eq_v=True, num_global_key_value_heads=1),
+    "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                use_double_wide_mlp=True, num_kv_shared_layers=2, hidden_size_per_layer_input=8),
+}  # fmt: skip
+PROMPTS = [[5, 17, 99, 3, 250, 44, 8], list(range(10, 60)), [7, 8, 9] * 9]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """std-0.2 weights; norms, scales and the layer scalars around 1 (Gemma 4 multiplies by
+    the weight itself)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("scale"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # a saved buffer, 1 at init: tested off 1
+                b.copy_(0.6 + 0.8 * torch.rand_like(b))
+
+
+def build(name: str, out: Path) -> Path:
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(**{**BASE, **CONFIGS[name]})
+    model = Gemma4ForCausalLM(config).float()
+    randomize(model, zlib.crc32(name.encode()) % 1000)
+    model.save_pretrained(out, safe_serialization=True)
+    build_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gemma4")
+    return {name: build(name, root / name) for name in CONFIGS}
+
+
+def reference(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def assert_matches(llm: LLM, ref, prompts=PROMPTS) -> None:
+    for prompt in prompts:
+        ours = score_prompt(llm.engine, prompt)
+        with torch.no_grad():
+            theirs = ref(torch.tensor([prompt])).logits[0].float()
+        assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
+    for prompt, res in zip(prompts, llm.generate(prompts, GREEDY)):
+        with torch.no_grad():
+            gen = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+        assert res.outputs[0].token_ids == gen[0, len(prompt) :].tolist()
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
+
+
+def test_shared_kv_is_one_group_and_counted_once(dirs) -> None:
+    """(a): the reuse layers 3 (sliding) and 4 (global) point at the groups of layers 1 and 2;
+    three groups of two shapes; KV bytes per token count each shared group once."""
+    from models.loader import load_spec
+
+    spec = load_spec(str(dirs["shared"]))
+    assert [lay.kv_group for lay in spec.layers] == [0, 1, 2, 1, 2]
+    assert spec.kv_groups == [(2, 16), (2, 16), (2, 32)]
+    assert spec.full_attention_layers == (2, 4) and spec.sliding_window == 8
+    # float32: a sliding group 2 * 2 heads * 16 dims * 4 B = 256 bytes a token, a global one 512
+    assert spec.kv_bytes_per_token(4) == 2 * 256 + 512 == 1024
+    assert spec.kv_bytes_per_token_unshared(4) == 3 * 256 + 2 * 512 == 1792
+    moe = load_spec(str(dirs["moe"]))  # double-wide on its two reuse layers
+    assert [lay.intermediate_size for lay in moe.layers] == [96, 96, 192, 192]
+    assert [lay.kv_group for lay in moe.layers] == [0, 1, 0, 1]
+    k_eq_v = load_spec(str(dirs["k_eq_v"]))
+    assert [(lay.num_kv_heads, lay.head_dim, lay.k_eq_v) for lay in k_eq_v.layers[:2]] == [
+        (2, 16, False), (1, 32, True)]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_matches_transformers(name: str, dirs) -> None:
+    """Prefill whole and in chunks of 7 (windows and shared groups across chunk boundaries),
+    decode under suffix drafts (k pinned: no startup cost measurement, drafts always
+    verified); the banner's two KV figures and the windowed groups' own pool for (a)."""
+    ref = reference(dirs[name])
+    for chunk in (1024, 7):
+        llm = LLM(str(dirs[name]), num_kv_blocks=96, block_size=4, max_num_batched_tokens=chunk,
+                  spec_cost_model=False)  # fmt: skip
+        assert llm.engine.spec.architecture == "Gemma4ForCausalLM"
+        if name == "shared":
+            info = llm.engine.info
+            assert (info.kv_bytes_per_token, info.kv_bytes_per_token_unshared) == (1024, 1792)
+            assert info.num_kv_groups == 3
+            # the sliding groups (one of them shared) keep only the window's blocks
+            assert llm.engine.kv.window is not None
+        assert_matches(llm, ref)
+
+
+@pytest.mark.slow
+def test_prefix_hit_preemption_and_speculation_keep_outputs(dirs) -> None:
+    """Each shape, against a roomy run without speculation: a prompt's second run hits the
+    prefix cache (cached tokens > 0, the same text); a pool too small for the batch swaps to
+    the host tier while suffix drafts are verified (some accepted), and gives the same text."""
+    prompts = [[(s * 31 + i * 7) % 400 + 3 for i in range(40)] for s in range(4)]
+    prompts.append([7, 8, 9] * 12)  # repeats: suffix drafts get accepted
+    for name, path in sorted(dirs.items()):
+        plain = LLM(str(path), num_kv_blocks=256, block_size=4, num_speculative_tokens=0)
+        want = [r.outputs[0].token_ids for r in plain.generate(prompts, GREEDY)]
+        again = plain.generate(prompts[:2], GREEDY)
+        assert [r.outputs[0].token_ids for r in again] == want[:2], name
+        assert all(r.num_cached_tokens > 0 for r in again), name
+        tight = LLM(str(path), num_kv_blocks=36, block_size=4, host_bytes="16MiB",
+                    preemption_mode="swap", num_speculative_tokens=4, spec_cost_model=False,
+                    spec_max_verify_rows=1 << 16)  # fmt: skip
+        got = [r.outputs[0].token_ids for r in tight.generate(prompts, GREEDY)]
+        assert tight.engine.scheduler.num_preemptions > 0, name
+        assert tight.engine.drafter.total_stats().num_accepted_tokens > 0, name
+        assert got == want, name
+
+
+@pytest.mark.slow
+def test_conditional_generation_serves_its_language_model(dirs, tmp_path) -> None:
+    """(a)'s text model inside a `Gemma4ForConditionalGeneration` (no towers): its
+    `text_config` and its weights under `model.language_model.` give the same logits."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = reference(dirs["shared"])
+    config = Gemma4Config(text_config=text.config.to_dict(), vision_config=None,
+                          audio_config=None)  # fmt: skip
+    model = Gemma4ForConditionalGeneration(config).float().eval()
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    build_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), num_kv_blocks=96, block_size=4)
+    assert llm.engine.spec.architecture == "Gemma4ForCausalLM"
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor([prompt])).logits[0].float()
+    ours = score_prompt(llm.engine, prompt)
+    assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
+
+
+def test_tensor_parallel_is_refused_with_the_reason(dirs) -> None:
+    from models.loader import load_spec
+    from models.tp_plan import plan_tensor_parallel
+
+    with pytest.raises(ValueError, match="Gemma 4"):
+        plan_tensor_parallel(load_spec(str(dirs["k_eq_v"])), 2)
