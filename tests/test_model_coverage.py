@@ -316,7 +316,9 @@ def test_parallel_tool_results_render_under_a_template_that_wants_alternation(tm
     <tool_response> blocks in a user turn): the results of parallel calls, and the user turn
     after them, go in one turn, so Gemma's alternation check passes."""
     from models.tokenizer import load_tokenizer
+    from server.flow.chat_plan import chat_tools, chat_turns
     from server.flow.chat_prompt import render_prompt
+    from server.flow.conversation import Conversation
     from server.protocol.openai import ChatMessage, ChatTool
 
     build_tokenizer(tmp_path)
@@ -336,8 +338,9 @@ def test_parallel_tool_results_render_under_a_template_that_wants_alternation(tm
         {"role": "user", "content": "And which is later?"},
     ]  # fmt: skip
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
-    ids = render_prompt(tok, [ChatMessage.model_validate(m) for m in messages], True,
-                        [ChatTool.model_validate(tool)])  # fmt: skip
+    turns = chat_turns([ChatMessage.model_validate(m) for m in messages])
+    tools = chat_tools([ChatTool.model_validate(tool)], None)
+    ids = render_prompt(tok, Conversation(turns, "messages"), tools)
     text = tok.decode(ids, skip_special_tokens=False)
     assert text.count("<start_of_turn>user") == 2 and text.count("<start_of_turn>model") == 2
     assert "<tool_response>\n10:00\n</tool_response>\n<tool_response>\n17:00" in text

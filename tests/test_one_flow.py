@@ -129,10 +129,10 @@ def test_a_client_that_leaves_a_whole_response_frees_it_at_the_next_step(
 
 
 def test_a_chat_template_error_on_responses_names_the_input_it_came_from(live, monkeypatch) -> None:
-    """/v1/responses renders through the chat path; its errors name `input`, not `messages`."""
+    """/v1/responses renders through every route's renderer; its errors name `input`, not
+    `messages`."""
     from models.chat_template import TemplateError
-    from server.errors import APIError
-    from server.flow.responses_plan import as_input_error as _as_input_error
+    from server.flow.responses_plan import responses_turns
 
     tokenizer = live.core.tokenizer
     render = tokenizer.apply_chat_template
@@ -164,12 +164,11 @@ def test_a_chat_template_error_on_responses_names_the_input_it_came_from(live, m
     ]
     r = post(live, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    # an error about one message names the item it came from: instructions (None), two stored
-    # items of the previous response, then the client's input
-    sources = [None, 0, 1, 2, 3, 3]
-    for index, want in [(0, "instructions"), (2, "previous_response_id"), (4, "input.1")]:
-        e = _as_input_error(
-            APIError(400, f"messages.{index}.content: no", f"messages.{index}.content"), sources, 2
-        )
-        assert e.param == (want + ".content" if want.startswith("input") else want)
-        assert e.message.startswith(e.param)
+    # each turn keeps the field the client sent it in: the instructions, two stored items of
+    # the previous response, then the client's input (a call joins no turn: it follows a user's)
+    text = [{"type": "input_text", "text": "a"}]
+    stored = [{"type": "message", "role": role, "content": text} for role in ("user", "assistant")]
+    sent = [stored[0], call, {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
+    turns = responses_turns(stored + sent, "Be brief.", 2)
+    sources = ["instructions", *["previous_response_id"] * 2, "input.0", "input.1", "input.2"]
+    assert [t.source for t in turns] == sources

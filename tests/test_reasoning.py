@@ -17,7 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.flow.reasoning import ReasoningPlan, ReasoningStream, split_reasoning
+from server.flow.answer import Answer, AnswerPlan
+from server.flow.reasoning import ReasoningPlan, ReasoningStream
 from tests.conftest import CHATML
 from tests.scripted_model import scripted_model
 from tests.server_utils import InProcessServer
@@ -44,6 +45,13 @@ GREEDY = {"temperature": 0, "max_tokens": 8}
 ASK = [{"role": "user", "content": "Hello there"}]
 
 pytestmark = pytest.mark.slow  # in-process servers
+
+
+def split_reasoning(text: str, plan: ReasoningPlan) -> tuple[str | None, str]:
+    """A whole output's thought (None: the model did not think) and answer, as every route
+    reads them: the answer stream's events, folded."""
+    answer = Answer.read(AnswerPlan(plan), text)
+    return answer.thought, answer.text
 
 
 @given(text=st.text(alphabet="ab<>/thinkT \n", max_size=30), cuts=st.lists(st.integers(0, 30)))

@@ -109,15 +109,17 @@ def check_item_ids(evs: list[dict]) -> None:
 
 
 def test_text_after_a_call_keeps_each_event_on_its_item() -> None:
+    from server.flow.answer import AnswerPlan, AnswerStream
     from server.flow.responses_items import OutputItems
     from server.flow.tool_parsers import PARSERS
 
-    out = OutputItems(None, PARSERS["hermes"], None, False)
+    plan = AnswerPlan(parser=PARSERS["hermes"])
+    out, answer = OutputItems(None, plan, False), AnswerStream(plan)
     text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\nthen some text'
     evs = []
     for i in range(0, len(text), 7):  # streamed in small pieces
-        evs += [{"type": k, **f} for k, f in out.feed(text[i : i + 7], [], False)]
-    evs += [{"type": k, **f} for k, f in out.feed("", [], True)]
+        evs += [{"type": k, **f} for k, f in out.render(answer.feed(text[i : i + 7]), [])]
+    evs += [{"type": k, **f} for k, f in out.render(answer.feed("", True, "stop"), [])]
     check_item_ids(evs)
     assert [it["type"] for it in out.items] == ["function_call", "message"]
     assert [it["status"] for it in out.items] == ["completed", "completed"]

@@ -1,9 +1,9 @@
 """Follow one request's data through the code: which project modules the HTTP side enters, in
-order, for a chat completion and for a Responses call (non-streamed), on the tiny random model
-the tests build. A *stay* is a run of consecutive calls inside one module; a *return* is a stay in
-a module the request had already left. Few stays and few returns: a flow that reads top to
-bottom. The engine thread is not followed (its step is the same for every route), and the
-per-output loop is counted once (a lap repeated back to back is one lap).
+order, for a chat completion, an Anthropic Messages call and a Responses call (non-streamed), on
+the tiny random model the tests build. A *stay* is a run of consecutive calls inside one module; a
+*return* is a stay in a module the request had already left. Few stays and few returns: a flow
+that reads top to bottom. The engine thread is not followed (its step is the same for every
+route), and the per-output loop is counted once (a lap repeated back to back is one lap).
 
     python -m tools.request_walk [--model DIR]   # from the checkout's root; default: a tiny
                                                  # random Llama in a temp dir
@@ -105,6 +105,7 @@ def main() -> None:
             response = {"input": "hi", "max_output_tokens": 4}
             for name, path, body in (
                 ("chat", "/v1/chat/completions", chat),
+                ("messages", "/v1/messages", chat),  # the same body is a Messages request
                 ("responses", "/v1/responses", response),
             ):
                 recorder.walk(client, path, body)  # warm: lazy imports, caches

@@ -1,176 +1,117 @@
-"""A chat request's plan: its prompt rendered through the model's template, its tool plan and
-grammar, and the parser that reads calls back from the text. Chat completions make it from
-their body; the Responses API from its items mapped onto chat (server/routes/responses.py),
-having rendered and truncated the prompt itself. Made once, immutable."""
+"""A chat completions body as a neutral conversation (server/flow/conversation.py): its messages
+as turns (legacy `function` messages as tool results), its tools (or legacy `functions`), the
+choice among them, its output constraints and template variables, each named as chat names
+them; and its generation (sampling, limits, logprobs). The plan is then every route's
+(`conversation_plan.py`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from starlette.requests import Request
 
 from engine.async_engine import AsyncEngine
-from engine.core.sampling_params import ThoughtBudget
 from server.errors import APIError
-from server.flow.chat_prompt import render_prompt
-from server.flow.constraints import ToolPlan, grammar_for, tool_plan
-from server.flow.plan import GenerationPlan
-from server.flow.reasoning import (
-    CLOSE,
-    OPEN,
-    ReasoningPlan,
-    opened_by_prompt,
-    split_reasoning,
-    thinks,
-)
-from server.flow.tool_parsers import (
-    PARSERS,
-    ToolCall,
-    ToolParser,
-    final_calls,
-    parser_for_template,
-    with_determined_name,
-)
-from server.protocol.openai import ChatCompletionRequest
+from server.flow.constraints import requested
+from server.flow.conversation import Budget, Call, Conversation, Tool, ToolChoice, Turn
+from server.flow.conversation_plan import ConversationPlan, plan_conversation
+from server.flow.plan import GenerationPlan, logprobs_of, session_id
+from server.protocol.openai import ChatCompletionRequest, ChatMessage, ContentPart
+from server.protocol.structured import ChatTool, FunctionDef, NamedToolChoice
 from server.state import ServerState
 
 
-def tool_parser(state: ServerState, engine: AsyncEngine) -> ToolParser:
-    name = state.config.server.tool_call_parser
-    if name != "auto":
-        return PARSERS[name]
-    return parser_for_template(engine.tokenizer.chat_template if engine.tokenizer else None)
+def chat_turns(messages: list[ChatMessage]) -> list[Turn]:
+    """Chat messages as turns; a part a text model cannot read is a 400 naming it."""
+    turns = []
+    for i, m in enumerate(messages):
+        calls = [Call(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        if m.function_call is not None:  # a legacy assistant turn
+            calls.append(Call("call_0", m.function_call.name, m.function_call.arguments))
+        role = "tool" if m.role == "function" else m.role  # a legacy function's result
+        text = _text(m.content, f"messages.{i}.content")
+        turn = Turn(role, text, calls, m.tool_call_id, m.name, m.reasoning_content, f"messages.{i}")
+        turns.append(turn)
+    return turns
 
 
-@dataclass(frozen=True)
-class RenderedChat:
-    """A chat request's prompt and the tool plan it was rendered with."""
-
-    prompt_ids: list[int]
-    tools: ToolPlan | None
-
-
-def render_chat(
-    engine: AsyncEngine, body: ChatCompletionRequest, tools: ToolPlan | None
-) -> list[int]:
-    return render_prompt(
-        engine.tokenizer,
-        body.messages,
-        body.add_generation_prompt,
-        tools.tools if tools else None,
-        **(body.chat_template_kwargs or {}),
-    )
+def _text(content: str | list[ContentPart] | None, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            at, why = f"{where}.{j}", f"this model takes text only; a {part.type!r} part"
+            raise APIError(400, f"{at}: {why} cannot be read", param=at, code="unsupported_content")
+    return "".join(part.text or "" for part in content)
 
 
-@dataclass(frozen=True)
-class ChatPlan:
-    """A chat request's generation plan and what formatting its output needs: the tool plan,
-    and the parser that finds calls in the text (None when calls are not parsed)."""
-
-    generation: GenerationPlan
-    tools: ToolPlan | None
-    calls_parser: ToolParser | None
-    legacy: bool  # `functions` (not `tools`): calls come back as `function_call`
-    reasoning: ReasoningPlan | None = None  # None: the model does not think
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A finished output read by its plan: the thought (None: the model did not think), the
-    text outside calls, and the calls (at most one unless parallel). `began_call`: call markup
-    was begun, so it is no part of the text, even when the cap cut it off before a name."""
-
-    thought: str | None
-    text: str
-    calls: list[ToolCall]
-    began_call: bool
+def chat_tools(
+    tools: list[ChatTool] | None, functions: list[FunctionDef] | None
+) -> tuple[Tool, ...]:
+    """`tools`, or the legacy `functions` in their place (not both)."""
+    if functions is not None:
+        if tools is not None:
+            raise APIError(400, "send tools or functions, not both", param="functions")
+        return tuple(_tool(f, f"functions.{i}", f"functions.{i}.parameters")
+                     for i, f in enumerate(functions))  # fmt: skip
+    return tuple(_tool(t.function, f"tools.{i}", f"tools.{i}.function.parameters")
+                 for i, t in enumerate(tools or []))  # fmt: skip
 
 
-def read_answer(plan: ChatPlan, output: str) -> Answer:
-    """What every route makes of a finished choice's text (chat's message, Anthropic's content
-    blocks): the thought apart, then the calls in what follows it."""
-    thought, answer = None, output
-    if plan.reasoning is not None:
-        thought, answer = split_reasoning(output, plan.reasoning)
-    if plan.calls_parser is None or plan.tools is None:
-        return Answer(thought, answer, [], False)
-    parsed = with_determined_name(plan.calls_parser.parse(answer), plan.tools.determined_name)
-    if not parsed.calls:  # no call begun: the text as written
-        return Answer(thought, answer, [], False)
-    calls = final_calls(parsed)[: None if plan.tools.parallel else 1]
-    return Answer(thought, parsed.content.strip(), calls, True)
+def _tool(f: FunctionDef, param: str, schema_param: str) -> Tool:
+    return Tool(f.name, f.description, f.parameters, f.strict, param, schema_param)
 
 
-def reasoning_plan(
-    state: ServerState, engine: AsyncEngine, prompt_ids: list[int]
-) -> ReasoningPlan | None:
-    """Whether (and where) this request's output holds a thought: the template thinks and the
-    server reads thoughts; generation starts inside one when the prompt opened it."""
-    tok = engine.tokenizer
-    if (
-        state.config.server.reasoning_parser == "none"
-        or tok is None
-        or not thinks(tok.chat_template)
-    ):
+def chat_tool_choice(body: ChatCompletionRequest) -> ToolChoice | None:
+    """`tool_choice`, or the legacy `function_call` in its place (not both)."""
+    choice, param = body.tool_choice, "tool_choice"
+    if body.function_call is not None:
+        if choice is not None:
+            raise APIError(
+                400, "send tool_choice or function_call, not both", param="function_call"
+            )
+        choice, param = body.function_call, "function_call"
+    if choice is None:
         return None
-    tail = tok.decode(prompt_ids[-16:], skip_special_tokens=False)
-    return ReasoningPlan(inside=opened_by_prompt(tail))
+    if isinstance(choice, str):
+        return ToolChoice(choice, None, param)
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
+    return ToolChoice("named", name, param)
+
+
+def chat_conversation(body: ChatCompletionRequest) -> Conversation:
+    legacy = body.functions is not None  # a legacy function_call answer is one call
+    budget = body.thinking_budget
+    return Conversation(
+        turns=chat_turns(body.messages),
+        param="messages",
+        tools=chat_tools(body.tools, body.functions),
+        tool_choice=chat_tool_choice(body),
+        parallel_calls=body.parallel_tool_calls is not False,
+        max_calls=1 if legacy else None,
+        rules=tuple(requested(body)),
+        template_kwargs=body.chat_template_kwargs or {},
+        thought_budget=Budget(budget, "thinking_budget") if budget is not None else None,
+        add_generation_prompt=body.add_generation_prompt is not False,
+    )
 
 
 def chat_plan(
     state: ServerState,
     engine: AsyncEngine,
+    request: Request,
     body: ChatCompletionRequest,
     req_id: str,
-    session: str | None,
-    rendered: RenderedChat | None = None,
-    param_names: dict[str, str] | None = None,
-) -> ChatPlan:
-    """The plan of a chat request. `rendered`: the prompt and tool plan, when the caller made
-    them already; `param_names`: shared code's parameter names as the caller's API spells
-    them."""
+) -> ConversationPlan:
     cfg = state.config.server
-    if body.top_logprobs is not None:
-        if not body.logprobs:
-            raise APIError(
-                400, "logprobs must be true when top_logprobs is set", param="top_logprobs"
-            )
-        if body.top_logprobs > cfg.max_top_logprobs:
-            raise APIError(
-                400, f"top_logprobs must be at most {cfg.max_top_logprobs}", param="top_logprobs"
-            )
-    parser = tool_parser(state, engine)
-    tools = rendered.tools if rendered is not None else tool_plan(body)
-    grammar = grammar_for(body, tools, parser.name)
-    if rendered is None:
-        rendered = RenderedChat(render_chat(engine, body, tools), tools)
+    session = session_id(request, body.user)
+    logprobs = logprobs_of(state, bool(body.logprobs), body.top_logprobs)
     generation = GenerationPlan(
         req_id=req_id,
         body=body,
-        prompts=[rendered.prompt_ids],
+        prompts=[],
         max_tokens=body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens or None,
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        grammar=grammar,
+        logprobs=logprobs,
         session=session,
         kv_transfer_params=body.kv_transfer_params,
-        param_names=param_names or {},
         streamed=bool(body.stream),
     )
-    calls_parser = parser if tools is not None and tools.parses else None
-    # a grammar shapes the output from its first token: no room for a thought
-    reasoning = None if generation.grammar else reasoning_plan(state, engine, rendered.prompt_ids)
-    if body.thinking_budget is not None and reasoning is not None:
-        budget = thought_budget(engine, body.thinking_budget, reasoning)
-        generation = replace(generation, thought_budget=budget)
-    return ChatPlan(generation, tools, calls_parser, body.functions is not None, reasoning)
-
-
-def thought_budget(engine: AsyncEngine, tokens: int, reasoning: ReasoningPlan) -> ThoughtBudget:
-    """The budget in this tokenizer's ids; its end is forced as one token, so a tokenizer that
-    spells `</think>` in several cannot bound a thought (a 400 naming the field)."""
-    assert engine.tokenizer is not None
-    ids = {tag: engine.tokenizer.encode(tag, add_special_tokens=False) for tag in (OPEN, CLOSE)}
-    if len(ids[CLOSE]) != 1 or (not reasoning.inside and len(ids[OPEN]) != 1):
-        why = "this model's tokenizer spells <think> or </think> in several tokens"
-        raise APIError(400, f"thinking_budget: {why}; its thought cannot be bounded",
-                       param="thinking_budget")  # fmt: skip
-    open_id = None if reasoning.inside else ids[OPEN][0]
-    return ThoughtBudget(tokens, ids[CLOSE][0], open_id)
+    return plan_conversation(state, engine, chat_conversation(body), generation)

@@ -1,25 +1,26 @@
-"""Chat messages and tools to the prompt the model's template expects.
+"""A conversation (server/flow/conversation.py) and its tools to the prompt the model's template
+expects: the one renderer every generating route's prompt goes through.
 
 A template that knows tools (it reads a `tools` variable) receives them, and history with
 assistant `tool_calls` (arguments as objects, as `transformers`' `apply_chat_template` wants
-them) and `tool` messages, as they are. A template that knows no tools gets our documented
+them) and tool results, as they are. A template that knows no tools gets our documented
 fallback, in the Hermes format the `hermes` parser reads: the tool list and calling convention in
 the system prompt, earlier calls as `<tool_call>` blocks in the assistant's text, and tool results
 as `<tool_response>` blocks in a user turn. `developer` becomes `system` where the template has no
-such role; legacy `function` messages become tool results.
+such role.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from models.chat_template import TemplateError
 from models.tokenizer import Tokenizer
 from server.errors import APIError
-from server.protocol.openai import ChatMessage
-from server.protocol.structured import ChatTool
+from server.flow.conversation import Conversation, Tool, Turn
 
 FALLBACK_TOOL_PROMPT = """# Tools
 
@@ -67,57 +68,41 @@ def _tool_call_block(name: str, arguments: Any) -> str:
 
 
 def template_messages(
-    messages: list[ChatMessage], traits: TemplateTraits, tools: list[ChatTool] | None
+    turns: list[Turn], traits: TemplateTraits, tools: Sequence[Tool] | None
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     tool_turns: set[int] = set()  # indices in `out` of user turns holding tool results
-    for i, m in enumerate(messages):
-        bad = m.non_text_part()
-        if bad is not None:
-            j, kind = bad
-            raise APIError(
-                400,
-                f"messages.{i}.content.{j}: this model takes text only; a {kind!r} part "
-                "cannot be read",
-                param=f"messages.{i}.content.{j}",
-                code="unsupported_content",
-            )
-        role = m.role
+    for turn in turns:
+        role = turn.role
         if role == "developer" and not traits.knows_developer:
             role = "system"
-        entry: dict[str, Any] = {"role": role, "content": m.text()}
-        if m.name and role != "function":
-            entry["name"] = m.name
-        if m.reasoning_content is not None and role == "assistant":
-            entry["reasoning_content"] = m.reasoning_content
-        calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
-        if m.function_call is not None:
-            calls.append(("call_0", m.function_call.name, m.function_call.arguments))
-        if role == "function":  # legacy function result
-            role, entry = "tool", {"role": "tool", "content": m.text(), "name": m.name}
+        text = turn.text or ""
+        entry: dict[str, Any] = {"role": role, "content": text}
+        if turn.name:
+            entry["name"] = turn.name
+        if turn.thought is not None and role == "assistant":
+            entry["reasoning_content"] = turn.thought
         if traits.knows_tools:
-            if calls:
+            if turn.calls:
                 entry["tool_calls"] = [
                     {
-                        "id": cid,
+                        "id": c.id,
                         "type": "function",
-                        "function": {"name": n, "arguments": _arguments_object(a)},
+                        "function": {"name": c.name, "arguments": _arguments_object(c.arguments)},
                     }
-                    for cid, n, a in calls
+                    for c in turn.calls
                 ]
-                if m.content is None:
+                if turn.text is None:
                     entry["content"] = None
-            if role == "tool" and m.tool_call_id:
-                entry["tool_call_id"] = m.tool_call_id
+            if role == "tool" and turn.call_id:
+                entry["tool_call_id"] = turn.call_id
         else:
-            if calls:
-                blocks = [_tool_call_block(n, _arguments_object(a)) for _, n, a in calls]
-                entry["content"] = "\n".join([t for t in [m.text()] if t] + blocks)
+            if turn.calls:
+                blocks = [_tool_call_block(c.name, _arguments_object(c.arguments))
+                          for c in turn.calls]  # fmt: skip
+                entry["content"] = "\n".join([t for t in [text] if t] + blocks)
             if role == "tool":
-                entry = {
-                    "role": "user",
-                    "content": f"<tool_response>\n{m.text()}\n</tool_response>",
-                }
+                entry = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
                 tool_turns.add(len(out))
         # results of parallel calls (and a user turn after them) in one user turn, as Hermes
         # templates render them: templates that insist on alternating roles (Gemma's) accept it
@@ -129,7 +114,7 @@ def template_messages(
             continue
         out.append(entry)
     if tools and not traits.knows_tools:
-        listing = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
+        listing = "\n".join(json.dumps(t.template_entry()) for t in tools)
         prompt = FALLBACK_TOOL_PROMPT.format(tools=listing)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
@@ -139,25 +124,24 @@ def template_messages(
 
 
 def render_prompt(
-    tokenizer: Tokenizer | None,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool,
-    tools: list[ChatTool] | None = None,
-    **template_kwargs: Any,
+    tokenizer: Tokenizer | None, conversation: Conversation, tools: Sequence[Tool] | None = None
 ) -> list[int]:
-    """Token ids of the rendered conversation."""
+    """Token ids of the rendered conversation, offered `tools` (those of its tool plan). A
+    template's refusal is a 400 naming the field that holds the turns."""
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer; use /v1/completions with token ids")
     traits = TemplateTraits.of(tokenizer.chat_template)
-    rendered = template_messages(messages, traits, tools)
+    rendered = template_messages(conversation.turns, traits, tools)
+    template_kwargs = dict(conversation.template_kwargs)
     if tools and traits.knows_tools:
-        template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        template_kwargs["tools"] = [t.template_entry() for t in tools]
+    param = conversation.param
     try:
         text = tokenizer.apply_chat_template(
-            rendered, add_generation_prompt=add_generation_prompt, **template_kwargs
+            rendered, add_generation_prompt=conversation.add_generation_prompt, **template_kwargs
         )
     except (TemplateError, ValueError) as e:
-        raise APIError(400, str(e), param="messages") from None
+        raise APIError(400, str(e), param=param) from None
     except TypeError as e:  # a template concatenating a null content
-        raise APIError(400, f"chat template failed: {e}", param="messages") from None
+        raise APIError(400, f"chat template failed: {e}", param=param) from None
     return tokenizer.encode(text, add_special_tokens=False)

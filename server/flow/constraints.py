@@ -1,7 +1,8 @@
 """What a request asks its output to be, as one grammar for the engine: `response_format`,
 vLLM's `structured_outputs` / `guided_*`, or a tool call that must be made (`tool_choice`
-"required" or a named function). Several at once is a 400 naming them; so is a tool choice that
-cannot be honoured. Free tool use (`auto`) needs no grammar: the output is parsed."""
+"required" or a named function), read from the neutral conversation (server/flow/conversation.py).
+Several at once is a 400 naming them; so is a tool choice that cannot be honoured. Free tool use
+(`auto`) needs no grammar: the output is parsed."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from typing import Any, Literal
 
 from engine.grammar.structured_output import GrammarSpec
 from server.errors import APIError
+from server.flow.conversation import Conversation, OutputRule, Tool
 from server.protocol.schema_limits import schema_limit_error
-from server.protocol.structured import ChatTool, NamedToolChoice, StructuredFields
+from server.protocol.structured import StructuredFields
 
 
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
-    tools: list[ChatTool]
+    tools: tuple[Tool, ...]
     choice: Literal["none", "auto", "required", "named"]
     name: str | None  # the named function
     parallel: bool
@@ -34,43 +36,34 @@ class ToolPlan:
         if self.choice == "named":
             return self.name
         if self.choice == "required" and len(self.tools) == 1:
-            return self.tools[0].function.name
+            return self.tools[0].name
         return None
 
 
-def tool_plan(body: Any) -> ToolPlan | None:
-    """`tools`/`tool_choice`/`parallel_tool_calls`, or the legacy `functions`/`function_call`
-    mapped onto them."""
-    tools, choice, param = body.tools, body.tool_choice, "tool_choice"
-    if body.functions is not None:
-        if tools is not None:
-            raise APIError(400, "send tools or functions, not both", param="functions")
-        tools = [ChatTool(type="function", function=f) for f in body.functions]
-    if body.function_call is not None:
-        if choice is not None:
-            raise APIError(
-                400, "send tool_choice or function_call, not both", param="function_call"
-            )
-        choice, param = body.function_call, "function_call"
-        if not isinstance(choice, str):
-            choice = NamedToolChoice(type="function", function=choice)
+def tool_plan(conversation: Conversation) -> ToolPlan | None:
+    """The conversation's tools, the choice among them and whether calls may be parallel;
+    None when it offers no tools."""
+    tools, choice = conversation.tools, conversation.tool_choice
     if not tools:
-        if choice not in (None, "none"):
-            raise APIError(400, f"{param} needs tools to choose from", param=param)
+        if choice is not None and choice.mode != "none":
+            raise APIError(400, f"{choice.param} needs tools to choose from", param=choice.param)
         return None
-    names = [t.function.name for t in tools]
-    if len(set(names)) != len(names):
-        raise APIError(400, "tool names must be unique", param="tools")
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
+    seen: set[str] = set()
+    for tool in tools:
+        if tool.name in seen:
+            raise APIError(400, f"{tool.param}: tool names must be unique", param=tool.param)
+        seen.add(tool.name)
+    parallel = conversation.parallel_calls
+    if choice is not None and choice.mode == "named":
+        if choice.name not in seen:
             raise APIError(
                 400,
-                f"{param} names {choice.function.name!r}, which is not among the tools "
-                f"({', '.join(names)})",
-                param=param,
+                f"{choice.param} names {choice.name!r}, which is not among the tools "
+                f"({', '.join(t.name for t in tools)})",
+                param=choice.param,
             )
-        return ToolPlan(tools, "named", choice.function.name, body.parallel_tool_calls)
-    return ToolPlan(tools, choice or "auto", None, body.parallel_tool_calls)
+        return ToolPlan(tools, "named", choice.name, parallel)
+    return ToolPlan(tools, choice.mode if choice is not None else "auto", None, parallel)
 
 
 def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
@@ -92,13 +85,19 @@ def check_schema_size(schema: Any, param: str) -> None:
                        code="schema_too_large")  # fmt: skip
 
 
-def _requested(body: StructuredFields) -> list[tuple[str, GrammarSpec | None]]:
-    """Every constraint the body names, with the parameter that named it."""
-    found: list[tuple[str, GrammarSpec | None]] = []
+def schema_spec(schema: dict[str, Any] | str, param: str) -> GrammarSpec:
+    """A JSON schema the output must follow, checked (`param`: the field it came in)."""
+    return GrammarSpec("json_schema", _schema_text(schema, param))
+
+
+def requested(body: StructuredFields) -> list[OutputRule]:
+    """Every constraint an OpenAI body names (response_format, vLLM's structured_outputs and
+    guided_* fields), with the parameter that named it."""
+    found: list[OutputRule] = []
     rf = body.response_format
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
-            found.append(("response_format", GrammarSpec("json_object", "")))
+            found.append(OutputRule("response_format", GrammarSpec("json_object", ""), True))
         else:
             if rf.json_schema is None or rf.json_schema.json_schema is None:
                 raise APIError(
@@ -106,15 +105,8 @@ def _requested(body: StructuredFields) -> list[tuple[str, GrammarSpec | None]]:
                     "response_format json_schema needs json_schema.schema",
                     param="response_format.json_schema",
                 )
-            found.append(
-                (
-                    "response_format",
-                    GrammarSpec(
-                        "json_schema",
-                        _schema_text(rf.json_schema.json_schema, "response_format"),
-                    ),
-                )
-            )
+            spec = schema_spec(rf.json_schema.json_schema, "response_format")
+            found.append(OutputRule("response_format", spec, True))
     so = body.structured_outputs
     if so is not None:
         kinds = {
@@ -126,13 +118,12 @@ def _requested(body: StructuredFields) -> list[tuple[str, GrammarSpec | None]]:
         }
         for key, value in kinds.items():
             if value is not None:
-                found.append(
-                    (f"structured_outputs.{key}", _spec(key, value, f"structured_outputs.{key}"))
-                )
+                param = f"structured_outputs.{key}"
+                found.append(OutputRule(param, _spec(key, value, param)))
     for key in ("json", "regex", "choice", "grammar"):
         value = getattr(body, f"guided_{key}")
         if value is not None:
-            found.append((f"guided_{key}", _spec(key, value, f"guided_{key}")))
+            found.append(OutputRule(f"guided_{key}", _spec(key, value, f"guided_{key}")))
     return found
 
 
@@ -155,18 +146,16 @@ def tool_call_spec(
     shape any call the model chooses to make must have, in the parser's format. `answer`
     (response_format beside the tools): the output is such calls or one answer in that JSON
     format, as OpenAI serves an agent with tools and an output type."""
-    for i, t in enumerate(plan.tools):
-        if plan.name is None or t.function.name == plan.name:
-            check_schema_size(t.function.parameters or {}, f"tools.{i}.function.parameters")
-    tools = [t for t in plan.tools if plan.name is None or t.function.name == plan.name]
+    tools = [t for t in plan.tools if plan.name is None or t.name == plan.name]
+    for t in tools:
+        check_schema_size(t.parameters or {}, t.schema_param)
     payload = {
         "format": parser_name,  # engine/grammar/structured_output.py: CALL_FORMATS
         "mode": "free" if plan.choice == "auto" else "forced",
         "parallel": plan.parallel and plan.name is None,
         **({"answer": _answer_schema(answer)} if answer is not None else {}),
         "tools": [
-            {"name": t.function.name, "parameters": t.function.parameters or {"type": "object"}}
-            for t in tools
+            {"name": t.name, "parameters": t.parameters or {"type": "object"}} for t in tools
         ],
     }
     return GrammarSpec("tool_calls", json.dumps(payload, sort_keys=True))
@@ -177,28 +166,28 @@ def _answer_schema(spec: GrammarSpec) -> dict[str, Any]:
 
 
 def grammar_for(
-    body: StructuredFields, plan: ToolPlan | None = None, parser_name: str = "hermes"
+    rules: list[OutputRule] | tuple[OutputRule, ...],
+    plan: ToolPlan | None = None,
+    parser_name: str = "hermes",
 ) -> tuple[GrammarSpec, str] | None:
     """The one grammar a request's output must follow and the parameter that asked for it.
-    Tools that constrain (required, named, strict) and response_format combine into one
+    Tools that constrain (required, named, strict) and the answer's format combine into one
     grammar, calls or an answer in the format; other pairs of constraints are a 400."""
-    found = _requested(body)
+    found = list(rules)
     calls_param = None
     if plan is not None and plan.choice in ("required", "named"):
         calls_param = "tool_choice"
-    elif plan is not None and plan.choice == "auto" and any(t.function.strict for t in plan.tools):
+    elif plan is not None and plan.choice == "auto" and any(t.strict for t in plan.tools):
         calls_param = "tools"  # strict: calls follow their schemas
     if plan is not None and calls_param is not None:
-        if len(found) == 1 and found[0][0] == "response_format" and found[0][1] is not None:
-            return tool_call_spec(plan, parser_name, answer=found[0][1]), calls_param
-        found.append((calls_param, tool_call_spec(plan, parser_name)))
+        if len(found) == 1 and found[0].answer_format:
+            return tool_call_spec(plan, parser_name, answer=found[0].spec), calls_param
+        found.append(OutputRule(calls_param, tool_call_spec(plan, parser_name)))
     if not found:
         return None
     if len(found) > 1:
-        names = ", ".join(p for p, _ in found)
+        names = ", ".join(r.param for r in found)
         raise APIError(
-            400, f"one output constraint per request; this one names {names}", param=found[1][0]
+            400, f"one output constraint per request; this one names {names}", param=found[1].param
         )
-    param, spec = found[0]
-    assert spec is not None
-    return spec, param
+    return found[0].spec, found[0].param

@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 from engine.core.outputs import RequestOutput
-from server.flow.chat_plan import ChatPlan, read_answer
+from server.flow.answer import (
+    Answer,
+    AnswerPlan,
+    AnswerStream,
+    TextDelta,
+    ThoughtDelta,
+    ToolCallArgsDelta,
+    ToolCallStart,
+)
 from server.flow.generation import Choice
-from server.flow.reasoning import ReasoningStream
 from server.flow.request_flow import Generation
-from server.flow.tool_parsers import ToolCallStream
 from server.protocol.anthropic import AnthropicStreamEvent
 from server.protocol.wire import dump
 
@@ -64,10 +71,9 @@ def signature(thinking: str) -> str:
     return "kvserve-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
 
 
-def content_blocks(choice: Choice, plan: ChatPlan, omit_thought: bool) -> list[dict[str, Any]]:
+def content_blocks(answer: Answer, omit_thought: bool) -> list[dict[str, Any]]:
     """A finished choice's thought, text and calls as content blocks; `omit_thought`
     (`thinking.display: omitted`): the thinking block carries its signature, not its text."""
-    answer = read_answer(plan, choice.text)
     blocks: list[dict[str, Any]] = []
     if answer.thought is not None:
         shown = "" if omit_thought else answer.thought
@@ -76,9 +82,13 @@ def content_blocks(choice: Choice, plan: ChatPlan, omit_thought: bool) -> list[d
     if answer.text:
         blocks.append({"type": "text", "text": answer.text})
     for call in answer.calls:
-        blocks.append({"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
-                       "name": call.name, "input": _tool_input(call.arguments)})  # fmt: skip
+        blocks.append({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
+                       "input": _tool_input(call.arguments)})  # fmt: skip
     return blocks
+
+
+def tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def messages_usage(
@@ -116,29 +126,26 @@ def event(kind: str, fields: dict[str, Any]) -> bytes:
 
 
 class MessagesEvents:
-    """The Messages stream of one choice: text arrives as text_delta events of a text block;
-    with tools, the text goes through a `ToolCallStream`, each call opening a tool_use block
-    whose input arrives as input_json_delta fragments. `omit_thought`: a thinking block gets
-    its signature and no thinking deltas."""
+    """The Messages stream of one choice, from its answer events: a thought as thinking_delta
+    events of a thinking block (signed when it closes), text as text_delta events of a text
+    block, each call a tool_use block whose input arrives as input_json_delta fragments.
+    `omit_thought`: a thinking block gets its signature and no thinking deltas."""
 
     def __init__(
         self,
         msg_id: str,
-        plan: ChatPlan,
+        answer: AnswerPlan,
         stop_sequences: list[str],
-        usage_of: Any,
+        usage_of: Callable[[dict], dict[str, int]],  # the request's usage -> Anthropic's
         omit_thought: bool = False,
     ) -> None:
-        self.msg_id, self.plan, self.stop_sequences = msg_id, plan, stop_sequences
+        self.msg_id, self.stop_sequences = msg_id, stop_sequences
         self.omit_thought = omit_thought
-        self.usage_of = usage_of  # the request's usage -> Anthropic's usage
-        parser = plan.calls_parser
-        determined = plan.tools.determined_name if plan.tools is not None else None
-        self.calls = ToolCallStream(parser, determined) if parser is not None else None
+        self.usage_of = usage_of
+        self.answer = AnswerStream(answer)
         self.index = -1  # the content block now open (-1: none yet)
         self.open_kind: str | None = None
         self.call_blocks: dict[int, int] = {}  # call index -> content block index
-        self.thought = ReasoningStream(plan.reasoning) if plan.reasoning is not None else None
         self.thought_text = ""
         self.model = ""
 
@@ -159,8 +166,6 @@ class MessagesEvents:
         return [*out, event("content_block_stop", {"index": self.index})]
 
     def _thinking(self, text: str) -> list[bytes]:
-        if not text:
-            return []
         out = (
             []
             if self.open_kind == "thinking"
@@ -173,11 +178,19 @@ class MessagesEvents:
         return [*out, event("content_block_delta", {"index": self.index, "delta": delta})]
 
     def _text(self, text: str) -> list[bytes]:
-        if not text:
-            return []
         out = [] if self.open_kind == "text" else self._open({"type": "text", "text": ""})
         delta = {"type": "text_delta", "text": text}
         return [*out, event("content_block_delta", {"index": self.index, "delta": delta})]
+
+    def _call(self, e: ToolCallStart) -> list[bytes]:
+        block = {"type": "tool_use", "id": tool_use_id(e.id), "name": e.name, "input": {}}
+        out = self._open(block)
+        self.call_blocks[e.index] = self.index
+        return out
+
+    def _fragment(self, e: ToolCallArgsDelta) -> list[bytes]:
+        delta = {"type": "input_json_delta", "partial_json": e.fragment}
+        return [event("content_block_delta", {"index": self.call_blocks[e.index], "delta": delta})]
 
     def begin(self, gen: Generation) -> list[bytes]:
         self.model = gen.head["model"]
@@ -187,32 +200,20 @@ class MessagesEvents:
         return [event("message_start", {"message": start}), event("ping", {})]
 
     def step(self, choice: Choice, out: RequestOutput) -> list[bytes]:
-        text, events = out.new_text, []
-        if self.thought is not None:
-            thought, text = self.thought.feed(text, out.finished)
-            events = self._thinking(thought)
-        if self.calls is None:
-            return events + self._text(text)
-        content, deltas = self.calls.feed(text, out.finished)
-        events += self._text(content)
-        parallel = self.plan.tools is None or self.plan.tools.parallel
-        for d in deltas:
-            if d["index"] > 0 and not parallel:
-                continue
-            if "id" in d:
-                block = {"type": "tool_use", "id": "toolu_" + d["id"].removeprefix("call_"),
-                         "name": d["function"]["name"], "input": {}}  # fmt: skip
-                events += self._open(block)
-                self.call_blocks[d["index"]] = self.index
-            fragment = d["function"].get("arguments", "")
-            if fragment:
-                delta = {"type": "input_json_delta", "partial_json": fragment}
-                at = self.call_blocks[d["index"]]
-                events.append(event("content_block_delta", {"index": at, "delta": delta}))
+        events: list[bytes] = []
+        for e in self.answer.feed(out.new_text, out.finished):
+            if isinstance(e, ThoughtDelta):
+                events += self._thinking(e.text)
+            elif isinstance(e, TextDelta):
+                events += self._text(e.text)
+            elif isinstance(e, ToolCallStart):
+                events += self._call(e)
+            elif isinstance(e, ToolCallArgsDelta):
+                events += self._fragment(e)
         return events
 
     def end(self, gen: Generation, usage: dict) -> list[bytes]:
-        made_calls = self.calls is not None and self.calls.num_calls > 0
+        made_calls = bool(self.call_blocks)
         reason, sequence = stop_reason(gen.choices[0], made_calls, self.stop_sequences)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         final = {"delta": delta, "usage": self.usage_of(usage)}

@@ -1,32 +1,42 @@
-"""An Anthropic Messages request as a chat plan: its system prompt, messages and content blocks
-become chat messages (tool_use blocks the assistant's tool calls, tool_result blocks tool
-messages), its tools, tool_choice and sampling fields chat's own, so the template, the grammar
-that forces calls and the sampler are the ones every route uses. What a text model cannot take
-(images, documents, server tools) is a 400 naming the block; an error the chat path raises about
-`messages.i` is named by the Messages request's own index."""
+"""An Anthropic Messages request as a neutral conversation (server/flow/conversation.py): its
+system prompt, messages and content blocks become turns (tool_use blocks the assistant's calls,
+tool_result blocks tool results), its tools, tool_choice, output format and thinking settings the
+conversation's, each named as the Messages API names them, so the template, the grammar that
+forces calls and the sampler are the ones every route uses. What a text model cannot take
+(images, documents, server tools) is a 400 naming the block. A cache breakpoint keeps the
+prompt up to it warm past the request."""
 
 from __future__ import annotations
 
 import json
-import re
-from typing import Any
+from dataclasses import replace
+from typing import Literal
 
-from pydantic import ValidationError
+from starlette.requests import Request
 
+from engine.async_engine import AsyncEngine
+from engine.core.sampling_params import KeepPrefix
 from server.errors import APIError
+from server.flow.constraints import schema_spec
+from server.flow.conversation import (
+    Budget,
+    Call,
+    Conversation,
+    OutputRule,
+    Tool,
+    ToolChoice,
+    Turn,
+)
+from server.flow.conversation_plan import ConversationPlan, plan_conversation, render
+from server.flow.plan import GenerationPlan, app_name, sampling_fields, session_id
 from server.protocol.anthropic import TEXT_BLOCKS, AnthropicContentBlock, MessagesRequest
-from server.protocol.openai import ChatCompletionRequest
+from server.state import ServerState
 
-# chat's parameter names as the Messages API spells them, for errors raised by shared code
-PARAM_NAMES = {
-    "max_completion_tokens": "max_tokens",
-    "thinking_budget": "thinking.budget_tokens",
-    "response_format": "output_config.format",
-    "stop": "stop_sequences",
-    "tool_choice": "tool_choice",
-    "user": "metadata.user_id",
-}
-_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# the engine's sampling parameters as the Messages API spells them, for the errors it raises
+PARAM_NAMES = {"stop": "stop_sequences", "user": "metadata.user_id"}
+_TOOL_CHOICES: dict[str, Literal["auto", "required", "none"]] = {
+    "auto": "auto", "any": "required", "none": "none",
+}  # fmt: skip
 
 
 def _refuse(param: str, why: str) -> APIError:
@@ -45,9 +55,9 @@ def _text_of(blocks: str | list[AnthropicContentBlock] | None, where: str) -> st
     return "".join(parts)
 
 
-def breakpoint_of(body: MessagesRequest, sources: list[str]) -> tuple[int | None, float] | None:
-    """Where the last cache breakpoint is, as the chat message it ends (None: the whole
-    prompt, for a top-level mark) and its TTL in seconds; None when nothing is marked."""
+def breakpoint_of(body: MessagesRequest, turns: list[Turn]) -> tuple[int | None, float] | None:
+    """Where the last cache breakpoint is, as the turn it ends (None: the whole prompt, for a
+    top-level mark) and its TTL in seconds; None when nothing is marked."""
     marks: list[tuple[int | None, str | None]] = []
     if body.cache_control is not None:
         marks.append((None, body.cache_control.ttl))
@@ -58,7 +68,7 @@ def breakpoint_of(body: MessagesRequest, sources: list[str]) -> tuple[int | None
     for i, m in enumerate(body.messages):
         for block in m.content if isinstance(m.content, list) else []:
             if block.cache_control is not None:
-                last = max(k for k, s in enumerate(sources) if s == f"messages.{i}")
+                last = max(k for k, t in enumerate(turns) if t.source == f"messages.{i}")
                 marks.append((last, block.cache_control.ttl))
     if not marks:
         return None
@@ -67,28 +77,23 @@ def breakpoint_of(body: MessagesRequest, sources: list[str]) -> tuple[int | None
     return end, ttl
 
 
-def chat_messages(body: MessagesRequest) -> tuple[list[dict[str, Any]], list[str]]:
-    """The conversation as chat-completions messages, and for each the Messages parameter it
-    came from (`system` or `messages.i`)."""
-    out: list[dict[str, Any]] = []
-    sources: list[str] = []
+def messages_turns(body: MessagesRequest) -> list[Turn]:
+    """The system prompt and the messages as turns, each with the field it came from."""
+    turns: list[Turn] = []
     system = _text_of(body.system, "system")
     if system:
-        out.append({"role": "system", "content": system})
-        sources.append("system")
+        turns.append(Turn("system", system, source="system"))
     for i, m in enumerate(body.messages):
         where = f"messages.{i}"
-        before = len(out)
         if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
+            turns.append(Turn(m.role, m.content, source=where))
         elif m.role == "system":
-            out.append({"role": "system", "content": _text_of(m.content, f"{where}.content")})
+            turns.append(Turn("system", _text_of(m.content, f"{where}.content"), source=where))
         elif m.role == "user":
-            out += _user_turn(m.content, where)
+            turns += _user_turn(m.content, where)
         else:
-            out.append(_assistant_turn(m.content, where))
-        sources += [where] * (len(out) - before)
-    return out, sources
+            turns.append(_assistant_turn(m.content, where))
+    return turns
 
 
 def _check_block(block: AnthropicContentBlock, where: str) -> None:
@@ -97,9 +102,9 @@ def _check_block(block: AnthropicContentBlock, where: str) -> None:
                       "text model; send text, tool_use or tool_result")  # fmt: skip
 
 
-def _user_turn(blocks: list[AnthropicContentBlock], where: str) -> list[dict[str, Any]]:
-    """Tool results become tool messages (in order), the rest of the text one user message."""
-    out: list[dict[str, Any]] = []
+def _user_turn(blocks: list[AnthropicContentBlock], where: str) -> list[Turn]:
+    """Tool results become tool turns (in order), the rest of the text one user turn."""
+    out: list[Turn] = []
     text = []
     for j, block in enumerate(blocks):
         at = f"{where}.content.{j}"
@@ -108,18 +113,18 @@ def _user_turn(blocks: list[AnthropicContentBlock], where: str) -> list[dict[str
             result = _text_of(block.content, f"{at}.content")
             if block.is_error:
                 result = f"Error: {result}"
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": result})
+            out.append(Turn("tool", result, call_id=block.tool_use_id, source=where))
         elif block.type == "text":
             text.append(block.text or "")
         else:
             raise _refuse(f"{at}.type", f"a user turn cannot hold {block.type!r} blocks")
     if text or not out:
-        out.append({"role": "user", "content": "".join(text)})
+        out.append(Turn("user", "".join(text), source=where))
     return out
 
 
-def _assistant_turn(blocks: list[AnthropicContentBlock], where: str) -> dict[str, Any]:
-    """Text and tool_use blocks as one assistant message; replayed thinking is history this
+def _assistant_turn(blocks: list[AnthropicContentBlock], where: str) -> Turn:
+    """Text and tool_use blocks as one assistant turn; replayed thinking is history this
     model's template has no place for (it does not reason), so it is left out of the prompt."""
     text, calls = [], []
     for j, block in enumerate(blocks):
@@ -128,22 +133,16 @@ def _assistant_turn(blocks: list[AnthropicContentBlock], where: str) -> dict[str
         if block.type == "text":
             text.append(block.text or "")
         elif block.type == "tool_use":
-            arguments = json.dumps(block.input, ensure_ascii=False)
-            calls.append({"id": block.id, "type": "function",
-                          "function": {"name": block.name, "arguments": arguments}})  # fmt: skip
+            assert block.id is not None and block.name is not None  # the block's own check
+            calls.append(Call(block.id, block.name, json.dumps(block.input, ensure_ascii=False)))
         elif block.type == "tool_result":
             raise _refuse(f"{at}.type", "tool_result blocks belong in a user turn")
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
-    if calls:
-        message["tool_calls"] = calls
-    elif message["content"] is None:
-        message["content"] = ""
-    return message
+    content = "".join(text) or None
+    return Turn("assistant", content if calls or content else "", calls, source=where)
 
 
-def chat_request(body: MessagesRequest) -> tuple[ChatCompletionRequest, list[str]]:
-    """The chat request the Messages request is served as, and where each message came from."""
-    messages, sources = chat_messages(body)
+def messages_tools(body: MessagesRequest) -> tuple[Tool, ...]:
+    tools = []
     for i, tool in enumerate(body.tools or []):
         if tool.type not in (None, "custom"):
             raise _refuse(f"tools.{i}.type", f"server tool {tool.type!r} is not available here; "
@@ -152,58 +151,93 @@ def chat_request(body: MessagesRequest) -> tuple[ChatCompletionRequest, list[str
             raise APIError(
                 400, f"tools.{i}.input_schema: required", param=f"tools.{i}.input_schema"
             )
+        tools.append(Tool(tool.name, tool.description, tool.input_schema, None, f"tools.{i}",
+                          f"tools.{i}.input_schema"))  # fmt: skip
+    return tuple(tools)
+
+
+def messages_conversation(body: MessagesRequest) -> Conversation:
+    """The conversation the Messages request asks to continue."""
+    turns = messages_turns(body)
+    tools = messages_tools(body)
     choice = body.tool_choice
-    tool_choice: Any = None
-    if choice is not None:
-        tool_choice = _TOOL_CHOICES.get(choice.type) or {
-            "type": "function", "function": {"name": choice.name},
-        }  # fmt: skip
-    tools = [
-        {"type": "function", "function": {"name": t.name, "description": t.description,
-                                          "parameters": t.input_schema}}
-        for t in body.tools or []
-    ]  # fmt: skip
-    parallel = not (choice is not None and choice.disable_parallel_tool_use)
-    fmt = body.output_config.format if body.output_config else None
-    response_format = None
-    if fmt is not None:
-        response_format = {"type": "json_schema",
-                           "json_schema": {"name": "output", "schema": fmt.schema_}}  # fmt: skip
-    data: dict[str, Any] = {
-        "model": body.model,  # a LoRA adapter's name picks it (server/state.py `adapter`)
-        "messages": messages,
-        "max_completion_tokens": body.max_tokens,
-        "stream": body.stream,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "stop": body.stop_sequences or None,
-        "user": body.metadata.user_id if body.metadata else None,
-        "tools": tools or None,
-        "tool_choice": tool_choice if tools else None,
-        "parallel_tool_calls": parallel if tools else None,
-        "response_format": response_format,
-        # Anthropic's default is not to think; `thinking` turns it on (for a template that
-        # thinks: others ignore the variable)
-        "chat_template_kwargs": {
-            "enable_thinking": body.thinking is not None and body.thinking.type != "disabled"
-        },
-        "thinking_budget": body.thinking.budget_tokens if body.thinking is not None else None,
-    }
     if choice is not None and choice.type != "none" and not tools:
         raise APIError(400, "tool_choice: needs tools to choose from", param="tool_choice")
-    try:
-        return ChatCompletionRequest.model_validate(data), sources
-    except ValidationError as e:
-        raise APIError(400, f"messages: {e.errors()[0]['msg']}", param="messages") from None
+    tool_choice = None
+    if choice is not None and tools and choice.type == "tool":
+        tool_choice = ToolChoice("named", choice.name)
+    elif choice is not None and tools:
+        tool_choice = ToolChoice(_TOOL_CHOICES[choice.type])
+    fmt = body.output_config.format if body.output_config else None
+    rules: tuple[OutputRule, ...] = ()
+    if fmt is not None:
+        param = "output_config.format"
+        rules = (OutputRule(param, schema_spec(fmt.schema_, param), answer_format=True),)
+    thinking = body.thinking
+    budget = thinking.budget_tokens if thinking is not None else None
+    return Conversation(
+        turns=turns,
+        param="messages",
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_calls=not (choice is not None and choice.disable_parallel_tool_use),
+        rules=rules,
+        # Anthropic's default is not to think; `thinking` turns it on (for a template that
+        # thinks: others ignore the variable)
+        template_kwargs={"enable_thinking": thinking is not None and thinking.type != "disabled"},
+        thought_budget=Budget(budget, "thinking.budget_tokens") if budget is not None else None,
+    )
 
 
-def as_messages_error(e: APIError, sources: list[str]) -> APIError:
-    """An error the chat path raised about `messages.k...`, named by the Messages request."""
-    match = re.match(r"messages\.(\d+)", e.param or "")
-    if match is None or int(match.group(1)) >= len(sources):
-        return e
-    param = sources[int(match.group(1))] + (e.param or "")[match.end() :]
-    e.message = e.message.replace(match.group(0), sources[int(match.group(1))], 1)
-    e.param = param
-    return e
+def messages_plan(
+    state: ServerState,
+    engine: AsyncEngine,
+    request: Request,
+    body: MessagesRequest,
+    conversation: Conversation,
+    msg_id: str,
+) -> tuple[ConversationPlan, bool]:
+    """The request's plan, with the prefix up to its last cache breakpoint kept warm; and
+    whether it marks breakpoints (its usage then counts the cache writes)."""
+    user = body.metadata.user_id if body.metadata else None
+    session = session_id(request, user)
+    sampling = sampling_fields(
+        {"model": body.model, "stream": body.stream, "temperature": body.temperature,
+         "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences or None,
+         "user": user},
+        PARAM_NAMES,
+    )  # fmt: skip
+    generation = GenerationPlan(
+        req_id=msg_id,
+        body=sampling,
+        prompts=[],
+        max_tokens=body.max_tokens,
+        logprobs=None,
+        session=session,
+        streamed=body.stream,
+        param_names=PARAM_NAMES,
+    )
+    plan = plan_conversation(state, engine, conversation, generation)
+    mark = breakpoint_of(body, conversation.turns)
+    if mark is not None and engine.info.prefix_caching:
+        keep = kept_prefix(engine, plan, conversation, mark, app_name(request, sampling))
+        plan = replace(plan, generation=replace(plan.generation, keep_prefix=keep))
+    return plan, mark is not None
+
+
+def kept_prefix(
+    engine: AsyncEngine,
+    plan: ConversationPlan,
+    conversation: Conversation,
+    mark: tuple[int | None, float],
+    app: str,
+) -> KeepPrefix:
+    """The prompt up to the breakpoint's turn, in tokens (the conversation rendered up to it:
+    templates render a conversation's turns as a prefix of the whole), kept `ttl` s."""
+    end, ttl = mark
+    num_tokens = len(plan.generation.prompts[0])
+    if end is not None:
+        upto = replace(conversation, turns=conversation.turns[: end + 1],
+                       add_generation_prompt=False)  # fmt: skip
+        num_tokens = min(num_tokens, len(render(engine, upto, plan.tools)))
+    return KeepPrefix(num_tokens, ttl, app)

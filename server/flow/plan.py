@@ -9,12 +9,14 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
 from starlette.requests import Request
 
 from engine.async_engine import AsyncEngine
 from engine.core.sampling_params import GrammarSpec, KeepPrefix, LoRARef, ThoughtBudget
 from server.errors import APIError
 from server.flow.generation import Choice
+from server.protocol.openai import SamplingFields
 from server.state import ServerState
 
 
@@ -46,6 +48,18 @@ def session_id(request: Request, user: str | None) -> str | None:
     return request.headers.get("x-session-id") or user
 
 
+def sampling_fields(data: dict[str, Any], names: dict[str, str]) -> SamplingFields:
+    """A route's sampling fields in OpenAI's names (the engine's parameters come from them); a
+    value the route's own schema allowed but the engine cannot take is a 400 naming the route's
+    field (`names`: OpenAI's name -> the route's)."""
+    try:
+        return SamplingFields.model_validate(data)
+    except ValidationError as e:
+        error = e.errors()[0]
+        param = names.get(str(error["loc"][0]), str(error["loc"][0])) if error["loc"] else ""
+        raise APIError(400, f"{param}: {error['msg']}", param=param or None) from None
+
+
 def check_limits(state: ServerState, body: Any) -> None:
     cfg = state.config.server
     if body.n > cfg.max_n:
@@ -57,6 +71,20 @@ def check_limits(state: ServerState, body: Any) -> None:
         raise APIError(
             400, f"stop sequences are limited to {cfg.max_stop_length} characters", param="stop"
         )
+
+
+def logprobs_of(state: ServerState, logprobs: bool, top_logprobs: int | None) -> int | None:
+    """How many top alternatives each sampled token's logprob comes with (None: no logprobs),
+    as chat and the Responses API both ask it (`top_logprobs`)."""
+    cap = state.config.server.max_top_logprobs
+    if top_logprobs is not None:
+        if not logprobs:
+            raise APIError(
+                400, "logprobs must be true when top_logprobs is set", param="top_logprobs"
+            )
+        if top_logprobs > cap:
+            raise APIError(400, f"top_logprobs must be at most {cap}", param="top_logprobs")
+    return (top_logprobs or 0) if logprobs else None
 
 
 def make_choices(
@@ -97,8 +125,9 @@ def make_choices(
 @dataclass(frozen=True)
 class GenerationPlan:
     """What a route made of its body, in the engine's terms: the one flow (`start`) needs
-    nothing else. `body` is the chat or completions request the sampling fields come from;
-    `param_names` spells shared code's parameter names the way the route's API does."""
+    nothing else. `body` holds the sampling fields (OpenAI's names, whatever the route);
+    `param_names` spells the engine's sampling parameters the way the route's API does, for
+    the errors the engine raises in its own terms."""
 
     req_id: str
     body: Any

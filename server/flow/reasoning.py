@@ -45,6 +45,7 @@ class ReasoningStream:
     def __init__(self, plan: ReasoningPlan) -> None:
         self.state = "inside" if plan.inside else "start"
         self.pending = ""
+        self.opened = False  # the model opened a thought itself (an empty one counts)
 
     def feed(self, delta: str, finished: bool) -> tuple[str, str]:
         self.pending += delta
@@ -54,7 +55,7 @@ class ReasoningStream:
                 stripped = self.pending.lstrip()
                 if stripped.startswith(OPEN):
                     self.pending = stripped[len(OPEN) :]
-                    self.state = "inside"
+                    self.state, self.opened = "inside", True
                     continue
                 if OPEN.startswith(stripped) and not finished:
                     break  # whitespace or a prefix of the tag so far: wait
@@ -64,22 +65,20 @@ class ReasoningStream:
                 end = self.pending.find(CLOSE)
                 if end >= 0:
                     reasoning += self.pending[:end]
-                    self.pending = self.pending[end + len(CLOSE) :].lstrip("\n")
-                    self.state = "answer"
+                    self.pending = self.pending[end + len(CLOSE) :]
+                    self.state = "closed"
                     continue
                 keep = 0 if finished else _held(self.pending, CLOSE)
                 reasoning += self.pending[: len(self.pending) - keep]
                 self.pending = self.pending[len(self.pending) - keep :]
                 break
+            if self.state == "closed":  # the newlines after the close separate, in any delta
+                self.pending = self.pending.lstrip("\n")
+                if not self.pending and not finished:
+                    break
+                self.state = "answer"
+                continue
             answer += self.pending
             self.pending = ""
             break
         return reasoning, answer
-
-
-def split_reasoning(text: str, plan: ReasoningPlan) -> tuple[str | None, str]:
-    """A finished output's (reasoning, answer); reasoning None when the model did not think."""
-    stream = ReasoningStream(plan)
-    reasoning, answer = stream.feed(text, True)
-    thought = plan.inside or stream.state != "answer" or text.lstrip().startswith(OPEN)
-    return (reasoning if thought else None), answer

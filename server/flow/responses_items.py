@@ -1,7 +1,7 @@
-"""Responses API items: the request's `input` as stored item resources (each with an id), items
-as chat messages for the template, and `OutputItems`, which turns a growing model output into
-output items (a message, function calls) and the stream events that build them. The same
-machine serves streamed and whole responses, so both end with the same items."""
+"""Responses API items: the request's `input` as stored item resources (each with an id), what a
+replayed reasoning item carries, and `OutputItems`, which renders a choice's answer events as
+output items (reasoning, a message, function calls) and the stream events that build them. The
+same machine serves streamed and whole responses, so both end with the same items."""
 
 from __future__ import annotations
 
@@ -12,9 +12,16 @@ from typing import Any
 from engine.core.sampled import TokenLogprobs
 from models.tokenizer import Tokenizer
 from server.errors import APIError
+from server.flow.answer import (
+    AnswerEvent,
+    AnswerPlan,
+    Done,
+    TextDelta,
+    ThoughtDelta,
+    ToolCallArgsDelta,
+    ToolCallStart,
+)
 from server.flow.generation import chat_logprobs
-from server.flow.reasoning import ReasoningPlan, ReasoningStream
-from server.flow.tool_parsers import ToolCallStream, ToolParser
 from server.protocol.responses import InputItem, InputPart
 
 
@@ -148,114 +155,65 @@ def input_items(value: str | list[InputItem]) -> list[dict[str, Any]]:
     return items
 
 
-def chat_messages(
-    items: list[dict[str, Any]], instructions: str | None
-) -> tuple[list[dict[str, Any]], list[int | None]]:
-    """The conversation as chat-completions messages: function calls join the assistant turn
-    they follow, their outputs become tool messages, a reasoning item is the thought of the
-    assistant turn after it. Also the item each message came from (None for the
-    instructions), so that an error in a message names what the client sent."""
-    messages: list[dict[str, Any]] = []
-    sources: list[int | None] = []
-    if instructions:
-        messages.append({"role": "system", "content": instructions})
-        sources.append(None)
-    thought: str | None = None
-    for k, item in enumerate(items):
-        before = len(messages)
-        if item["type"] == "reasoning":
-            thought = thought_of(item)
-            continue
-        if item["type"] == "message":
-            text = "".join(p["text"] for p in item["content"])
-            messages.append({"role": item["role"], "content": text})
-        elif item["type"] == "function_call":
-            call = {
-                "id": item["call_id"],
-                "type": "function",
-                "function": {
-                    "name": model_function_name(item.get("namespace"), item["name"]),
-                    "arguments": item["arguments"],
-                },
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        else:  # function_call_output
-            messages.append(
-                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
-            )
-        last = messages[-1] if messages else None
-        if thought is not None and last is not None and last["role"] == "assistant":
-            last["reasoning_content"], thought = thought, None
-        sources.extend([k] * (len(messages) - before))
-    return messages, sources
+def status_of(finish_reason: str | None) -> str:
+    """A response's (and its last item's) status from how generation ended."""
+    return "incomplete" if finish_reason == "length" else "completed"
 
 
 class OutputItems:
-    """Output items built from the model's text as it grows, with the stream events for each
-    step. `feed` returns events as (type, fields) pairs, sequence numbers left to the caller."""
+    """A choice's answer events (server/flow/answer.py) rendered as output items (a reasoning
+    item, a message, function calls), with the stream events that build them. `render` returns
+    events as (type, fields) pairs, sequence numbers left to the caller."""
 
     def __init__(
         self,
         tokenizer: Tokenizer | None,
-        parser: ToolParser | None,
-        max_calls: int | None,
+        answer: AnswerPlan,
         with_logprobs: bool,
         namespaces: frozenset[str] = frozenset(),
-        determined_name: str | None = None,  # a forced call's name (with_determined_name)
-        reasoning: ReasoningPlan | None = None,
         summary: bool = False,  # the thought as the reasoning item's summary too
         sealed: bool = False,  # and as its encrypted_content
     ) -> None:
         self.tokenizer = tokenizer
-        self.thought = ReasoningStream(reasoning) if reasoning is not None else None
+        self.plan = answer  # whether thoughts and calls are read at all
         self.summary, self.sealed = summary, sealed
         self.namespaces = namespaces  # calls named `namespace.name` are mapped back
-        self.calls = ToolCallStream(parser, determined_name) if parser is not None else None
-        self.max_calls = max_calls  # None: as many as the model makes
         self.with_logprobs = with_logprobs
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item still being written
-        self.call_items: dict[int, dict[str, Any]] = {}  # parser call index -> item
+        self.call_items: dict[int, dict[str, Any]] = {}  # call index -> item
         self.held = ""  # whitespace not yet known to belong to a message
+        self.status = "in_progress"  # the response's, once the answer is done
 
-    def feed(
-        self, text: str, logprobs: list[TokenLogprobs], finished: bool, status: str = "completed"
+    def render(
+        self, answer: list[AnswerEvent], logprobs: list[TokenLogprobs]
     ) -> list[tuple[str, dict[str, Any]]]:
+        """The events of one engine output's answer events (and its tokens' logprobs)."""
         events: list[tuple[str, dict[str, Any]]] = []
         lps = self._logprobs(logprobs)
-        if self.thought is not None:
-            thought, text = self.thought.feed(text, finished)
+        thought = "".join(e.text for e in answer if isinstance(e, ThoughtDelta))
+        content = "".join(e.text for e in answer if isinstance(e, TextDelta))
+        done = next((e for e in answer if isinstance(e, Done)), None)
+        if thought:
             events += self._reasoning(thought)
-            if (
-                not text
-                and not finished
-                and (not self.items or self.items[-1]["type"] == "reasoning")
-            ):
-                return events  # still thinking: the answer's logprobs wait with its text
-        if self.calls is None:
-            content, call_deltas = text, []
-        else:
-            # at the end, text held back as a possible call is released as text, unless a call
-            # was already opened: that one is closed as incomplete instead
-            content, call_deltas = self.calls.feed(text, finished and not self.call_items)
-            if self.max_calls is not None:
-                call_deltas = [d for d in call_deltas if d["index"] < self.max_calls]
-        if self.calls is not None and not content.strip():
+        calls = [e for e in answer if isinstance(e, ToolCallStart | ToolCallArgsDelta)]
+        parsed = self.plan.parser is not None
+        thinking = not self.items or self.items[-1]["type"] == "reasoning"
+        if self.plan.reasoning is not None and thinking and not (content or calls or done):
+            return events  # still thinking: the answer's logprobs wait with its text
+        if parsed and not content.strip():
             # whitespace around calls (the newlines between <tool_call> blocks) is no message
             self.held += content
-        elif content or (lps and self.calls is None):
+        elif content or (lps and not parsed):
             events += self._text(self.held + content, lps)
             self.held = ""
-        for delta in call_deltas:
-            events += self._call(delta)
-        if finished:
+        for e in calls:
+            events += self._call(e)
+        if done is not None:
             if not self.items:
                 events += self._text("", [])
-            events += self._close(status)
+            self.status = status_of(done.finish_reason)
+            events += self._close(self.status)
         return events
 
     def _logprobs(self, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
@@ -331,27 +289,22 @@ class OutputItems:
             item["encrypted_content"] = seal(thought)
         return events
 
-    def _call(self, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        events = []
-        function = delta["function"]
-        if "name" in function:  # a new call: its header
+    def _call(self, e: ToolCallStart | ToolCallArgsDelta) -> list[tuple[str, dict[str, Any]]]:
+        if isinstance(e, ToolCallStart):  # a new call: its header
             call = {
                 "type": "function_call",
                 "id": new_id("fc"),
-                "call_id": delta["id"],
-                **call_name(function["name"], self.namespaces),
+                "call_id": e.id,
+                **call_name(e.name, self.namespaces),
                 "arguments": "",
                 "status": "in_progress",
             }
-            events += self._open(call)
-            self.call_items[delta["index"]] = call
-        fragment = function.get("arguments", "")
-        if fragment:
-            item = self.call_items[delta["index"]]
-            item["arguments"] += fragment
-            at = self._at(item)
-            events.append(("response.function_call_arguments.delta", {**at, "delta": fragment}))
-        return events
+            self.call_items[e.index] = call
+            return self._open(call)
+        item = self.call_items[e.index]
+        item["arguments"] += e.fragment
+        at = self._at(item)
+        return [("response.function_call_arguments.delta", {**at, "delta": e.fragment})]
 
     def _close(self, status: str) -> list[tuple[str, dict[str, Any]]]:
         item, self.open = self.open, None

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.core.outputs import RequestOutput
+from server.flow.answer import AnswerStream
 from server.flow.generation import Choice
 from server.flow.request_flow import Generation
 from server.flow.responses_items import OutputItems
@@ -33,11 +34,6 @@ def reasoning_echo(body: ResponsesRequest) -> dict[str, Any] | None:
     if r is None:
         return None
     return {"effort": r.effort, "summary": r.summary or r.generate_summary}
-
-
-def status_of(finish_reason: str | None) -> str:
-    """A response's (and its last item's) status from how generation ended."""
-    return "incomplete" if finish_reason == "length" else "completed"
 
 
 def response_body(
@@ -110,18 +106,20 @@ def responses_usage(
 
 class ResponseEvents:
     """The Responses API's event stream: created and in_progress, the output items' events as
-    text arrives, then completed/incomplete (the stored response) or failed."""
+    the answer's events come, then completed/incomplete (the stored response) or failed."""
 
     def __init__(
         self,
         out: OutputItems,
+        answer: AnswerStream,
         body: ResponsesRequest,
         resp_id: str,
         created: int,
-        finish: Callable[[Choice, list[dict[str, Any]]], dict[str, Any]],
+        finish: Callable[[list[dict[str, Any]], str], dict[str, Any]],
     ) -> None:
-        self.out, self.body, self.resp_id, self.created = out, body, resp_id, created
-        self.finish = finish
+        self.out, self.answer = out, answer
+        self.body, self.resp_id, self.created = body, resp_id, created
+        self.finish = finish  # (output items, status) -> the final response
         self.model = ""
         self.seq = itertools.count()
 
@@ -141,12 +139,11 @@ class ResponseEvents:
         ]
 
     def step(self, choice: Choice, out: RequestOutput) -> list[bytes]:
-        status = status_of(choice.finish_reason)
-        feed = self.out.feed(out.new_text, out.logprobs, out.finished, status)
-        return [self._event(kind, fields) for kind, fields in feed]
+        answer = self.answer.feed(out.new_text, out.finished, out.finish_reason)
+        return [self._event(kind, fields) for kind, fields in self.out.render(answer, out.logprobs)]
 
     def end(self, gen: Generation, usage: dict) -> list[bytes]:
-        final = self.finish(gen.choices[0], self.out.items)
+        final = self.finish(self.out.items, self.out.status)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return [self._event(kind, {"response": final})]
 

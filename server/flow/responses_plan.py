@@ -1,23 +1,23 @@
-"""A Responses API request as a chat plan: what it asks that this server refuses (400, naming
-the field), the functions it offers the model (namespaces flattened as `namespace.name`, hosted
-tools skipped), and its items mapped onto a chat request whose prompt is rendered (and, with
-`truncation: auto`, cut from the oldest item) here, so the template, constraints and sampling
-are chat's own. Errors the chat path raises about `messages` are named by what the client sent."""
+"""A Responses API request as a neutral conversation (server/flow/conversation.py): what it asks
+that this server refuses (400, naming the field), the functions it offers the model (namespaces
+flattened as `namespace.name`, hosted tools skipped), and its items as turns (with
+`truncation: auto`, cut from the oldest item until the prompt fits); the template, the
+constraints and the sampler are every route's. Each value keeps the field the client sent it
+in, so errors name `input`, `text.format`, `tools.i...` as they are raised."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from pydantic import ValidationError
-
 from engine.async_engine import AsyncEngine
+from engine.grammar.structured_output import GrammarSpec
 from server.errors import APIError
-from server.flow.chat_plan import RenderedChat, render_chat
-from server.flow.constraints import ToolPlan, tool_plan
-from server.flow.responses_items import chat_messages, model_function_name
-from server.protocol.openai import ChatCompletionRequest
+from server.flow.constraints import schema_spec
+from server.flow.conversation import Call, Conversation, OutputRule, Tool, ToolChoice, Turn
+from server.flow.conversation_plan import ConversationPlan, plan_conversation
+from server.flow.plan import GenerationPlan, logprobs_of, sampling_fields
+from server.flow.responses_items import model_function_name, thought_of
 from server.protocol.responses import (
     HOSTED_TOOLS,
     INCLUDE_EMPTY,
@@ -27,9 +27,10 @@ from server.protocol.responses import (
     FunctionTool,
     ResponsesRequest,
 )
+from server.state import ServerState
 
-# chat's parameter names as the Responses API spells them, for errors raised by shared code
-PARAM_NAMES = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+# the engine's sampling parameters as the Responses API spells them, for the errors it raises
+PARAM_NAMES = {"max_tokens": "max_output_tokens"}
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
@@ -94,112 +95,143 @@ def offered_functions(
             yield f"tools.{i}", None, tool
 
 
-def model_functions(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The functions offered to the model, a namespace's flattened as `namespace.name`."""
-    functions = []
-    for _, namespace, tool in offered_functions(body):
-        assert tool.name is not None  # refuse_unsupported
-        functions.append(
-            tool.model_dump(include={"description", "parameters", "strict"})
-            | {"name": model_function_name(namespace, tool.name)}
-        )
-    return functions
-
-
 def namespaces(body: ResponsesRequest) -> frozenset[str]:
     return frozenset(t.name for t in body.tools or [] if t.type == "namespace" and t.name)
 
 
-def enable_thinking(body: ResponsesRequest) -> dict[str, bool] | None:
+def enable_thinking(body: ResponsesRequest) -> dict[str, bool]:
+    """A template that thinks reads `enable_thinking` (others ignore it): effort "none" turns
+    the thought off, any other on, none given leaves the template's default."""
     effort = body.reasoning.effort if body.reasoning is not None else None
-    return None if effort is None else {"enable_thinking": effort != "none"}
+    return {} if effort is None else {"enable_thinking": effort != "none"}
 
 
-def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+def responses_turns(
+    items: list[dict[str, Any]], instructions: str | None, num_stored: int
+) -> list[Turn]:
+    """The conversation's turns: function calls join the assistant turn they follow, their
+    outputs are tool results, a reasoning item is the thought of the assistant turn after it.
+    Each turn's source is what the client sent: `instructions`, `input.k`, or
+    `previous_response_id` (`items`: the `num_stored` items of the previous response, then the
+    client's `input`)."""
+    turns: list[Turn] = []
+    if instructions:
+        turns.append(Turn("system", instructions, source="instructions"))
+    thought: str | None = None
+    for k, item in enumerate(items):
+        where = "previous_response_id" if k < num_stored else f"input.{k - num_stored}"
+        if item["type"] == "reasoning":
+            thought = thought_of(item)
+            continue
+        if item["type"] == "message":
+            text = "".join(p["text"] for p in item["content"])
+            turns.append(Turn(item["role"], text, source=where))
+        elif item["type"] == "function_call":
+            name = model_function_name(item.get("namespace"), item["name"])
+            call = Call(item["call_id"], name, item["arguments"])
+            if turns and turns[-1].role == "assistant":
+                turns[-1].calls.append(call)
+            else:
+                turns.append(Turn("assistant", None, [call], source=where))
+        else:  # function_call_output
+            turns.append(Turn("tool", item["output"], call_id=item["call_id"], source=where))
+        if thought is not None and turns and turns[-1].role == "assistant":
+            turns[-1].thought, thought = thought, None
+    return turns
+
+
+def output_rules(body: ResponsesRequest) -> tuple[OutputRule, ...]:
+    """`text.format` as the answer's format (json_schema's schema checked by
+    refuse_unsupported)."""
     fmt = body.text.format if body.text else None
-    response_format = None
-    if fmt is not None and fmt.type == "json_schema":
-        response_format = {
-            "type": "json_schema",
-            "json_schema": {"name": fmt.name, "schema": fmt.json_schema, "strict": fmt.strict},
-        }
-    elif fmt is not None:
-        response_format = {"type": fmt.type}
+    if fmt is None or fmt.type == "text":
+        return ()
+    if fmt.type == "json_object":
+        return (OutputRule("text.format", GrammarSpec("json_object", ""), answer_format=True),)
+    assert fmt.json_schema is not None
+    spec = schema_spec(fmt.json_schema, "text.format")
+    return (OutputRule("text.format", spec, answer_format=True),)
+
+
+def responses_conversation(
+    body: ResponsesRequest, items: list[dict[str, Any]], num_stored: int
+) -> Conversation:
+    turns = responses_turns(items, body.instructions, num_stored)
+    if not turns:
+        raise APIError(400, "input: no instructions and no items to answer", param="input")
+    tools = tuple(
+        Tool(model_function_name(namespace, tool.name or ""), tool.description, tool.parameters,
+             tool.strict, where, f"{where}.parameters")
+        for where, namespace, tool in offered_functions(body)
+    )  # fmt: skip
     choice = body.tool_choice
-    with_logprobs = INCLUDE_LOGPROBS in (body.include or []) or bool(body.top_logprobs)
-    data: dict[str, Any] = {
-        "model": body.model,  # a LoRA adapter's name picks it (server/state.py `adapter`)
-        "messages": messages,
-        "max_completion_tokens": body.max_output_tokens,
-        "stream": body.stream,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "user": body.user,
-        "logprobs": with_logprobs,
-        "top_logprobs": body.top_logprobs if with_logprobs else None,
-        "kv_transfer_params": body.kv_transfer_params,
-        # a template that thinks reads `enable_thinking` (others ignore it): effort "none" turns
-        # the thought off, any other on, none given leaves the template's default
-        "chat_template_kwargs": enable_thinking(body),
-        "response_format": response_format,
-        "parallel_tool_calls": body.parallel_tool_calls,
-        "tools": [{"type": "function", "function": function} for function in model_functions(body)]
-        or None,
-        "tool_choice": (
-            choice
-            if isinstance(choice, str | None)
-            else {"type": "function", "function": {"name": choice.name}}
-        ),
-    }
-    try:
-        return ChatCompletionRequest.model_validate(data)
-    except ValidationError as e:
-        raise APIError(400, f"input: {e.errors()[0]['msg']}", param="input") from None
+    if choice is None or isinstance(choice, str):
+        tool_choice = None if choice is None else ToolChoice(choice)
+    else:
+        tool_choice = ToolChoice("named", choice.name)
+    return Conversation(
+        turns=turns,
+        param="input",
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_calls=body.parallel_tool_calls is not False,
+        max_calls=body.max_tool_calls,
+        rules=output_rules(body),
+        template_kwargs=enable_thinking(body),
+    )
 
 
-def render_responses(
-    engine: AsyncEngine, body: ResponsesRequest, items: list[dict[str, Any]], num_stored: int
-) -> tuple[ChatCompletionRequest, RenderedChat]:
-    """The chat request and its prompt; with `truncation: auto`, the oldest items are dropped
-    until the prompt leaves room for the output. `items`: the `num_stored` items of the
-    previous response, then the client's `input`. The tool plan is made once: it depends on
-    the tools, not on the items."""
-    room = engine.info.max_model_len - (body.max_output_tokens or 1)
-    tools: ToolPlan | None = None
-    planned = False
-    while True:
-        messages, sources = chat_messages(items, body.instructions)
-        try:
-            chat = chat_request(body, messages)
-            if not planned:
-                tools, planned = tool_plan(chat), True
-            ids = render_chat(engine, chat, tools)
-        except APIError as e:
-            raise as_input_error(e, sources, num_stored) from None
-        if len(ids) <= room or body.truncation != "auto" or len(items) <= 1:
-            return chat, RenderedChat(ids, tools)
+def truncation(
+    body: ResponsesRequest, room: int, items: list[dict[str, Any]], num_stored: int
+) -> Callable[[int], Conversation | None]:
+    """With `truncation: auto`, a prompt that leaves no room for the output is rendered again
+    without its oldest items (never an orphaned call output, never the last item). `items`:
+    the `num_stored` items of the previous response, then the client's `input`."""
+
+    def shorter(num_tokens: int) -> Conversation | None:
+        nonlocal items, num_stored
+        if num_tokens <= room or len(items) <= 1:
+            return None
         dropped = 1
         while dropped < len(items) - 1 and items[dropped]["type"] != "message":
             dropped += 1  # no orphaned call outputs
         items, num_stored = items[dropped:], num_stored - dropped
+        return responses_conversation(body, items, num_stored)
+
+    return shorter
 
 
-def as_input_error(e: APIError, sources: list[int | None], num_stored: int) -> APIError:
-    """An error the chat path raised about `messages[.i...]`, named by what the client sent:
-    `input[.k...]`, `instructions`, or `previous_response_id` (a stored item)."""
-    match = re.match(r"messages(?:\.(\d+))?", e.param or "")
-    if match is None:
-        return e
-    where = "input"
-    if match.group(1) is not None and int(match.group(1)) < len(sources):
-        k = sources[int(match.group(1))]
-        if k is None:
-            where = "instructions"
-        elif k < num_stored:
-            where = "previous_response_id"
-        else:
-            where = f"input.{k - num_stored}"
-    param = where + (e.param or "")[match.end() :] if where.startswith("input") else where
-    e.message = e.message.replace(match.group(0), param, 1)
-    e.param = param
-    return e
+def responses_plan(
+    state: ServerState,
+    engine: AsyncEngine,
+    body: ResponsesRequest,
+    items: list[dict[str, Any]],
+    num_stored: int,
+    resp_id: str,
+    session: str,
+) -> ConversationPlan:
+    """The request's plan: its conversation (`items`: the `num_stored` items of the previous
+    response, then the client's input), truncated to fit when asked, generated as the body's
+    sampling fields, output cap and logprobs say."""
+    with_logprobs = INCLUDE_LOGPROBS in (body.include or []) or bool(body.top_logprobs)
+    top = body.top_logprobs if with_logprobs else None
+    logprobs = logprobs_of(state, with_logprobs, top)
+    sampling = {"model": body.model, "stream": body.stream, "temperature": body.temperature,
+                "top_p": body.top_p, "user": body.user}  # fmt: skip
+    generation = GenerationPlan(
+        req_id=resp_id,
+        body=sampling_fields(sampling, PARAM_NAMES),
+        prompts=[],
+        max_tokens=body.max_output_tokens or state.config.server.default_max_tokens or None,
+        logprobs=logprobs,
+        session=session,
+        kv_transfer_params=body.kv_transfer_params,
+        streamed=bool(body.stream),
+        param_names=PARAM_NAMES,
+    )
+    conversation = responses_conversation(body, items, num_stored)
+    shorter = None
+    if body.truncation == "auto":
+        room = engine.info.max_model_len - (body.max_output_tokens or 1)
+        shorter = truncation(body, room, items, num_stored)
+    return plan_conversation(state, engine, conversation, generation, shorter)

@@ -9,8 +9,8 @@
   `functools[{"name": ..., "arguments": {...}}, ...]`.
 
 Each parser reads a whole (or partial, while streaming) output and returns the content around the
-calls and the calls found so far; `ToolCallStream` turns successive parses into OpenAI's delta
-shape (`index`, `id` and `function.name` once, then `arguments` fragments).
+calls and the calls found so far; the answer stream (server/flow/answer.py) turns successive
+parses into call events, which each route renders in its own shape.
 """
 
 from __future__ import annotations
@@ -229,63 +229,3 @@ def with_determined_name(parsed: Parsed, name: str | None) -> Parsed:
     if parsed.in_call:  # the text ends inside the call's opening marker
         return Parsed(parsed.content, [ParsedCall(name, "", False)], True)
     return parsed
-
-
-def final_calls(parsed: Parsed, ids: list[str] | None = None) -> list[ToolCall]:
-    """The calls of a finished output: every call whose name is complete, its arguments as
-    generated even when the output was cut off inside them (OpenAI returns those too, with
-    finish_reason length); a nameless one is dropped."""
-    calls = [c for c in parsed.calls if c.name]
-    ids = ids or []
-    return [
-        ToolCall(ids[i] if i < len(ids) else new_call_id(), c.name or "", c.arguments)
-        for i, c in enumerate(calls)
-    ]
-
-
-class ToolCallStream:
-    """Successive parses of a growing output as OpenAI deltas: content text, and per call its
-    header (index, id, type, name) once the name is known, then arguments fragments."""
-
-    def __init__(self, parser: ToolParser, determined_name: str | None = None) -> None:
-        self.parser = parser
-        self.determined_name = determined_name  # a forced call's name (with_determined_name)
-        self.text = ""
-        self.content_sent = 0
-        self.ids: list[str] = []
-        self.args_sent: list[int] = []
-
-    def feed(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
-        self.text += delta
-        parsed = self.parser.parse(self.text)
-        if finished:
-            parsed = with_determined_name(parsed, self.determined_name)
-        content = parsed.content
-        if finished and parsed.in_call and not parsed.calls:
-            content = self.text  # a held-back marker prefix that never became a call: text
-        new_content = content[self.content_sent :]
-        self.content_sent = max(self.content_sent, len(content))
-        deltas = []
-        for i, call in enumerate(parsed.calls):
-            if call.name is None:
-                break
-            if i == len(self.ids):
-                self.ids.append(new_call_id())
-                self.args_sent.append(0)
-                deltas.append(
-                    {
-                        "index": i,
-                        "id": self.ids[i],
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": ""},
-                    }
-                )
-            fragment = call.arguments[self.args_sent[i] :]
-            if fragment:
-                self.args_sent[i] = len(call.arguments)
-                deltas.append({"index": i, "function": {"arguments": fragment}})
-        return new_content, deltas
-
-    @property
-    def num_calls(self) -> int:
-        return len(self.ids)

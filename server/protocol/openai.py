@@ -28,7 +28,8 @@ class _Base(BaseModel):
 
 class ContentPart(_Base):
     """A content part. Only text reaches a text model; other kinds (image_url, input_audio,
-    file) are refused by the route with a 400 naming the part."""
+    file) are refused when the messages become turns (server/flow/chat_plan.py), with a 400
+    naming the part."""
 
     type: str
     text: str | None = None
@@ -60,27 +61,16 @@ class ChatMessage(_Base):
             raise ValueError("only assistant messages carry tool_calls")
         return self
 
-    def non_text_part(self) -> tuple[int, str] | None:
-        """(index, type) of the first part a text model cannot read."""
-        if isinstance(self.content, list):
-            for j, part in enumerate(self.content):
-                if part.type != "text" or part.text is None:
-                    return j, part.type
-        return None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text or "" for part in self.content)
-
 
 class StreamOptions(_Base):
     include_usage: bool = False
 
 
-class _SamplingFields(_Base):
+class SamplingFields(_Base):
+    """The sampling fields every generating route's body comes to (OpenAI's names): chat's and
+    completions' bodies are these and more; the Messages and Responses routes make one of
+    theirs."""
+
     model: str = ""
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -108,7 +98,7 @@ class _SamplingFields(_Base):
     kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _null_is_default(self) -> _SamplingFields:
+    def _null_is_default(self) -> SamplingFields:
         """OpenAI marks these nullable and SDKs send null: null means the default."""
         for name, default in _NULL_DEFAULTS.items():
             if name in type(self).model_fields and getattr(self, name) is None:
@@ -162,7 +152,7 @@ class _SamplingFields(_Base):
         )
 
 
-class ChatCompletionRequest(_SamplingFields, StructuredFields):
+class ChatCompletionRequest(SamplingFields, StructuredFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
@@ -178,7 +168,7 @@ class ChatCompletionRequest(_SamplingFields, StructuredFields):
     function_call: Literal["none", "auto"] | FunctionName | None = None  # legacy
 
 
-class CompletionRequest(_SamplingFields, StructuredFields):
+class CompletionRequest(SamplingFields, StructuredFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = None
     logprobs: int | None = Field(default=None, ge=0)

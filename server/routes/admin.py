@@ -14,7 +14,9 @@ from starlette.responses import FileResponse, JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
 from server.errors import APIError
+from server.flow.chat_plan import chat_tools, chat_turns
 from server.flow.chat_prompt import render_prompt
+from server.flow.conversation import Conversation
 from server.protocol.admin import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -159,8 +161,10 @@ async def tokenize(request: Request) -> Response:
     body, engine = await _tokenizer_body(request, TokenizeRequest)
     assert engine.tokenizer is not None
     if body.messages is not None:
-        ids = render_prompt(engine.tokenizer, body.messages, body.add_generation_prompt,
-                            body.tools, **(body.chat_template_kwargs or {}))  # fmt: skip
+        conversation = Conversation(chat_turns(body.messages), "messages",
+                                    template_kwargs=body.chat_template_kwargs or {},
+                                    add_generation_prompt=body.add_generation_prompt)  # fmt: skip
+        ids = render_prompt(engine.tokenizer, conversation, chat_tools(body.tools, None))
     elif body.prompt is not None:
         ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:

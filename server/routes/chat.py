@@ -9,12 +9,18 @@ from starlette.responses import Response
 
 from engine.async_engine import AsyncEngine
 from engine.core.outputs import RequestOutput
-from server.flow.chat_plan import ChatPlan, chat_plan, read_answer
+from server.flow.answer import (
+    Answer,
+    AnswerStream,
+    TextDelta,
+    ThoughtDelta,
+    ToolCallArgsDelta,
+    ToolCallStart,
+)
+from server.flow.chat_plan import chat_plan
+from server.flow.conversation_plan import ConversationPlan
 from server.flow.generation import Choice, chat_logprobs, finish_reason
-from server.flow.plan import session_id
-from server.flow.reasoning import ReasoningStream
 from server.flow.request_flow import ChoiceChunks, start
-from server.flow.tool_parsers import ToolCallStream
 from server.protocol.openai import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -30,26 +36,27 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(body.model)
     engine = state.ready_engine()
     req_id = f"chatcmpl-{uuid.uuid4().hex}"
-    plan = chat_plan(state, engine, body, req_id, session_id(request, body.user))
+    plan = chat_plan(state, engine, request, body, req_id)
     gen = await start(state, engine, request, plan.generation)
     with_logprobs = plan.generation.logprobs is not None
+    legacy = body.functions is not None  # calls come back as `function_call`
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return gen.stream(ChatChunks(engine, with_logprobs, include_usage, plan))
+        return gen.stream(ChatChunks(engine, with_logprobs, include_usage, plan, legacy))
 
     def message(ch: Choice) -> tuple[dict, str | None]:
         reason = finish_reason(ch.finish_reason)
-        answer = read_answer(plan, ch.text)
+        answer = Answer.read(plan.answer, ch.text)
         # an empty answer after a thought, or around a begun call, is no content
         empty = answer.began_call or answer.thought is not None
         msg: dict = {"role": "assistant", "content": answer.text or (None if empty else ""),
                      "refusal": None}  # fmt: skip
-        if plan.reasoning is not None:
+        if plan.answer.reasoning is not None:
             msg["reasoning_content"] = answer.thought
         calls = answer.calls
         if not calls:
             return msg, reason
-        if plan.legacy:
+        if legacy:
             msg["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
             return msg, "function_call" if reason == "stop" else reason
         msg["tool_calls"] = [c.to_openai() for c in calls]
@@ -72,29 +79,30 @@ async def chat_completions(request: Request) -> Response:
 
 
 class ChatChunks(ChoiceChunks):
-    """Chat stream chunks; with tools, each choice's text goes through a `ToolCallStream` so
-    calls arrive as OpenAI's tool_calls deltas (or legacy function_call deltas)."""
+    """Chat stream chunks: each choice's answer events as one delta per engine output (the
+    thought as `reasoning_content`, calls as OpenAI's tool_calls deltas, or legacy
+    function_call deltas)."""
 
     model = ChatCompletionChunk
     object = "chat.completion.chunk"
 
     def __init__(
-        self, engine: AsyncEngine, logprobs: bool, include_usage: bool, plan: ChatPlan
+        self,
+        engine: AsyncEngine,
+        logprobs: bool,
+        include_usage: bool,
+        plan: ConversationPlan,
+        legacy: bool,
     ) -> None:
         super().__init__(include_usage)
         self.tokenizer = engine.tokenizer
         self.logprobs = logprobs
-        self.parser, self.plan, self.legacy = plan.calls_parser, plan.tools, plan.legacy
-        self.reasoning = plan.reasoning
-        self.calls: dict[int, ToolCallStream] = {}
-        self.thoughts: dict[int, ReasoningStream] = {}
+        self.answer, self.legacy = plan.answer, legacy
+        self.streams: dict[int, AnswerStream] = {}
+        self.called: set[int] = set()  # choices that made a call
 
     def opening(self, choice: Choice) -> dict:
-        if self.parser is not None:
-            assert self.plan is not None
-            self.calls[choice.index] = ToolCallStream(self.parser, self.plan.determined_name)
-        if self.reasoning is not None:
-            self.thoughts[choice.index] = ReasoningStream(self.reasoning)
+        self.streams[choice.index] = AnswerStream(self.answer)
         return {
             "index": choice.index,
             "delta": {"role": "assistant", "content": ""},
@@ -104,21 +112,20 @@ class ChatChunks(ChoiceChunks):
 
     def delta(self, choice: Choice, out: RequestOutput) -> dict | None:
         lp = chat_logprobs(self.tokenizer, out.logprobs) if self.logprobs else None
-        text, thought = out.new_text, ""
-        if choice.index in self.thoughts:
-            thought, text = self.thoughts[choice.index].feed(text, out.finished)
-        stream = self.calls.get(choice.index)
-        if stream is None:
+        events = self.streams[choice.index].feed(out.new_text, out.finished)
+        thought = "".join(e.text for e in events if isinstance(e, ThoughtDelta))
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        calls = [call_delta(e) for e in events if isinstance(e, ToolCallStart | ToolCallArgsDelta)]
+        if any(isinstance(e, ToolCallStart) for e in events):
+            self.called.add(choice.index)
+        if self.answer.parser is None:
             if not (text or thought or out.logprobs):
                 return None
             delta: dict = {"content": text} if text or not thought else {}
         else:
-            content, calls = stream.feed(text, out.finished)
-            if self.legacy or (self.plan is not None and not self.plan.parallel):
-                calls = [c for c in calls if c["index"] == 0]
             delta = {}
-            if content:
-                delta["content"] = content
+            if text:
+                delta["content"] = text
             if calls and self.legacy:  # the first call only: its name, then arguments
                 function: dict = {}
                 for c in calls:
@@ -134,7 +141,14 @@ class ChatChunks(ChoiceChunks):
 
     def closing(self, choice: Choice, out: RequestOutput) -> dict:
         reason = finish_reason(out.finish_reason)
-        stream = self.calls.get(choice.index)
-        if stream is not None and stream.num_calls and reason == "stop":
+        if choice.index in self.called and reason == "stop":
             reason = "function_call" if self.legacy else "tool_calls"
         return {"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": reason}
+
+
+def call_delta(event: ToolCallStart | ToolCallArgsDelta) -> dict:
+    """A call event as OpenAI's tool_calls delta: the header once, then arguments fragments."""
+    if isinstance(event, ToolCallStart):
+        function = {"name": event.name, "arguments": ""}
+        return {"index": event.index, "id": event.id, "type": "function", "function": function}
+    return {"index": event.index, "function": {"arguments": event.fragment}}

@@ -10,7 +10,7 @@ from starlette.responses import Response
 from engine.async_engine import AsyncEngine
 from engine.core.outputs import RequestOutput
 from server.errors import APIError
-from server.flow.constraints import grammar_for
+from server.flow.constraints import grammar_for, requested
 from server.flow.generation import Choice, completion_logprobs, finish_reason
 from server.flow.plan import GenerationPlan
 from server.flow.request_flow import ChoiceChunks, start
@@ -60,7 +60,7 @@ async def completions(request: Request) -> Response:
         prompts=prompts,
         max_tokens=body.max_tokens or DEFAULT_COMPLETION_TOKENS,
         logprobs=body.logprobs,
-        grammar=grammar_for(body),
+        grammar=grammar_for(requested(body)),
         kv_transfer_params=body.kv_transfer_params,
         prompt_logprobs=body.logprobs if echo_logprobs else None,
         streamed=bool(body.stream),

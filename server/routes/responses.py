@@ -1,11 +1,12 @@
 """OpenAI's Responses API: POST /v1/responses (whole or as a stream of Responses events), and
 the stored responses' GET, DELETE, input_items and cancel.
 
-A request is mapped onto a chat plan (server/flow/responses_plan.py) and answered in the
-Responses shape (server/flow/responses_output.py). With `previous_response_id` the stored
-conversation is prepended: the client resends nothing, and since the conversation renders to
-the same tokens as last turn's prompt + output, its KV is found by the prefix cache in the
-device pool, the host tier or the disk tier (`usage.input_tokens_details.cached_tokens`)."""
+A request is mapped into the neutral conversation (server/flow/responses_plan.py), served through
+the one generation flow and answered in the Responses shape (server/flow/responses_output.py).
+With `previous_response_id` the stored conversation is prepended: the client resends nothing,
+and since the conversation renders to the same tokens as last turn's prompt + output, its KV is
+found by the prefix cache in the device pool, the host tier or the disk tier
+(`usage.input_tokens_details.cached_tokens`)."""
 
 from __future__ import annotations
 
@@ -16,22 +17,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.errors import APIError
-from server.flow.chat_plan import chat_plan
-from server.flow.generation import Choice, usage_of
-from server.flow.plan import api_key_tag, renamed
+from server.flow.answer import AnswerStream
+from server.flow.generation import usage_of
+from server.flow.plan import api_key_tag
 from server.flow.request_flow import start
 from server.flow.responses_items import (
     OutputItems,
     input_items,
     new_id,
 )
-from server.flow.responses_output import ResponseEvents, response_body, responses_usage, status_of
-from server.flow.responses_plan import (
-    PARAM_NAMES,
-    namespaces,
-    refuse_unsupported,
-    render_responses,
-)
+from server.flow.responses_output import ResponseEvents, response_body, responses_usage
+from server.flow.responses_plan import namespaces, refuse_unsupported, responses_plan
 from server.protocol.responses import (
     ItemList,
     ResponseDeleted,
@@ -43,7 +39,6 @@ from server.response_store import ResponseStore
 from server.state import ServerState
 
 
-# chat's parameter names as the Responses API spells them, for errors raised by shared code
 def owner_of(state: ServerState, request: Request) -> str:
     """Who may read a stored response: the API key that created it (all callers are one owner
     when the server has no keys)."""
@@ -62,8 +57,9 @@ async def create_response(request: Request) -> Response:
     engine = state.ready_engine()
     store, owner = store_of(state), owner_of(state, request)
     refuse_unsupported(body)
+    spaces = namespaces(body)  # a call into one comes back named as the client named it
     history: list[dict[str, Any]] = []
-    conversation = None
+    thread = None  # the stored conversation this response continues
     if body.previous_response_id:
         prev = store.get(owner, body.previous_response_id)
         if prev is None:
@@ -73,34 +69,23 @@ async def create_response(request: Request) -> Response:
                 param="previous_response_id",
                 code="response_not_found",
             )
-        history, conversation = prev.input_items + prev.body["output"], prev.conversation
+        history, thread = prev.input_items + prev.body["output"], prev.conversation
     assert body.input is not None
     items = history + input_items(body.input)
     resp_id = new_id("resp")
-    conversation = conversation or resp_id
-    try:
-        chat, rendered = render_responses(engine, body, items, len(history))
-        session = f"response:{conversation}"
-        plan = chat_plan(state, engine, chat, resp_id, session, rendered, PARAM_NAMES)
-    except APIError as e:
-        raise renamed(e, PARAM_NAMES) from None
+    thread = thread or resp_id
+    plan = responses_plan(state, engine, body, items, len(history), resp_id, f"response:{thread}")
     gen = await start(state, engine, request, plan.generation)
     with_logprobs = plan.generation.logprobs is not None
     created = int(time.time())
-    max_calls = 1 if body.parallel_tool_calls is False else body.max_tool_calls
-
     summary = body.reasoning is not None and bool(body.reasoning.summary
                                                   or body.reasoning.generate_summary)  # fmt: skip
     sealed = "reasoning.encrypted_content" in (body.include or [])
 
     def builder() -> OutputItems:
-        forced = plan.tools.determined_name if plan.tools is not None else None
-        return OutputItems(
-            engine.tokenizer, plan.calls_parser, max_calls, with_logprobs, namespaces(body),
-            forced, plan.reasoning, summary, sealed,
-        )  # fmt: skip
+        return OutputItems(engine.tokenizer, plan.answer, with_logprobs, spaces, summary, sealed)
 
-    def finish(ch: Choice, output: list[dict[str, Any]]) -> dict[str, Any]:
+    def finish(output: list[dict[str, Any]], status: str) -> dict[str, Any]:
         thought = "".join(i["content"][0]["text"] for i in output if i["type"] == "reasoning")
         reasoning_tokens = (
             len(engine.tokenizer.encode(thought)) if thought and engine.tokenizer else 0
@@ -108,26 +93,21 @@ async def create_response(request: Request) -> Response:
         usage = responses_usage(usage_of(gen.choices, 1), engine.info.block_size,
                                 engine.info.prefix_caching, reasoning_tokens)  # fmt: skip
         final = response_body(
-            resp_id,
-            created,
-            body,
-            gen.head["model"],
-            status=status_of(ch.finish_reason),
-            output=output,
-            usage=usage,
+            resp_id, created, body, gen.head["model"], status=status, output=output, usage=usage
         )
         if body.store is not False:
-            store.put(owner, conversation, final, items)
+            store.put(owner, thread, final, items)
         return final
 
     if body.stream:
-        return gen.stream(ResponseEvents(builder(), body, resp_id, created, finish))
+        answer = AnswerStream(plan.answer)
+        return gen.stream(ResponseEvents(builder(), answer, body, resp_id, created, finish))
 
     def respond(usage: dict) -> Response:
         ch = gen.choices[0]
-        out = builder()
-        out.feed(ch.text, ch.logprobs, True, status_of(ch.finish_reason))
-        final = finish(ch, out.items)
+        out = builder()  # the whole answer: its events in one feed, rendered as a stream's
+        out.render(AnswerStream(plan.answer).feed(ch.text, True, ch.finish_reason), ch.logprobs)
+        final = finish(out.items, out.status)
         if "kv_transfer_params" in gen.head:  # a prefill instance's answer (P/D)
             final["kv_transfer_params"] = gen.head["kv_transfer_params"]
         return reply(ResponseObject, final)
