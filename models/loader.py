@@ -22,6 +22,7 @@ from tqdm import tqdm
 from models.checkpoint import Part, fuse_parts
 from models.gemma3 import gemma3_fields, gemma3_weights
 from models.gemma4 import Gemma4ForCausalLM, gemma4_spec, gemma4_weights
+from models.laguna import LagunaForCausalLM, laguna_spec, laguna_weights
 from models.llama import LlamaForCausalLM
 from models.openelm import openelm_spec, openelm_weights
 from models.phi3 import phi3_fields
@@ -35,6 +36,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",  # models/gemma3.py
     "Gemma4ForCausalLM",  # models/gemma4.py (its own layer and model classes)
+    "LagunaForCausalLM",  # models/laguna.py (its own layer and model classes)
     "Phi3ForCausalLM",  # models/phi3.py
     "MixtralForCausalLM",  # mixture of experts: models/moe.py
     "Qwen3MoeForCausalLM",
@@ -97,12 +99,21 @@ def load_model(
         weights = openelm_weights(hf_weights(path, dtype))
     elif spec.architecture == "Gemma4ForCausalLM":
         weights = fuse_parts(spec, gemma4_weights(hf_weights(path, dtype), spec))
+    elif spec.architecture == "LagunaForCausalLM":
+        weights = fuse_parts(spec, laguna_weights(hf_weights(path, dtype)))
     elif spec.architecture == "Gemma3ForCausalLM":
         weights = fuse_parts(spec, hf_llama_parts(gemma3_weights(hf_weights(path, dtype))))
     else:
         weights = fuse_parts(spec, hf_llama_parts(hf_weights(path, dtype)))
     model.load_weights(part.weights(weights) if part is not None else weights)
     return model.eval(), spec
+
+
+# the variations with a layer or model class of their own (the others are the shared decoder)
+_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "LagunaForCausalLM": LagunaForCausalLM,
+}
 
 
 def empty_model(
@@ -113,7 +124,7 @@ def empty_model(
 ) -> LlamaForCausalLM:
     """The model with uninitialised parameters of `dtype` on `device` (built on the meta device:
     nothing is allocated twice); biases zeroed, since a checkpoint may omit them."""
-    cls = Gemma4ForCausalLM if spec.architecture == "Gemma4ForCausalLM" else LlamaForCausalLM
+    cls = _MODEL_CLASSES.get(spec.architecture, LlamaForCausalLM)
     with torch.device("meta"):
         model = cls(spec, vocab_rows)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -173,6 +184,8 @@ def hf_spec(path: str, context: int | None = None) -> ModelSpec:
         arch, cfg = "Gemma4ForCausalLM", {**cfg, **cfg["text_config"]}  # its language model
     if arch == "Gemma4ForCausalLM":
         return gemma4_spec(cfg, tuple(_eos_ids(root, cfg)))
+    if arch == "LagunaForCausalLM":
+        return laguna_spec(cfg, tuple(_eos_ids(root, cfg)))
     if cfg.get("model_type") == "openelm" or arch == "OpenELMForCausalLM":
         return openelm_spec(cfg, tuple(_eos_ids(root, cfg)))
     if arch not in SUPPORTED_HF_ARCHITECTURES:

@@ -134,6 +134,8 @@ class ModelSpec:
                 width = lay.intermediate_size + beside * lay.num_experts_per_tok
             else:
                 width = lay.intermediate_size * (lay.num_experts_per_tok or 1)
+            if lay.num_experts:  # a shared expert every token goes through (Laguna)
+                width += self.extra.get("shared_expert_intermediate_size", 0)
             total += 2 * 3 * self.hidden_size * width
         if include_lm_head:
             total += 2 * self.hidden_size * self.vocab_size

@@ -25,11 +25,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from models.spec import LayerSpec, ModelSpec
+from models.spec import ModelSpec
 
 # FFN columns are split in units of this many where the width allows: GGUF blocks hold 32
 # inputs, so a row-parallel down_proj cut on such a boundary keeps its blocks whole.
 FFN_ALIGN = 32
+# Architectures whose experts are split here: each expert's (and a shared expert's) columns cut
+# like a dense FFN's, the router whole on every rank (it reads the whole stream, so every rank
+# picks the same experts), one sum for the whole FFN. The cut is the same for Mixtral or
+# Qwen3-MoE, but only Laguna's is checked against one rank (tests/test_laguna.py).
+EXPERTS_SHARDED = frozenset({"LagunaForCausalLM"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,11 @@ class TPPlan:
         k0 = q0 // (g.num_heads // g.num_kv_heads)  # this rank's heads share one KV head
         return HeadShard(q0, q0 + per_q, k0, k0 + 1)
 
+    def layer_kv_bytes(self, layer: int, rank: int, head_dim: int, dtype_size: float) -> int:
+        """Bytes of K and V one token takes in `layer` on `rank`."""
+        h = self.heads(layer, rank)
+        return round(2 * (h.k1 - h.k0) * head_dim * dtype_size)
+
     def table(self, spec: ModelSpec, dtype_size: float) -> str:
         """The plan per layer group with each rank's KV bytes per token, for the kernel
         matrix."""
@@ -111,10 +121,16 @@ class TPPlan:
             shard = [self.heads(g.first, r) for r in g.ranks_of(g.first)][0]
             each = f"{shard.q1 - shard.q0}/{shard.k1 - shard.k0} q/kv heads"
             layers = " ".join(f"r{r}:{n}" for r, n in enumerate(held))
+            # one layer's bytes by rank: the same for every layer of a group split over all
+            # ranks; by turns ("384/0 or 0/384") where its layers move from rank to rank
+            a_layer = " or ".join(dict.fromkeys(
+                "/".join(str(self.layer_kv_bytes(layer, r, g.head_dim, dtype_size))
+                         for r in range(self.world))
+                for layer in range(g.first, g.last + 1)))  # fmt: skip
             lines.append(
                 f"    layers {g.first}-{g.last}: {g.num_heads}/{g.num_kv_heads} heads, {g.mode} "
                 f"({each} a rank; layers by rank {layers}); KV bytes/token by rank "
-                f"{'/'.join(map(str, kv))}"
+                f"{'/'.join(map(str, kv))} (a layer: {a_layer})"
             )
         lines.append(f"    KV bytes/token by rank, all layers: {'/'.join(map(str, per_rank))}")
         return "\n".join(lines)
@@ -136,10 +152,10 @@ def plan_tensor_parallel(spec: ModelSpec, world: int) -> TPPlan:
             "(the sharing layers' head shards would have to agree); serve with "
             "--tensor-parallel-size 1"
         )
-    if spec.is_moe:
+    if spec.is_moe and spec.architecture not in EXPERTS_SHARDED:
         raise ValueError(
-            "tensor parallelism does not split mixture-of-experts layers (no expert sharding "
-            "yet); serve with --tensor-parallel-size 1"
+            "tensor parallelism splits mixture-of-experts layers only where that is tested "
+            f"({', '.join(sorted(EXPERTS_SHARDED))}); serve with --tensor-parallel-size 1"
         )
     groups: list[GroupPlan] = []
     for i, lay in enumerate(spec.layers):
@@ -199,8 +215,22 @@ class RankShard:
         for i, lay in enumerate(self.full.layers):
             h = self.plan.heads(i, self.rank)
             f0, f1 = split(lay.intermediate_size, self.world, self.rank, FFN_ALIGN)
-            layers.append(LayerSpec(h.q1 - h.q0, h.k1 - h.k0, lay.head_dim, f1 - f0, lay.kv_group))
-        return replace(self.full, layers=tuple(layers))
+            layers.append(replace(lay, num_heads=h.q1 - h.q0, num_kv_heads=h.k1 - h.k0,
+                                  intermediate_size=f1 - f0))  # fmt: skip
+        extra = dict(self.full.extra)
+        shared = extra.get("shared_expert_intermediate_size")
+        if shared:  # a shared expert's columns are cut like the experts'
+            s0, s1 = split(shared, self.world, self.rank, FFN_ALIGN)
+            extra["shared_expert_intermediate_size"] = s1 - s0
+        return replace(self.full, layers=tuple(layers), extra=extra)
+
+    def _ffn_width(self, parts: list[str]) -> int:
+        """The width of the FFN a gate_up/down parameter belongs to: a layer's dense FFN or an
+        expert ("layers.3.moe.experts.5.down_proj.weight"), or the shared expert
+        ("layers.3.moe.shared.down_proj.weight")."""
+        if parts[2:4] == ["moe", "shared"]:
+            return int(self.full.extra["shared_expert_intermediate_size"])
+        return self.full.layers[int(parts[1])].intermediate_size
 
     @property
     def vocab_part(self) -> tuple[int, int]:
@@ -222,33 +252,36 @@ class RankShard:
         if name == "lm_head.weight" and self.vocab_rows is not None:
             return [self.vocab_rows]
         parts = name.split(".")
-        if parts[0] != "layers":
+        if parts[0] != "layers" or len(parts) < 4:
             return None
-        i, module = int(parts[1]), parts[2]
+        i, module = int(parts[1]), parts[-2]
         lay = self.full.layers[i]
+        h, d = self.plan.heads(i, self.rank), lay.head_dim
         if module == "qkv_proj":
-            h, d = self.plan.heads(i, self.rank), lay.head_dim
             q, kv = lay.num_heads * d, lay.num_kv_heads * d
             return [(h.q0 * d, h.q1 * d), (q + h.k0 * d, q + h.k1 * d),
                     (q + kv + h.k0 * d, q + kv + h.k1 * d)]  # fmt: skip
+        if module == "g_proj":  # an output gate (Laguna): one row per head, or per element
+            unit = 1 if self.full.extra.get("output_gate") == "head" else d
+            return [(h.q0 * unit, h.q1 * unit)]
         if module == "gate_up_proj":
-            f0, f1 = split(lay.intermediate_size, self.world, self.rank, FFN_ALIGN)
-            inter = lay.intermediate_size
+            inter = self._ffn_width(parts)
+            f0, f1 = split(inter, self.world, self.rank, FFN_ALIGN)
             return [(f0, f1), (inter + f0, inter + f1)]
         return None
 
     def col_range(self, name: str) -> tuple[int, int] | None:
         """Input columns of `name` this rank holds (row-parallel), or None if not cut so."""
         parts = name.split(".")
-        if parts[0] != "layers" or parts[-1] != "weight":
+        if parts[0] != "layers" or parts[-1] != "weight" or len(parts) < 4:
             return None
-        i, module = int(parts[1]), parts[2]
+        i, module = int(parts[1]), parts[-2]
         lay = self.full.layers[i]
         if module == "o_proj":
             h = self.plan.heads(i, self.rank)
             return h.q0 * lay.head_dim, h.q1 * lay.head_dim
         if module == "down_proj":
-            return split(lay.intermediate_size, self.world, self.rank, FFN_ALIGN)
+            return split(self._ffn_width(parts), self.world, self.rank, FFN_ALIGN)
         return None
 
     def cut(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
