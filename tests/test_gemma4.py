@@ -185,3 +185,40 @@ def test_tensor_parallel_is_refused_with_the_reason(dirs) -> None:
 
     with pytest.raises(ValueError, match="Gemma 4"):
         plan_tensor_parallel(load_spec(str(dirs["k_eq_v"])), 2)
+
+
+def _multi_turn_hit_rate(path: Path, num_kv_blocks: int) -> tuple[float, int]:
+    """Four conversations of four turns, each turn the whole history (the last answer and a new
+    question appended), conversations interleaved so a small pool evicts: cached tokens over
+    prompt tokens, and the number of turns that hit."""
+    llm = LLM(str(path), num_kv_blocks=num_kv_blocks, block_size=4, num_speculative_tokens=0)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    histories = [[(c * 37 + i * 11) % 400 + 3 for i in range(24)] for c in range(4)]
+    cached = prompted = hits = 0
+    for turn in range(4):
+        for c, history in enumerate(histories):
+            out = llm.generate([history], params)[0]
+            cached += out.num_cached_tokens
+            prompted += len(history)
+            hits += out.num_cached_tokens > 0
+            history += out.outputs[0].token_ids + [(turn * 13 + c) % 400 + 3 for _ in range(5)]
+    return cached / prompted, hits
+
+
+@pytest.mark.slow
+def test_sharing_keeps_the_multi_turn_hit_rate(dirs, tmp_path) -> None:
+    """The failure mode of stacks that hash or pool per layer: sharing KV across layers must
+    not cost prefix hits. The same shape without sharing (every layer its own group) gets the
+    same hit rate on a multi-turn workload, in a roomy pool and in one small enough to evict."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(**{**BASE, **CONFIGS["shared"], "num_kv_shared_layers": 0})
+    model = Gemma4ForCausalLM(config).float()
+    randomize(model, 7)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    build_tokenizer(tmp_path)
+    for blocks in (512, 72):
+        shared = _multi_turn_hit_rate(dirs["shared"], blocks)
+        unshared = _multi_turn_hit_rate(tmp_path, blocks)
+        assert shared == unshared, (blocks, shared, unshared)
+        assert shared[1] >= 12  # every turn after the first hits (the small pool evicts some)
