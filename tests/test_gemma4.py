@@ -20,6 +20,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
 from tests.conftest import build_tokenizer
+from tests.test_model_coverage import GREEDY, PROMPTS, assert_matches, reference
 
 S, F = "sliding_attention", "full_attention"
 BASE = dict(
@@ -37,8 +38,6 @@ CONFIGS = {
     "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
                 use_double_wide_mlp=True, num_kv_shared_layers=2, hidden_size_per_layer_input=8),
 }  # fmt: skip
-PROMPTS = [[5, 17, 99, 3, 250, 44, 8], list(range(10, 60)), [7, 8, 9] * 9]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -71,28 +70,6 @@ def build(name: str, out: Path) -> Path:
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gemma4")
     return {name: build(name, root / name) for name in CONFIGS}
-
-
-def reference(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def assert_matches(llm: LLM, ref, prompts=PROMPTS) -> None:
-    for prompt in prompts:
-        ours = score_prompt(llm.engine, prompt)
-        with torch.no_grad():
-            theirs = ref(torch.tensor([prompt])).logits[0].float()
-        assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
-    for prompt, res in zip(prompts, llm.generate(prompts, GREEDY)):
-        with torch.no_grad():
-            gen = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-        assert res.outputs[0].token_ids == gen[0, len(prompt) :].tolist()
-    assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
 
 
 def test_shared_kv_is_one_group_and_counted_once(dirs) -> None:

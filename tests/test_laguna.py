@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.core.scoring import score_prompt
 from tests.conftest import build_tokenizer
+from tests.test_model_coverage import GREEDY, PROMPTS, reference
 
 S, F = "sliding_attention", "full_attention"
 BASE = dict(
@@ -44,8 +45,6 @@ CONFIGS = {
         },
     ),
 }  # fmt: skip
-PROMPTS = [[5, 17, 99, 3, 250, 44, 8], list(range(10, 60)), [7, 8, 9] * 9]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 # no startup measurements (step budget, oneDNN packing): ~4 s of CPU an engine, which these
 # checks of numbers and tokens do not need
 FAST = dict(target_step_ms=-1, cpu_packed_weights=False)
@@ -75,15 +74,6 @@ def build(name: str, out: Path) -> Path:
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("laguna")
     return {name: build(name, root / name) for name in CONFIGS}
-
-
-def reference(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 def test_geometry_and_the_tensor_parallel_plan(dirs) -> None:
