@@ -194,8 +194,9 @@ def test_sharing_keeps_the_multi_turn_hit_rate(dirs, tmp_path) -> None:
     randomize(model, 7)
     model.save_pretrained(tmp_path, safe_serialization=True)
     build_tokenizer(tmp_path)
-    for blocks in (512, 72):
-        shared = _multi_turn_hit_rate(dirs["shared"], blocks)
-        unshared = _multi_turn_hit_rate(tmp_path, blocks)
-        assert shared == unshared, (blocks, shared, unshared)
-        assert shared[1] >= 12  # every turn after the first hits (the small pool evicts some)
+    rates = {}
+    for blocks in (512, 40):
+        rates[blocks] = _multi_turn_hit_rate(dirs["shared"], blocks)
+        assert rates[blocks] == _multi_turn_hit_rate(tmp_path, blocks), blocks
+    assert rates[512][1] == 12  # every turn after the first hits
+    assert 0 < rates[40][0] < rates[512][0]  # the small pool evicts (its windows too)

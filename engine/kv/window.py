@@ -33,9 +33,10 @@ def window_pool_blocks(
     every running sequence's window, plus two steps' new tokens (a chunk of a prompt writes all
     of its tokens before any is behind the window, and a request gives the last step's chunk
     back only when it is scheduled again), plus the null block; at most `cap` (the full pool's
-    size: a window pool never holds more than keeping every block would)."""
+    size, null block included: a window pool never holds more than keeping every block would,
+    and a startup forward on the full pool's ids must find each of them in the window pool)."""
     per_seq = -(-window // block_size) + 1
-    return min(cap, max_num_seqs * per_seq + 2 * -(-max_batched_tokens // block_size)) + 1
+    return min(cap, max_num_seqs * per_seq + 2 * -(-max_batched_tokens // block_size) + 1)
 
 
 class WindowTables:
