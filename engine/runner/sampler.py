@@ -156,27 +156,30 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingContext]) -> Sampler
             u[j : j + 1].uniform_(generator=requests[sampled_rows[j]].generator)
         token_ids[rows] = inverse_cdf(probs, u)
 
-    refused = refused_rows(logits, token_ids)
-    ids = token_ids.tolist()
+    # one read of the picks: a refused row comes back as REFUSED, not as a second sync
+    ids = mark_refused(logits, token_ids).tolist()
+    refused = [i for i, t in enumerate(ids) if t == REFUSED]
     logprobs: list[TokenLogprobs | None] = [None] * n
     if raw_logprobs is not None:
         for i, p in enumerate(params):
-            if i not in refused:
+            if ids[i] != REFUSED:
                 logprobs[i] = token_logprobs(raw_logprobs[i], ids[i], p.logprobs)
     return SamplerOutput(ids, logprobs, refused)
 
 
-def refused_rows(processed: torch.Tensor, token_ids: torch.Tensor) -> list[int]:
-    """The rows whose pick is not an allowed token: out of the vocabulary (the inverse CDF of a
-    row whose probabilities are all 0 or NaN answers the vocabulary size) or of logit -inf/NaN
-    after every processor and mask (the argmax of a row of -inf is token 0). A pick is allowed
-    exactly when its processed logit is above -inf, so one gather checks every row: no token the
-    constraints forbid ever leaves the sampler."""
+REFUSED = -1  # a row's pick where nothing was allowed: never a token id
+
+
+def mark_refused(processed: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """`token_ids` with REFUSED where the pick is not an allowed token: out of the vocabulary
+    (the inverse CDF of a row whose probabilities are all 0 or NaN answers the vocabulary size)
+    or of logit -inf/NaN after every processor and mask (the argmax of a row of -inf is token
+    0). A pick is allowed exactly when its processed logit is above -inf, so one gather checks
+    every row, on the device: no token the constraints forbid ever leaves the sampler."""
     vocab = processed.shape[1]
     in_range = (token_ids >= 0) & (token_ids < vocab)
     picked = processed.gather(1, token_ids.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)
-    bad = ~(in_range & (picked > float("-inf")))
-    return bad.nonzero().flatten().tolist() if bool(bad.any()) else []
+    return torch.where(in_range & (picked > float("-inf")), token_ids, REFUSED)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
