@@ -8,6 +8,7 @@ step rank 0 spends in the layers' sums (waiting for the other rank included). `-
 summing through torch.distributed's gloo instead of shared memory.
 
     python bench/tensor_parallel.py [--rounds 2] [--gloo] [--quantization none|auto]
+                                    [--model DIR]   # another checkpoint (e.g. a Laguna's)
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from engine.llm import LLM
 
 def measure(llm: LLM, tp: int) -> dict[str, float]:
     rng = random.Random(0)
-    prompt = [rng.randrange(100, 30000) for _ in range(512)]
+    top = min(30000, llm.engine.info.vocab_size)  # ids any vocabulary has, past the specials
+    prompt = [rng.randrange(100, top) for _ in range(512)]
     once = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate([prompt[:64]], once, use_tqdm=False)  # warm
     t = time.perf_counter()
@@ -41,7 +43,7 @@ def measure(llm: LLM, tp: int) -> dict[str, float]:
 
         llm.engine.model.set_reduce(timed)
     for batch in (1, 8):
-        ps = [[rng.randrange(100, 30000) for _ in range(16)] for _ in range(batch)]
+        ps = [[rng.randrange(100, top) for _ in range(16)] for _ in range(batch)]
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
         reduce_s[0] = 0.0
         t = time.perf_counter()
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quantization", default="none", help="none: float weights; auto: GGUF")
     ap.add_argument("--gloo", action="store_true", help="also TP=2 summing through gloo")
+    ap.add_argument("--model", default=None, help="a checkpoint (default: the default model)")
     args = ap.parse_args()
     settings = {"TP=1 (2 threads)": (1, "auto"), "TP=2 shm (1 thread each)": (2, "shm")}
     if args.gloo:
@@ -70,8 +73,9 @@ def main() -> None:
         for name in list(settings)[:: 1 if r % 2 == 0 else -1]:
             tp, allreduce = settings[name]
             llm = LLM(
-                dtype=args.dtype, quantization=args.quantization, tensor_parallel_size=tp,
-                tensor_parallel_allreduce=allreduce, speculative_method="off", max_model_len=2048,
+                args.model, dtype=args.dtype, quantization=args.quantization,
+                tensor_parallel_size=tp, tensor_parallel_allreduce=allreduce,
+                speculative_method="off", max_model_len=2048,
             )  # fmt: skip
             results[name].append(measure(llm, tp))
             llm.engine.shutdown()
