@@ -15,7 +15,7 @@ from typing import Any
 from engine.config import DEFAULT_HOST_BYTES, EngineConfig, parse_bytes, setting
 
 # the tool-call formats server/flow/tool_parsers.py reads (its PARSERS)
-PARSER_NAMES = ("hermes", "llama3_json", "mistral", "phi4_mini_json")
+PARSER_NAMES = ("hermes", "llama3_json", "mistral", "phi4_mini_json", "gemma4")
 
 # The checkout's config.toml. An installed copy (site-packages) has none beside it: there
 # KVSERVE_CONFIG names the file (the Docker image sets it), else ./config.toml is used if present.

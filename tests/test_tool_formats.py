@@ -1,5 +1,5 @@
 """Forced tool calls in every tool-call format the server parses (hermes, llama3_json, mistral,
-phi4_mini_json):
+phi4_mini_json, gemma4):
 `required`, a named function and strict tools are enforced by the grammar in the format the
 model's template teaches, and come back as OpenAI tool calls, whole and streamed."""
 
@@ -33,7 +33,10 @@ def trigger_model(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["hermes", "llama3_json", "mistral", "phi4_mini_json"])
+FORMATS = ["hermes", "llama3_json", "mistral", "phi4_mini_json", "gemma4"]
+
+
+@pytest.fixture(scope="module", params=FORMATS)
 def served(request, trigger_model):
     server = InProcessServer(trigger_model, max_model_len=2048, tool_call_parser=request.param)
     yield server, request.param
@@ -56,6 +59,75 @@ def test_every_parser_is_a_setting_and_a_grammar() -> None:
     got = PARSERS["phi4_mini_json"].parse('ok functools[{"name": "f", "arguments": {"a": 1}}]')
     assert got.content == "ok "
     assert [(c.name, c.arguments) for c in got.calls] == [("f", '{"a": 1}')]
+
+
+# a Gemma-4-like template: how it declares tools, thoughts and calls (the marks are Gemma 4's)
+GEMMA4 = (
+    "{% for m in messages %}<|turn>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<|channel>thought\n{{ m.reasoning_content }}<channel|>{% endif %}"
+    "{% for c in m.tool_calls or [] %}<|tool_call>call:{{ c.function.name }}"
+    "{{ c.function.arguments }}<tool_call|>{% endfor %}{{ m.content }}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+GEMMA4_OUT = (
+    "<|channel>thought\nThe user wants {weather}.<channel|>Let me check. "
+    '<|tool_call>call:get_weather{city:<|"|>Paris, "FR" {x}: 1<|"|>,days:-1.5e2,ok:true,'
+    'none:null,nest:{a:[1,<|"|>b,]<|"|>,{c:false}],d:{}},e:[]}<tool_call|>'
+    '<|tool_call>call:get_time{zone:<|"|>UTC<|"|>}<tool_call|>'
+)
+GEMMA4_ARGS = {
+    "city": 'Paris, "FR" {x}: 1', "days": -150.0, "ok": True, "none": None,
+    "nest": {"a": [1, "b,]", {"c": False}], "d": {}}, "e": [],
+}  # fmt: skip
+
+
+def test_gemma4_is_declared_and_read_whole_and_streamed() -> None:
+    from server.flow.answer import Answer, AnswerPlan, AnswerStream
+    from server.flow.reasoning import ReasoningPlan, thought_tags
+    from server.flow.tool_parsers import PARSERS, parser_for_template
+
+    assert parser_for_template(GEMMA4).name == "gemma4"
+    tags = thought_tags(GEMMA4)
+    assert tags == ("<|channel>thought\n", "<channel|>")
+    plan = AnswerPlan(ReasoningPlan(False, *tags), PARSERS["gemma4"])
+    whole = Answer.read(plan, GEMMA4_OUT, "tool_calls")
+    assert whole.thought == "The user wants {weather}."
+    assert whole.text == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == [
+        ("get_weather", GEMMA4_ARGS),
+        ("get_time", {"zone": "UTC"}),
+    ]
+    for step in (1, 2, 5):  # streamed in pieces, cut anywhere (inside marks and strings too)
+        stream, events = AnswerStream(plan), []
+        for i in range(0, len(GEMMA4_OUT), step):
+            events += stream.feed(GEMMA4_OUT[i : i + step])
+        events += stream.feed("", True, "tool_calls")
+        streamed = Answer.of(events)
+        assert (streamed.thought, streamed.text) == (whole.thought, whole.text)
+        assert [(c.name, c.arguments) for c in streamed.calls] == [
+            (c.name, c.arguments) for c in whole.calls
+        ]
+    plain = Answer.read(plan, "No call: a <|tool and {a:1}", "stop")
+    assert (plain.thought, plain.text, plain.calls) == (None, "No call: a <|tool and {a:1}", [])
+
+
+def test_gemma4_grammar_spells_calls_as_the_parser_reads_them() -> None:
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from engine.core.sampling_params import GrammarSpec
+    from engine.grammar.structured_output import grammar_source
+    from server.flow.tool_parsers import PARSERS
+
+    tools = [WEATHER["function"], TIME["function"]]
+    spec = {"format": "gemma4", "tools": tools, "parallel": True, "mode": "forced"}
+    grammar = xgr.Grammar.from_ebnf(grammar_source(GrammarSpec("tool_calls", json.dumps(spec))))
+    call = '<|tool_call>call:get_time{zone:<|"|>Europe/Paris<|"|>}<tool_call|>'
+    assert accepts(grammar, call) and accepts(grammar, call + call)
+    assert not accepts(grammar, '<|tool_call>call:get_time{"zone":"UTC"}<tool_call|>')
+    assert not accepts(grammar, "plain text")
+    (got,) = PARSERS["gemma4"].parse(call).calls
+    assert (got.name, json.loads(got.arguments)) == ("get_time", {"zone": "Europe/Paris"})
 
 
 def check(call, name: str | None = None) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,7 @@ class CallFormat:
     trigger: str
     opening: str = ""
     closing: str = ""
+    gemma: bool = False  # Gemma 4's spelling: the name bare, the arguments `gemma_args`
 
 
 CALL_FORMATS = {
@@ -77,7 +79,20 @@ CALL_FORMATS = {
     "phi4_mini_json": CallFormat(
         '{"name": %s, "arguments": ', "}", ", ", "functools[", "functools[", "]"
     ),
+    "gemma4": CallFormat("<|tool_call>call:%s", "<tool_call|>", "", "<|tool_call>", gemma=True),
 }
+
+_GEMMA_QUOTE = '"<|\\"|>"'  # the EBNF literal of Gemma 4's string mark <|"|>
+
+
+def gemma_args(ebnf: str) -> str:
+    """A compact-JSON grammar respelled as Gemma 4 writes arguments: identifier keys bare,
+    strings between `<|"|>` marks (their text without `<`, so no mark is begun inside),
+    no spaces after `,` and `:`. Other keys are `<|"|>` strings, which the parser reads too."""
+    ebnf = re.sub(r'"\\"([A-Za-z_][A-Za-z0-9_]*)\\"" ": "', r'"\1:"', ebnf)
+    ebnf = re.sub(r'"\\"((?:[^"\\]|\\.)*?)\\""', r'"<|\\"|>\1<|\\"|>"', ebnf)
+    ebnf = ebnf.replace('"\\""', _GEMMA_QUOTE).replace('", "', '","').replace('": "', '":"')
+    return ebnf.replace(_STRICT_CHARS, _GEMMA_CHARS)
 
 
 def _tool_calls_tag(source: str) -> dict[str, Any]:
@@ -93,12 +108,14 @@ def _tool_calls_tag(source: str) -> dict[str, Any]:
     free = spec.get("mode", "forced") == "free" and answer is None
 
     def tag(t: dict[str, Any], wrap: bool) -> dict[str, Any]:
-        begin = fmt.begin % json.dumps(t["name"])
+        begin = fmt.begin % (t["name"] if fmt.gemma else json.dumps(t["name"]))
         end = fmt.end
         if wrap:  # a free-text call carries the list's own markers
             begin, end = fmt.opening + begin, end + fmt.closing
-        return {"type": "tag", "begin": begin, "content": _compact_json(t["parameters"]),
-                "end": end}  # fmt: skip
+        content = _compact_json(t["parameters"])
+        if fmt.gemma:
+            content["grammar"] = gemma_args(content["grammar"])
+        return {"type": "tag", "begin": begin, "content": content, "end": end}
 
     if free:
         tags = [tag(t, wrap=True) for t in spec["tools"]]
@@ -149,6 +166,7 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_ids: list[int]) -
 # xgrammar's JSON string characters, and the same without control characters and surrogates
 _LOOSE_CHARS = (r"[^\0-\x1f\"\\\r\n]", r"[^\"\\\r\n]")
 _STRICT_CHARS = r"[^\0-\x1f\"\\\ud800-\udfff]"
+_GEMMA_CHARS = r"[^\0-\x1f<\\\ud800-\udfff]"
 
 
 @lru_cache(maxsize=1024)

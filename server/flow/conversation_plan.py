@@ -17,7 +17,7 @@ from server.flow.chat_prompt import render_prompt
 from server.flow.constraints import ToolPlan, grammar_for, tool_plan
 from server.flow.conversation import Budget, Conversation
 from server.flow.plan import GenerationPlan
-from server.flow.reasoning import CLOSE, OPEN, ReasoningPlan, opened_by_prompt, thinks
+from server.flow.reasoning import ReasoningPlan, opened_by_prompt, thought_tags
 from server.flow.tool_parsers import PARSERS, ToolParser, parser_for_template
 from server.state import ServerState
 
@@ -78,25 +78,24 @@ def reasoning_plan(
     """Whether (and where) this request's output holds a thought: the template thinks and the
     server reads thoughts; generation starts inside one when the prompt opened it."""
     tok = engine.tokenizer
-    if (
-        state.config.server.reasoning_parser == "none"
-        or tok is None
-        or not thinks(tok.chat_template)
-    ):
+    tags = thought_tags(tok.chat_template) if tok is not None else None
+    if state.config.server.reasoning_parser == "none" or tok is None or tags is None:
         return None
     tail = tok.decode(prompt_ids[-16:], skip_special_tokens=False)
-    return ReasoningPlan(inside=opened_by_prompt(tail))
+    return ReasoningPlan(opened_by_prompt(tail, tags), *tags)
 
 
 def thought_budget(engine: AsyncEngine, asked: Budget, reasoning: ReasoningPlan) -> ThoughtBudget:
     """The budget in this tokenizer's ids; its end is forced as one token, so a tokenizer that
     spells `</think>` in several cannot bound a thought (a 400 naming the field)."""
     assert engine.tokenizer is not None
-    ids = {tag: engine.tokenizer.encode(tag, add_special_tokens=False) for tag in (OPEN, CLOSE)}
-    if len(ids[CLOSE]) != 1 or (not reasoning.inside and len(ids[OPEN]) != 1):
-        why = "this model's tokenizer spells <think> or </think> in several tokens"
+    opening, closing = reasoning.open, reasoning.close
+    encode = engine.tokenizer.encode
+    ids = {tag: encode(tag, add_special_tokens=False) for tag in (opening, closing)}
+    if len(ids[closing]) != 1 or (not reasoning.inside and len(ids[opening]) != 1):
+        why = f"this model's tokenizer spells {opening!r} or {closing!r} in several tokens"
         raise APIError(
             400, f"{asked.param}: {why}; its thought cannot be bounded", param=asked.param
         )
-    open_id = None if reasoning.inside else ids[OPEN][0]
-    return ThoughtBudget(asked.tokens, ids[CLOSE][0], open_id)
+    open_id = None if reasoning.inside else ids[opening][0]
+    return ThoughtBudget(asked.tokens, ids[closing][0], open_id)

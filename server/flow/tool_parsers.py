@@ -6,7 +6,9 @@
   `<|python_tag|>`, several separated by `;`;
 - `mistral`: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`;
 - `phi4_mini_json` (Phi-4-mini, whose template declares tools in `<|tool|>`):
-  `functools[{"name": ..., "arguments": {...}}, ...]`.
+  `functools[{"name": ..., "arguments": {...}}, ...]`;
+- `gemma4` (Gemma 4, whose template spells calls `<|tool_call>`):
+  `<|tool_call>call:NAME{key:<|"|>text<|"|>,...}<tool_call|>` (server/flow/gemma4_calls.py).
 
 Each parser reads a whole (or partial, while streaming) output and returns the content around the
 calls and the calls found so far; the answer stream (server/flow/answer.py) turns successive
@@ -18,31 +20,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from server.flow.calls_common import Parsed, ParsedCall
+from server.flow.calls_common import partial_prefix as _partial_prefix
+from server.flow.gemma4_calls import Gemma4Parser
 
 _DECODER = json.JSONDecoder()
-
-
-@dataclass(slots=True)
-class ParsedCall:
-    name: str | None  # None until the name is complete
-    arguments: str  # raw JSON text of the arguments seen so far
-    done: bool  # the arguments are a complete JSON value
-
-
-@dataclass(slots=True)
-class Parsed:
-    content: str  # text outside the calls (so far)
-    calls: list[ParsedCall] = field(default_factory=list)
-    in_call: bool = False  # the text ends inside a call (or a marker that may start one)
-
-
-def _partial_prefix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def _value_after_key(obj_text: str, keys: tuple[str, ...]) -> tuple[str | None, bool, int]:
@@ -181,15 +165,18 @@ PARSERS = {
         Llama3JsonParser(),
         MarkedListParser("mistral", "[TOOL_CALLS]"),
         MarkedListParser("phi4_mini_json", "functools["),
+        Gemma4Parser(),
     )
 }
-ToolParser = HermesParser | Llama3JsonParser | MarkedListParser
+ToolParser = HermesParser | Llama3JsonParser | MarkedListParser | Gemma4Parser
 
 
 def parser_for_template(template: str | None) -> ToolParser:
     """The format a chat template teaches; hermes for templates that know no tools (our
     fallback prompt teaches that one)."""
     source = template or ""
+    if "<|tool_call>" in source:
+        return PARSERS["gemma4"]
     if "[TOOL_CALLS]" in source:
         return PARSERS["mistral"]
     if "<|tool|>" in source:
