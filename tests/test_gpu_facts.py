@@ -13,7 +13,8 @@ import torch
 from engine.build.builder import use_device
 from engine.config import EngineConfig
 from engine.kv.host import host_storage
-from engine.parallel.tensor_parallel import meet, refusal
+from engine.parallel.collectives import meet
+from engine.parallel.tensor_parallel import refusal
 
 
 @pytest.mark.parametrize(

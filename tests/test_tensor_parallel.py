@@ -21,7 +21,8 @@ from test_speculative import write_eagle3
 from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.parallel.tensor_parallel import free_port, meet, refusal
+from engine.parallel.collectives import free_port, meet
+from engine.parallel.tensor_parallel import refusal
 from harness import sse
 from models.spec import LayerSpec, ModelSpec, uniform_layers
 from models.tp_plan import RankShard, plan_tensor_parallel

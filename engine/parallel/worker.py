@@ -26,6 +26,7 @@ from engine.attention import BACKENDS
 from engine.build.pool import block_prefix_copier, pool_for
 from engine.build.weights import load_weights
 from engine.kv.host import HostTier
+from engine.parallel.collectives import all_reduce, join_vocab_parts, meet
 from engine.parallel.messages import (
     CopyPrefix,
     KVCopy,
@@ -38,7 +39,6 @@ from engine.parallel.messages import (
     WorkerBuild,
 )
 from engine.parallel.shm_allreduce import ShmAllReduce
-from engine.parallel.tensor_parallel import all_reduce, join_vocab_parts, meet
 from engine.runner.step_inputs import step_inputs
 from models.llama import LlamaForCausalLM
 from models.loader import default_model_path
