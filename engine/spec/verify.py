@@ -12,7 +12,13 @@ import torch
 from engine.core.request import Request
 from engine.core.sampled import SamplerOutput, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
-from engine.runner.sampler import apply_logits_processors, sampling_probs, token_logprobs
+from engine.runner.sampler import (
+    REFUSED,
+    apply_logits_processors,
+    mark_refused,
+    sampling_probs,
+    token_logprobs,
+)
 
 
 @dataclass(slots=True)
@@ -66,7 +72,10 @@ def verify(logits: torch.Tensor, requests: list[Request]) -> list[SamplerOutput]
             tokens: list[int] | None = r.spec_token_ids[:m] + [target[m]]
         else:
             tokens = _rejection_sample(r, sampling_probs(rows, [params] * (k + 1)))
-        if tokens is None or not _allowed(rows, tokens):
+        # token j came from processed row j: the sampler's own check of each pick
+        if tokens is None or REFUSED in mark_refused(
+            rows[: len(tokens)], torch.tensor(tokens, device=rows.device)
+        ).tolist():
             # the row that picks the last token allows nothing (a draft is always allowed by
             # the row before it, or verification rejected it): the request ends here
             results.append(SamplerOutput([], [], refused=[0]))
@@ -78,16 +87,6 @@ def verify(logits: torch.Tensor, requests: list[Request]) -> list[SamplerOutput]
         results.append(SamplerOutput(tokens, lps))
         row += k + 1
     return results
-
-
-def _allowed(rows: torch.Tensor, tokens: list[int]) -> bool:
-    """Token j came from processed row j: each is in the vocabulary with a logit above -inf."""
-    vocab = rows.shape[1]
-    if not all(0 <= t < vocab for t in tokens):
-        return False
-    index = torch.tensor(tokens, device=rows.device)
-    picked = rows[torch.arange(len(tokens), device=rows.device), index]
-    return bool((picked > float("-inf")).all())
 
 
 def _rejection_sample(r: Request, p: torch.Tensor) -> list[int] | None:
