@@ -29,6 +29,7 @@ from engine.core.sampling_params import GrammarSpec, LoRARef, ParamError, Sampli
 from engine.core.snapshot import EngineSnapshot
 from engine.grammar.budget import GrammarBudget
 from engine.kv.remote import KVStoreError, Prefetch, RedisBlockStore
+from engine.kv.sparse_log import should_log
 from engine.lora.registry import LoRALimits
 from models.tokenizer import Tokenizer
 
@@ -308,7 +309,7 @@ class AsyncEngine:
         except KVStoreError as e:
             self._failed_puts += 1
             n = self._failed_puts
-            if n & (n - 1) == 0:  # the 1st, 2nd, 4th...: a store down for minutes is no flood
+            if should_log(n):
                 log.warning("kv transfer: %s (%d failed puts so far); the decode instance will "
                             "compute the prompt", e, n)  # fmt: skip
             return False

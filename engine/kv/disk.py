@@ -20,17 +20,13 @@ from pathlib import Path
 
 import torch
 
+from engine.kv.sparse_log import should_log
+
 log = logging.getLogger("kvserve.disk_tier")
 # v2: a payload digest after the size. v1 files (no digest) read as "written for another
 # format": skipped, and replaced when the block is saved again.
 MAGIC = b"KVSB2\x00"
 DIGEST_BYTES = 16  # blake2b-128: catches corruption; the disk is not an adversary here
-
-
-def should_log(count: int) -> bool:
-    """Log the 1st, 2nd, 4th, 8th... of a repeated failure: a full disk fails every save, and
-    one line per block would flood the log, but a failure that keeps coming stays visible."""
-    return count & (count - 1) == 0
 
 
 class DiskTier:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import urlparse
 
+from engine.kv.sparse_log import should_log
+
 log = logging.getLogger("kvserve.kv_store")
 TAG_BYTES = 32  # HMAC-SHA256, with a key
 DIGEST_BYTES = 16  # blake2b-128, without one: against corruption only
@@ -142,7 +144,7 @@ class RedisBlockStore:
         with self._lock:
             self.integrity_failures += 1
             n = self.integrity_failures
-        if n & (n - 1) == 0:  # the 1st, 2nd, 4th...: visible, but no flood under a bad writer
+        if should_log(n):
             log.warning(
                 "KV store %s: block %s refused (%s; %d values refused so far): %s",
                 redacted(self.url), block_hash.hex()[:16],
