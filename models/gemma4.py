@@ -37,7 +37,8 @@ from torch import nn
 from models.attention_step import AttentionStep
 from models.checkpoint import Part
 from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
-from models.layers import Linear, RMSNorm, rms_norm
+from models.layers import RMSNorm, rms_norm
+from models.linear.dense import Linear
 from models.llama import DecoderLayer, LlamaForCausalLM
 from models.lora import LoRARows
 from models.moe import MoE

@@ -30,7 +30,8 @@ from torch import nn
 
 from models.checkpoint import Part
 from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
-from models.layers import Linear, rope_inv_freq
+from models.layers import rope_inv_freq
+from models.linear.dense import Linear
 from models.llama import DecoderLayer, LlamaForCausalLM
 from models.lora import LoRARows
 from models.moe import Expert, MoE

@@ -1,4 +1,5 @@
-"""Reference paged attention in plain PyTorch; runs on CPU and GPU.
+"""The CPU backend (named "torch"): the C++ decode and prefill ops, range decode and int8 KV, with
+PyTorch paths beside them (the slow general path on GPU). The plain reference: reference_backend.py
 
 KV layout (this backend's choice): one tensor per KV group, [2, kv_heads, num_blocks, block_size,
 head_dim]. Heads outermost means gathering a sequence's pages with one `index_select` over the
@@ -155,14 +156,20 @@ class TorchAttentionStep(AttentionStep):
                 )
             )
 
+    def attend_qkv(
+        self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        num_heads: int, decode_only: bool = False,
+    ) -> torch.Tensor | None:  # fmt: skip
+        o = self.rope_decode(layer_idx, qkv, cos, sin, num_heads)
+        if o is not None or decode_only:
+            return o
+        q = self.rope_write(layer_idx, qkv, cos, sin, num_heads)
+        return None if q is None else self.forward(layer_idx, q, None, None)
+
     def rope_decode(
-        self,
-        layer_idx: int,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         num_heads: int,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | None:  # fmt: skip
         if (step := self._step_of(layer_idx)) is not self:
             return step.rope_decode(layer_idx, qkv, cos, sin, num_heads)
         backend = self.backend
@@ -186,13 +193,9 @@ class TorchAttentionStep(AttentionStep):
         )
 
     def rope_write(
-        self,
-        layer_idx: int,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         num_heads: int,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | None:  # fmt: skip
         if (step := self._step_of(layer_idx)) is not self:
             return step.rope_write(layer_idx, qkv, cos, sin, num_heads)
         backend = self.backend
