@@ -26,7 +26,7 @@ import engine.attention.cpu_prefill as cpu_prefill
 from engine.attention import kv_quant
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.masks import decode_mask, padded_tables, prefill_mask
-from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name, model_refusals
+from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, model_refusals, slow_cpu_dtype
 from engine.attention.range_decode import RangeDecodePlan
 from kernels.ops import CPU_DECODE
 from models.attention_step import DecodeStackArgs
@@ -377,18 +377,7 @@ class TorchBackend(AttentionBackend):
     def check(
         cls, needs: ModelNeeds, facts: DeviceFacts, dtype: torch.dtype, block_size: int
     ) -> Verdict:
-        verdict: Verdict = {}
-        if facts.type == "cpu" and dtype != torch.float32 and not facts.native_bf16:
-            speed = (
-                f"measured {facts.bf16_speedup:.2g}x float32's matmul speed at startup"
-                if facts.bf16_speedup
-                else "tens of times slower than float32"
-            )
-            verdict["dtype"] = (
-                f"{dtype_name(dtype)} on a CPU without native bf16/fp16: {speed} "
-                "(use --dtype float32, or --allow-slow-dtype to serve it anyway)"
-            )
-        return verdict | model_refusals(needs, soft_cap=False, int8_kv=True)
+        return slow_cpu_dtype(facts, dtype) | model_refusals(needs, soft_cap=False, int8_kv=True)
 
     @classmethod
     def is_fast_on(cls, facts: DeviceFacts) -> bool:
