@@ -60,10 +60,7 @@ class ReferenceStep(AttentionStep):
     ) -> torch.Tensor:
         backend = self.backend
         cache = backend.kv_caches[backend.layer_group[layer_idx]]
-        if k is not None and v is not None:  # None: a layer reading a shared KV group
-            slots = (slice(None), self.slot_block, self.slot_offset)
-            kv_quant.write(cache[0], slots, k.transpose(0, 1))
-            kv_quant.write(cache[1], slots, v.transpose(0, 1))
+        cache = kv_quant.write_kv(cache, self.slot_block, self.slot_offset, k, v)
         window = backend.layer_window[layer_idx]
         kv_heads, width = cache.shape[1], cache.shape[-1]
         out = torch.empty_like(q)

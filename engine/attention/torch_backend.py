@@ -233,11 +233,7 @@ class TorchAttentionStep(AttentionStep):
             return step.forward(layer_idx, q, k, v)
         backend = self.backend
         cache = backend.kv_caches[backend.layer_group[layer_idx]]
-        if k is not None and v is not None:  # None: a layer reading a shared KV group
-            # a bf16 or int8 cache under a wider model stores the rounded values
-            slots = (slice(None), self.slot_block, self.slot_offset)
-            kv_quant.write(cache[0], slots, k.transpose(0, 1))
-            kv_quant.write(cache[1], slots, v.transpose(0, 1))
+        cache = kv_quant.write_kv(cache, self.slot_block, self.slot_offset, k, v)
         scale = 1.0 / math.sqrt(q.shape[-1])
         window = backend.layer_window[layer_idx]
         if self.cpp_decode is not None:
