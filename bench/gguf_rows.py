@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from engine import LLM
-from models import gguf_linear
+from models.linear import gguf_linear
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
 from harness.workload import chat_prompts
 
-# not the calibration text (models/quant.py): other subjects, other shapes
+# not the calibration text (models/linear/w8a8.py): other subjects, other shapes
 HELD_OUT = [
     "Explain the difference between TCP and UDP in two sentences.",
     "Write a limerick about a cat who learns to code.",
@@ -102,7 +102,7 @@ def kernels() -> None:
     torch.manual_seed(0)
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
     weights = [torch.randn(o, i) * 0.02 for o, i in shapes]
-    from models.quant import int8_weight, needs_reduce_range
+    from models.linear.w8a8 import int8_weight, needs_reduce_range
 
     def packed(dtype: torch.dtype):
         ps = [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 64) for w in weights]

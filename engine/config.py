@@ -179,8 +179,10 @@ class EngineConfig:
     )
     attention_backend: str = setting(
         "auto",
-        "attention kernels; auto picks from the kernel-support matrix at startup",
-        ("auto", "flashinfer", "xformers", "torch"),
+        "attention kernels; auto picks from the kernel-support matrix at startup; torch: the "
+        "CPU backend (C++ decode and prefill); reference: gather + SDPA, plain PyTorch on any "
+        "device (slow, for checking and for models nothing else serves)",
+        ("auto", "flashinfer", "xformers", "torch", "reference"),
     )
     allow_slow_dtype: bool = setting(
         False, "serve bf16/fp16 on a CPU without native support anyway (else refused)"

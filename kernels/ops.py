@@ -23,12 +23,13 @@ def _op(name: str, source: str, *headers: str, needs: tuple[CppOps, ...] = ()) -
 
 # models/layers.py: residual add + RMSNorm and SiLU x up, fused (`.add_rms_norm`, `.silu_mul`)
 CPU_FUSED = _op("cpu_fused", "cpu_fused.cpp")
-# models/gguf_linear.py: the GGUF block kernel on the blocks as stored (`.linear`, `.dequantize`)
+# models/linear/gguf_linear.py: the GGUF block kernel on the blocks as stored (`.linear`,
+# `.dequantize`)
 GGUF = _op("gguf", "gguf_linear.cpp")
-# models/gguf_linear.py: the kernels on the interleaved copy, float and int8 activations
+# models/linear/gguf_linear.py: the kernels on the interleaved copy, float and int8 activations
 # (`.repack`, `.linear_float`, `.linear`, `.lanes`: 0 without AVX2)
 GGUF_Q8 = _op("gguf_q8", "gguf_q8.cpp", "gguf_q8_bf16.h")
-# models/int8_prefill.py: int8 rows for `torch._int_mm` and their scaling back
+# models/linear/int8_prefill.py: int8 rows for `torch._int_mm` and their scaling back
 # (`.quantize_rows`, `.scale_rows`)
 INT8_ROWS = _op("int8_rows", "int8_rows.cpp")
 # engine/attention (the torch backend): paged decode attention, and rotary + KV write + decode
@@ -40,11 +41,11 @@ CPU_DECODE = _op("cpu_decode", "cpu_decode.cpp", "kv_int8.h", "cpu_simd.h", "dec
 CPU_PREFILL = _op("cpu_prefill", "cpu_prefill.cpp", "cpu_simd.h", "kv_int8.h")
 # engine/grammar/token_bitmask.py: a grammar's token bitmask applied to logits rows (`.apply_`)
 TOKEN_BITMASK = _op("token_bitmask", "token_bitmask.cpp")
-# models/decode_stack.py: a decode step's whole decoder stack in one op (`.forward`). It calls
-# the ops above through the dispatcher by name (decode_stack.cpp's `kernel<...>("...")`): those
-# are its needs, so loading it loads them and the edge is declared here, not found at run time.
-# GGUF_Q8's kernels are called only for weights on the interleaved copy, but it builds wherever
-# the others do (its vector paths are compiled out without AVX2), so it is needed like them.
+# models/linear/decode_stack.py: a decode step's whole decoder stack in one op (`.forward`). It
+# calls the ops above through the dispatcher by name (decode_stack.cpp's `kernel<...>("...")`):
+# those are its needs, so loading it loads them and the edge is declared here, not found at run
+# time. GGUF_Q8's kernels are called only for weights on the interleaved copy, but it builds
+# wherever the others do (its vector paths are compiled out without AVX2): needed like them.
 DECODE_STACK = _op("decode_stack", "decode_stack.cpp", needs=(CPU_FUSED, GGUF, GGUF_Q8, CPU_DECODE))
 
 # every op, each after the ops it needs (scripts/build_ops.py builds them all)

@@ -16,8 +16,9 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class DecodeStackArgs:
-    """What the whole-stack decode op (kernels/decode_stack.cpp) needs from attention: each
-    layer's KV cache, the step's slots, block tables and lengths (as `rope_decode` takes them)."""
+    """What the whole-stack decode op (kernels/decode_stack.cpp) needs from attention:
+    each layer's KV cache, the step's slots, block tables and lengths (as `attend_qkv`'s
+    decode op takes them)."""
 
     kv_caches: list[torch.Tensor]
     slot_block: torch.Tensor
@@ -39,35 +40,25 @@ class AttentionStep(Protocol):
         layer's KV group before attending; None for a layer that reads a group another layer
         wrote (cross-layer KV sharing). Returns like q."""
 
-    def rope_decode(
+    def attend_qkv(
         self,
         layer_idx: int,
         qkv: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         num_heads: int,
+        decode_only: bool = False,
     ) -> torch.Tensor | None:
-        """Optional fused path for a step of decode rows only, in a layer that writes its own KV
-        and has no q/k norms: rotary on the q and k heads of the fused projection `qkv` (q heads,
-        k heads, v heads), k and v written, attention; [tokens, heads, head_dim]. None where the
-        step has no such path: the caller runs the general one."""
-        return None
-
-    def rope_write(
-        self,
-        layer_idx: int,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        num_heads: int,
-    ) -> torch.Tensor | None:
-        """Optional fused path for any step where `rope_decode` does not serve, under its
-        conditions on the layer: rotary on q and k of `qkv`, k and v written into the layer's KV
-        group; returns the rotated q [tokens, heads, head_dim] for `forward(layer_idx, q, None,
-        None)`. None where the step has no such path."""
+        """Optional: attention straight from a layer's fused projection `qkv` [tokens, q heads |
+        k heads | v heads], for a layer that writes its own KV and whose q and k are plain
+        rotary heads (no norms, no extra scale, whole-head rotary): rotary on q and k, k and v
+        written into the layer's KV group, attention; [tokens, heads, head_dim]. A backend
+        fuses what it can here (the CPU backend: all three in one op for a step of decode rows,
+        rotary and the write in one op otherwise); `decode_only`: only the former. None where
+        the step has no such path: the caller rotates and calls `forward`."""
         return None
 
     def decode_stack_args(self, cos: torch.Tensor, num_layers: int) -> DecodeStackArgs | None:
-        """Where `rope_decode` serves every one of the model's `num_layers` layers this step,
+        """Where `attend_qkv`'s one-op decode serves every one of the model's `num_layers` layers,
         what the whole-stack decode op needs; None otherwise."""
         return None

@@ -36,7 +36,9 @@ from torch import nn
 
 from models.attention_step import AttentionStep
 from models.checkpoint import Part
-from models.layers import Linear, RMSNorm, rms_norm
+from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
+from models.layers import RMSNorm, rms_norm
+from models.linear.dense import Linear
 from models.llama import DecoderLayer, LlamaForCausalLM
 from models.lora import LoRARows
 from models.moe import MoE
@@ -167,20 +169,12 @@ def _per_layer_overrides(cfg: dict, types: list[str]) -> list[dict]:
 # HF names under "model.layers.N." -> (the model's name under "layers.N.", part of a fused one).
 # HF's `post_attention_layernorm` is the norm *on* the attention output; the decoder's own is the
 # FFN's input norm (Llama's meaning), HF's `pre_feedforward_layernorm`.
-_LAYER_NAMES: dict[str, tuple[str, str | None]] = {
-    "input_layernorm.weight": ("input_layernorm.weight", None),
-    "self_attn.q_proj.weight": ("qkv_proj.weight", "q"),
-    "self_attn.k_proj.weight": ("qkv_proj.weight", "k"),
-    "self_attn.v_proj.weight": ("qkv_proj.weight", "v"),
-    "self_attn.q_norm.weight": ("q_norm.weight", None),
-    "self_attn.k_norm.weight": ("k_norm.weight", None),
-    "self_attn.o_proj.weight": ("o_proj.weight", None),
+_LAYER_NAMES: LayerNames = {
+    **HF_ATTENTION_NAMES,
+    **HF_MLP_NAMES,
     "post_attention_layernorm.weight": ("attn_output_norm.weight", None),
     "pre_feedforward_layernorm.weight": ("post_attention_layernorm.weight", None),
     "post_feedforward_layernorm.weight": ("ffn_output_norm.weight", None),
-    "mlp.gate_proj.weight": ("gate_up_proj.weight", "gate"),
-    "mlp.up_proj.weight": ("gate_up_proj.weight", "up"),
-    "mlp.down_proj.weight": ("down_proj.weight", None),
     "layer_scalar": ("layer_scalar", None),
     "per_layer_input_gate.weight": ("per_layer_input_gate.weight", None),
     "per_layer_projection.weight": ("per_layer_projection.weight", None),

@@ -29,7 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.checkpoint import Part
-from models.layers import Linear, rope_inv_freq
+from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
+from models.layers import rope_inv_freq
+from models.linear.dense import Linear
 from models.llama import DecoderLayer, LlamaForCausalLM
 from models.lora import LoRARows
 from models.moe import Expert, MoE
@@ -113,19 +115,11 @@ def laguna_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
 # ---- checkpoint names ---------------------------------------------------------------------------
 
 # HF names under "model.layers.N." -> (the model's name under "layers.N.", part of a fused one)
-_LAYER_NAMES: dict[str, tuple[str, str | None]] = {
-    "input_layernorm.weight": ("input_layernorm.weight", None),
+_LAYER_NAMES: LayerNames = {
+    **HF_ATTENTION_NAMES,
+    **HF_MLP_NAMES,
     "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
-    "self_attn.q_proj.weight": ("qkv_proj.weight", "q"),
-    "self_attn.k_proj.weight": ("qkv_proj.weight", "k"),
-    "self_attn.v_proj.weight": ("qkv_proj.weight", "v"),
-    "self_attn.q_norm.weight": ("q_norm.weight", None),
-    "self_attn.k_norm.weight": ("k_norm.weight", None),
-    "self_attn.o_proj.weight": ("o_proj.weight", None),
     "self_attn.g_proj.weight": ("g_proj.weight", None),
-    "mlp.gate_proj.weight": ("gate_up_proj.weight", "gate"),
-    "mlp.up_proj.weight": ("gate_up_proj.weight", "up"),
-    "mlp.down_proj.weight": ("down_proj.weight", None),
     "mlp.gate.weight": ("moe.router.weight", None),
     "mlp.gate.e_score_correction_bias": ("moe.router_bias", None),
     "mlp.shared_experts.gate_proj.weight": ("moe.shared.gate_up_proj.weight", "gate"),

@@ -18,11 +18,9 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from models import decode_stack
 from models.attention_step import AttentionStep
 from models.layers import (
     GATED_ACTIVATIONS,
-    Linear,
     RMSNorm,
     add_rms_norm,
     apply_rope,
@@ -31,6 +29,8 @@ from models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from models.linear.decode_stack import DecodeStack
+from models.linear.dense import Linear
 from models.lora import LoRARows
 from models.moe import MoE
 from models.spec import LayerSpec, ModelSpec
@@ -93,8 +93,9 @@ class DecoderLayer(nn.Module):
         # q scaled so that the backends' head_dim ** -0.5 gives the model's softmax scale
         scale = spec.attention_scale
         self.q_scale = 1.0 if scale is None else scale * layer.head_dim**0.5
-        # the fused rotary ops rotate whole heads of plain q/k (no norms, no extra scale)
-        self.fused_rope = (
+        # q and k plain rotary heads (no norms, no extra scale, whole-head rotary), as
+        # `AttentionStep.attend_qkv` takes them
+        self.plain_qkv = (
             self.q_norm is None and self.writes_kv and self.q_scale == 1.0
             and spec.rotary_dim(layer.head_dim) == layer.head_dim
             and not layer.k_eq_v and not self.v_norm
@@ -116,20 +117,20 @@ class DecoderLayer(nn.Module):
         if self.q_dim == 0:  # tensor parallel: this layer's heads are all on other ranks
             return self._mlp(x.new_zeros(x.shape), residual, lora)
         qkv = self._project("qkv_proj", h, lora)
-        t, lay = x.shape[0], self.layer
-        fused = None
-        if self.fused_rope and hasattr(attn, "rope_decode"):
-            fused = attn.rope_decode(self.idx, qkv, cos, sin, lay.num_heads)
-        if fused is not None:  # a decode step: rotary, KV write and attention in one op
-            return self._mlp(self._project("o_proj", fused.reshape(t, self.q_dim), lora),
-                             residual, lora)  # fmt: skip
-        if self.fused_rope and hasattr(attn, "rope_write"):
-            # rotary and the KV write fused (so the attention below writes nothing)
-            q = attn.rope_write(self.idx, qkv, cos, sin, lay.num_heads)
-            if q is not None:
-                o = attn.forward(self.idx, q, None, None)
-                return self._mlp(self._project("o_proj", o.reshape(t, self.q_dim), lora),
-                                 residual, lora)  # fmt: skip
+        heads = self.layer.num_heads
+        # plain rotary q/k: the backend may rotate, write and attend from qkv itself
+        o = attn.attend_qkv(self.idx, qkv, cos, sin, heads) if self.plain_qkv else None
+        if o is None:
+            o = attn.forward(self.idx, *self._rotated_qkv(qkv, cos, sin))
+        o = self._project("o_proj", o.reshape(x.shape[0], self.q_dim), lora)
+        return self._mlp(o, residual, lora)
+
+    def _rotated_qkv(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """q, k and v heads of the fused projection, q and k normed (Qwen3) and rotated, q
+        scaled; k and v None in a layer that reads another layer's KV."""
+        t, lay = qkv.shape[0], self.layer
         k = v = None
         if self.writes_kv:
             v = qkv[:, self.v_start : self.v_start + self.kv_dim]
@@ -155,8 +156,7 @@ class DecoderLayer(nn.Module):
                 k = apply_rope(k, cos, sin)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        o = attn.forward(self.idx, q, k, v)
-        return self._mlp(self._project("o_proj", o.reshape(t, self.q_dim), lora), residual, lora)
+        return q, k, v
 
     def _project(self, name: str, x: torch.Tensor, lora: LoRARows | None) -> torch.Tensor:
         out = getattr(self, name)(x)
@@ -187,9 +187,6 @@ class DecoderLayer(nn.Module):
         return self._project("down_proj", gated, lora)
 
 
-_UNREAD = object()  # LlamaForCausalLM._stack_key before the layers are read
-
-
 class LlamaForCausalLM(nn.Module):
     layer_class: type[DecoderLayer] = DecoderLayer  # a variation's own layer (models/gemma4.py)
 
@@ -215,10 +212,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_attention_factor = rope_attention_factor(spec.rope_scaling)
         # per device, moved once (not uploaded on every forward: a host->device copy each step)
         self._inv_freq_on: dict[torch.device, dict[int, torch.Tensor]] = {}
-        # the decode stack's view of the layers (None: they do not fit it), and the first
-        # layer's weight it was read with (_UNREAD: to be read at the next decode step)
-        self._stack: decode_stack.StackLayout | None = None
-        self._stack_key: object = _UNREAD
+        self.decode_stack = DecodeStack()
 
     def inv_freq(self, device: torch.device) -> dict[tuple[int, bool], torch.Tensor]:
         """The rotary inverse frequencies per `rope_key`, on `device` (copied there once)."""
@@ -274,38 +268,15 @@ class LlamaForCausalLM(nn.Module):
         self, x: torch.Tensor, rope: dict[int, tuple[torch.Tensor, torch.Tensor]],
         attn: AttentionStep,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """(output, residual) of every layer in one op (models/decode_stack.py) for a decode
-        step of plain layers on GGUF blocks; None where that does not apply."""
-        if len(rope) != 1 or x.dim() != 2 or x.device.type != "cpu":
-            return None
-        # the layers' structure, read again only when their weights were replaced (GGUF blocks
-        # or int8 attached at load): reading it took ~0.3 ms of every step in Python
-        first = self.layers[0].qkv_proj.quant
-        if self._stack_key is not first:
-            self._stack, self._stack_key = decode_stack.StackLayout.of(self.layers), first
-        stack = self._stack
-        if stack is None or stack.norm1[0].dtype != x.dtype:
-            return None
-        kind = decode_stack.kernel_kind(stack.weights, x.shape[0])
-        if kind is None:
-            return None
-        ((cos, sin),) = rope.values()
-        args = attn.decode_stack_args(cos, len(self.layers))
-        ops = decode_stack.load() if args is not None else None
-        if ops is None or args is None:
-            return None
-        return ops.forward(
-            x, stack.norm1, stack.norm2, self.spec.rms_norm_eps,
-            decode_stack.operands(stack.weights, kind), kind, stack.fmts, stack.outs,
-            args.kv_caches, cos, sin, args.slot_block, args.slot_offset, args.block_tables,
-            args.seq_lens, stack.num_heads, args.scale, args.window,
-        )  # fmt: skip
+        """(output, residual) of every layer at once where the step and the layers' weights
+        allow (models/linear/decode_stack.py); None: the layers run one by one."""
+        return self.decode_stack(self.layers, x, rope, attn, self.spec.rms_norm_eps)
 
     def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Tensor parallelism's all-reduce of partial layer outputs (None: this rank alone)."""
         for layer in self.layers:
             layer.reduce = reduce
-        self._stack_key = _UNREAD  # read again: a reducing layer takes the per-layer path
+        self.decode_stack.forget()  # read again: a reducing layer takes the per-layer path
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from models.checkpoint import Part, fuse_parts
 from models.gemma3 import gemma3_fields, gemma3_weights
 from models.gemma4 import Gemma4ForCausalLM, gemma4_spec, gemma4_weights
+from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
 from models.laguna import LagunaForCausalLM, laguna_spec, laguna_weights
 from models.llama import LlamaForCausalLM
 from models.openelm import openelm_spec, openelm_weights
@@ -310,25 +311,17 @@ _HF_NAMES = {
     "lm_head.weight": "lm_head.weight",
 }
 # Under "model.layers.N." -> (the model's name under "layers.N.", part of a fused parameter).
-_HF_LAYER_NAMES: dict[str, tuple[str, str | None]] = {
-    "input_layernorm.weight": ("input_layernorm.weight", None),
-    "self_attn.q_proj.weight": ("qkv_proj.weight", "q"),
-    "self_attn.k_proj.weight": ("qkv_proj.weight", "k"),
-    "self_attn.v_proj.weight": ("qkv_proj.weight", "v"),
+_HF_LAYER_NAMES: LayerNames = {
+    **HF_ATTENTION_NAMES,
+    **HF_MLP_NAMES,
     "self_attn.q_proj.bias": ("qkv_proj.bias", "q"),
     "self_attn.k_proj.bias": ("qkv_proj.bias", "k"),
     "self_attn.v_proj.bias": ("qkv_proj.bias", "v"),
-    "self_attn.q_norm.weight": ("q_norm.weight", None),
-    "self_attn.k_norm.weight": ("k_norm.weight", None),
-    "self_attn.o_proj.weight": ("o_proj.weight", None),
     "self_attn.qkv_proj.weight": ("qkv_proj.weight", None),  # Phi-3: already fused
     "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
     "attn_output_norm.weight": ("attn_output_norm.weight", None),  # Gemma (models/gemma3.py)
     "ffn_output_norm.weight": ("ffn_output_norm.weight", None),
     "mlp.gate_up_proj.weight": ("gate_up_proj.weight", None),  # Phi-3
-    "mlp.gate_proj.weight": ("gate_up_proj.weight", "gate"),
-    "mlp.up_proj.weight": ("gate_up_proj.weight", "up"),
-    "mlp.down_proj.weight": ("down_proj.weight", None),
     "mlp.gate.weight": ("moe.router.weight", None),  # Qwen3-MoE
     "block_sparse_moe.gate.weight": ("moe.router.weight", None),  # Mixtral
 }

@@ -25,7 +25,7 @@ from engine.config import choose_dtype
 from engine.runner.model_runner import allocate_kv_caches
 from engine.runner.step_inputs import step_metadata
 from kernels.build import target_arch
-from models.layers import onednn_pack_refusal
+from models.linear.dense import onednn_pack_refusal
 from models.loader import checkpoint_dtype, load_model
 
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
@@ -133,7 +133,7 @@ def test_auto_engine_follows_probe_and_checkpoint(llama_dir, monkeypatch) -> Non
 def smol_logits(smollm2_path):
     """dtype -> float32 logits at every position of each held-out text (one prefill each,
     through the torch backend; the linears packed as the engine packs them)."""
-    from models.layers import pack_linears
+    from models.linear.dense import pack_linears
     from models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm2_path)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from models import decode_stack, gguf_linear
+from models.linear import decode_stack, gguf_linear
 from models.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)

@@ -14,8 +14,8 @@ from gguf.quants import dequantize, quantize
 
 from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
-from models import gguf_linear
-from models.gguf_linear import FORMATS, GGUFWeight
+from models.linear import gguf_linear
+from models.linear.gguf_linear import FORMATS, GGUFWeight
 
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
 

@@ -12,8 +12,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
 from engine.weights.quantization import HELD_OUT, WARN_TOP1, agreement
-from models.layers import Linear
-from models.quant import can_quantize, int8_weight, needs_reduce_range, quantize_linears
+from models.linear.dense import Linear
+from models.linear.w8a8 import can_quantize, int8_weight, needs_reduce_range, quantize_linears
 
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
 
@@ -151,7 +151,7 @@ def test_unknown_quantization_is_refused(llama_dir, bad) -> None:
 def test_smoothing_leaves_the_float_model_unchanged(llama_dir) -> None:
     """SmoothQuant's folding is exact in float: any positive per-channel factors, folded into
     the norms and the up rows, give the same logits (stale packed weight copies are dropped)."""
-    from models.quant import smooth
+    from models.linear.w8a8 import smooth
 
     llm = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32")
     prompt = list(range(5, 40))

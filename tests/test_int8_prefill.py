@@ -12,9 +12,9 @@ import torch
 from engine import LLM
 from engine.core.scoring import score_prompt
 from kernels.ops import INT8_ROWS
-from models import gguf_linear, int8_prefill
-from models.gguf_linear import GGUFWeight
-from models.int8_prefill import Int8Weight
+from models.linear import gguf_linear, int8_prefill
+from models.linear.gguf_linear import GGUFWeight
+from models.linear.int8_prefill import Int8Weight
 from tests.test_gguf_blocks import blocks_of
 
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)

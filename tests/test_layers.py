@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kernels.build import COMPLETE, CppOps
 from kernels.ops import BY_NAME, CPU_FUSED
-from models.layers import PACKED_MIN_ROWS, Linear, can_pack, pack_linears
+from models.linear.dense import PACKED_MIN_ROWS, Linear, can_pack, pack_linears
 
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
 
@@ -155,7 +155,7 @@ def test_a_complete_build_loads_without_ninja() -> None:
 
 
 def test_packed_rows_are_measured_here_and_set_on_every_packed_layer() -> None:
-    from models.layers import PACKED_ROW_BUCKETS, measure_packed_rows
+    from models.linear.dense import PACKED_ROW_BUCKETS, measure_packed_rows
 
     stack = torch.nn.Sequential(*(Linear(256, 512) for _ in range(4)))
     for layer in stack:

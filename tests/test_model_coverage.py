@@ -245,7 +245,7 @@ def test_gguf_mistral3_reads_as_mistral(tmp_path) -> None:
 def test_gguf_q8_0_blocks_serve_every_matrix(arch: str, new_dirs, tmp_path) -> None:
     """Q8_0 blocks served as stored, experts' 2-D slices of the stacked tensors too: the same
     greedy text as the file's float32 dequantization."""
-    from models.gguf_linear import gguf_weights
+    from models.linear.gguf_linear import gguf_weights
 
     path = write_gguf(new_dirs[arch], tmp_path / f"{arch}.q8_0.gguf", "Q8_0")
     served = LLM(str(path), num_kv_blocks=96, block_size=4)

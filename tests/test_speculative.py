@@ -404,8 +404,8 @@ def test_head_on_blocks_is_its_dense_self_rounded(llama_dir, heads, name) -> Non
     stay lossless and kept is test_smollm2's shipped-head test; the greedy tests above run
     with it too."""
     from models.eagle.head import load_eagle_head
-    from models.gguf_linear import GGUFWeight, load_q8
-    from models.layers import pack_linears
+    from models.linear.dense import pack_linears
+    from models.linear.gguf_linear import GGUFWeight, load_q8
 
     if load_q8() is None:
         pytest.skip("the block kernel needs AVX2")  # every x86 CPU this project serves has it

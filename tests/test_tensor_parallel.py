@@ -237,7 +237,7 @@ def test_ggml_blocks_are_cut_like_their_dense_weight() -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from models.gguf_linear import BLOCK_BYTES
+    from models.linear.gguf_linear import BLOCK_BYTES
 
     spec = spec_of([(4, 2), (4, 2)], inter=128)
     kind = GGMLQuantizationType.Q8_0

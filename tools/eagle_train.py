@@ -31,13 +31,14 @@ from safetensors.torch import save_file
 
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
+from models.attention_step import AttentionStep
 from models.eagle.head import EagleConfig, EagleHead, load_eagle_head
 from models.eagle.prompts import train_prompts
 from models.eagle.shipped import write_probe
 from models.llama import LlamaForCausalLM
 
 
-class PackedCausalAttention:
+class PackedCausalAttention(AttentionStep):
     """Attention over packed sequences without a cache: causal within each sequence, one
     causal SDPA per sequence (one masked SDPA over the whole pack computed every pair in it,
     ~9x the work at SmolLM2's ~220-token answers in a 2,048-token pack)."""

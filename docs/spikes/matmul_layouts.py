@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from models.layers import cpu_linear
+from models.linear.dense import cpu_linear
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30  # (in, out) per matrix
 

@@ -10,11 +10,15 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, format_matrix
+from engine.attention.reference_backend import ReferenceBackend
 from engine.attention.torch_backend import TorchBackend
 from engine.attention.xformers_backend import XFormersBackend
 from models.spec import ModelSpec
 
-BACKENDS: list[type[AttentionBackend]] = [FlashInferBackend, XFormersBackend, TorchBackend]
+# the reference (gather + SDPA, any device) last: it serves only where forced or nothing else can
+BACKENDS: list[type[AttentionBackend]] = [
+    FlashInferBackend, XFormersBackend, TorchBackend, ReferenceBackend,
+]  # fmt: skip
 SLOW_ONLY = ("dtype",)  # requirements that cost speed, not correctness (waivable)
 
 __all__ = [

@@ -51,3 +51,21 @@ def read(cache_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def write(cache_rows: torch.Tensor, index: tuple, x: torch.Tensor) -> None:
     """Store x's rows at `index` of the cache (`cache_rows[index] = x`, rounded to its dtype)."""
     cache_rows[index] = quantize(x) if cache_rows.dtype == torch.int8 else x.to(cache_rows.dtype)
+
+
+def write_kv(
+    cache: torch.Tensor,
+    slot_block: torch.Tensor,
+    slot_offset: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+) -> torch.Tensor:
+    """A layer's KV group in the heads-first layout [2, kv_heads, blocks, block_size, width]
+    (the CPU and reference backends') with the step's new k and v [tokens, kv_heads, head_dim]
+    written into their slots, rounded to the cache's dtype; k and v None for a layer reading a
+    group another layer wrote. Returns the cache."""
+    if k is not None and v is not None:
+        slots = (slice(None), slot_block, slot_offset)
+        write(cache[0], slots, k.transpose(0, 1))
+        write(cache[1], slots, v.transpose(0, 1))
+    return cache

@@ -225,6 +225,22 @@ def gpu_library_verdict(facts: DeviceFacts, library: str) -> Verdict:
     return {}
 
 
+def slow_cpu_dtype(facts: DeviceFacts, dtype: torch.dtype) -> Verdict:
+    """The "dtype" verdict of a backend computing in the serving dtype on this CPU: bf16/fp16
+    without native support is refused (waivable: --allow-slow-dtype)."""
+    if facts.type != "cpu" or dtype == torch.float32 or facts.native_bf16:
+        return {}
+    speed = (
+        f"measured {facts.bf16_speedup:.2g}x float32's matmul speed at startup"
+        if facts.bf16_speedup
+        else "tens of times slower than float32"
+    )
+    return {
+        "dtype": f"{dtype_name(dtype)} on a CPU without native bf16/fp16: {speed} "
+        "(use --dtype float32, or --allow-slow-dtype to serve it anyway)"
+    }
+
+
 def model_refusals(
     needs: ModelNeeds,
     *,

@@ -1,4 +1,5 @@
-"""Reference paged attention in plain PyTorch; runs on CPU and GPU.
+"""The CPU backend (named "torch"): the C++ decode and prefill ops, range decode and int8 KV, with
+PyTorch paths beside them (the slow general path on GPU). The plain reference: reference_backend.py
 
 KV layout (this backend's choice): one tensor per KV group, [2, kv_heads, num_blocks, block_size,
 head_dim]. Heads outermost means gathering a sequence's pages with one `index_select` over the
@@ -25,7 +26,7 @@ import engine.attention.cpu_prefill as cpu_prefill
 from engine.attention import kv_quant
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.masks import decode_mask, padded_tables, prefill_mask
-from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, dtype_name, model_refusals
+from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, model_refusals, slow_cpu_dtype
 from engine.attention.range_decode import RangeDecodePlan
 from kernels.ops import CPU_DECODE
 from models.attention_step import DecodeStackArgs
@@ -155,14 +156,20 @@ class TorchAttentionStep(AttentionStep):
                 )
             )
 
+    def attend_qkv(
+        self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        num_heads: int, decode_only: bool = False,
+    ) -> torch.Tensor | None:  # fmt: skip
+        o = self.rope_decode(layer_idx, qkv, cos, sin, num_heads)
+        if o is not None or decode_only:
+            return o
+        q = self.rope_write(layer_idx, qkv, cos, sin, num_heads)
+        return None if q is None else self.forward(layer_idx, q, None, None)
+
     def rope_decode(
-        self,
-        layer_idx: int,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         num_heads: int,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | None:  # fmt: skip
         if (step := self._step_of(layer_idx)) is not self:
             return step.rope_decode(layer_idx, qkv, cos, sin, num_heads)
         backend = self.backend
@@ -186,13 +193,9 @@ class TorchAttentionStep(AttentionStep):
         )
 
     def rope_write(
-        self,
-        layer_idx: int,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         num_heads: int,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | None:  # fmt: skip
         if (step := self._step_of(layer_idx)) is not self:
             return step.rope_write(layer_idx, qkv, cos, sin, num_heads)
         backend = self.backend
@@ -230,11 +233,7 @@ class TorchAttentionStep(AttentionStep):
             return step.forward(layer_idx, q, k, v)
         backend = self.backend
         cache = backend.kv_caches[backend.layer_group[layer_idx]]
-        if k is not None and v is not None:  # None: a layer reading a shared KV group
-            # a bf16 or int8 cache under a wider model stores the rounded values
-            slots = (slice(None), self.slot_block, self.slot_offset)
-            kv_quant.write(cache[0], slots, k.transpose(0, 1))
-            kv_quant.write(cache[1], slots, v.transpose(0, 1))
+        cache = kv_quant.write_kv(cache, self.slot_block, self.slot_offset, k, v)
         scale = 1.0 / math.sqrt(q.shape[-1])
         window = backend.layer_window[layer_idx]
         if self.cpp_decode is not None:
@@ -374,18 +373,7 @@ class TorchBackend(AttentionBackend):
     def check(
         cls, needs: ModelNeeds, facts: DeviceFacts, dtype: torch.dtype, block_size: int
     ) -> Verdict:
-        verdict: Verdict = {}
-        if facts.type == "cpu" and dtype != torch.float32 and not facts.native_bf16:
-            speed = (
-                f"measured {facts.bf16_speedup:.2g}x float32's matmul speed at startup"
-                if facts.bf16_speedup
-                else "tens of times slower than float32"
-            )
-            verdict["dtype"] = (
-                f"{dtype_name(dtype)} on a CPU without native bf16/fp16: {speed} "
-                "(use --dtype float32, or --allow-slow-dtype to serve it anyway)"
-            )
-        return verdict | model_refusals(needs, soft_cap=False, int8_kv=True)
+        return slow_cpu_dtype(facts, dtype) | model_refusals(needs, soft_cap=False, int8_kv=True)
 
     @classmethod
     def is_fast_on(cls, facts: DeviceFacts) -> bool:

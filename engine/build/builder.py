@@ -50,9 +50,9 @@ from engine.weights.quantization import (
     quantize_model,
     quantize_weight_only,
 )
-from models import gguf_linear
 from models.eagle.head import EagleHead
-from models.layers import pack_linears
+from models.linear import gguf_linear
+from models.linear.dense import pack_linears
 from models.loader import checkpoint_dtype, default_model_path
 from models.tokenizer import Tokenizer, load_tokenizer
 

@@ -15,11 +15,11 @@ import torch
 from engine.attention.matrix import dtype_name
 from engine.config import EngineConfig
 from engine.weights.quantization import WEIGHT_ONLY, serve_gguf_blocks
-from models import gguf_linear
-from models.layers import measure_packed_rows, onednn_pack_refusal, pack_linears
+from models.linear import gguf_linear
+from models.linear.dense import measure_packed_rows, onednn_pack_refusal, pack_linears
+from models.linear.w8a8 import can_quantize
 from models.llama import LlamaForCausalLM
 from models.loader import load_model
-from models.quant import can_quantize
 from models.spec import ModelSpec
 from models.tp_plan import RankShard
 

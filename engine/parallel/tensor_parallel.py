@@ -50,11 +50,12 @@ from engine.parallel.messages import (
     WorkerBuild,
 )
 from engine.parallel.shm_allreduce import ShmAllReduce
-from models.layers import Linear
+from models.linear.dense import Linear
 from models.spec import ModelSpec
 from models.tp_plan import RankShard, TPPlan, plan_tensor_parallel
 
 log = logging.getLogger("kvserve.engine")
+
 
 def threads_per_rank(world: int) -> int:
     """The CPU cores each rank's kernels get: one OpenMP team per rank, never oversubscribed."""

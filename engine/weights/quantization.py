@@ -2,28 +2,28 @@
 weights quantized at load and measured before they serve (after the attention backend's warm-up,
 through the same plan + forward, writing KV only into blocks no request owns).
 
-`--quantization int4 | int8wo`: every linear layer's weight rounded to ggml blocks (Q4_1, Q8_0;
-the lm_head Q8_0) and served by the GGUF block kernel (models/gguf_linear.py), activations at the
+`--quantization int4 | int8wo`: every linear layer's weight rounded to ggml blocks (Q4_1, Q8_0; the
+lm_head Q8_0) and served by the GGUF block kernel (models/linear/gguf_linear.py), activations at the
 serving dtype. `--quantization int8`: smooth the float model on calibration text (SmoothQuant, so
 per-tensor activation quantization keeps its accuracy), then give its linear layers int8 weights
-(models/quant.py).
+(models/linear/w8a8.py).
 
 The result is measured before it serves: the float and quantized models' logits over held-out text
 (`HELD_OUT`, none of it calibration) give top-1 agreement and mean cosine, printed in the kernel
-matrix. Weight-only formats warn below `WARN_TOP1` (bf16, a format users accept, agrees with
-float32 on ~97% of SmolLM2's positions; 0.9 is the bar the bf16 tests hold it to) and refuse below
+matrix. Weight-only formats warn below `WARN_TOP1` (bf16, a format users accept, agrees with float32
+on ~97% of SmolLM2's positions; 0.9 is the bar the bf16 tests hold it to) and refuse below
 `REFUSE_TOP1` (more than a third of next tokens changed is another model). int8 W8A8 is accurate or
-refused, with no warning band: on a CPU without VNNI fbgemm's activations drop to 7 bits (Zen 3,
-and `FBGEMM_ENABLE_INSTRUCTIONS=AVX2`), per-tensor ranges then crush a prompt's ordinary tokens
-under its first token's outliers (SmolLM2: top-1 0.81, and one prompt's last logits at cosine
-0.72), and such a server would answer differently from the model it names; it refuses, naming the
-measurement and `int8wo` (Q8_0 weights, llama.cpp's int8 activations) as what serves there.
-`--gguf-int8-prefill`: GGUF weights' dense path (prefill) on int8 W8A8 copies (per-row
-activations, per-channel weights: models/int8_prefill.py) where the probe measures them faster,
-judged against the float GEMM at the `--gguf-int8-activations` bar (`judge_int8_prefill`; the
-shipped SmolLM2 Q4_1 fails it: top-1 0.85, its activation outliers set each row's int8 step).
-Everything measured is deterministic (fixed calibration and held-out text, a fixed probe): a
-build gives the same figures on every start of the same CPU and settings."""
+refused, with no warning band: on a CPU without VNNI fbgemm's activations drop to 7 bits (Zen 3, and
+`FBGEMM_ENABLE_INSTRUCTIONS=AVX2`), per-tensor ranges then crush a prompt's ordinary tokens under
+its first token's outliers (SmolLM2: top-1 0.81, and one prompt's last logits at cosine 0.72), and
+such a server would answer differently from the model it names; it refuses, naming the measurement
+and `int8wo` (Q8_0 weights, llama.cpp's int8 activations) as what serves there. `--gguf-
+int8-prefill`: GGUF weights' dense path (prefill) on int8 W8A8 copies (per-row activations, per-
+channel weights: models/linear/int8_prefill.py) where the probe measures them faster, judged against
+the float GEMM at the `--gguf-int8-activations` bar (`judge_int8_prefill`; the shipped SmolLM2 Q4_1
+fails it: top-1 0.85, its activation outliers set each row's int8 step). Everything measured is
+deterministic (fixed calibration and held-out text, a fixed probe): a build gives the same figures
+on every start of the same CPU and settings."""
 
 from __future__ import annotations
 
@@ -35,10 +35,16 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.runner.step_inputs import step_metadata
-from models import gguf_linear
 from models.gguf_loader import gguf_blocks
+from models.linear import gguf_linear
+from models.linear.w8a8 import (
+    CALIBRATION,
+    input_ranges,
+    needs_reduce_range,
+    quantize_linears,
+    smooth,
+)
 from models.llama import LlamaForCausalLM
-from models.quant import CALIBRATION, input_ranges, needs_reduce_range, quantize_linears, smooth
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
 from models.tp_plan import RankShard

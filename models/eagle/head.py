@@ -24,20 +24,19 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from models import gguf_linear
 from models.attention_step import AttentionStep
-from models.gguf_linear import GGUFWeight
 from models.layers import (
-    Linear,
     RMSNorm,
     add_rms_norm,
     apply_rope,
-    cpu_linear,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
     silu_mul,
 )
+from models.linear import gguf_linear
+from models.linear.dense import Linear, cpu_linear
+from models.linear.gguf_linear import GGUFWeight
 from models.llama import LlamaForCausalLM
 from models.spec import LayerSpec, ModelSpec
 
@@ -157,9 +156,7 @@ class EagleHead(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         # a draft chain's step: rotary, KV write and attention in the target's fused decode op
         # where the step has it (a draft step is mostly such small ops: ~0.3 ms of Python)
-        o = None
-        if hasattr(attn, "rope_decode"):  # (training's packed attention has no such path)
-            o = attn.rope_decode(self.layer_idx, qkv, cos, sin, cfg.num_heads)
+        o = attn.attend_qkv(self.layer_idx, qkv, cos, sin, cfg.num_heads, decode_only=True)
         if o is None:
             q = qkv[:, : self.q_dim].view(t, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(t, -1, cfg.head_dim)

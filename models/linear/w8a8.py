@@ -25,7 +25,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from models.layers import Linear
+from models.linear.dense import Linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +38,14 @@ class Int8Weight:
         xf = x if x.dtype == torch.float32 else x.float()
         y = torch.ops.quantized.linear_dynamic(xf, self.packed, self.reduce_range)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def rows(self, index: slice | torch.Tensor) -> Int8Weight:
+        # the lm_head (the one layer a rank or a draft head cuts by rows) stays in the serving
+        # dtype, and int8 W8A8 is refused under tensor parallelism
+        raise ValueError("int8 W8A8 weights are not cut by rows")
+
+    def pack(self) -> int:
+        return 0  # fbgemm's prepacked weight is the only copy
 
 
 def _quantize_per_channel(weight: torch.Tensor) -> torch.Tensor:
@@ -155,8 +163,7 @@ def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> 
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or name.split(".")[-1] in skip:
             continue
-        module.quant = int8_weight(module.weight, module.bias, reduce_range)
-        module.packed = None
-        module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
-        total += module.quant.out_features * module.in_features
+        weight = int8_weight(module.weight, module.bias, reduce_range)
+        module.serve(weight)
+        total += weight.out_features * module.in_features
     return total

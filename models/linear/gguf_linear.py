@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from kernels.ops import GGUF, GGUF_Q8
-from models import int8_prefill
-from models.int8_prefill import Int8Weight
-from models.layers import (
+from models.linear import int8_prefill
+from models.linear.dense import (
     Linear,
     best_pass_time,
     can_pack,
@@ -26,6 +25,7 @@ from models.layers import (
     onednn_linear,
     onednn_pack,
 )
+from models.linear.int8_prefill import Int8Weight
 
 # ggml's type ids, as gguf.GGMLQuantizationType numbers them, and bytes per block of 32
 FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
@@ -171,12 +171,11 @@ def attach(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> dic
         if data.shape[0] != out_features or data.shape[1] * 32 != in_features * BLOCK_BYTES[fmt]:
             raise ValueError(f"{name}: {fmt} blocks {tuple(data.shape)} do not fit its weight")
         bias = None if module.bias is None else module.bias.detach().float()
-        module.quant = GGUFWeight(
+        weight = GGUFWeight(
             fmt, data.contiguous(), in_features, out_features, module.weight.dtype, bias
         )
-        module.quant.interleave()
-        module.packed = None
-        module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+        weight.interleave()
+        module.serve(weight)
         held[fmt] = held.get(fmt, 0) + data.numel()
     return held
 
