@@ -49,14 +49,47 @@ def test_steps_are_held_only_near_a_short_prefill() -> None:
     sched = make(num_blocks=64, block_size=4, budget=budget, by_deadline=True)
     sched.add(request("long", list(range(1, 101)), 1))
     assert sched.schedule().num_tokens == 64  # nothing short around: the full budget
-    sched.add(request("short", [7, 8, 9], 1))
+    sched.add(request("short", [7, 8, 9], 3))
     out = sched.schedule()
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
         ("short", 3),
         ("long", 13),
     ]
     sched.update_from_output(out, fake_run(out, random.Random(0)))
-    assert sched.schedule().num_tokens == 16  # the short one came within hold_s: still held
+    # the short one came within hold_s and still decodes: held (its row and the long chunk)
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("short", 1),
+        ("long", 16),  # the target less the decode row, but never below min_prefill_tokens
+    ]
+
+
+def test_a_lone_long_prompt_after_a_finished_short_one_takes_full_steps() -> None:
+    """A client's short prompt answered, then its long one (compare.py's TTFT rows, a chat's
+    next turn): nothing decodes and nothing short waits, so the recent short arrival does not
+    hold the long prompt's chunks to the target step (served TTFT = the engine's prefill)."""
+    budget = StepBudget(64, COSTS, target_rows=16, short_tokens=32, hold_s=1e9)
+    sched = make(num_blocks=64, block_size=4, budget=budget, by_deadline=True)
+    sched.add(request("short", [7, 8, 9], 1))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out, random.Random(0)))
+    assert not sched.requests  # answered: one token
+    sched.add(request("long", list(range(1, 151)), 1))
+    rng, chunks = random.Random(0), []
+    while sched.requests:
+        out = sched.schedule()
+        chunks.append(out.num_tokens)
+        check(sched, out)
+        sched.update_from_output(out, fake_run(out, rng))
+    assert chunks == [64, 64, 22]
+    # a short prompt waiting again holds the long one's chunks beside it
+    sched.add(request("long2", list(range(201, 351)), 1))
+    sched.add(request("short2", [9, 8, 7], 1))
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("short2", 3),
+        ("long2", 13),
+    ]
 
 
 def test_streamed_decode_rows_bound_the_prefill_beside_them() -> None:

@@ -10,7 +10,8 @@ step reads the weights again, and a later chunk reads its earlier context again)
 
 - With no short prefill around, a step takes the full budget.
 - While a short prefill (at most `short_tokens` uncached: a prefix hit, a new turn) waits, or
-  one arrived within `hold_s` (they come in streams: the next is likely to land mid-step),
+  one arrived within `hold_s` while requests still decode (they come in streams: the next is
+  likely to land mid-step; with nothing decoding, a lone long prompt takes full steps),
   long prefills' chunks are held to `target_rows` a step, the most that fit in the target
   latency: by default the shortest step whose prefill costs within `EFFICIENT_TOLERANCE` a
   token of the cheapest measured. A short prefill then waits at most one such step to be
