@@ -382,6 +382,25 @@ def test_cost_model_picks_k_by_measured_costs() -> None:
     assert model.target(128) == pytest.approx(0.160)  # extrapolated past the last measurement
 
 
+def test_noisy_startup_costs_do_not_make_drafting_look_free() -> None:
+    """A start beside two CPU burners timed 1-4 verify rows at 17.9 / 34.2 / 26.3 / 24.7 ms: as
+    taken, 4 rows look cheaper than 2, so a batch of 2 would draft one token each even when
+    none is ever accepted. Settled (engine/core/step_budget.settle_costs), more rows never cost
+    less and a never-accepted draft is never worth a row."""
+    from engine.core.step_budget import settle_costs
+    from engine.spec.cost import SpecCostModel
+    from engine.spec.drafting import Drafter
+
+    rows = (1, 2, 3, 4)
+    samples = [[0.0179], [0.0342], [0.0263], [0.0247]]
+    raw = SpecCostModel(rows, tuple(s[0] for s in samples), (0.0,) * 4)
+    settled = SpecCostModel(rows, settle_costs(rows, samples), (0.0,) * 4)
+    never = [("suffix", [5], 0.0)] * 2
+    assert Drafter(("suffix",), 1, 64, raw).step_k(never) == 1  # the noise's pick
+    assert Drafter(("suffix",), 1, 64, settled).step_k(never) == 0
+    assert all(a <= b for a, b in zip(settled.target_s, settled.target_s[1:]))
+
+
 def test_step_costs_are_measured_at_startup(llama_dir, heads) -> None:
     llm = LLM(
         str(llama_dir), speculative_model=str(heads["identity"]), num_speculative_tokens=3,

@@ -5,7 +5,8 @@ Verifying `batch x (1 + k)` rows costs about as much as `batch` rows while the m
 memory-bound (the weights are read once either way); past that point each extra row costs
 compute and speculation stops paying. Where that point lies depends on the device, the dtype
 and the packed weights, so it is measured, not configured: `measure` times one target step of
-1, 2, 4, ... rows (forward + logits) and one draft step of 1, 2, 4, ... rows, and `best_k`
+1, 2, 4, ... rows (forward + logits) and one draft step of 1, 2, 4, ... rows (interleaved
+rounds, settled within the roofline: engine/core/step_budget.settle_costs), and `best_k`
 weighs the expected accepted tokens (acceptance alpha per draft: 1 + alpha + ... + alpha^k)
 against `target(batch x (1 + k)) + (k - 1) x draft(batch)`: a head's first draft comes from the
 catch-up forward it runs every step anyway (its KV must follow the target's), so only the
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.core.step_budget import piecewise_linear
+from engine.core.step_budget import piecewise_linear, settle_costs, unsettled
 from engine.runner.step_inputs import step_metadata
 from models.eagle.head import EagleHead
 from models.llama import LlamaForCausalLM
@@ -79,24 +80,33 @@ def time_step(step: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t
 
 
-def median_times(
-    steps: list, repeats: int, device: torch.device, fastest: bool = False
-) -> list[float]:
-    """The median time of each step (`fastest`: after one warm-up call of the first alone, the
-    fastest: load on a shared machine only adds time), the steps interleaved round by round so
-    that a burst of load lands on all of them alike (and a noisy startup cannot make
-    verification look dearer than it is)."""
-    for step in steps[:1] if fastest else steps:  # first calls: allocations, lazy packing
+# rounds of every step after its warm-up; more (up to MAX_ROUNDS) while some step's two
+# fastest differ by over SETTLE_SPREAD (load came and went while it was measured)
+ROUNDS, MAX_ROUNDS, SETTLE_SPREAD = 2, 5, 1.15
+
+
+def timed_rounds(
+    steps: list[Callable[[], object]], device: torch.device, rounds: int = ROUNDS,
+    max_rounds: int = MAX_ROUNDS, spread: float = SETTLE_SPREAD,
+    clock: Callable[[], float] = time.perf_counter, warm_up: bool = True,
+) -> list[list[float]]:  # fmt: skip
+    """Each step's timed repeats, after one warm-up call each (allocations, lazy packing;
+    `warm_up` False: the caller made them): the steps interleaved round by round so that a
+    burst of load lands on all of them alike, `rounds` of them, and more while the
+    measurement is `unsettled`. `settle_costs` turns them into costs."""
+    for step in steps if warm_up else ():
         step()
     times: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
+    done = 0
+    while done < rounds or (done < max_rounds and unsettled(times, spread)):
         for i, step in enumerate(steps):
             _sync(device)
-            t = time.perf_counter()
+            t = clock()
             step()
             _sync(device)
-            times[i].append(time.perf_counter() - t)
-    return [min(ts) if fastest else sorted(ts)[len(ts) // 2] for ts in times]
+            times[i].append(clock() - t)
+        done += 1
+    return times
 
 
 def measured_shape(
@@ -125,25 +135,18 @@ def measure(
     device: torch.device,
     rows: tuple[int, ...] = MEASURED_ROWS,
     context: int = 128,
-    repeats: int = 3,
 ) -> SpecCostModel:
     """Time target and draft steps on scratch blocks at startup (no request owns any block yet;
     the KV written there is never read as anyone's). Without a head, drafts cost nothing to
     make (suffix and grammar drafts)."""
     context, rows = measured_shape(rows, head is not None, num_blocks, block_size, context)
-    target_s = median_times(
-        [chunk_step(model, backend, r, context, block_size, device) for r in rows],
-        repeats,
-        device,
-    )
-    draft_s = [0.0] * len(rows)
+    steps = [chunk_step(model, backend, r, context, block_size, device) for r in rows]
+    target_s = settle_costs(rows, timed_rounds(steps, device))
+    draft_s = (0.0,) * len(rows)
     if head is not None:
-        draft_s = median_times(
-            [_draft_step(model, head, backend, r, context, block_size, device) for r in rows],
-            repeats,
-            device,
-        )
-    return SpecCostModel(rows, tuple(target_s), tuple(draft_s))
+        drafts = [_draft_step(model, head, backend, r, context, block_size, device) for r in rows]
+        draft_s = settle_costs(rows, timed_rounds(drafts, device))
+    return SpecCostModel(rows, target_s, draft_s)
 
 
 def chunk_step(
@@ -176,3 +179,4 @@ def _draft_step(model, head, backend, rows: int, context: int, block_size: int, 
         head.logits(hidden).argmax(-1)
 
     return step
+
