@@ -180,3 +180,47 @@ def _draft_step(model, head, backend, rows: int, context: int, block_size: int, 
 
     return step
 
+
+# a served step moves its bucket's ratio this far; buckets above it relax this far toward it
+SERVED_EMA, SERVED_RELAX = 0.2, 0.01
+
+
+class ServedCosts:
+    """Served decode steps' time against the startup table's prediction, by the step's rows
+    (power-of-two buckets): the startup measurement times one sequence's chunk on a quiet
+    pool, while a served verify step carries `batch` sequences' rows with their own contexts,
+    the drafting and the verification. `scale(rows)` is what a step of `rows` costs served
+    over predicted (interpolated between served buckets, 1.0 before any step), so the picker
+    sees verify rows grow dearer with the batch as served. A bucket that
+    is no longer served (drafting turned down) relaxes toward the ratio served below it, so
+    drafting is tried again later rather than never."""
+
+    def __init__(self) -> None:
+        self.ratio: dict[int, float] = {}
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return max(rows, 1).bit_length()
+
+    def observe(self, rows: int, predicted: float, seconds: float) -> None:
+        if predicted <= 0 or seconds <= 0:
+            return
+        b, r = self.bucket(rows), min(seconds / predicted, 100.0)
+        self.ratio[b] = (
+            r if b not in self.ratio else (1 - SERVED_EMA) * self.ratio[b] + SERVED_EMA * r
+        )
+        for above in [a for a in self.ratio if a > b]:
+            self.ratio[above] += SERVED_RELAX * (self.ratio[b] - self.ratio[above])
+
+    def scale(self, rows: int) -> float:
+        """The bucket's ratio; between served buckets, linear in the bucket; past the last
+        or before the first, theirs."""
+        b = self.bucket(rows)
+        if b in self.ratio or not self.ratio:
+            return self.ratio.get(b, 1.0)
+        below = [a for a in self.ratio if a < b]
+        above = [a for a in self.ratio if a > b]
+        if not below or not above:
+            return self.ratio[max(below) if below else min(above)]
+        lo, hi = max(below), min(above)
+        return self.ratio[lo] + (self.ratio[hi] - self.ratio[lo]) * (b - lo) / (hi - lo)
