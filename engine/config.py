@@ -153,8 +153,8 @@ class EngineConfig:
     short_prefill_tokens: int = setting(
         512,
         "a request whose uncached remainder is at most this many tokens (a prefix hit, a new "
-        "turn) is short: while one waits, or arrived within ten full steps' time, steps are held "
-        "to target_step_ms; 0: every step held to it",
+        "turn) is short: while one waits, or arrived within ten full steps' time (at most 5 s) "
+        "while requests decode, steps are held to target_step_ms; 0: every step held to it",
     )
     target_step_ms: float = setting(
         0.0,

@@ -382,6 +382,52 @@ def test_cost_model_picks_k_by_measured_costs() -> None:
     assert model.target(128) == pytest.approx(0.160)  # extrapolated past the last measurement
 
 
+def test_the_picker_turns_drafting_down_as_served_verify_rows_grow_dear() -> None:
+    """Startup costs flat to 256 rows (memory-bound on a quiet pool) make 3 suffix drafts each
+    look free at batch 64; served verify steps of 256 rows at 4x their prediction (as compute
+    bound as 4 steps of 64), beside
+    64-row decode steps as predicted, turn drafting off at batch 64, while batch 2 (its rows
+    served as predicted) still drafts. Left undrafted, the dear bucket relaxes toward what is
+    served below it, so drafting is tried again later."""
+    from engine.spec.cost import SpecCostModel
+    from engine.spec.drafting import Drafter
+
+    rows = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    flat = SpecCostModel(rows, (0.020,) * len(rows), (0.0,) * len(rows))
+    drafter = Drafter(("suffix",), 3, 1 << 16, flat)
+    picks = lambda n: [("suffix", [5, 6, 7], 0.6)] * n  # noqa: E731
+    assert drafter.step_k(picks(64)) == 3 and drafter.step_k(picks(2)) == 3
+    for _ in range(5):
+        drafter.observe_step(256, 0.080)  # 64 requests x (1 + 3) verify rows
+        drafter.observe_step(64, 0.020)
+        drafter.observe_step(4, 0.020)
+    assert drafter.step_k(picks(64)) == 0
+    assert drafter.current_k == 0
+    assert drafter.step_k(picks(2)) == 3  # 8 verify rows served as predicted
+    for _ in range(300):  # undrafted decode steps of 64 rows, served as predicted
+        drafter.observe_step(64, 0.020)
+    assert drafter.step_k(picks(64)) == 3
+
+
+def test_noisy_startup_costs_do_not_make_drafting_look_free() -> None:
+    """A start beside two CPU burners timed 1-4 verify rows at 17.9 / 34.2 / 26.3 / 24.7 ms: as
+    taken, 4 rows look cheaper than 2, so a batch of 2 would draft one token each even when
+    none is ever accepted. Settled (engine/core/step_budget.settle_costs), more rows never cost
+    less and a never-accepted draft is never worth a row."""
+    from engine.core.step_budget import settle_costs
+    from engine.spec.cost import SpecCostModel
+    from engine.spec.drafting import Drafter
+
+    rows = (1, 2, 3, 4)
+    samples = [[0.0179], [0.0342], [0.0263], [0.0247]]
+    raw = SpecCostModel(rows, tuple(s[0] for s in samples), (0.0,) * 4)
+    settled = SpecCostModel(rows, settle_costs(rows, samples), (0.0,) * 4)
+    never = [("suffix", [5], 0.0)] * 2
+    assert Drafter(("suffix",), 1, 64, raw).step_k(never) == 1  # the noise's pick
+    assert Drafter(("suffix",), 1, 64, settled).step_k(never) == 0
+    assert all(a <= b for a, b in zip(settled.target_s, settled.target_s[1:]))
+
+
 def test_step_costs_are_measured_at_startup(llama_dir, heads) -> None:
     llm = LLM(
         str(llama_dir), speculative_model=str(heads["identity"]), num_speculative_tokens=3,

@@ -7,8 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from engine.core.step_budget import SLOWDOWN, StepBudget, StepCosts
+from engine.core.step_budget import SLOWDOWN, StepBudget, StepCosts, settle_costs, unsettled
 from tests.test_scheduler import check, fake_run, make, request
 
 # a step of n tokens costs 2 + n ms
@@ -49,14 +50,47 @@ def test_steps_are_held_only_near_a_short_prefill() -> None:
     sched = make(num_blocks=64, block_size=4, budget=budget, by_deadline=True)
     sched.add(request("long", list(range(1, 101)), 1))
     assert sched.schedule().num_tokens == 64  # nothing short around: the full budget
-    sched.add(request("short", [7, 8, 9], 1))
+    sched.add(request("short", [7, 8, 9], 3))
     out = sched.schedule()
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
         ("short", 3),
         ("long", 13),
     ]
     sched.update_from_output(out, fake_run(out, random.Random(0)))
-    assert sched.schedule().num_tokens == 16  # the short one came within hold_s: still held
+    # the short one came within hold_s and still decodes: held (its row and the long chunk)
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("short", 1),
+        ("long", 16),  # the target less the decode row, but never below min_prefill_tokens
+    ]
+
+
+def test_a_lone_long_prompt_after_a_finished_short_one_takes_full_steps() -> None:
+    """A client's short prompt answered, then its long one (compare.py's TTFT rows, a chat's
+    next turn): nothing decodes and nothing short waits, so the recent short arrival does not
+    hold the long prompt's chunks to the target step (served TTFT = the engine's prefill)."""
+    budget = StepBudget(64, COSTS, target_rows=16, short_tokens=32, hold_s=1e9)
+    sched = make(num_blocks=64, block_size=4, budget=budget, by_deadline=True)
+    sched.add(request("short", [7, 8, 9], 1))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out, random.Random(0)))
+    assert not sched.requests  # answered: one token
+    sched.add(request("long", list(range(1, 151)), 1))
+    rng, chunks = random.Random(0), []
+    while sched.requests:
+        out = sched.schedule()
+        chunks.append(out.num_tokens)
+        check(sched, out)
+        sched.update_from_output(out, fake_run(out, rng))
+    assert chunks == [64, 64, 22]
+    # a short prompt waiting again holds the long one's chunks beside it
+    sched.add(request("long2", list(range(201, 351)), 1))
+    sched.add(request("short2", [9, 8, 7], 1))
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("short2", 3),
+        ("long2", 13),
+    ]
 
 
 def test_streamed_decode_rows_bound_the_prefill_beside_them() -> None:
@@ -224,3 +258,80 @@ def test_shorts_that_arrive_together_go_one_step_each() -> None:
         ("a", 12),
         ("b", 4),
     ]
+
+
+def test_noisy_startup_samples_settle_monotone_and_within_the_roofline() -> None:
+    """Two CPU burners during start-up gave 17.9 / 34.2 / 26.3 / 24.7 ms for 1-4 verify rows:
+    settled, more rows never cost less, never more than smaller steps carrying them, and no
+    figure is above the fastest that was seen for it (load only adds time)."""
+    rows = (1, 2, 3, 4)
+    noisy = [[0.0179], [0.0342], [0.0263], [0.0247]]
+    settled = settle_costs(rows, noisy)
+    assert settled == pytest.approx((0.0179, 0.0247, 0.0247, 0.0247))
+    # a burst on the largest step: capped by the smaller steps that would carry its rows
+    rows = (1, 4, 16, 64, 256)
+    burst = [[0.012, 0.011], [0.014, 0.015], [0.030, 0.028], [0.080, 0.090], [2.5, 3.1]]
+    settled = settle_costs(rows, burst)
+    assert list(settled) == sorted(settled)
+    assert settled[-1] == pytest.approx(4 * 0.080)
+    assert all(s <= min(b) for s, b in zip(settled, burst, strict=True))
+    # the budget built on them stays sane: the target chunk and the hold are not inflated
+    costs = StepCosts(rows, settled)
+    budget = StepBudget.measured(256, costs, 0.0, 0.0, 16, 64)
+    assert budget.target_rows == 64 and budget.hold_s == pytest.approx(10 * 0.320)
+    assert unsettled(burst, 1.15) and not unsettled([[0.010, 0.0105], [0.02, 0.021]], 1.15)
+
+
+def test_timed_rounds_measure_again_while_load_comes_and_goes() -> None:
+    """Interleaved rounds on a fake clock: steps whose two fastest repeats disagree (a burst of
+    load) get more rounds, up to the bound; steady ones the minimum."""
+    from engine.spec.cost import timed_rounds
+
+    approx = pytest.approx
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    def step(durations: list[float]):
+        it = iter(durations)
+
+        def run() -> None:
+            now[0] += next(it)
+
+        return run
+
+    cpu = torch.device("cpu")
+    steady = [step([9.0, 0.010, 0.010, 1.0]), step([9.0, 0.020, 0.021, 1.0])]
+    assert timed_rounds(steady, cpu, clock=clock) == [
+        approx([0.010, 0.010]),
+        approx([0.020, 0.021]),
+    ]
+    bursty = [step([9.0, 0.030, 0.010, 0.011, 1.0]), step([9.0, 0.020, 0.050, 0.021, 1.0])]
+    times = timed_rounds(bursty, cpu, clock=clock)
+    assert times == [approx([0.030, 0.010, 0.011]), approx([0.020, 0.050, 0.021])]
+    assert settle_costs((1, 2), times) == pytest.approx((0.010, 0.020))
+    never = [step([9.0] + [0.01 * (i + 1) ** 2 for i in range(10)])]
+    assert len(timed_rounds(never, cpu, clock=clock, max_rounds=5)[0]) == 5  # bounded
+
+
+def test_a_start_starved_of_cpu_keeps_sane_settings(llama_dir, monkeypatch, caplog) -> None:
+    """Where the one-row step timed over the roofline's floor twice (a busy neighbour took the
+    CPU), the engine keeps no settings from those figures: full steps with no hold, drafts
+    sized by the row cap alone; it says so, and serves."""
+    import engine.build.speculation as speculation
+    import engine.build.step_costs as step_costs
+    from engine import LLM, SamplingParams
+
+    for module in (step_costs, speculation):
+        monkeypatch.setattr(module, "plausible_step_s", lambda weight_bytes: 0.0)
+    monkeypatch.setattr(step_costs, "_MEASURED", {})
+    monkeypatch.setattr(speculation, "_MEASURED_COSTS", {})
+    with caplog.at_level("WARNING", logger="kvserve.engine"):
+        llm = LLM(str(llama_dir), num_kv_blocks=64, block_size=4, num_speculative_tokens=2)
+    budget, drafter = llm.engine.scheduler.budget, llm.engine.drafter
+    assert budget.costs is None and budget.target_rows == 0 and budget.hold_s == 0.0
+    assert drafter is not None and drafter.cost is None
+    assert sum("not plausible" in r.getMessage() for r in caplog.records) == 2
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6))
+    assert len(out[0].outputs[0].token_ids) == 6

@@ -11,14 +11,14 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.config import EngineConfig
-from engine.core.step_budget import StepBudget, StepCosts
-from engine.spec.cost import chunk_step, measured_shape, time_step
+from engine.core.step_budget import StepBudget, StepCosts, plausible_step_s, settle_costs
+from engine.spec.cost import chunk_step, measured_shape, time_step, timed_rounds
 from models.llama import LlamaForCausalLM
 
 log = logging.getLogger("kvserve.engine")
 
 # a row count where kernels switch (1, a few, tens), the efficient chunk's range, and the full
-# budget; each measured twice (the faster kept: load on a shared machine only adds time)
+# budget; each timed in interleaved rounds (engine/spec/cost.timed_rounds), the fastest kept
 STEP_ROWS = (1, 4, 16, 64, 256)
 # steps above the first that takes this long are not measured, their costs extrapolated from
 # the two largest measured: on a CPU a chunk's cost per token only grows past a few hundred
@@ -26,6 +26,8 @@ STEP_ROWS = (1, 4, 16, 64, 256)
 # AVX-512 machine, 256 rows 1.03 ms a token, 1,024 rows 1.22 ms), and timing a 1,024-row step
 # twice was 2.5 s of every start there
 MEASURE_UP_TO_S = 0.15
+# row counts measured whatever they take (the efficient chunk is chosen among them)
+ALWAYS_MEASURED = 64
 _MEASURED: dict[tuple, StepCosts] = {}
 
 
@@ -50,7 +52,18 @@ def step_budget(
            block_size, context, rows)  # fmt: skip
     costs = _MEASURED.get(key)
     if costs is None:
-        costs = _MEASURED[key] = _measure(model, backend, rows, context, block_size, device)
+        costs = _measure(model, backend, rows, context, block_size, device)
+        plausible = plausible_step_s(weight_bytes(model))
+        if costs.seconds[0] > plausible:  # starved while timed: once more
+            costs = _measure(model, backend, costs.rows, context, block_size, device)
+        if costs.seconds[0] > plausible:
+            log.warning(
+                "step costs not plausible (one row %.0f ms, over this model's roofline floor "
+                "of %.0f ms: the CPU was busy while they were timed): every step may take %d "
+                "tokens", 1e3 * costs.seconds[0], 1e3 * plausible, full,
+            )  # fmt: skip
+            return StepBudget(full)
+        _MEASURED[key] = costs
     factor = config.max_itl_factor
     budget = StepBudget.measured(full, costs, config.target_step_ms, max(factor, 0.0),
                                  block_size, config.short_prefill_tokens,
@@ -66,17 +79,24 @@ def _measure(
     model: LlamaForCausalLM, backend: AttentionBackend, rows: tuple[int, ...], context: int,
     block_size: int, device: torch.device,
 ) -> StepCosts:  # fmt: skip
-    """Each row count's faster of two steps (the first also warms it up: allocations, lazy
-    packing), ascending, up to the first that takes over MEASURE_UP_TO_S."""
-    seconds: list[float] = []
+    """The row counts up to the first from ALWAYS_MEASURED whose first step (its warm-up:
+    allocations, lazy packing) takes over MEASURE_UP_TO_S, then their timed rounds,
+    interleaved, and settled within the roofline (more rows never cheaper, never dearer than
+    smaller steps carrying them: `settle_costs`), so a start beside a busy neighbour keeps a
+    sane budget."""
+    steps = []
     with torch.inference_mode():
         for r in rows:
-            step = chunk_step(model, backend, r, context, block_size, device, every_logit=False)
-            seconds.append(min(time_step(step, device), time_step(step, device)))
-            if seconds[-1] > MEASURE_UP_TO_S:
+            steps.append(chunk_step(model, backend, r, context, block_size, device,
+                                    every_logit=False))  # fmt: skip
+            if time_step(steps[-1], device) > MEASURE_UP_TO_S and r >= ALWAYS_MEASURED:
                 break
-    # a longer step never costs less than a shorter one: where samples say so, the shorter
-    # one's is the noisy sample (load only adds time), lowered to the longer one's
-    for i in range(len(seconds) - 2, -1, -1):
-        seconds[i] = min(seconds[i], seconds[i + 1])
-    return StepCosts(rows[: len(seconds)], tuple(seconds))
+        kept = rows[: len(steps)]
+        return StepCosts(kept, settle_costs(kept, timed_rounds(steps, device, warm_up=False)))
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a step reads of the model's own tensors (parameters and buffers: packed and
+    quantized weights included), for the roofline's floor."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -238,3 +238,5 @@ class LLMEngine:
         if not any(prompt):
             self.stats.decode_steps += 1
             self.stats.decode_step_seconds += seconds
+            if self.drafter is not None:
+                self.drafter.observe_step(update.scheduled.num_tokens, seconds)

@@ -88,15 +88,21 @@ class PrefillPolicy:
         unheld = budget.prefill_tokens(decode, streamed, now=now, prefills=due,
                                        shorts_near=False, cost_scale=scale)  # fmt: skip
         held = unheld
-        if self._shorts_near(now, waiting):
+        if self._shorts_near(now, waiting, decoding=bool(out.scheduled)):
             held = budget.prefill_tokens(decode, streamed, now=now, prefills=due,
                                          shorts_near=True, cost_scale=scale)  # fmt: skip
         return StepCaps(min(left, held), min(left, short_room), min(left, unheld))
 
-    def _shorts_near(self, now: float, waiting: list[Request]) -> bool:
-        if now - self.last_short_arrival <= self.budget.hold_s:
+    def _shorts_near(self, now: float, waiting: list[Request], decoding: bool) -> bool:
+        """A short prefill waits, or one arrived within `hold_s` while requests still decode
+        (`decoding`: the step has decode rows). With nothing decoding and nothing short
+        waiting, a recent short arrival does not hold the step: its client has its answer,
+        and a lone long prompt chunked to the target step paid for a newcomer that may never
+        come (served TTFT of 1,500 tokens after 256-token prompts: several held steps, each
+        reading the weights again)."""
+        if any(self.budget.is_short(r.prefill_estimate) for r in waiting):
             return True
-        return any(self.budget.is_short(r.prefill_estimate) for r in waiting)
+        return decoding and now - self.last_short_arrival <= self.budget.hold_s
 
     def _prefills_due(
         self, out: SchedulerOutput, pending: list[Request]

@@ -10,7 +10,8 @@ step reads the weights again, and a later chunk reads its earlier context again)
 
 - With no short prefill around, a step takes the full budget.
 - While a short prefill (at most `short_tokens` uncached: a prefix hit, a new turn) waits, or
-  one arrived within `hold_s` (they come in streams: the next is likely to land mid-step),
+  one arrived within `hold_s` while requests still decode (they come in streams: the next is
+  likely to land mid-step; with nothing decoding, a lone long prompt takes full steps),
   long prefills' chunks are held to `target_rows` a step, the most that fit in the target
   latency: by default the shortest step whose prefill costs within `EFFICIENT_TOLERANCE` a
   token of the cheapest measured. A short prefill then waits at most one such step to be
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
+from math import ceil
 
 # a chunk size is efficient when its cost per token is within this of the full budget's
 EFFICIENT_TOLERANCE = 0.05
@@ -51,6 +53,19 @@ HOLD_FULL_STEPS = 10
 # without measured costs (a scheduler built by hand): a nominal cost per prefill token, so
 # deadlines still order short before long at equal arrival
 NOMINAL_TOKEN_S = 1e-3
+# however the costs came out, steps stay held at most this long after a short arrival (a start
+# beside a busy neighbour timed 2.4 s for one row: ten full steps were hours)
+MAX_HOLD_S = 5.0
+# the roofline's floor for a plausible one-row step: its weights read at this rate (a tenth of
+# what one x86 core streams from DRAM) plus this much dispatch; a slower measurement is a
+# process starved of CPU while it was timed, not this device's cost
+MIN_READ_BYTES_S = 1e9
+STEP_OVERHEAD_S = 0.05
+
+
+def plausible_step_s(weight_bytes: int) -> float:
+    """The slowest one-row step this device could take on its own (`MIN_READ_BYTES_S`)."""
+    return weight_bytes / MIN_READ_BYTES_S + STEP_OVERHEAD_S
 
 
 def piecewise_linear(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
@@ -60,6 +75,32 @@ def piecewise_linear(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> fl
     i = min(max(bisect_left(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+
+
+def settle_costs(rows: tuple[int, ...], samples: list[list[float]]) -> tuple[float, ...]:
+    """One cost per row count (ascending) from timed repeats of each, within the roofline's
+    two sides whatever the samples say (a start beside a busy neighbour gave 17.9 / 34.2 /
+    26.3 / 24.7 ms for 1-4 verify rows): load only adds time, so each row count's fastest
+    repeat; the memory side (every step reads all the weights: more rows never cost less),
+    so a smaller step's dearer figure is lowered to the larger one's; the compute side (r
+    rows never cost more than the ceil(r / r') steps of r' rows that would carry them), so a
+    larger step's figure is capped by every smaller one's. The result never falls with rows."""
+    best = [min(s) for s in samples]
+    for i in range(len(best) - 2, -1, -1):
+        best[i] = min(best[i], best[i + 1])
+    for i in range(1, len(best)):
+        best[i] = min(best[i], *(ceil(rows[i] / rows[j]) * best[j] for j in range(i)))
+    return tuple(best)
+
+
+def unsettled(samples: list[list[float]], spread: float) -> bool:
+    """Whether some row count's two fastest repeats differ by more than `spread` (load came
+    and went during the measurement: another round is worth its time)."""
+    for s in samples:
+        fastest = sorted(s)[:2]
+        if len(fastest) == 2 and fastest[1] > spread * fastest[0]:
+            return True
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +177,9 @@ class StepBudget:
         else:
             target = costs.efficient_rows(max_tokens)
         stream = costs.efficient_rows(max_tokens, STREAM_TOLERANCE) if stream_bound else 0
-        hold = HOLD_FULL_STEPS * costs.cost(max_tokens)
+        # never a chunk below what a step with prefills waiting gives them anyway
+        target, stream = max(target, min_prefill_tokens), stream and max(stream, min_prefill_tokens)
+        hold = min(HOLD_FULL_STEPS * costs.cost(max_tokens), MAX_HOLD_S)
         return cls(max_tokens, costs, min(target, max_tokens), min(stream, max_tokens),
                    max_itl_factor if stream_bound else 0.0, min_prefill_tokens, short_tokens,
                    hold)  # fmt: skip

@@ -5,7 +5,8 @@ Verifying `batch x (1 + k)` rows costs about as much as `batch` rows while the m
 memory-bound (the weights are read once either way); past that point each extra row costs
 compute and speculation stops paying. Where that point lies depends on the device, the dtype
 and the packed weights, so it is measured, not configured: `measure` times one target step of
-1, 2, 4, ... rows (forward + logits) and one draft step of 1, 2, 4, ... rows, and `best_k`
+1, 2, 4, ... rows (forward + logits) and one draft step of 1, 2, 4, ... rows (interleaved
+rounds, settled within the roofline: engine/core/step_budget.settle_costs), and `best_k`
 weighs the expected accepted tokens (acceptance alpha per draft: 1 + alpha + ... + alpha^k)
 against `target(batch x (1 + k)) + (k - 1) x draft(batch)`: a head's first draft comes from the
 catch-up forward it runs every step anyway (its KV must follow the target's), so only the
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.core.step_budget import piecewise_linear
+from engine.core.step_budget import piecewise_linear, settle_costs, unsettled
 from engine.runner.step_inputs import step_metadata
 from models.eagle.head import EagleHead
 from models.llama import LlamaForCausalLM
@@ -79,24 +80,33 @@ def time_step(step: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t
 
 
-def median_times(
-    steps: list, repeats: int, device: torch.device, fastest: bool = False
-) -> list[float]:
-    """The median time of each step (`fastest`: after one warm-up call of the first alone, the
-    fastest: load on a shared machine only adds time), the steps interleaved round by round so
-    that a burst of load lands on all of them alike (and a noisy startup cannot make
-    verification look dearer than it is)."""
-    for step in steps[:1] if fastest else steps:  # first calls: allocations, lazy packing
+# rounds of every step after its warm-up; more (up to MAX_ROUNDS) while some step's two
+# fastest differ by over SETTLE_SPREAD (load came and went while it was measured)
+ROUNDS, MAX_ROUNDS, SETTLE_SPREAD = 2, 5, 1.15
+
+
+def timed_rounds(
+    steps: list[Callable[[], object]], device: torch.device, rounds: int = ROUNDS,
+    max_rounds: int = MAX_ROUNDS, spread: float = SETTLE_SPREAD,
+    clock: Callable[[], float] = time.perf_counter, warm_up: bool = True,
+) -> list[list[float]]:  # fmt: skip
+    """Each step's timed repeats, after one warm-up call each (allocations, lazy packing;
+    `warm_up` False: the caller made them): the steps interleaved round by round so that a
+    burst of load lands on all of them alike, `rounds` of them, and more while the
+    measurement is `unsettled`. `settle_costs` turns them into costs."""
+    for step in steps if warm_up else ():
         step()
     times: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
+    done = 0
+    while done < rounds or (done < max_rounds and unsettled(times, spread)):
         for i, step in enumerate(steps):
             _sync(device)
-            t = time.perf_counter()
+            t = clock()
             step()
             _sync(device)
-            times[i].append(time.perf_counter() - t)
-    return [min(ts) if fastest else sorted(ts)[len(ts) // 2] for ts in times]
+            times[i].append(clock() - t)
+        done += 1
+    return times
 
 
 def measured_shape(
@@ -125,25 +135,18 @@ def measure(
     device: torch.device,
     rows: tuple[int, ...] = MEASURED_ROWS,
     context: int = 128,
-    repeats: int = 3,
 ) -> SpecCostModel:
     """Time target and draft steps on scratch blocks at startup (no request owns any block yet;
     the KV written there is never read as anyone's). Without a head, drafts cost nothing to
     make (suffix and grammar drafts)."""
     context, rows = measured_shape(rows, head is not None, num_blocks, block_size, context)
-    target_s = median_times(
-        [chunk_step(model, backend, r, context, block_size, device) for r in rows],
-        repeats,
-        device,
-    )
-    draft_s = [0.0] * len(rows)
+    steps = [chunk_step(model, backend, r, context, block_size, device) for r in rows]
+    target_s = settle_costs(rows, timed_rounds(steps, device))
+    draft_s = (0.0,) * len(rows)
     if head is not None:
-        draft_s = median_times(
-            [_draft_step(model, head, backend, r, context, block_size, device) for r in rows],
-            repeats,
-            device,
-        )
-    return SpecCostModel(rows, tuple(target_s), tuple(draft_s))
+        drafts = [_draft_step(model, head, backend, r, context, block_size, device) for r in rows]
+        draft_s = settle_costs(rows, timed_rounds(drafts, device))
+    return SpecCostModel(rows, target_s, draft_s)
 
 
 def chunk_step(
@@ -176,3 +179,48 @@ def _draft_step(model, head, backend, rows: int, context: int, block_size: int, 
         head.logits(hidden).argmax(-1)
 
     return step
+
+
+# a served step moves its bucket's ratio this far; buckets above it relax this far toward it
+SERVED_EMA, SERVED_RELAX = 0.2, 0.01
+
+
+class ServedCosts:
+    """Served decode steps' time against the startup table's prediction, by the step's rows
+    (power-of-two buckets): the startup measurement times one sequence's chunk on a quiet
+    pool, while a served verify step carries `batch` sequences' rows with their own contexts,
+    the drafting and the verification. `scale(rows)` is what a step of `rows` costs served
+    over predicted (interpolated between served buckets, 1.0 before any step), so the picker
+    sees verify rows grow dearer with the batch as served. A bucket that
+    is no longer served (drafting turned down) relaxes toward the ratio served below it, so
+    drafting is tried again later rather than never."""
+
+    def __init__(self) -> None:
+        self.ratio: dict[int, float] = {}
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return max(rows, 1).bit_length()
+
+    def observe(self, rows: int, predicted: float, seconds: float) -> None:
+        if predicted <= 0 or seconds <= 0:
+            return
+        b, r = self.bucket(rows), min(seconds / predicted, 100.0)
+        self.ratio[b] = (
+            r if b not in self.ratio else (1 - SERVED_EMA) * self.ratio[b] + SERVED_EMA * r
+        )
+        for above in [a for a in self.ratio if a > b]:
+            self.ratio[above] += SERVED_RELAX * (self.ratio[b] - self.ratio[above])
+
+    def scale(self, rows: int) -> float:
+        """The bucket's ratio; between served buckets, linear in the bucket; past the last
+        or before the first, theirs."""
+        b = self.bucket(rows)
+        if b in self.ratio or not self.ratio:
+            return self.ratio.get(b, 1.0)
+        below = [a for a in self.ratio if a < b]
+        above = [a for a in self.ratio if a > b]
+        if not below or not above:
+            return self.ratio[max(below) if below else min(above)]
+        lo, hi = max(below), min(above)
+        return self.ratio[lo] + (self.ratio[hi] - self.ratio[lo]) * (b - lo) / (hi - lo)

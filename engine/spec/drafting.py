@@ -34,7 +34,7 @@ import torch
 from engine.core.batch import StepUpdate
 from engine.core.request import Request
 from engine.spec.answer_corpus import CONTEXT_TOKENS, AnswerCorpus
-from engine.spec.cost import SpecCostModel
+from engine.spec.cost import ServedCosts, SpecCostModel
 from engine.spec.draft_state import DraftState, SpecStats, expected_accepted, useful_depth
 from engine.spec.eagle import EagleDrafts, StepPlan, room_for_drafts
 from engine.spec.suffix_index import NGRAM_SIZES, RecentOutputs, SuffixIndex
@@ -76,6 +76,8 @@ class Drafter:
         self.max_tokens = max_tokens
         self.max_verify_rows = max_verify_rows
         self.cost = cost
+        # served decode steps against `cost`'s prediction, by rows (what verify rows cost served)
+        self.served = ServedCosts()
         # recent outputs per cache salt, the least recently used salt dropped past MAX_SALTS
         self.recent: OrderedDict[str | None, RecentOutputs] = OrderedDict()
         self.stats = {s: SpecStats() for s in sources}
@@ -112,6 +114,16 @@ class Drafter:
         if self.cost is not None:
             return self.cost.best_k(n, alpha, self.max_tokens, self.max_verify_rows)
         return max(0, min(self.max_tokens, self.max_verify_rows // n - 1))
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A served decode step (no prompt rows) of `rows` rows, drafting included."""
+        if self.cost is not None:
+            self.served.observe(rows, self.cost.target(rows), seconds)
+
+    def verify_s(self, rows: int) -> float:
+        """A step of `rows` decode and verify rows: the startup table, scaled as served."""
+        assert self.cost is not None
+        return self.cost.target(rows) * self.served.scale(rows)
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """The verifier kept `num_accepted` of the request's `num_drafted` drafts."""
@@ -177,7 +189,9 @@ class Drafter:
         """The most drafts per request this step. By the measured verify cost: the k with the
         most expected tokens per second over these candidates (a request with a draft of
         length L at acceptance alpha brings 1 + alpha + ... + alpha^min(k, L) tokens for
-        1 + min(k, L) rows; suffix and grammar drafts cost nothing to make). Without costs,
+        1 + min(k, L) rows; suffix and grammar drafts cost nothing to make), the rows' cost
+        as served steps of as many rows measured it (`verify_s`: verify rows grow dearer with
+        the batch on the served path, and drafting turns down with them). Without costs,
         the row cap alone: batch x (1 + k) <= max_verify_rows."""
         n = len(picks)
         if n == 0:
@@ -187,14 +201,14 @@ class Drafter:
             self.current_k = k
             return k
         longest = max(len(d) for _, d, _ in picks)
-        best_k, best_rate = 0, n / self.cost.target(n)
+        best_k, best_rate = 0, n / self.verify_s(n)
         eagle = any(source == "eagle" for source, _, _ in picks)
         for k in range(1, longest + 1):
             rows = sum(1 + min(k, len(d)) for _, d, _ in picks)
             if rows > self.max_verify_rows:
                 break
             tokens = n + sum(expected_accepted(alpha, min(k, len(d))) for _, d, alpha in picks)
-            secs = self.cost.target(rows) + (self.cost.chain(n, k) if eagle else 0.0)
+            secs = self.verify_s(rows) + (self.cost.chain(n, k) if eagle else 0.0)
             if tokens / secs > best_rate:
                 best_k, best_rate = k, tokens / secs
         self.current_k = best_k

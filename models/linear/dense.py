@@ -164,13 +164,23 @@ def pack_linears(module: nn.Module) -> int:
 def best_pass_time(calls: list[tuple[Callable, torch.Tensor]], repeats: int = 3) -> float:
     """Best time of one pass through `calls` (fn, x) in order: a forward's stream of weights,
     mostly out of cache. The first pass allocates and warms the kernels, and is not counted."""
-    best = float("inf")
+    return best_pass_times([calls], repeats)[0]
+
+
+def best_pass_times(
+    passes: list[list[tuple[Callable, torch.Tensor]]], repeats: int = 3
+) -> list[float]:
+    """`best_pass_time` of each of `passes` (the paths a crossover compares), timed in
+    interleaved rounds so that load on a shared machine lands on every path alike rather
+    than on whichever ran while a neighbour was busy."""
+    best = [float("inf")] * len(passes)
     for i in range(repeats + 1):
-        start = time.perf_counter()
-        for fn, x in calls:
-            fn(x)
-        if i:
-            best = min(best, time.perf_counter() - start)
+        for j, calls in enumerate(passes):
+            start = time.perf_counter()
+            for fn, x in calls:
+                fn(x)
+            if i:
+                best[j] = min(best[j], time.perf_counter() - start)
     return best
 
 
@@ -189,8 +199,10 @@ def measure_packed_rows(module: nn.Module) -> str:
     seen, chosen = [], PACKED_ROW_BUCKETS[-1] + 1
     for rows in PACKED_ROW_BUCKETS:
         xs = {m.in_features: torch.randn(rows, m.in_features).to(m.weight.dtype) for m in layers}
-        plain = best_pass_time([(m.plain_forward, xs[m.in_features]) for m in layers])
-        packed = best_pass_time([(m.packed_forward, xs[m.in_features]) for m in layers])
+        plain, packed = best_pass_times([
+            [(m.plain_forward, xs[m.in_features]) for m in layers],
+            [(m.packed_forward, xs[m.in_features]) for m in layers],
+        ])  # fmt: skip
         seen.append(f"{rows}: {plain * 1e3:.1f}/{packed * 1e3:.1f}")
         if packed <= plain:
             chosen = rows

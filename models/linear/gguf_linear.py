@@ -19,7 +19,7 @@ from kernels.ops import GGUF, GGUF_Q8
 from models.linear import int8_prefill
 from models.linear.dense import (
     Linear,
-    best_pass_time,
+    best_pass_times,
     can_pack,
     cpu_linear,
     onednn_linear,
@@ -211,11 +211,11 @@ def weight_groups(model: nn.Module) -> dict[str, list[GGUFWeight]]:
     return groups
 
 
-def _best_time(weights: list[GGUFWeight], path: str, rows: int) -> float:
-    """One pass over `weights` in forward order through `path` ("kernel", "kernel_q8" or
-    "dense_matmul") at `rows` rows (`best_pass_time`)."""
+def _best_times(weights: list[GGUFWeight], paths: list[str], rows: int) -> list[float]:
+    """One pass over `weights` in forward order through each of `paths` ("kernel",
+    "kernel_q8" or "dense_matmul") at `rows` rows, interleaved (`best_pass_times`)."""
     xs = {w.in_features: torch.randn(rows, w.in_features).to(w.dtype) for w in weights}
-    return best_pass_time([(getattr(w, path), xs[w.in_features]) for w in weights])
+    return best_pass_times([[(getattr(w, p), xs[w.in_features]) for w in weights] for p in paths])
 
 
 # int8-rounded activations cost accuracy (~0.5% relative error per product): they must beat
@@ -259,11 +259,11 @@ def measure_crossover(
         q8_limit = kernel_limit = 0
         seen = []
         for rows in ROW_BUCKETS:
-            exact = _best_time(weights, "kernel", rows)
-            dense = _best_time(weights, "dense_matmul", rows)
-            times = f"{exact * 1e3:.1f}/{dense * 1e3:.1f}"
             # int8-rounded activations are timed only when allowed (the probe runs at startup)
-            q8 = _best_time(weights, "kernel_q8", rows) if int8_activations else float("inf")
+            paths = ["kernel", "dense_matmul"] + (["kernel_q8"] if int8_activations else [])
+            exact, dense, *rest = _best_times(weights, paths, rows)
+            times = f"{exact * 1e3:.1f}/{dense * 1e3:.1f}"
+            q8 = rest[0] if rest else float("inf")
             seen.append(f"{rows}: {times}" + (f"/{q8 * 1e3:.1f}" if int8_activations else ""))
             if q8 * Q8_MARGIN < min(exact, dense) and q8_limit == kernel_limit:
                 q8_limit = kernel_limit = rows
@@ -318,8 +318,7 @@ def measure_int8_dense(model: nn.Module, key: tuple | None = None) -> str:
     else:
         start, seen = 1 << 30, []
         for rows in reversed(INT8_ROW_BUCKETS):
-            dense = _best_time(weights, "dense_matmul", rows)
-            int8 = _best_time(weights, "dense_int8", rows)
+            dense, int8 = _best_times(weights, ["dense_matmul", "dense_int8"], rows)
             seen.append(f"{rows}: {dense * 1e3:.1f}/{int8 * 1e3:.1f}")
             if int8 * Q8_MARGIN >= dense:
                 break

@@ -1,0 +1,108 @@
+"""A long prompt's served time to first token against the engine's own prefill of it, in one run:
+the same ~1,500-token prompts (unique, so no prefix hit) streamed to a kvserve server
+(`/v1/completions`, token ids, 4 tokens) and prefilled in this process by `LLM` on the same
+settings, the two interleaved round by round so load on a shared machine lands on both alike.
+
+As `bench/compare.py` runs its TTFT rows, each long prompt may follow short ones
+(`--short-first`, ~256 tokens each, then half a second) on both sides: what the step budget does
+after a short prompt arrived shows in both columns; "alone" is the engine's prefill with no
+short prompt before it.
+
+    PYTHONPATH=. python bench/served_vs_engine.py [--rounds 3] [--len 1500] \\
+        [--server-arg=--max-num-batched-tokens=2048]
+
+Prints per round: served TTFT, in-process prefill after the same short prompts, and alone
+(ms), then the medians and served minus in-process (the target: within 30 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import httpx
+
+from engine import LLM, SamplingParams
+from harness import sse
+from harness.launch import Server
+from harness.workload import chat_prompts
+
+SHORT_LEN = 256
+
+
+def served_ttft(base: str, model: str, ids: list[int]) -> float:
+    """Seconds from sending a streamed completion of `ids` to its first token's chunk."""
+    body = {"model": model, "prompt": ids, "max_tokens": 4, "ignore_eos": True,
+            "temperature": 0, "stream": True}  # fmt: skip
+    t = time.perf_counter()
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as response:
+        response.raise_for_status()
+        ttft = None
+        for payload in sse.data(response):  # read to the end: the request ends before the next
+            if ttft is None and payload != sse.DONE and '"choices":[{' in payload.replace(" ", ""):
+                ttft = time.perf_counter() - t
+        if ttft is not None:
+            return ttft
+    raise RuntimeError("the stream ended without a token")
+
+
+def engine_prefill(llm: LLM, ids: list[int]) -> float:
+    """Seconds of `LLM.generate` of one token of `ids` (its prefill and first sample)."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate(ids, params)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--len", type=int, default=1500, help="long prompt tokens")
+    ap.add_argument("--short-first", type=int, default=2, help="short prompts before each long")
+    ap.add_argument("--server-arg", action="append", default=[], help="one server flag each")
+    a = ap.parse_args()
+    llm = LLM()
+    print(f"step budget: {llm.engine.scheduler.budget.describe()}", flush=True)
+    n_short = a.rounds * a.short_first * 2
+    longs = chat_prompts(llm.tokenizer, 3 * a.rounds + 2, (a.len, a.len), (1, 1), seed=11)
+    shorts = chat_prompts(llm.tokenizer, n_short + 2, (SHORT_LEN, SHORT_LEN), (1, 1), seed=12)
+    longs_ids, shorts_ids = [p for p, _ in longs], [p for p, _ in shorts]
+    print(f"prompts: long {len(longs_ids[0])} tokens, short {len(shorts_ids[0])}", flush=True)
+    served, after_short, alone = [], [], []
+    with Server(a.server_arg) as server:
+        model = server.model_id()
+        served_ttft(server.base, model, shorts_ids.pop())  # warm-ups: first-call costs
+        engine_prefill(llm, shorts_ids.pop())
+        served_ttft(server.base, model, longs_ids.pop())
+        engine_prefill(llm, longs_ids.pop())
+        for rnd in range(a.rounds):
+            sides = ["served", "engine"] if rnd % 2 == 0 else ["engine", "served"]
+            for side in sides:
+                for _ in range(a.short_first):
+                    ids = shorts_ids.pop()
+                    if side == "served":
+                        served_ttft(server.base, model, ids)
+                    else:
+                        engine_prefill(llm, ids)
+                time.sleep(0.5)
+                if side == "served":
+                    served.append(served_ttft(server.base, model, longs_ids.pop()))
+                else:
+                    after_short.append(engine_prefill(llm, longs_ids.pop()))
+            # the engine's prefill with no short prompt near (as if it had been long ago)
+            llm.engine.scheduler.policy.last_short_arrival = float("-inf")
+            alone.append(engine_prefill(llm, longs_ids.pop()))
+            print(f"round {rnd}: served TTFT {1e3 * served[-1]:.0f} ms, in-process after short "
+                  f"{1e3 * after_short[-1]:.0f} ms, alone {1e3 * alone[-1]:.0f} ms",
+                  flush=True)  # fmt: skip
+    med = {k: 1e3 * statistics.median(v) for k, v in
+           (("served", served), ("after", after_short), ("alone", alone))}  # fmt: skip
+    print(f"median: served {med['served']:.0f} ms, in-process after short {med['after']:.0f} ms, "
+          f"alone {med['alone']:.0f} ms; served - alone {med['served'] - med['alone']:+.0f} ms, "
+          f"served / alone {med['served'] / med['alone']:.2f}x")  # fmt: skip
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
