@@ -27,7 +27,8 @@ CONFIG = dict(
     eos_token_id=2, pad_token_id=0, hc_mult=4,
 )  # fmt: skip
 # no startup measurements (step budget, oneDNN packing): these checks of numbers need none
-FAST = dict(target_step_ms=-1, cpu_packed_weights=False, dtype="float32", block_size=16)
+FAST = dict(target_step_ms=-1, cpu_packed_weights=False, spec_cost_model=False, dtype="float32",
+            block_size=16)  # fmt: skip
 NEW = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 PROMPT = [(i * 37 + 11) % 509 + 3 for i in range(300)]
@@ -94,3 +95,48 @@ def test_logits_and_greedy_match_transformers(ref, chunked) -> None:
     assert (ours - logits).abs().max().item() < 1e-4 * logits.abs().max().item()
     assert chunked.generate([PROMPT], GREEDY)[0].outputs[0].token_ids == greedy
     assert chunked.engine.kv.pool.num_free_blocks == chunked.engine.num_blocks
+
+
+# a prompt whose cached part (9 blocks of 16: 144 tokens) ends halfway through an HCA window
+# of 32, one that is a shorter prefix of PROMPT, one that repeats (suffix drafts get accepted)
+PROMPTS = [PROMPT[:152] + [7, 8, 9] * 10, PROMPT[:100], [5, 6, 7, 8] * 20, PROMPT]
+LONGER = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(ref) -> list[list[int]]:
+    """PROMPTS' greedy tokens without prefix caching, speculation or preemption."""
+    llm = LLM(str(ref[0]), num_kv_blocks=96, enable_prefix_caching=False,
+              num_speculative_tokens=0, **FAST)  # fmt: skip
+    return [r.outputs[0].token_ids for r in llm.generate(PROMPTS, LONGER)]
+
+
+def test_prefix_hit_mid_window_and_speculation(ref, chunked, plain) -> None:
+    """After PROMPT ran, its full blocks are prefix hits carrying their compressed entries (the
+    open HCA window recomputed from the rows the hit brings, windowed groups from their own
+    pool); suffix drafts are verified and some accepted: the text is the plain run's."""
+    chunked.generate([PROMPT], LONGER)
+    res = chunked.generate(PROMPTS, LONGER)
+    assert [r.outputs[0].token_ids for r in res] == plain
+    assert [r.num_cached_tokens for r in res][:2] == [144, 96]
+    assert chunked.engine.drafter.total_stats().num_accepted_tokens > 0
+    assert chunked.engine.kv.window is not None  # the windowed groups' blocks went back
+
+
+def test_preemption_swap_and_disk_tier(ref, plain, tmp_path) -> None:
+    """A pool too small for the batch: preempted requests swap their blocks of every group to
+    the host tier and back (speculating meanwhile); the disk tier brings a prompt's blocks back
+    after a restart. The text is the plain run's throughout."""
+    tight = LLM(str(ref[0]), num_kv_blocks=22, max_num_batched_tokens=70, host_bytes="16MiB",
+                preemption_mode="swap", num_speculative_tokens=4, **FAST)  # fmt: skip
+    assert [r.outputs[0].token_ids for r in tight.generate(PROMPTS, LONGER)] == plain
+    assert tight.engine.scheduler.num_preemptions > 0
+    kw = dict(num_kv_blocks=40, host_bytes="1MiB", disk_path=str(tmp_path / "kv"),
+              num_speculative_tokens=0, **FAST)  # fmt: skip
+    first = LLM(str(ref[0]), **kw)
+    assert first.generate([PROMPT], LONGER)[0].outputs[0].token_ids == plain[3]
+    first.engine.shutdown()  # flushes the host tier to disk
+    second = LLM(str(ref[0]), **kw)
+    warm = second.generate([PROMPT], LONGER)[0]
+    assert warm.outputs[0].token_ids == plain[3] and warm.num_cached_tokens == 288
+    assert second.engine.kv.hits_by_source["disk"] > 0
