@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention_step import AttentionStep
-from models.deepseek_v4_attention import CSA, HCA, SLIDING, V4Attention, V4Batch, rms
+from models.deepseek_v4_attention import CSA, HCA, SLIDING, V4Attention, rms
+from models.deepseek_v4_plan import V4Batch
 from models.spec import KVGroupSpec, LayerSpec, ModelSpec
 
 ARCH = "DeepseekV4ForCausalLM"

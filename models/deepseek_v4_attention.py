@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention_step import PagedBatch
+from models.deepseek_v4_plan import RatePlan, V4Batch, additive
 from models.spec import ModelSpec
 
 SLIDING = "sliding_attention"
@@ -42,110 +42,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     a, b = tail[..., 0::2], tail[..., 1::2]
     rotated = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
     return torch.cat([head, rotated.to(x.dtype)], dim=-1)
-
-
-def inv_freq(rotary: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, rotary, 2, dtype=torch.float) / rotary))
-
-
-class V4Batch:
-    """Where the step's tokens, windows and entries sit in the pool, shared by every layer:
-    built once per forward from the backend's `PagedBatch`."""
-
-    def __init__(self, spec: ModelSpec, paged: PagedBatch, positions: torch.Tensor) -> None:
-        self.paged, self.spec = paged, spec
-        self.caches, bs = paged.kv_caches, paged.block_size
-        device = positions.device
-        self.window = spec.sliding_window or 0
-        rotary = spec.rotary_dim(spec.layers[0].head_dim)
-        pos = positions.float()[:, None]
-        self.rope = {
-            label: ((pos * inv).cos(), (pos * inv).sin())
-            for label, inv in (("main", inv_freq(rotary, spec.rope_theta)),
-                               ("compress", inv_freq(rotary, spec.extra["compress_rope_theta"])))
-        }  # fmt: skip
-        self.compress_inv = inv_freq(rotary, spec.extra["compress_rope_theta"]).to(device)
-        tables = {False: paged.block_tables, True: paged.window_block_tables or paged.block_tables}
-        self.tables = {k: [torch.tensor(t, dtype=torch.long) for t in v] for k, v in tables.items()}
-        self.seqs = []  # (rows, first position, sequence length)
-        for start, q_len, ctx in zip(paged.query_start, paged.query_lens, paged.context_lens):
-            self.seqs.append((slice(start, start + q_len), ctx, ctx + q_len))
-        self.token_pos = [torch.arange(ctx, end) for _, ctx, end in self.seqs]
-        self.rate_plans: dict[int, RatePlan] = {}
-        for rate in set(spec.extra["compress_rates"].values()):
-            self.rate_plans[rate] = RatePlan(self, rate, bs, device)
-        self._slots: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.window_keys: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for i, (_, ctx, end) in enumerate(self.seqs):
-            first = max(0, ctx - self.window + 1)
-            keys = torch.arange(first, end)
-            blk, off = self.locate(True, i, keys)
-            t = self.token_pos[i][:, None]
-            visible = (keys[None, :] <= t) & (t - keys[None, :] < self.window)
-            self.window_keys.append((blk.to(device), off.to(device), visible.to(device)))
-
-    def locate(self, windowed: bool, seq: int, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        bs = self.paged.block_size
-        return self.tables[windowed][seq][positions // bs], positions % bs
-
-    def token_slots(self, windowed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) of every new token in a per-token group."""
-        if windowed not in self._slots:
-            parts = [self.locate(windowed, i, p) for i, p in enumerate(self.token_pos)]
-            blk = torch.cat([b for b, _ in parts]) if parts else torch.zeros(0, dtype=torch.long)
-            off = torch.cat([o for _, o in parts]) if parts else torch.zeros(0, dtype=torch.long)
-            device = self.caches[0].device
-            self._slots[windowed] = (blk.to(device), off.to(device))
-        return self._slots[windowed]
-
-
-class RatePlan:
-    """For one compression rate m: the windows that close in this step (their sources' rows and
-    where their entries go) and, per sequence, where its entries are and which queries see them."""
-
-    def __init__(self, batch: V4Batch, m: int, bs: int, device: torch.device) -> None:
-        self.m, self.batch = m, batch
-        closing = [(i, w) for i, (_, ctx, end) in enumerate(batch.seqs)
-                   for w in range(ctx // m, end // m)]  # fmt: skip
-        self.num_closing = len(closing)
-        self.closing_seqs = [i for i, _ in closing]
-        w = torch.tensor([w for _, w in closing], dtype=torch.long)
-        self.positions = (w * m).to(device)  # where an entry's rotary sits
-        self.entry_slot = self.locate(self.closing_seqs, w, device)
-        # a closing window's sources: the previous window (CSA's first series) and its own
-        offsets = torch.arange(-m, m)
-        self.source_pos = w[:, None] * m + offsets[None, :]  # [closing, 2m]
-        self.source_valid = (self.source_pos >= 0).to(device)
-        self.source_phase = (offsets % m).to(device)
-        self._sources: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.entries = []  # per sequence: block, slot of entries 0..n-1; visibility [q, n]
-        for i, (_, _, end) in enumerate(batch.seqs):
-            ws = torch.arange(end // m)
-            t = batch.token_pos[i][:, None]
-            visible = (ws[None, :] < (t + 1) // m).to(device)
-            self.entries.append((*self.locate([i] * len(ws), ws, device), visible))
-
-    def locate(self, seqs: list[int], w: torch.Tensor, device: torch.device
-               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(block, slot) of entries w of sequences `seqs`: in the block of the window's last
-        token, slot ((w+1)m-1) % B // m."""
-        bs = self.batch.paged.block_size
-        last = (w + 1) * self.m - 1
-        tables = self.batch.tables[False]
-        blk = torch.stack([tables[i][p // bs] for i, p in zip(seqs, last)]) if seqs else last
-        return blk.to(device), ((last % bs) // self.m).to(device)
-
-    def source_slots(self, windowed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) [closing, 2m] of the closing windows' source rows (positions before
-        the sequence's start point at its first block; they are masked)."""
-        if windowed not in self._sources:
-            bs, src = self.batch.paged.block_size, self.source_pos.clamp(min=0)
-            tables = self.batch.tables[windowed]
-            blk = (torch.stack([tables[i][p // bs] for i, p in zip(self.closing_seqs, src)])
-                   if self.num_closing else src)  # fmt: skip
-            device = self.batch.caches[0].device
-            self._sources[windowed] = (blk.to(device), (src % bs).to(device))
-        return self._sources[windowed]
 
 
 class Compressor(nn.Module):
@@ -237,20 +133,24 @@ class V4Attention(nn.Module):
             index_q = rope(iq, *batch.rope["compress"]).float()
             index_w = self.indexer.weights(h).float() * self.index_heads**-0.5
         out = q.new_empty(q.shape)
-        for i, (rows, _, _) in enumerate(batch.seqs):
-            kb, ko, visible = batch.window_keys[i]
-            keys = window[0, 0, kb, ko].to(q.dtype)
-            bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device)
-            bias.masked_fill_(~visible, float("-inf"))
-            if plan is not None:
-                eb, es, seen = plan.entries[i]
-                entries = batch.caches[self.groups[2]][0, 0, eb, es].to(q.dtype)
-                if index_q is not None:
-                    seen = self._select(index_q[rows], index_w[rows], entries[:, self.hd :], seen)
-                ebias = torch.zeros(seen.shape, dtype=torch.float32, device=q.device)
-                ebias.masked_fill_(~seen, float("-inf"))
-                keys = torch.cat([keys, entries[:, : self.hd]])
-                bias = torch.cat([bias, ebias], dim=-1)
+        cache = batch.caches[self.groups[2]] if plan is not None else None
+        views = []
+        if len(batch.decode_rows):  # the decode rows as one batch, each its own keys
+            views.append((batch.decode_rows, batch.decode_window, plan.decode if plan else None))
+        for j, (_, rows) in enumerate(batch.prefills):
+            views.append((rows, batch.prefill_window[j], plan.prefill[j] if plan else None))
+        for rows, win, ent in views:
+            keys = window[0, 0, win.block, win.slot].to(q.dtype)  # [1 or rows, L, D]
+            bias = additive(win.visible)
+            if ent is not None and cache is not None:
+                entries = cache[0, 0, ent.block, ent.slot].to(q.dtype)
+                seen = ent.visible
+                if index_q is not None and index_w is not None:
+                    seen = self._select(index_q[rows], index_w[rows], entries[..., self.hd :], seen)
+                keys = torch.cat([keys, entries[..., : self.hd]], dim=1)
+                bias = torch.cat([bias, additive(seen)], dim=-1)
+            if keys.shape[0] == 1:
+                keys = keys[0]
             out[rows] = self._attend(q[rows], keys, bias)
         out = rope(out, cos, -sin).reshape(t, self.o_groups, -1)
         weight = self.o_a.view(self.o_groups, -1, out.shape[-1]).transpose(1, 2)
@@ -258,25 +158,28 @@ class V4Attention(nn.Module):
         return self.o_b(grouped.transpose(0, 1).reshape(t, -1))
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Softmax over the keys (K is V) and a sink logit per head: q [n, H, D], keys [L, D],
-        bias [n, L] -> [n, H, D]."""
-        scores = torch.einsum("nhd,ld->hnl", q, keys).float() * self.hd**-0.5 + bias
-        sink = self.sinks.float().view(-1, 1, 1).expand(-1, q.shape[0], 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("hnl,ld->nhd", probs.to(keys.dtype), keys)
+        """Softmax over the keys (K is V) and a sink logit per head: q [n, H, D], keys [L, D]
+        (shared by the rows) or [n, L, D], bias [n, L] -> [n, H, D]."""
+        shared = keys.dim() == 2
+        scores = torch.einsum("nhd,ld->nhl" if shared else "nhd,nld->nhl", q, keys)
+        scores = scores.float() * self.hd**-0.5 + bias[:, None, :]
+        sink = self.sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1].to(keys.dtype)
+        return torch.einsum("nhl,ld->nhd" if shared else "nhl,nld->nhd", probs, keys)
 
     def _select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor
                 ) -> torch.Tensor:  # fmt: skip
-        """The lightning indexer: of the entries each query may see, the top k by
-        sum_h w_h relu(q_h . k) / sqrt(d)."""
-        scores = torch.relu(torch.einsum("nhd,ld->nhl", q, keys.float())) * self.index_dim**-0.5
+        """The lightning indexer: of the entries each query row may see, the top k by
+        sum_h w_h relu(q_h . k) / sqrt(d). keys [1 or n, E, d], seen [n, E]."""
+        form = "nhd,ld->nhl" if keys.shape[0] == 1 else "nhd,nld->nhl"
+        k2 = keys[0] if keys.shape[0] == 1 else keys
+        scores = torch.relu(torch.einsum(form, q, k2.float())) * self.index_dim**-0.5
         scores = (scores * w[:, :, None]).sum(dim=1).masked_fill(~seen, float("-inf"))
         k = min(self.top_k, scores.shape[-1])
         if k == 0:
             return seen
         picked = scores.topk(k, dim=-1).indices
-        chosen = torch.zeros_like(seen).scatter_(-1, picked, True)
-        return chosen & seen
+        return torch.zeros_like(seen).scatter_(-1, picked, True) & seen
 
     def _compress(self, h: torch.Tensor, batch: V4Batch, plan: RatePlan) -> None:
         """Write the new tokens' compressor rows, then the entries of the windows they close."""

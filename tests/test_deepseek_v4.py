@@ -8,6 +8,9 @@ the engines are small and share what they can."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 
@@ -15,6 +18,9 @@ from engine import LLM
 from engine.core.sampling_params import SamplingParams
 from engine.core.scoring import score_prompt
 from tests.conftest import build_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import DeepseekV4ForCausalLM
 
 C, H, S = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 CONFIG = dict(
@@ -34,9 +40,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 PROMPT = [(i * 37 + 11) % 509 + 3 for i in range(300)]
 
 
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory):
-    """The checkpoint, and transformers' logits and greedy tokens for PROMPT."""
+def build(out: Path) -> DeepseekV4ForCausalLM:
+    """The tiny random checkpoint (and its tokenizer) at `out`; returns the transformers model."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     torch.manual_seed(0)
@@ -52,9 +57,16 @@ def ref(tmp_path_factory):
                 b.copy_(torch.randint(0, 4, b.shape))
             elif name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
-    out = tmp_path_factory.mktemp("dsv4")
     model.save_pretrained(out)
     build_tokenizer(out)
+    return model
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """The checkpoint, and transformers' logits and greedy tokens for PROMPT."""
+    out = tmp_path_factory.mktemp("dsv4")
+    model = build(out)
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT])).logits[0]
         greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False)
