@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine import LLM
+from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scoring import score_prompt
 from tests.conftest import build_tokenizer
@@ -101,18 +102,20 @@ def test_groups_and_the_kernel_matrix(ref, chunked) -> None:
 
 def test_logits_and_greedy_match_transformers(ref, chunked) -> None:
     """The whole prompt in one step (logits) and in chunks of 70, then decode across window
-    boundaries (greedy tokens), equal to transformers; every block back in the pool after."""
+    boundaries (greedy tokens) batched with a shorter request, equal to transformers; every
+    block back in the pool after."""
     _, logits, greedy = ref
     ours = score_prompt(chunked.engine, PROMPT)
     assert (ours - logits).abs().max().item() < 1e-4 * logits.abs().max().item()
-    assert chunked.generate([PROMPT], GREEDY)[0].outputs[0].token_ids == greedy
+    both = chunked.generate([PROMPT, PROMPT[:37]], GREEDY)
+    assert both[0].outputs[0].token_ids == greedy
     assert chunked.engine.kv.pool.num_free_blocks == chunked.engine.num_blocks
 
 
 # a prompt whose cached part (9 blocks of 16: 144 tokens) ends halfway through an HCA window
 # of 32, one that is a shorter prefix of PROMPT, one that repeats (suffix drafts get accepted)
 PROMPTS = [PROMPT[:152] + [7, 8, 9] * 10, PROMPT[:100], [5, 6, 7, 8] * 20, PROMPT]
-LONGER = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+LONGER = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -135,16 +138,13 @@ def test_prefix_hit_mid_window_and_speculation(ref, chunked, plain) -> None:
     assert chunked.engine.kv.window is not None  # the windowed groups' blocks went back
 
 
-def test_preemption_swap_and_disk_tier(ref, plain, tmp_path) -> None:
-    """A pool too small for the batch: preempted requests swap their blocks of every group to
-    the host tier and back (speculating meanwhile); the disk tier brings a prompt's blocks back
-    after a restart. The text is the plain run's throughout."""
-    tight = LLM(str(ref[0]), num_kv_blocks=22, max_num_batched_tokens=70, host_bytes="16MiB",
-                preemption_mode="swap", num_speculative_tokens=4, **FAST)  # fmt: skip
-    assert [r.outputs[0].token_ids for r in tight.generate(PROMPTS, LONGER)] == plain
-    assert tight.engine.scheduler.num_preemptions > 0
+def test_disk_tier_transfer_and_preemption(ref, plain, tmp_path) -> None:
+    """The disk tier brings a prompt's blocks of every group back after a restart; the blocks
+    a prefill instance publishes (P/D: exported to bytes, the store's payloads) are a decode
+    instance's prefix hit; in a pool too small for the batch, preempted requests swap their
+    blocks to the host tier and back while speculating. The text is the plain run's throughout."""
     kw = dict(num_kv_blocks=40, host_bytes="1MiB", disk_path=str(tmp_path / "kv"),
-              num_speculative_tokens=0, **FAST)  # fmt: skip
+              num_speculative_tokens=0, kv_hash_seed="dsv4", **FAST)  # fmt: skip
     first = LLM(str(ref[0]), **kw)
     assert first.generate([PROMPT], LONGER)[0].outputs[0].token_ids == plain[3]
     first.engine.shutdown()  # flushes the host tier to disk
@@ -152,3 +152,17 @@ def test_preemption_swap_and_disk_tier(ref, plain, tmp_path) -> None:
     warm = second.generate([PROMPT], LONGER)[0]
     assert warm.outputs[0].token_ids == plain[3] and warm.num_cached_tokens == 288
     assert second.engine.kv.hits_by_source["disk"] > 0
+    # P/D: a prompt the prefill instance computed, its blocks as the store's payloads
+    other = [(i * 53 + 5) % 500 + 3 for i in range(200)]
+    want = second.generate([other], LONGER)[0].outputs[0].token_ids
+    blocks = second.engine.kv.export_prompt(Request("pd", other, LONGER, frozenset(), 4096))
+    assert len(blocks) == len(other) // 16
+    tight = LLM(str(ref[0]), num_kv_blocks=22, max_num_batched_tokens=70, host_bytes="16MiB",
+                preemption_mode="swap", num_speculative_tokens=4, kv_hash_seed="dsv4",
+                **FAST)  # fmt: skip
+    assert [r.outputs[0].token_ids for r in tight.generate(PROMPTS, LONGER)] == plain
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.kv.import_blocks(blocks) == len(blocks)
+    got = tight.generate([other], LONGER)[0]
+    assert got.outputs[0].token_ids == want and got.num_cached_tokens == 192
+    assert tight.engine.kv.hits_by_source["remote"] == 192  # counted as the store's
