@@ -29,6 +29,23 @@ class DecodeStackArgs:
     window: int
 
 
+@dataclass(frozen=True, slots=True)
+class PagedBatch:
+    """The step's flat batch over the paged KV pool, for a model that reads and writes its KV
+    groups itself (DeepSeek V4's compressed attention, models/deepseek_v4_attention.py): every
+    group's tensor [planes, heads, blocks, entries a block, width], sequence i's query rows
+    [query_start[i], + query_lens[i]) from position context_lens[i], its block table, and its
+    table into the windowed groups' own pool (None: they use `block_tables`)."""
+
+    kv_caches: list[torch.Tensor]
+    block_size: int
+    query_start: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    window_block_tables: list[list[int]] | None
+
+
 class AttentionStep(Protocol):
     """Attention for one engine step, planned by a backend from the step's batch metadata."""
 
@@ -56,6 +73,11 @@ class AttentionStep(Protocol):
         fuses what it can here (the CPU backend: all three in one op for a step of decode rows,
         rotary and the write in one op otherwise); `decode_only`: only the former. None where
         the step has no such path: the caller rotates and calls `forward`."""
+        return None
+
+    def paged_batch(self) -> PagedBatch | None:
+        """The step's batch over the pool, where this backend serves models that attend over
+        their KV groups themselves (compressed and sparse attention); None: it does not."""
         return None
 
     def decode_stack_args(self, cos: torch.Tensor, num_layers: int) -> DecodeStackArgs | None:

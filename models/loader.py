@@ -20,6 +20,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from models.checkpoint import Part, fuse_parts
+from models.deepseek_v4 import DeepseekV4ForCausalLM, deepseek_v4_spec, deepseek_v4_weights
 from models.gemma3 import gemma3_fields, gemma3_weights
 from models.gemma4 import Gemma4ForCausalLM, gemma4_spec, gemma4_weights
 from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
@@ -38,6 +39,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Gemma3ForCausalLM",  # models/gemma3.py
     "Gemma4ForCausalLM",  # models/gemma4.py (its own layer and model classes)
     "LagunaForCausalLM",  # models/laguna.py (its own layer and model classes)
+    "DeepseekV4ForCausalLM",  # models/deepseek_v4.py (its own model, compressed KV groups)
     "Phi3ForCausalLM",  # models/phi3.py
     "MixtralForCausalLM",  # mixture of experts: models/moe.py
     "Qwen3MoeForCausalLM",
@@ -102,6 +104,8 @@ def load_model(
         weights = fuse_parts(spec, gemma4_weights(hf_weights(path, dtype), spec))
     elif spec.architecture == "LagunaForCausalLM":
         weights = fuse_parts(spec, laguna_weights(hf_weights(path, dtype)))
+    elif spec.architecture == "DeepseekV4ForCausalLM":
+        weights = deepseek_v4_weights(hf_weights(path, dtype), spec)
     elif spec.architecture == "Gemma3ForCausalLM":
         weights = fuse_parts(spec, hf_llama_parts(gemma3_weights(hf_weights(path, dtype))))
     else:
@@ -114,6 +118,7 @@ def load_model(
 _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "LagunaForCausalLM": LagunaForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,  # type: ignore[dict-item]
 }
 
 
@@ -187,6 +192,8 @@ def hf_spec(path: str, context: int | None = None) -> ModelSpec:
         return gemma4_spec(cfg, tuple(_eos_ids(root, cfg)))
     if arch == "LagunaForCausalLM":
         return laguna_spec(cfg, tuple(_eos_ids(root, cfg)))
+    if arch == "DeepseekV4ForCausalLM":
+        return deepseek_v4_spec(cfg, tuple(_eos_ids(root, cfg)))
     if cfg.get("model_type") == "openelm" or arch == "OpenELMForCausalLM":
         return openelm_spec(cfg, tuple(_eos_ids(root, cfg)))
     if arch not in SUPPORTED_HF_ARCHITECTURES:

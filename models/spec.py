@@ -24,6 +24,28 @@ class LayerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class KVGroupSpec:
+    """One KV group's block where it is not one K and one V per token per KV head (DeepSeek V4):
+    `planes` tensors (2: K and V; 1: keys that are their own values, compressed entries, a
+    compressor's rows) of `heads` x `width` values per entry, an entry per `rate` tokens (a block
+    of B tokens holds max(1, B // rate) of them); `windowed`: only the sliding window's blocks
+    are kept (the rest go back to the pool, engine/kv/window.py)."""
+
+    planes: int
+    heads: int
+    width: int
+    rate: int = 1
+    windowed: bool = False
+    role: str = "kv"  # what the group holds, for the banner and the bench
+
+    def entries_per_block(self, block_size: int) -> int:
+        return max(1, block_size // self.rate)
+
+    def block_values(self, block_size: int) -> int:
+        return self.planes * self.heads * self.width * self.entries_per_block(block_size)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     architecture: str
     vocab_size: int
@@ -53,6 +75,9 @@ class ModelSpec:
     attention_scale: float | None = None
     final_logit_softcap: float | None = None
     moe_renormalize: bool = True  # top-k routing weights renormalised to sum to 1
+    # the KV groups, where their blocks are not derived from the layers (DeepSeek V4's window,
+    # compressor rows and compressed entries); empty: one K/V group per `LayerSpec.kv_group`
+    group_specs: tuple[KVGroupSpec, ...] = ()
     extra: dict = field(default_factory=dict)
 
     @property
@@ -91,8 +116,28 @@ class ModelSpec:
         return "; ".join(notes)
 
     @property
+    def kv_layouts(self) -> list[KVGroupSpec]:
+        """Every KV group's block, in group order."""
+        if self.group_specs:
+            return list(self.group_specs)
+        windowed: dict[int, bool] = {}
+        for i, lay in enumerate(self.layers):
+            windowed[lay.kv_group] = windowed.get(lay.kv_group, True) and (
+                self.layer_window(i) is not None
+            )
+        return [KVGroupSpec(2, h, d, 1, windowed[g]) for g, (h, d) in enumerate(self.kv_groups)]
+
+    def kv_block_bytes(self, block_size: int, dtype_size: float) -> int:
+        """Bytes of one block across every KV group."""
+        if not self.group_specs:
+            return self.kv_bytes_per_token(dtype_size) * block_size
+        return round(sum(g.block_values(block_size) * dtype_size for g in self.group_specs))
+
+    @property
     def kv_groups(self) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) per KV group, in group order."""
+        if self.group_specs:
+            return [(g.heads, g.width) for g in self.group_specs]
         shapes: dict[int, tuple[int, int]] = {}
         for layer in self.layers:
             shape = (layer.num_kv_heads, layer.head_dim)
@@ -106,7 +151,7 @@ class ModelSpec:
 
     @property
     def has_kv_sharing(self) -> bool:
-        return len(self.kv_groups) < self.num_layers
+        return not self.group_specs and len(self.kv_groups) < self.num_layers
 
     @property
     def has_per_layer_heads(self) -> bool:
@@ -115,6 +160,9 @@ class ModelSpec:
     def kv_bytes_per_token(self, dtype_size: float) -> int:
         """Bytes of K and V one token occupies across all KV groups (`dtype_size`: bytes a
         value, 1.125 for int8 rows with their scales)."""
+        if self.group_specs:  # amortised: an entry per `rate` tokens
+            return round(sum(g.planes * g.heads * g.width * dtype_size / g.rate
+                             for g in self.group_specs))  # fmt: skip
         return round(sum(2 * h * d * dtype_size for h, d in self.kv_groups))
 
     def kv_bytes_per_token_unshared(self, dtype_size: float) -> int:

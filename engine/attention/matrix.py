@@ -29,6 +29,8 @@ REQUIREMENTS = (
     "soft-capping",
     "tree masks",
     "int8 KV",
+    "compressed attention",
+    "sparse attention",
 )
 
 
@@ -193,6 +195,10 @@ class ModelNeeds:
     soft_cap: float | None
     tree_masks: bool
     int8_kv: bool  # --kv-cache-dtype int8: rows with their scales (engine/attention/kv_quant.py)
+    # DeepSeek V4: compressed entries (one per m tokens) attended beside a window (HCA, and CSA
+    # too), and the lightning indexer's top-k selection of them with a sparse gather (CSA)
+    compressed: bool = False
+    sparse: bool = False
 
     @staticmethod
     def of(spec: ModelSpec, tree_masks: bool = False, int8_kv: bool = False) -> ModelNeeds:
@@ -207,6 +213,8 @@ class ModelNeeds:
             spec.extra.get("attn_logit_softcapping"),
             tree_masks,
             int8_kv,
+            any(g.role in ("csa", "hca") for g in spec.group_specs),
+            any(g.role == "csa" for g in spec.group_specs),
         )
 
 
@@ -250,6 +258,7 @@ def model_refusals(
     soft_cap: bool = True,
     tree_masks: bool = False,
     int8_kv: bool = False,
+    compressed: bool = False,
 ) -> Verdict:
     """The model-shape requirements a backend cannot serve, in the matrix's one wording: each
     backend says what its kernels support (`head_dims`: the head sizes they are built for,
@@ -270,6 +279,16 @@ def model_refusals(
         verdict["tree masks"] = "custom (tree) masks are not supported"
     if needs.int8_kv and not int8_kv:
         verdict["int8 KV"] = "its kernels read float16/bfloat16 pages, not int8 rows with scales"
+    if needs.compressed and not compressed:
+        verdict["compressed attention"] = (
+            "no kernel here reads compressed KV groups (one entry per m tokens beside the window, "
+            "with a sink per head); the torch backend's PyTorch path serves DeepSeek V4"
+        )
+    if needs.sparse and not compressed:
+        verdict["sparse attention"] = (
+            "no lightning-indexer top-k over compressed entries nor a sparse gather in its "
+            "kernels (FlashMLA-style sparse decode is not wired here)"
+        )
     return verdict
 
 

@@ -29,7 +29,7 @@ from engine.attention.masks import decode_mask, padded_tables, prefill_mask
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, model_refusals, slow_cpu_dtype
 from engine.attention.range_decode import RangeDecodePlan
 from kernels.ops import CPU_DECODE
-from models.attention_step import DecodeStackArgs
+from models.attention_step import DecodeStackArgs, PagedBatch
 from models.spec import ModelSpec
 
 DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
@@ -110,6 +110,7 @@ class TorchAttentionStep(AttentionStep):
         if decode_seqs and self.range_plan is None and self.cpp_decode is None:
             self._plan_buckets(meta, sorted(decode_seqs, key=lambda i: meta.seq_lens[i]), device)
 
+        self.meta = meta
         self.prefills: list[_Prefill] = []
         attended = set(decode_seqs)
         for i, q_len in enumerate(meta.query_lens):
@@ -207,6 +208,13 @@ class TorchAttentionStep(AttentionStep):
         return backend.rope_write_op(
             qkv.contiguous(), cos, sin, cache, self.slot_block, self.slot_offset, num_heads
         )
+
+    def paged_batch(self) -> PagedBatch:
+        m = self.meta
+        return PagedBatch(
+            self.backend.kv_caches, self.backend.block_size, m.query_start, m.query_lens,
+            m.context_lens, m.block_tables, m.window_block_tables,
+        )  # fmt: skip
 
     def decode_stack_args(self, cos: torch.Tensor, num_layers: int) -> DecodeStackArgs | None:
         if self.window_step is not None:  # one set of tables for the op: every layer windowed
@@ -373,7 +381,10 @@ class TorchBackend(AttentionBackend):
     def check(
         cls, needs: ModelNeeds, facts: DeviceFacts, dtype: torch.dtype, block_size: int
     ) -> Verdict:
-        return slow_cpu_dtype(facts, dtype) | model_refusals(needs, soft_cap=False, int8_kv=True)
+        verdict = slow_cpu_dtype(facts, dtype)
+        if needs.compressed and needs.int8_kv:
+            verdict["int8 KV"] = "compressed KV groups are stored in the serving dtype"
+        return verdict | model_refusals(needs, soft_cap=False, int8_kv=True, compressed=True)
 
     @classmethod
     def is_fast_on(cls, facts: DeviceFacts) -> bool:

@@ -183,7 +183,7 @@ def _pool(
         config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings
     )
     block_size = kv_phase.block_size_for(config, pool_spec, facts, dtype, device)
-    kv_block_bytes = pool_spec.kv_bytes_per_token(dtype_size) * block_size
+    kv_block_bytes = pool_spec.kv_block_bytes(block_size, dtype_size)
     sizing_bytes = max(kv_block_bytes, tp.largest_block_bytes(spec, dtype_size, block_size)
                        if tp is not None else 0)  # fmt: skip
 

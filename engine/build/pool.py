@@ -137,7 +137,8 @@ def choose_and_warm_up(
                                     reserved)  # fmt: skip
         counts = [window_blocks if g in windowed else num_blocks + int(graphs)
                   for g in range(len(pool_spec.kv_groups))]  # fmt: skip
-        caches = allocate_kv_caches(backend_cls, pool_spec.kv_groups, counts, block_size,
+        caches = allocate_kv_caches(backend_cls, pool_spec.group_specs or pool_spec.kv_groups,
+                                    counts, block_size,
                                     kv_dtype, device)  # fmt: skip
         backend = backend_cls(pool_spec, caches, block_size, workspace)
         del caches  # the backend holds the pool: a failed warm-up's frees with it
@@ -171,7 +172,8 @@ def pool_for(
     """A backend rank 0 chose, over a pool of the blocks rank 0 sized, warmed up: a
     tensor-parallel worker's KV phase (its shard's geometry, rank 0's decisions)."""
     workspace = backend_cls.allocate_workspace(device)
-    caches = allocate_kv_caches(backend_cls, spec.kv_groups, num_blocks, block_size, kv_dtype,
+    caches = allocate_kv_caches(backend_cls, spec.group_specs or spec.kv_groups, num_blocks,
+                                block_size, kv_dtype,
                                 device)  # fmt: skip
     backend = backend_cls(spec, caches, block_size, workspace)
     warm_up(model, backend, spec, num_blocks, block_size, device)
@@ -326,8 +328,9 @@ def block_prefix_copier(backend_cls: type[AttentionBackend], kv_caches: list[tor
 
     def copy(src: int, dst: int, num_tokens: int) -> None:
         for cache in kv_caches:
-            cache.select(bd, dst).narrow(sd, 0, num_tokens).copy_(
-                cache.select(bd, src).narrow(sd, 0, num_tokens)
-            )
+            # a compressed group's block holds fewer entries than tokens (DeepSeek V4): all of
+            # them move; those of windows past `num_tokens` are rewritten before they are read
+            n = min(num_tokens, cache.shape[sd + 1])
+            cache.select(bd, dst).narrow(sd, 0, n).copy_(cache.select(bd, src).narrow(sd, 0, n))
 
     return copy

@@ -36,6 +36,9 @@ def choose_prefill_attention(
     Returns the kernel matrix's line ("" where there was nothing to choose)."""
     if backend.prefill_op is None:
         return ""
+    if spec.group_specs:  # a model attending over its KV groups itself (DeepSeek V4)
+        backend.prefill_op = None
+        return f"{spec.architecture}'s own PyTorch attention over its compressed KV groups"
     bs = backend.block_size
     n = min(CHUNK, scratch_blocks * bs // 2)
     if n < bs:

@@ -43,6 +43,12 @@ def load_draft_head(
         return None
     if config.speculative_method not in ("auto", "eagle"):
         return None
+    if model.spec.group_specs:
+        raise ValueError(
+            f"an EAGLE draft head over {model.spec.architecture}: its KV groups are declared "
+            "whole (compressed attention) and the head reads hidden states its layers do not "
+            "hand out; use speculative_method suffix"
+        )
     path = config.speculative_model
     if not path:
         # the model, not the flag, decides: a shipped head trained for these very weights

@@ -23,6 +23,10 @@ class WarmupError(RuntimeError):
     pass
 
 
+def meta_positions(start: int, n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(start, start + n, device=device)
+
+
 @torch.inference_mode()
 def warm_up(
     model: LlamaForCausalLM,
@@ -42,7 +46,9 @@ def warm_up(
     table = list(range(-(-length // block_size)))
     split = max(1, length // 2)  # the second chunk has earlier context
     representatives: dict[tuple[int, int, int], int] = {}
-    for i, lay in enumerate(pool_spec.layers):
+    # a model that attends over its KV groups itself (DeepSeek V4) runs whole on each chunk
+    whole = bool(pool_spec.group_specs)
+    for i, lay in enumerate(() if whole else pool_spec.layers):
         # a layer that writes its KV (and has heads on this tensor-parallel rank)
         if pool_spec.kv_group_owner(lay.kv_group) == i and lay.num_heads:
             representatives.setdefault((lay.num_heads, lay.num_kv_heads, lay.head_dim), i)
@@ -51,6 +57,11 @@ def warm_up(
             continue
         _, meta = step_metadata([(table, start, n)], block_size, device)
         step = backend.plan(meta)
+        if whole:
+            tokens = torch.zeros(n, dtype=torch.long, device=device)
+            out = model.compute_logits(model(tokens, meta_positions(start, n, device), step))
+            if not bool(torch.isfinite(out).all()):
+                raise WarmupError(f"a {n}-token chunk from position {start}: non-finite logits")
         for (heads, kv_heads, head_dim), layer in representatives.items():
             q = torch.full((n, heads, head_dim), 0.01, dtype=dtype, device=device)
             kv = torch.full((n, kv_heads, head_dim), 0.01, dtype=dtype, device=device)

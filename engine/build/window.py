@@ -69,8 +69,8 @@ def block_bytes(spec: ModelSpec, dtype_size: float, block_size: int) -> tuple[in
     """(bytes of a block in the full-context groups, in the windowed groups)."""
     windowed = windowed_groups(spec) or set()
     full = win = 0
-    for g, (heads, dim) in enumerate(spec.kv_groups):
-        size = round(2 * heads * dim * dtype_size * block_size)
+    for g, group in enumerate(spec.kv_layouts):
+        size = round(group.block_values(block_size) * dtype_size)
         if g in windowed:
             win += size
         else:

@@ -21,13 +21,14 @@ from engine.runner.runner_output import RunnerOutput, pool, sample_step, score_p
 from engine.runner.step_inputs import step_inputs
 from models.llama import LlamaForCausalLM
 from models.lora import LoRARows, rows_of
+from models.spec import KVGroupSpec
 
 log = logging.getLogger("kvserve.engine")
 
 
 def allocate_kv_caches(
     backend: type[AttentionBackend],
-    groups: list[tuple[int, int]],
+    groups: list[tuple[int, int]] | list[KVGroupSpec],
     num_blocks: int | list[int],
     block_size: int,
     dtype: torch.dtype,
@@ -35,16 +36,20 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """One tensor per KV group, in the backend's layout, of `num_blocks` blocks (or each
     group's own: the sliding-window layers' pool is smaller); an int8 cache's rows hold their
-    scales too (engine/attention/kv_quant.py)."""
+    scales too (engine/attention/kv_quant.py). A group given as a `KVGroupSpec` (DeepSeek V4's
+    compressed groups) is [planes, heads, blocks, entries a block, width]: the torch backend's
+    layout, blocks on its `block_dim` (the backends that cannot read them refuse the model)."""
     counts = num_blocks if isinstance(num_blocks, list) else [num_blocks] * len(groups)
-    return [
-        torch.zeros(
-            backend.kv_cache_shape(n, block_size, h, kv_quant.row_width(d, dtype)),
-            dtype=dtype,
-            device=device,
-        )
-        for (h, d), n in zip(groups, counts)
-    ]
+    caches = []
+    for group, n in zip(groups, counts):
+        if isinstance(group, KVGroupSpec):
+            e = group.entries_per_block(block_size)
+            shape: tuple[int, ...] = (group.planes, group.heads, n, e, group.width)
+        else:
+            h, d = group
+            shape = backend.kv_cache_shape(n, block_size, h, kv_quant.row_width(d, dtype))
+        caches.append(torch.zeros(shape, dtype=dtype, device=device))
+    return caches
 
 
 class ModelRunner:

@@ -1,0 +1,369 @@
+"""DeepSeek V4 (`DeepseekV4ForCausalLM`) as transformers 5.24's `models/deepseek_v4` defines it.
+
+Not a variation of the Llama decoder: its residual is `hc_mult` parallel streams mixed by
+manifold-constrained hyper-connections (Sinkhorn-normalised), its attention is a shared-KV MQA
+head over a sliding window plus compressed entries (models/deepseek_v4_attention.py), and its FFN
+is a hash-routed or top-k routed mixture of clamped SwiGLU experts beside a shared expert.
+
+KV groups (`ModelSpec.group_specs`, built here): every layer's window keys (K is V, one plane);
+on a CSA layer its compressor's per-token rows (the carry-over for the windows not yet closed,
+kept only over the window) and its compressed entries beside the indexer's keys (one per m
+tokens); on an HCA layer its rows and entries (one per m' tokens). `layer_groups` in the spec's
+`extra` maps a layer to its groups."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.attention_step import AttentionStep
+from models.deepseek_v4_attention import CSA, HCA, SLIDING, V4Attention, rms
+from models.deepseek_v4_plan import V4Batch
+from models.spec import KVGroupSpec, LayerSpec, ModelSpec
+
+ARCH = "DeepseekV4ForCausalLM"
+_LEGACY_RATE = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+def deepseek_v4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
+    """The geometry of a V4 config with transformers' defaults; ValueError, with the reason,
+    for what kvserve does not serve."""
+    n = cfg["num_hidden_layers"]
+    rates = {CSA: 4, HCA: 128, **(cfg.get("compress_rates") or {})}
+    types = cfg.get("layer_types")
+    if types is None and cfg.get("compress_ratios") is not None:
+        types = [_LEGACY_RATE[r] for r in cfg["compress_ratios"]]
+    if types is None:
+        types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+    mlp_types = cfg.get("mlp_layer_types")
+    if mlp_types is None:
+        hashed = cfg.get("num_hash_layers", 3)
+        mlp_types = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
+    types, mlp_types = list(types)[:n], list(mlp_types)[:n]
+    rope = cfg.get("rope_parameters") or {}
+    for label in ("main", "compress"):
+        kind = (rope.get(label) or {}).get("rope_type", "default")
+        if kind != "default":
+            raise ValueError(f"DeepSeek V4 {label} rope {kind!r} is not supported (default only)")
+    if cfg.get("num_key_value_heads", 1) != 1:
+        raise ValueError("DeepSeek V4 has one shared KV head (num_key_value_heads 1)")
+    if cfg.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
+        raise ValueError(f"DeepSeek V4 router scoring {cfg['scoring_func']!r} is not supported")
+    window, hd = cfg.get("sliding_window", 128), cfg.get("head_dim", 512)
+    heads = cfg.get("num_attention_heads", 64)
+    factor = cfg.get("partial_rotary_factor")
+    if factor is None:
+        factor = cfg["qk_rope_head_dim"] / hd if cfg.get("qk_rope_head_dim") else 64 / 512
+    idx_dim = cfg.get("index_head_dim", 128)
+    groups: list[KVGroupSpec] = []
+    layer_groups: list[tuple[int, ...]] = []
+    layers = []
+    for i in range(n):
+        own = [len(groups)]
+        groups.append(KVGroupSpec(1, 1, hd, 1, True, "window"))
+        if types[i] != SLIDING:
+            m = rates[types[i]]
+            # the compressor's rows: kv and gate (two series each on CSA), the indexer's too;
+            # windowed only where the window covers every row a closing window reads
+            csa = types[i] == CSA
+            width = (4 * hd + 4 * idx_dim) if csa else 2 * hd
+            reach = 2 * m if csa else m
+            own.append(len(groups))
+            groups.append(KVGroupSpec(1, 1, width, 1, reach <= window, "rows"))
+            own.append(len(groups))
+            groups.append(KVGroupSpec(1, 1, hd + (idx_dim if csa else 0), m, False,
+                                      "csa" if csa else "hca"))  # fmt: skip
+        layer_groups.append(tuple(own))
+        layers.append(LayerSpec(heads, 1, hd, cfg.get("moe_intermediate_size", 2048), own[0],
+                                cfg.get("n_routed_experts", 256),
+                                cfg.get("num_experts_per_tok", 6)))  # fmt: skip
+    return ModelSpec(
+        architecture=ARCH,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        layers=tuple(layers),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float((rope.get("main") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))),
+        max_position_embeddings=cfg.get("max_position_embeddings", 1 << 20),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+        sliding_window=window,
+        partial_rotary_factor=float(factor),
+        group_specs=tuple(groups),
+        extra={
+            "layer_types": tuple(types),
+            "mlp_layer_types": tuple(mlp_types),
+            "layer_groups": tuple(layer_groups),
+            "compress_rates": {CSA: rates[CSA], HCA: rates[HCA]},
+            "compress_rope_theta": float((rope.get("compress") or {}).get(
+                "rope_theta", cfg.get("compress_rope_theta", 160000.0))),
+            "q_lora_rank": cfg.get("q_lora_rank", 1024),
+            "o_groups": cfg.get("o_groups", 8),
+            "o_lora_rank": cfg.get("o_lora_rank", 1024),
+            "index_n_heads": cfg.get("index_n_heads", 64),
+            "index_head_dim": idx_dim,
+            "index_topk": cfg.get("index_topk", 512),
+            "hc_mult": cfg.get("hc_mult", 4),
+            "hc_sinkhorn_iters": cfg.get("hc_sinkhorn_iters", 20),
+            "hc_eps": cfg.get("hc_eps", 1e-6),
+            "swiglu_limit": float(cfg.get("swiglu_limit", 10.0)),
+            "routed_scaling": float(cfg.get("routed_scaling_factor", 1.5)),
+            "shared_expert_intermediate_size": cfg.get("moe_intermediate_size", 2048),
+        },
+    )  # fmt: skip
+
+
+# ---- checkpoint names ---------------------------------------------------------------------------
+
+# the files' names (DeepSeek's, as transformers' save_pretrained writes them back) under
+# "model.layers.N." -> the model's under "layers.N."
+_LAYER_NAMES = {
+    "attn.attn_sink": "attn.sinks",
+    "attn.wq_a.weight": "attn.q_a.weight", "attn.q_norm.weight": "attn.q_a_norm",
+    "attn.wq_b.weight": "attn.q_b.weight", "attn.wkv.weight": "attn.kv.weight",
+    "attn.norm.weight": "attn.kv_norm", "attn.wo_a.weight": "attn.o_a",
+    "attn.wo_b.weight": "attn.o_b.weight",
+    "attn.compressor.ape": "attn.compressor.position_bias",
+    "attn.compressor.norm.weight": "attn.compressor.norm",
+    "attn.compressor.wkv.weight": "attn.compressor.kv.weight",
+    "attn.compressor.wgate.weight": "attn.compressor.gate.weight",
+    "attn.indexer.compressor.ape": "attn.indexer.position_bias",
+    "attn.indexer.compressor.norm.weight": "attn.indexer.norm",
+    "attn.indexer.compressor.wkv.weight": "attn.indexer.kv.weight",
+    "attn.indexer.compressor.wgate.weight": "attn.indexer.gate.weight",
+    "attn.indexer.weights_proj.weight": "attn.indexer.weights.weight",
+    "attn.indexer.wq_b.weight": "attn.indexer.q_b.weight",
+    "attn_norm.weight": "attn_norm", "ffn_norm.weight": "ffn_norm",
+    "hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
+    "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale",
+    "ffn.gate.weight": "ffn.router.weight", "ffn.gate.bias": "ffn.router_bias",
+    "ffn.gate.tid2eid": "ffn.tid2eid",
+    "ffn.shared_experts.w2.weight": "ffn.shared_down.weight",
+}  # fmt: skip
+_TOP = {"model.embed_tokens.weight": "embed_tokens.weight", "embed.weight": "embed_tokens.weight",
+        "head.weight": "lm_head.weight", "lm_head.weight": "lm_head.weight",
+        "model.norm.weight": "norm", "model.hc_head.hc_fn": "hc_head.fn",
+        "model.hc_head.hc_base": "hc_head.base",
+        "model.hc_head.hc_scale": "hc_head.scale"}  # fmt: skip
+_EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight")
+_SHARED = re.compile(r"ffn\.shared_experts\.(w1|w3)\.weight")
+
+
+def deepseek_v4_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under the model's names; an expert's w1/w3 (gate, up) and w2
+    (down) land in their rows of the layer's stacked tensors, gathered here per layer."""
+    inter = spec.layers[0].intermediate_size
+    pending: dict[str, torch.Tensor] = {}
+    for name, t in weights:
+        if name in _TOP:
+            yield _TOP[name], t
+            continue
+        if name.startswith("mtp.") or ".mtp." in name:
+            continue  # the multi-token-prediction layers: not instantiated (as transformers)
+        if not name.startswith("model.layers."):
+            raise ValueError(f"unexpected tensor {name}")
+        idx, rest = name[len("model.layers.") :].split(".", 1)
+        lay = spec.layers[int(idx)]
+        expert, shared = _EXPERT.fullmatch(rest), _SHARED.fullmatch(rest)
+        if expert:
+            key = f"layers.{idx}.ffn.{'down' if expert[2] == 'w2' else 'gate_up'}"
+            stack = pending.get(key)
+            if stack is None:
+                e = lay.num_experts
+                shape = (e, *t.shape) if expert[2] == "w2" else (e, 2 * inter, t.shape[1])
+                stack = pending[key] = t.new_zeros(shape)
+            rows = {"w1": slice(0, inter), "w3": slice(inter, None), "w2": slice(None)}[expert[2]]
+            stack[int(expert[1]), rows] = t
+            continue
+        if shared:
+            key = f"layers.{idx}.ffn.shared_gate_up.weight"
+            whole = pending.setdefault(key, t.new_zeros(2 * t.shape[0], t.shape[1]))
+            whole[slice(0, t.shape[0]) if shared[1] == "w1" else slice(t.shape[0], None)] = t
+            continue
+        if rest not in _LAYER_NAMES:
+            raise ValueError(f"unexpected tensor {name}")
+        yield f"layers.{idx}.{_LAYER_NAMES[rest]}", t
+    yield from pending.items()
+
+
+# ---- the model ----------------------------------------------------------------------------------
+
+
+class HyperConnection(nn.Module):
+    """The mHC weights of a block: collapse the streams (pre), expand the block's output (post)
+    and mix the streams (comb, projected to doubly stochastic by Sinkhorn-Knopp), float32."""
+
+    def __init__(self, spec: ModelSpec, outputs: int) -> None:
+        super().__init__()
+        n, x = spec.extra["hc_mult"], spec.extra
+        self.hc, self.iters, self.eps, self.norm_eps = n, x["hc_sinkhorn_iters"], x["hc_eps"], (
+            spec.rms_norm_eps)  # fmt: skip
+        self.fn = nn.Parameter(torch.empty(outputs, n * spec.hidden_size))
+        self.base = nn.Parameter(torch.empty(outputs))
+        self.scale = nn.Parameter(torch.empty(3 if outputs > n else 1))
+
+    def mix(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = rms(streams.flatten(1).float(), None, self.norm_eps)
+        return F.linear(flat, self.fn.float())
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(post [T, n], comb [T, n, n], collapsed [T, D]) of streams [T, n, D]."""
+        hc, mixes = self.hc, self.mix(streams)
+        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([hc, hc, hc * hc])
+        s_pre, s_post, s_comb = self.scale.float().unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(-1, hc, hc) * s_comb + comb_b.view(hc, hc), -1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+    def head(self, streams: torch.Tensor) -> torch.Tensor:
+        """The final collapse of the streams (transformers' `hc_head`)."""
+        pre = torch.sigmoid(self.mix(streams) * self.scale.float() + self.base.float()) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+class V4MoE(nn.Module):
+    """Clamped SwiGLU experts, chosen by a frozen token -> experts table (`hash_moe` layers) or
+    by the top k of sqrt(softplus) scores plus a selection bias, weighted by their scores
+    renormalised and scaled; plus a shared expert every token goes through."""
+
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, hashed: bool) -> None:
+        super().__init__()
+        d, e, inter = spec.hidden_size, layer.num_experts, layer.intermediate_size
+        self.hashed, self.top_k = hashed, layer.num_experts_per_tok
+        self.limit, self.scaling = spec.extra["swiglu_limit"], spec.extra["routed_scaling"]
+        self.router = nn.Linear(d, e, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * inter, d))
+        self.down = nn.Parameter(torch.empty(e, d, inter))
+        shared = spec.extra["shared_expert_intermediate_size"]
+        self.shared_gate_up = nn.Linear(d, 2 * shared, bias=False)
+        self.shared_down = nn.Linear(shared, d, bias=False)
+        if hashed:
+            self.register_buffer(
+                "tid2eid", torch.zeros(spec.vocab_size, self.top_k, dtype=torch.long)
+            )
+        else:
+            self.router_bias = nn.Parameter(torch.zeros(e), requires_grad=False)
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
+
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        scores = F.softplus(self.router(h)).sqrt()
+        if self.hashed:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.router_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+        out = torch.zeros_like(h)
+        for e in ids.unique().tolist():
+            rows, slot = torch.where(ids == e)
+            y = F.linear(self.swiglu(F.linear(h[rows], self.gate_up[e])), self.down[e])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out + self.shared_down(self.swiglu(self.shared_gate_up(h)))
+
+
+class V4Layer(nn.Module):
+    def __init__(self, spec: ModelSpec, idx: int) -> None:
+        super().__init__()
+        d, n = spec.hidden_size, spec.extra["hc_mult"]
+        self.eps = spec.rms_norm_eps
+        self.attn_norm = nn.Parameter(torch.empty(d))
+        self.ffn_norm = nn.Parameter(torch.empty(d))
+        self.attn_hc = HyperConnection(spec, (2 + n) * n)
+        self.ffn_hc = HyperConnection(spec, (2 + n) * n)
+        self.attn = V4Attention(spec, idx)
+        self.ffn = V4MoE(spec, spec.layers[idx], spec.extra["mlp_layer_types"][idx] == "hash_moe")
+
+    def forward(
+        self, streams: torch.Tensor, input_ids: torch.Tensor, batch: V4Batch
+    ) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        out = self.attn(rms(x, self.attn_norm, self.eps), batch)
+        streams = post.unsqueeze(-1) * out.unsqueeze(-2) + comb.transpose(-1, -2) @ streams
+        post, comb, x = self.ffn_hc(streams)
+        out = self.ffn(rms(x, self.ffn_norm, self.eps), input_ids)
+        return post.unsqueeze(-1) * out.unsqueeze(-2) + comb.transpose(-1, -2) @ streams
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, vocab_rows: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        if vocab_rows not in (None, (0, spec.vocab_size)):
+            raise ValueError("DeepSeek V4 under tensor parallelism is not supported")
+        self.spec = spec
+        self.vocab_rows = (0, spec.vocab_size)
+        weight = torch.empty(spec.vocab_size, spec.hidden_size)  # the checkpoint fills it
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=weight)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(V4Layer(spec, i) for i in range(spec.num_layers))
+        self.hc_head = HyperConnection(spec, spec.extra["hc_mult"])
+        self.norm = nn.Parameter(torch.empty(spec.hidden_size))
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionStep,
+        aux_layers: tuple[int, ...] = (),
+        lora: object | None = None,
+    ) -> torch.Tensor:
+        if aux_layers or lora:
+            raise ValueError("DeepSeek V4 takes no draft-head layers or LoRA adapters")
+        paged = attn.paged_batch()
+        if paged is None:
+            raise ValueError(f"{type(attn).__name__} does not serve compressed attention")
+        batch = V4Batch(self.spec, paged, positions)
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.spec.extra["hc_mult"], -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, input_ids, batch)
+        return rms(self.hc_head.head(streams), self.norm, self.spec.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def set_reduce(self, reduce: object) -> None:
+        if reduce is not None:
+            raise ValueError("DeepSeek V4 under tensor parallelism is not supported")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors named as in `state_dict()` into the model; raises on a name or shape
+        the model does not have, or if a weight never arrived."""
+        params = dict(self.named_parameters()) | dict(self.named_buffers())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unexpected tensor {name}")
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {list(tensor.shape)}, "
+                                 f"model {list(param.shape)}")  # fmt: skip
+            param.data.copy_(tensor.round() if not param.dtype.is_floating_point else tensor)
+            seen.add(name)
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+            seen.add("lm_head.weight")
+        missing = set(params) - seen
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")

@@ -1,0 +1,168 @@
+"""DeepSeek V4 (`DeepseekV4ForCausalLM`, issue #70) through the engine against transformers 5.24
+on the same tiny random weights: CSA, HCA and sliding layers mixed, a window of 16, CSA entries
+every 4 tokens (top 8 of them per query), HCA entries every 32 (more than a 16-token block, so a
+prefix hit can end inside a compression window), hyper-connections, hash-routed and top-k experts.
+
+One transformers run (a 300-token prompt's logits and greedy tokens) is shared by every check;
+the engines are small and share what they can."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scoring import score_prompt
+from tests.conftest import build_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import DeepseekV4ForCausalLM
+
+C, H, S = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+CONFIG = dict(
+    vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
+    num_experts_per_tok=2, n_routed_experts=4, layer_types=[C, H, S, C],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], compress_rates={C: 4, H: 32},
+    sliding_window=16, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16,
+    index_topk=8, partial_rotary_factor=0.25, max_position_embeddings=4096, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0, hc_mult=4,
+)  # fmt: skip
+# no startup measurements (step budget, oneDNN packing): these checks of numbers need none
+FAST = dict(target_step_ms=-1, cpu_packed_weights=False, spec_cost_model=False, dtype="float32",
+            block_size=16)  # fmt: skip
+NEW = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+PROMPT = [(i * 37 + 11) % 509 + 3 for i in range(300)]
+
+
+def build(out: Path) -> DeepseekV4ForCausalLM:
+    """The tiny random checkpoint (and its tokenizer) at `out`; returns the transformers model."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**CONFIG)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:  # sinks, position biases, the hyper-connections' and routers' too
+                p.normal_(0.0, 0.2 if "embed" in name else 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.randint(0, 4, b.shape))
+            elif name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    model.save_pretrained(out)
+    build_tokenizer(out)
+    return model
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """The checkpoint, and transformers' logits and greedy tokens for PROMPT."""
+    out = tmp_path_factory.mktemp("dsv4")
+    model = build(out)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0]
+        greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False)
+    return out, logits, greedy[0, len(PROMPT) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def chunked(ref):
+    """Chunks of 70 tokens: every compression window size splits across chunks."""
+    return LLM(str(ref[0]), num_kv_blocks=96, max_num_batched_tokens=70, **FAST)
+
+
+def test_groups_and_the_kernel_matrix(ref, chunked) -> None:
+    """Each layer type its KV groups, with its own bytes per block; the GPU backends refuse
+    compressed and sparse attention with the reason, the torch backend serves them."""
+    spec = chunked.engine.spec
+    roles = [(g.role, g.width, g.rate, g.windowed) for g in spec.group_specs]
+    assert roles == [
+        ("window", 32, 1, True), ("rows", 4 * 32 + 4 * 16, 1, True), ("csa", 32 + 16, 4, False),
+        ("window", 32, 1, True), ("rows", 2 * 32, 1, False), ("hca", 32, 32, False),
+        ("window", 32, 1, True),
+        ("window", 32, 1, True), ("rows", 192, 1, True), ("csa", 48, 4, False),
+    ]  # fmt: skip
+    caches = chunked.engine.runner.backend.kv_caches
+    assert caches[2].shape[3:] == (16 // 4, 48) and caches[5].shape[3:] == (1, 32)
+    table = chunked.engine.info.kernel_table
+    assert "compressed attention" in table and "sparse attention" in table
+    assert "flashinfer / compressed attention: no kernel here reads compressed KV" in table
+    assert "xformers / sparse attention: no lightning-indexer top-k" in table
+    assert "-> torch" in table
+
+
+def test_logits_and_greedy_match_transformers(ref, chunked) -> None:
+    """The whole prompt in one step (logits) and in chunks of 70, then decode across window
+    boundaries (greedy tokens) batched with a shorter request, equal to transformers; every
+    block back in the pool after."""
+    _, logits, greedy = ref
+    ours = score_prompt(chunked.engine, PROMPT)
+    assert (ours - logits).abs().max().item() < 1e-4 * logits.abs().max().item()
+    both = chunked.generate([PROMPT, PROMPT[:37]], GREEDY)
+    assert both[0].outputs[0].token_ids == greedy
+    assert chunked.engine.kv.pool.num_free_blocks == chunked.engine.num_blocks
+
+
+# a prompt whose cached part (9 blocks of 16: 144 tokens) ends halfway through an HCA window
+# of 32, one that is a shorter prefix of PROMPT, one that repeats (suffix drafts get accepted)
+PROMPTS = [PROMPT[:152] + [7, 8, 9] * 10, PROMPT[:100], [5, 6, 7, 8] * 20, PROMPT]
+LONGER = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(ref) -> list[list[int]]:
+    """PROMPTS' greedy tokens without prefix caching, speculation or preemption."""
+    llm = LLM(str(ref[0]), num_kv_blocks=96, enable_prefix_caching=False,
+              num_speculative_tokens=0, **FAST)  # fmt: skip
+    return [r.outputs[0].token_ids for r in llm.generate(PROMPTS, LONGER)]
+
+
+def test_prefix_hit_mid_window_and_speculation(ref, chunked, plain) -> None:
+    """After PROMPT ran, its full blocks are prefix hits carrying their compressed entries (the
+    open HCA window recomputed from the rows the hit brings, windowed groups from their own
+    pool); suffix drafts are verified and some accepted: the text is the plain run's."""
+    chunked.generate([PROMPT], LONGER)
+    res = chunked.generate(PROMPTS, LONGER)
+    assert [r.outputs[0].token_ids for r in res] == plain
+    assert [r.num_cached_tokens for r in res][:2] == [144, 96]
+    assert chunked.engine.drafter.total_stats().num_accepted_tokens > 0
+    assert chunked.engine.kv.window is not None  # the windowed groups' blocks went back
+
+
+def test_disk_tier_transfer_and_preemption(ref, plain, tmp_path) -> None:
+    """The disk tier brings a prompt's blocks of every group back after a restart; the blocks
+    a prefill instance publishes (P/D: exported to bytes, the store's payloads) are a decode
+    instance's prefix hit; in a pool too small for the batch, preempted requests swap their
+    blocks to the host tier and back while speculating. The text is the plain run's throughout."""
+    kw = dict(num_kv_blocks=40, host_bytes="1MiB", disk_path=str(tmp_path / "kv"),
+              num_speculative_tokens=0, kv_hash_seed="dsv4", **FAST)  # fmt: skip
+    first = LLM(str(ref[0]), **kw)
+    assert first.generate([PROMPT], LONGER)[0].outputs[0].token_ids == plain[3]
+    first.engine.shutdown()  # flushes the host tier to disk
+    second = LLM(str(ref[0]), **kw)
+    warm = second.generate([PROMPT], LONGER)[0]
+    assert warm.outputs[0].token_ids == plain[3] and warm.num_cached_tokens == 288
+    assert second.engine.kv.hits_by_source["disk"] > 0
+    # P/D: a prompt the prefill instance computed, its blocks as the store's payloads
+    other = [(i * 53 + 5) % 500 + 3 for i in range(200)]
+    want = second.generate([other], LONGER)[0].outputs[0].token_ids
+    blocks = second.engine.kv.export_prompt(Request("pd", other, LONGER, frozenset(), 4096))
+    assert len(blocks) == len(other) // 16
+    tight = LLM(str(ref[0]), num_kv_blocks=22, max_num_batched_tokens=70, host_bytes="16MiB",
+                preemption_mode="swap", num_speculative_tokens=4, kv_hash_seed="dsv4",
+                **FAST)  # fmt: skip
+    assert [r.outputs[0].token_ids for r in tight.generate(PROMPTS, LONGER)] == plain
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.kv.import_blocks(blocks) == len(blocks)
+    got = tight.generate([other], LONGER)[0]
+    assert got.outputs[0].token_ids == want and got.num_cached_tokens == 192
+    assert tight.engine.kv.hits_by_source["remote"] == 192  # counted as the store's
