@@ -23,6 +23,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.engine_info import EngineInfo
+from engine.core.images import PromptImage
 from engine.core.llm_engine import LLMEngine
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import GrammarSpec, LoRARef, ParamError, SamplingParams
@@ -116,8 +117,10 @@ class AsyncEngine:
         self,
         requests: Sequence[tuple[str, list[int], SamplingParams]],
         max_in_flight: int | None = None,
+        images: dict[str, tuple[PromptImage, ...]] | None = None,
     ) -> asyncio.Queue[RequestOutput | BaseException] | None:
-        """Admit requests (request id, prompt token ids, params) all at once, now, so admission
+        """Admit requests (request id, prompt token ids, params; `images`: a request's prompt
+        images by its id) all at once, now, so admission
         control counts them at once, or none of them (None) if that would put more than
         `max_in_flight` requests in flight. Their outputs share the returned queue; read it
         with `stream`. Raises ParamError if a request does not fit the engine."""
@@ -125,8 +128,9 @@ class AsyncEngine:
             raise EngineDeadError(f"engine loop died: {self.dead}")
         if max_in_flight is not None and len(self._queues) + len(requests) > max_in_flight:
             return None
+        images = images or {}
         for request_id, ids, params in requests:
-            self.info.validate(ids, params)
+            self.info.validate(ids, params, images.get(request_id, ()))
             if request_id in self._queues:
                 raise ValueError(f"duplicate request id {request_id}")
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -135,7 +139,7 @@ class AsyncEngine:
         arrival = time.monotonic()
         for request_id, ids, params in requests:
             self._queues[request_id] = q
-            self._inbox.put(("add", request_id, ids, params, arrival))
+            self._inbox.put(("add", request_id, ids, params, arrival, images.get(request_id, ())))
         return q
 
     async def stream(
@@ -331,9 +335,9 @@ class AsyncEngine:
     def _handle(self, msg: tuple[Any, ...], out: list) -> None:
         kind = msg[0]
         if kind == "add":
-            _, request_id, ids, params, arrival = msg
+            _, request_id, ids, params, arrival, images = msg
             try:
-                self._core.add_request(request_id, ids, params, arrival_time=arrival)
+                self._core.add_request(request_id, ids, params, arrival, images)
             except Exception as e:  # invalid after all: fail just this request
                 out.append((request_id, e))
         elif kind == "abort":

@@ -24,6 +24,22 @@ class LayerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """What a vision-language model's images are to the serving stack: each image becomes
+    `tokens_per_image` soft tokens at placeholder positions holding `image_token_id`, written
+    by the processor between `begin_token_id` and `end_token_id`; the soft tokens of one image
+    attend to each other in both directions. `tower_config`: the checkpoint's vision config,
+    for the encoder's own builder (models/gemma3_vision.py)."""
+
+    architecture: str  # "gemma3"
+    image_token_id: int
+    tokens_per_image: int
+    begin_token_id: int | None
+    end_token_id: int | None
+    tower_config: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     architecture: str
     vocab_size: int
@@ -53,6 +69,7 @@ class ModelSpec:
     attention_scale: float | None = None
     final_logit_softcap: float | None = None
     moe_renormalize: bool = True  # top-k routing weights renormalised to sum to 1
+    vision: VisionSpec | None = None  # a vision-language model's images (None: text only)
     extra: dict = field(default_factory=dict)
 
     @property

@@ -29,6 +29,7 @@ REQUIREMENTS = (
     "soft-capping",
     "tree masks",
     "int8 KV",
+    "image spans",
 )
 
 
@@ -193,6 +194,8 @@ class ModelNeeds:
     soft_cap: float | None
     tree_masks: bool
     int8_kv: bool  # --kv-cache-dtype int8: rows with their scales (engine/attention/kv_quant.py)
+    # an image's soft tokens attend to each other both ways inside a causal prompt (Gemma 3)
+    image_spans: bool = False
 
     @staticmethod
     def of(spec: ModelSpec, tree_masks: bool = False, int8_kv: bool = False) -> ModelNeeds:
@@ -207,6 +210,7 @@ class ModelNeeds:
             spec.extra.get("attn_logit_softcapping"),
             tree_masks,
             int8_kv,
+            spec.vision is not None,
         )
 
 
@@ -234,6 +238,7 @@ def model_refusals(
     soft_cap: bool = True,
     tree_masks: bool = False,
     int8_kv: bool = False,
+    image_spans: bool = False,
 ) -> Verdict:
     """The model-shape requirements a backend cannot serve, in the matrix's one wording: each
     backend says what its kernels support (`head_dims`: the head sizes they are built for,
@@ -254,6 +259,8 @@ def model_refusals(
         verdict["tree masks"] = "custom (tree) masks are not supported"
     if needs.int8_kv and not int8_kv:
         verdict["int8 KV"] = "its kernels read float16/bfloat16 pages, not int8 rows with scales"
+    if needs.image_spans and not image_spans:
+        verdict["image spans"] = "no mask for an image's bidirectional span in a causal prompt"
     return verdict
 
 

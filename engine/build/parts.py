@@ -167,6 +167,9 @@ def engine_info(
         ),
         host_block_bytes=host.block_bytes if host is not None else 0,
         tensor_parallel_size=config.tensor_parallel_size,
+        image_token_id=spec.vision.image_token_id if runner.images is not None else None,
+        tokens_per_image=spec.vision.tokens_per_image if runner.images is not None else 0,
+        encoder_cache_bytes=runner.images.cache.capacity_bytes if runner.images else 0,
     )
 
 

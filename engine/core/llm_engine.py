@@ -12,6 +12,7 @@ from engine.build.builder import build_engine
 from engine.config import EngineConfig
 from engine.core.batch import GrammarMask, ScheduledRequest, StepUpdate
 from engine.core.engine_info import EngineInfo
+from engine.core.images import PromptImage
 from engine.core.outputs import RequestOutput
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import LoRARef, ParamError, SamplingParams
@@ -63,8 +64,13 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.info.validate(prompt_token_ids, params)
+    def validate_prompt(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: tuple[PromptImage, ...] = (),
+    ) -> None:
+        self.info.validate(prompt_token_ids, params, images)
 
     def add_request(
         self,
@@ -72,6 +78,7 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        images: tuple[PromptImage, ...] = (),
     ) -> Request:
         """Admit a request the caller's door has validated (`info.validate`: the offline `LLM`
         and `AsyncEngine.submit` each do, once, where they can answer the caller), as vLLM's
@@ -83,6 +90,7 @@ class LLMEngine:
         request = Request(
             request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len,
             device=self.runner.device,  # seeded generators draw on the engine's device
+            images=tuple(images),
         )  # fmt: skip
         if arrival_time is not None:
             request.arrival_time = arrival_time

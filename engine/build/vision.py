@@ -1,0 +1,36 @@
+"""The image phase of a build, for a vision-language checkpoint: its image encoder on the
+serving device with the encoder cache, or the reason it cannot serve images here (refused at
+startup, before traffic, rather than a wrong answer later)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig, parse_bytes
+from engine.runner.encoder import ImageEncoder
+from models.loader import is_gguf, load_image_encoder
+from models.spec import ModelSpec
+
+log = logging.getLogger("kvserve.engine")
+
+
+def build_image_encoder(
+    config: EngineConfig, model_path: str, spec: ModelSpec, dtype: torch.dtype,
+    device: torch.device,
+) -> ImageEncoder | None:  # fmt: skip
+    """None for a text model."""
+    if spec.vision is None or is_gguf(model_path):
+        return None
+    if config.tensor_parallel_size > 1:
+        raise ValueError(
+            "a vision model under tensor parallelism: the other ranks' steps carry no images "
+            "(serve it with tensor_parallel_size = 1)"
+        )
+    encoder = load_image_encoder(model_path, spec, dtype, device)
+    assert encoder is not None
+    capacity = parse_bytes(config.encoder_cache_bytes)
+    log.info("image encoder: %s, %d soft tokens an image; encoder cache %d bytes",
+             spec.vision.architecture, spec.vision.tokens_per_image, capacity)  # fmt: skip
+    return ImageEncoder(encoder, capacity, device)
