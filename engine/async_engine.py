@@ -52,6 +52,8 @@ class AsyncEngine:
         self._core = engine  # touched only on the engine thread
         self.info: EngineInfo = engine.info
         self.tokenizer: Tokenizer | None = engine.tokenizer  # immutable; safe from any thread
+        self.image_processor = engine.image_processor  # immutable too (None: text only)
+        self.vision = engine.vision
         # thread-safe parts, held from the start so the asyncio side never reads `_core`: the
         # grammar compiler, and the prefix hasher (its root is fixed at startup)
         self._structured = engine.structured
@@ -267,6 +269,7 @@ class AsyncEngine:
         cache_salt: str | None,
         max_blocks: int | None = None,
         last_block_hash: str | None = None,
+        images: tuple[PromptImage, ...] = (),
     ) -> Prefetch:
         """Bring the prompt's blocks the remote store holds, and this instance lacks, into the
         host tier before the request is admitted: its prefix-cache walk then meets them there.
@@ -276,7 +279,7 @@ class AsyncEngine:
         assert self._remote is not None, "open_remote first"
         bs = self.info.block_size
         # the last prompt token is always recomputed (the request needs its logits)
-        hashes = self._hasher.hashes(prompt_ids, cache_salt)[: (len(prompt_ids) - 1) // bs]
+        hashes = self._hasher.hashes(prompt_ids, cache_salt, images)[: (len(prompt_ids) - 1) // bs]
         expected = len(hashes) if max_blocks is None else min(len(hashes), max_blocks)
         if expected and last_block_hash and hashes[expected - 1].hex() != last_block_hash:
             log.warning(

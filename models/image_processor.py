@@ -39,9 +39,10 @@ def decode_image(data: bytes, max_pixels: int, min_side: int) -> Image.Image:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=FORMATS)
-    except (UnidentifiedImageError, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as e:  # fmt: skip
-        why = f"not a readable image ({_reason(e)}); send PNG, JPEG, GIF, WebP or BMP"
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"the image is over the limit of {max_pixels} pixels ({e})") from None
+    except UnidentifiedImageError:
+        why = "not a readable image (unknown format); send PNG, JPEG, GIF, WebP or BMP"
         raise ImageError(why) from None
     except OSError as e:
         raise ImageError(f"not a readable image: {e}") from None
@@ -56,10 +57,6 @@ def decode_image(data: bytes, max_pixels: int, min_side: int) -> Image.Image:
         return image.convert("RGB")
     except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt data
         raise ImageError(f"the {image.format} data is damaged: {e}") from None
-
-
-def _reason(e: Exception) -> str:
-    return "unknown format" if isinstance(e, UnidentifiedImageError) else str(e)
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,9 +69,17 @@ def build_gemma3_vlm(out: Path) -> Path:
     tok.train_from_iterator(CORPUS, trainer)
     assert [tok.token_to_id(t) for t in SPECIALS[5:]] == [BOI, EOI, IMAGE]
     tok.save(str(out / "tokenizer.json"))
+    # what transformers' Gemma3Processor reads too (the tests' reference for the prompt)
     (out / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<bos>", "eos_token": "<end_of_turn>", "chat_template": TEMPLATE,
-        "add_bos_token": False,
+        "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast",
+        "processor_class": "Gemma3Processor",
+        "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                 "image_token": "<image_soft_token>"},
+    }))  # fmt: skip
+    (out / "chat_template.jinja").write_text(TEMPLATE)
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma3Processor", "image_seq_length": TOKENS_PER_IMAGE,
     }))  # fmt: skip
     (out / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Gemma3ImageProcessor", "do_resize": True,

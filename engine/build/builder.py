@@ -147,8 +147,9 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         grammars=grammars,
     )
     aux = draft.cfg.aux_layers if draft else ()
-    images = build_image_encoder(config, model_path, spec, dtype, device)
-    runner = ModelRunner(weights.model, pool.backend, kv, device, aux, tp, images)
+    vision = build_image_encoder(config, model_path, spec, dtype, device)
+    runner = ModelRunner(weights.model, pool.backend, kv, device, aux, tp,
+                         vision[0] if vision else None)  # fmt: skip
     if pool.graphs:
         runner.capture_cuda_graphs(config.max_num_seqs, pool.max_model_len, pool.num_blocks)
     drafter = build_drafter(config, key, weights.model,
@@ -162,6 +163,7 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     return EngineParts(
         info, weights.model, spec, draft, tokenizer, frozenset(eos), pool.backend.kv_caches,
         host, kv, scheduler, runner, outputs, drafter, grammars, loras, tp,
+        vision[1] if vision else None,
     )  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.pooling import resolve_pooling
 from engine.spec.drafting import Drafter
 from models.eagle.head import EagleHead
+from models.image_processor import ImageProcessor
 from models.llama import LlamaForCausalLM
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
@@ -52,6 +53,7 @@ class EngineParts:
     structured: StructuredOutputs | None  # None without a tokenizer or xgrammar
     loras: LoRARegistry
     tp: TPGroup | None = None  # the other tensor-parallel ranks
+    image_processor: ImageProcessor | None = None  # a vision model's (models/image_processor.py)
 
 
 @dataclass(frozen=True, slots=True)

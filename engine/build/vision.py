@@ -10,6 +10,7 @@ import torch
 
 from engine.config import EngineConfig, parse_bytes
 from engine.runner.encoder import ImageEncoder
+from models.image_processor import ImageProcessor
 from models.loader import is_gguf, load_image_encoder
 from models.spec import ModelSpec
 
@@ -19,8 +20,9 @@ log = logging.getLogger("kvserve.engine")
 def build_image_encoder(
     config: EngineConfig, model_path: str, spec: ModelSpec, dtype: torch.dtype,
     device: torch.device,
-) -> ImageEncoder | None:  # fmt: skip
-    """None for a text model."""
+) -> tuple[ImageEncoder, ImageProcessor] | None:  # fmt: skip
+    """The encoder with its cache, and the checkpoint's image processor; None for a text
+    model."""
     if spec.vision is None or is_gguf(model_path):
         return None
     if config.tensor_parallel_size > 1:
@@ -30,7 +32,8 @@ def build_image_encoder(
         )
     encoder = load_image_encoder(model_path, spec, dtype, device)
     assert encoder is not None
+    processor = ImageProcessor.read(model_path, int(spec.vision.tower_config["image_size"]))
     capacity = parse_bytes(config.encoder_cache_bytes)
     log.info("image encoder: %s, %d soft tokens an image; encoder cache %d bytes",
              spec.vision.architecture, spec.vision.tokens_per_image, capacity)  # fmt: skip
-    return ImageEncoder(encoder, capacity, device)
+    return ImageEncoder(encoder, capacity, device), processor

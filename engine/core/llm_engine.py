@@ -6,7 +6,7 @@ emit (engine/core/output_processor.py) -> draft (engine/spec/). Building lives i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from engine.build.builder import build_engine
 from engine.config import EngineConfig
@@ -16,7 +16,7 @@ from engine.core.images import PromptImage
 from engine.core.outputs import RequestOutput
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import LoRARef, ParamError, SamplingParams
-from engine.core.snapshot import EngineSnapshot, HostTierSnapshot, SpecSnapshot
+from engine.core.snapshot import EncoderSnapshot, EngineSnapshot, HostTierSnapshot, SpecSnapshot
 from engine.core.step_guard import run_step
 from engine.kv.host import SWAP_IN_BUCKETS
 from engine.lora.registry import LoRAAdapter
@@ -47,6 +47,9 @@ class LLMEngine:
         self.structured = parts.structured
         self.loras = parts.loras
         self.tp = parts.tp
+        # a vision model's images: the processor's settings and where their tokens go
+        self.image_processor = parts.image_processor
+        self.vision = parts.spec.vision if parts.image_processor is not None else None
         self.outputs = parts.outputs
         self.stats = EngineStats()
 
@@ -192,6 +195,8 @@ class LLMEngine:
             decode_step_seconds=self.stats.decode_step_seconds,
             host=host,
             spec=spec,
+            encoder=(EncoderSnapshot(*astuple(self.runner.images.cache.stats()))
+                     if self.runner.images is not None else None),  # fmt: skip
         )
 
     def shutdown(self) -> None:

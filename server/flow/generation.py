@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.core.images import PromptImage
 from engine.core.outputs import RequestOutput
 from engine.core.sampled import TokenLogprobs
 from engine.core.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ class Choice:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # the prompt's, when scored
     # the application to count the prompt's cache hit for, until its first output has
     app: str | None = None
+    images: tuple[PromptImage, ...] = ()  # its prompt's images (engine/core/images.py)
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
