@@ -118,8 +118,13 @@ def test_chunks_never_end_inside_an_image() -> None:
     assert cut_at_image([image], 0, 14) == 14 and cut_at_image([image], 0, 9) == 9
 
 
-def test_same_image_hits_the_prefix_cache_and_is_encoded_once(vlm, reference) -> None:
-    llm = LLM(vlm, num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
+@pytest.fixture(scope="module")
+def cached_llm(vlm) -> LLM:
+    return LLM(vlm, num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
+
+
+def test_same_image_hits_the_prefix_cache_and_is_encoded_once(cached_llm, vlm, reference) -> None:
+    llm = cached_llm
     cache = llm.engine.runner.images.cache
     ids, images = prompt(llm, vlm, [1])
     first, cached = run(llm, ids, images, rid="a")
@@ -142,8 +147,8 @@ def test_same_image_hits_the_prefix_cache_and_is_encoded_once(vlm, reference) ->
     assert third == first and cached == 0 and cache.encoded == 2 and cache.hits == 1
 
 
-def test_a_prompt_and_its_images_must_agree(vlm) -> None:
-    llm = LLM(vlm, num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
+def test_a_prompt_and_its_images_must_agree(cached_llm, vlm) -> None:
+    llm = cached_llm
     ids, images = prompt(llm, vlm, [1])
     params = SamplingParams(max_tokens=2)
     with pytest.raises(ParamError, match="placeholder; send the image"):
@@ -154,3 +159,53 @@ def test_a_prompt_and_its_images_must_agree(vlm) -> None:
     text_only = dataclasses.replace(llm.engine.info, image_token_id=None)
     with pytest.raises(ParamError, match="takes text only"):
         text_only.validate(ids, params, images)
+
+
+def test_a_hit_that_ends_inside_an_image_computes_the_rest_of_it_whole(vlm, reference) -> None:
+    """Blocks of 2 tokens; the cached blocks after the one holding the image's first soft token
+    are dropped, so the next request's hit ends inside the image: its remaining soft tokens are
+    computed in one chunk, attending both ways among themselves and to the cached ones."""
+    llm = LLM(vlm, num_kv_blocks=64, block_size=2, max_num_batched_tokens=4)
+    ids, images = prompt(llm, vlm, [4])
+    first, _ = run(llm, ids, images, rid="a")
+    image = images[0]
+    keep = image.offset // 2 + 1  # the block holding the first soft token, and those before
+    assert image.offset < keep * 2 < image.end - 1  # the hit will end inside the image
+    pool = llm.engine.kv.pool
+    for block_hash in llm.engine.kv.hasher.hashes(ids, None, images)[keep:]:
+        if (block := pool.lookup(block_hash)) is not None:
+            pool.forget(block)
+    again, cached = run(llm, ids, images, rid="b")
+    assert cached == keep * 2
+    assert again == first == theirs(reference, ids, images, generate=GREEDY.max_tokens)
+
+
+def test_preemption_and_the_host_tier_with_images(vlm, reference) -> None:
+    """Three image requests in a device pool too small for all: the preempted ones swap to the
+    host tier and back (or recompute, images included, encoded once each: the encoder cache
+    keeps them) and answer as transformers. Then other pictures push the first one's blocks
+    out of the device pool; the same picture again meets them in the host tier."""
+    llm = LLM(vlm, num_kv_blocks=20, block_size=4, max_num_batched_tokens=64, host_bytes="8MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine, wanted, prompts = llm.engine, {}, {}
+    for k in range(3):
+        prompts[f"p{k}"] = prompt(llm, vlm, [30 + k])
+        engine.add_request(f"p{k}", *prompts[f"p{k}"][:1], params, images=prompts[f"p{k}"][1])
+        wanted[f"p{k}"] = theirs(reference, *prompts[f"p{k}"], generate=16)
+    got: dict[str, list[int]] = {rid: [] for rid in wanted}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None
+            got[out.request_id] += out.new_token_ids
+    assert engine.scheduler.num_preemptions > 0
+    assert got == wanted
+    assert engine.runner.images.cache.encoded == 3
+    ids, images = prompt(llm, vlm, [40])
+    first, _ = run(llm, ids, images, rid="a")
+    for k in range(3):
+        run(llm, *prompt(llm, vlm, [41 + k]), rid=f"x{k}")
+    host_before = engine.kv.hits_by_source["host"]
+    again, cached = run(llm, ids, images, rid="b")
+    assert again == first and cached == (len(ids) - 1) // 4 * 4
+    assert engine.kv.hits_by_source["host"] > host_before
+    assert engine.kv.pool.num_free_blocks == engine.num_blocks
