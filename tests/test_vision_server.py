@@ -17,8 +17,9 @@ import httpx
 import pytest
 import torch
 
+from tests.openai_schema import validate
 from tests.server_utils import InProcessServer
-from tests.vision_model import IMAGE, build_gemma3_vlm, data_url, png
+from tests.vision_model import IMAGE, TOKENS_PER_IMAGE, build_gemma3_vlm, data_url, png
 
 QUESTION = "What is this?"
 MAX_TOKENS = 6
@@ -128,9 +129,12 @@ def test_every_route_answers_images_as_transformers(server, reference) -> None:
     r = chat(server, data_url(png(1)))
     assert r.choices[0].message.content == answer
     assert r.usage.prompt_tokens == prompt_len  # the image's soft tokens counted
+    assert r.usage.prompt_tokens_details.image_tokens == TOKENS_PER_IMAGE
     two, two_len, _ = expected(reference, [1, 2])
     r = chat(server, data_url(png(1)), data_url(png(2)))
     assert r.choices[0].message.content == two and r.usage.prompt_tokens == two_len
+    assert r.usage.prompt_tokens_details.image_tokens == 2 * TOKENS_PER_IMAGE
+    validate("CreateChatCompletionResponse", r.model_dump(exclude_unset=True))
     resp = openai_client(server).responses.create(
         model="vlm", max_output_tokens=MAX_TOKENS, temperature=0,
         input=[{"role": "user", "content": [
@@ -223,6 +227,7 @@ def test_hostile_images_are_400s_on_every_route(server, picture_host) -> None:
             assert r.status_code == 400, (why, r.text)
             err = r.json()["error"]
             assert err["param"] == "messages.0.content.1" and why in err["message"], err
+            validate("ErrorResponse", r.json())
             part = {"type": "input_image", "image_url": url}
             message = {"role": "user", "content": [part]}
             r = c.post("/v1/responses", json={"model": "vlm", "input": [message]})

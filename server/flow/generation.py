@@ -114,13 +114,21 @@ def usage_of(choices: list[Choice], n: int) -> dict:
         sum(len(c.prompt_ids) for c in firsts),
         sum(len(c.token_ids) for c in choices),
         sum(c.num_cached_tokens for c in firsts),
+        sum(image.num_tokens for c in firsts for image in c.images),
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, image_tokens: int = 0
+) -> dict:
+    """OpenAI's usage; a prompt's images' soft tokens are among its prompt tokens, and counted
+    apart as `image_tokens` where it has any."""
+    details: dict = {"cached_tokens": cached_tokens}
+    if image_tokens:
+        details["image_tokens"] = image_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }

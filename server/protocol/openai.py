@@ -211,6 +211,7 @@ class _Out(BaseModel):
 
 class PromptTokensDetails(_Out):
     cached_tokens: int
+    image_tokens: int | None = None  # a vision model's image soft tokens (absent: none)
 
 
 class Usage(_Out):
