@@ -248,8 +248,10 @@ class AsyncEngine:
     async def import_blocks(self, blocks: list[tuple[bytes, bytes]]) -> int:
         return await self.call(lambda core: core.import_blocks(blocks))
 
-    async def offload_prefix(self, token_ids: list[int], cache_salt: str | None) -> int:
-        return await self.call(lambda e: e.offload_prefix(token_ids, cache_salt))
+    async def offload_prefix(
+        self, token_ids: list[int], cache_salt: str | None, images: tuple[PromptImage, ...] = ()
+    ) -> int:
+        return await self.call(lambda e: e.offload_prefix(token_ids, cache_salt, images))
 
     # ---- the remote KV tier (engine/kv/remote.py) --------------------------------------------
 

@@ -183,8 +183,8 @@ def test_a_hit_that_ends_inside_an_image_computes_the_rest_of_it_whole(vlm, refe
 def test_preemption_and_the_host_tier_with_images(vlm, reference) -> None:
     """Three image requests in a device pool too small for all: the preempted ones swap to the
     host tier and back (or recompute, images included, encoded once each: the encoder cache
-    keeps them) and answer as transformers. Then other pictures push the first one's blocks
-    out of the device pool; the same picture again meets them in the host tier."""
+    keeps them) and answer as transformers. Then a picture's blocks are offloaded as an idle
+    session's are; the same picture again meets them in the host tier."""
     llm = LLM(vlm, num_kv_blocks=20, block_size=4, max_num_batched_tokens=64, host_bytes="8MiB")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     engine, wanted, prompts = llm.engine, {}, {}
@@ -202,8 +202,12 @@ def test_preemption_and_the_host_tier_with_images(vlm, reference) -> None:
     assert engine.runner.images.cache.encoded == 3
     ids, images = prompt(llm, vlm, [40])
     first, _ = run(llm, ids, images, rid="a")
-    for k in range(3):
-        run(llm, *prompt(llm, vlm, [41 + k]), rid=f"x{k}")
+    # an idle session's offload finds its blocks by the same keys, the picture's content hash
+    # among them, and moves every one
+    hashes = engine.kv.hasher.hashes(ids, None, images)
+    assert all(engine.kv.pool.lookup(h) for h in hashes)
+    assert engine.offload_prefix(ids, None, images) == len(hashes)
+    assert not any(engine.kv.pool.lookup(h) for h in hashes)
     host_before = engine.kv.hits_by_source["host"]
     again, cached = run(llm, ids, images, rid="b")
     assert again == first and cached == (len(ids) - 1) // 4 * 4

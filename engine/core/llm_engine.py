@@ -138,9 +138,15 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
-    def offload_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """Move an idle session's cached blocks to the host tier; returns blocks moved."""
-        return self.kv.offload_prefix(token_ids, cache_salt)
+    def offload_prefix(
+        self,
+        token_ids: list[int],
+        cache_salt: str | None = None,
+        images: tuple[PromptImage, ...] = (),
+    ) -> int:
+        """Move an idle session's cached blocks to the host tier (`images`: its prompt's, whose
+        content hashes key the blocks holding them); returns blocks moved."""
+        return self.kv.offload_prefix(token_ids, cache_salt, images)
 
     def import_blocks(self, blocks: list[tuple[bytes, bytes]]) -> int:
         """Blocks fetched from the remote store into the host tier; returns how many."""

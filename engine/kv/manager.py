@@ -14,9 +14,10 @@ the same call, before anything can overwrite them.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from engine.core.images import PromptImage
 from engine.core.outputs import PrefixSummary
 from engine.core.request import Request
 from engine.kv.hashing import BlockHasher, BlockKey, extra_keys
@@ -301,13 +302,15 @@ class KVCacheManager:
         ]
         return self.host.save(pairs)
 
-    def offload_prefix(self, token_ids: list[int], cache_salt: str | None) -> int:
+    def offload_prefix(
+        self, token_ids: list[int], cache_salt: str | None, images: Sequence[PromptImage] = ()
+    ) -> int:
         """Move a sequence's free cached device blocks to the host tier (idle session offload),
         freeing device blocks before pressure arrives. Blocks in use are left alone."""
         if self.host is None:
             return 0
         blocks = []
-        for block_hash in self.hasher.hashes(token_ids, cache_salt):
+        for block_hash in self.hasher.hashes(token_ids, cache_salt, images):
             block = self.pool.lookup(block_hash)
             if block is None:
                 break

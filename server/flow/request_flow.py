@@ -90,8 +90,9 @@ async def start(
         def on_done(done: list[Choice]) -> None:
             first = done[0]
             state.sessions.end_turn(
-                session, first.prompt_ids + first.token_ids, first.params.cache_namespace
-            )
+                session, first.prompt_ids + first.token_ids, first.params.cache_namespace,
+                first.images,
+            )  # fmt: skip
 
     return Generation.admit(state, engine, choices, body.n, plan.req_id, on_done, publish)
 
