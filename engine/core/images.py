@@ -26,6 +26,11 @@ class PromptImage:
     def end(self) -> int:
         return self.offset + self.num_tokens
 
+    def identity(self) -> PromptImage:
+        """The image as the block hashes know it, without its pixels (what is kept beyond the
+        request: an idle session's offload rebuilds its hashes from it)."""
+        return PromptImage(self.offset, self.num_tokens, self.content_hash, torch.empty(0))
+
 
 def image_keys(images: Sequence[PromptImage], start: int, end: int) -> bytes:
     """What the images overlapping token positions [start, end) add to that block's hash: each
