@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import http.server
+import shutil
 import struct
 import threading
 import zlib
@@ -258,3 +259,42 @@ def test_hostile_images_are_400s_on_every_route(server, picture_host) -> None:
         assert r.status_code == 400, r.text
     snap = server.core.snapshot()
     assert snap.num_running == snap.num_waiting == 0 and "2" not in snap.block_map
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian chromium not installed")
+def test_the_page_sends_a_pasted_image(server, reference) -> None:
+    """The built-in page in headless Chromium: an image pasted into the message box goes with
+    the next message as an image_url part; the answer is transformers'."""
+    from playwright.sync_api import sync_playwright
+
+    misses = metric(server, "encoder_cache_misses")
+    with sync_playwright() as p:
+        args = ["--headless", "--no-sandbox", "--disable-gpu"]
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=args)
+        page = browser.new_page()
+        page.goto(server.base + "/")
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", str(MAX_TOKENS))
+        page.fill("#system", "")  # the tiny model's template: a user turn alone
+        page.evaluate(
+            """(b64) => {
+                const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+                const data = new DataTransfer();
+                data.items.add(new File([bytes], "pasted.png", { type: "image/png" }));
+                const input = document.getElementById("input");
+                const paste = { clipboardData: data, bubbles: true, cancelable: true };
+                input.dispatchEvent(new ClipboardEvent("paste", paste));
+            }""",
+            base64.b64encode(png(31)).decode(),
+        )
+        page.wait_for_function("document.getElementById('attached').textContent.includes('1')")
+        page.fill("#input", QUESTION)
+        page.click("#send")
+        page.wait_for_function(
+            "document.getElementById('reply-stats').textContent.includes('TTFT')"
+        )
+        reply = page.locator(".msg.assistant .body").last.text_content()
+        browser.close()
+    assert metric(server, "encoder_cache_misses") == misses + 1
+    assert reply == expected(reference, [31])[0]
