@@ -23,6 +23,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.engine_info import EngineInfo
+from engine.core.images import PromptImage
 from engine.core.llm_engine import LLMEngine
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import GrammarSpec, LoRARef, ParamError, SamplingParams
@@ -51,6 +52,8 @@ class AsyncEngine:
         self._core = engine  # touched only on the engine thread
         self.info: EngineInfo = engine.info
         self.tokenizer: Tokenizer | None = engine.tokenizer  # immutable; safe from any thread
+        self.image_processor = engine.image_processor  # immutable too (None: text only)
+        self.vision = engine.vision
         # thread-safe parts, held from the start so the asyncio side never reads `_core`: the
         # grammar compiler, and the prefix hasher (its root is fixed at startup)
         self._structured = engine.structured
@@ -116,8 +119,10 @@ class AsyncEngine:
         self,
         requests: Sequence[tuple[str, list[int], SamplingParams]],
         max_in_flight: int | None = None,
+        images: dict[str, tuple[PromptImage, ...]] | None = None,
     ) -> asyncio.Queue[RequestOutput | BaseException] | None:
-        """Admit requests (request id, prompt token ids, params) all at once, now, so admission
+        """Admit requests (request id, prompt token ids, params; `images`: a request's prompt
+        images by its id) all at once, now, so admission
         control counts them at once, or none of them (None) if that would put more than
         `max_in_flight` requests in flight. Their outputs share the returned queue; read it
         with `stream`. Raises ParamError if a request does not fit the engine."""
@@ -125,8 +130,9 @@ class AsyncEngine:
             raise EngineDeadError(f"engine loop died: {self.dead}")
         if max_in_flight is not None and len(self._queues) + len(requests) > max_in_flight:
             return None
+        images = images or {}
         for request_id, ids, params in requests:
-            self.info.validate(ids, params)
+            self.info.validate(ids, params, images.get(request_id, ()))
             if request_id in self._queues:
                 raise ValueError(f"duplicate request id {request_id}")
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -135,7 +141,7 @@ class AsyncEngine:
         arrival = time.monotonic()
         for request_id, ids, params in requests:
             self._queues[request_id] = q
-            self._inbox.put(("add", request_id, ids, params, arrival))
+            self._inbox.put(("add", request_id, ids, params, arrival, images.get(request_id, ())))
         return q
 
     async def stream(
@@ -242,8 +248,10 @@ class AsyncEngine:
     async def import_blocks(self, blocks: list[tuple[bytes, bytes]]) -> int:
         return await self.call(lambda core: core.import_blocks(blocks))
 
-    async def offload_prefix(self, token_ids: list[int], cache_salt: str | None) -> int:
-        return await self.call(lambda e: e.offload_prefix(token_ids, cache_salt))
+    async def offload_prefix(
+        self, token_ids: list[int], cache_salt: str | None, images: tuple[PromptImage, ...] = ()
+    ) -> int:
+        return await self.call(lambda e: e.offload_prefix(token_ids, cache_salt, images))
 
     # ---- the remote KV tier (engine/kv/remote.py) --------------------------------------------
 
@@ -263,6 +271,7 @@ class AsyncEngine:
         cache_salt: str | None,
         max_blocks: int | None = None,
         last_block_hash: str | None = None,
+        images: tuple[PromptImage, ...] = (),
     ) -> Prefetch:
         """Bring the prompt's blocks the remote store holds, and this instance lacks, into the
         host tier before the request is admitted: its prefix-cache walk then meets them there.
@@ -272,7 +281,7 @@ class AsyncEngine:
         assert self._remote is not None, "open_remote first"
         bs = self.info.block_size
         # the last prompt token is always recomputed (the request needs its logits)
-        hashes = self._hasher.hashes(prompt_ids, cache_salt)[: (len(prompt_ids) - 1) // bs]
+        hashes = self._hasher.hashes(prompt_ids, cache_salt, images)[: (len(prompt_ids) - 1) // bs]
         expected = len(hashes) if max_blocks is None else min(len(hashes), max_blocks)
         if expected and last_block_hash and hashes[expected - 1].hex() != last_block_hash:
             log.warning(
@@ -331,9 +340,9 @@ class AsyncEngine:
     def _handle(self, msg: tuple[Any, ...], out: list) -> None:
         kind = msg[0]
         if kind == "add":
-            _, request_id, ids, params, arrival = msg
+            _, request_id, ids, params, arrival, images = msg
             try:
-                self._core.add_request(request_id, ids, params, arrival_time=arrival)
+                self._core.add_request(request_id, ids, params, arrival, images)
             except Exception as e:  # invalid after all: fail just this request
                 out.append((request_id, e))
         elif kind == "abort":

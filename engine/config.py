@@ -138,6 +138,9 @@ class EngineConfig:
         None, "KV blocks in the device pool (0: sized from kv_cache_memory or GPU memory)"
     )
     kv_cache_memory: str = setting("2GiB", "KV cache budget on CPU, e.g. 2GiB")
+    encoder_cache_bytes: str = setting(
+        "64MiB", "a vision model's cache of encoded images (soft tokens by content hash)"
+    )
     gpu_memory_utilization: float = setting(
         0.90, "fraction of GPU memory for weights + KV cache on CUDA"
     )

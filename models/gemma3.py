@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from models.gemma3_vision import is_image_path_tensor
+
 # HF names under "model.layers.N." that differ from the Llama family's. HF's
 # `post_attention_layernorm` is the norm *on* the attention output; the decoder's own
 # `post_attention_layernorm` is the FFN's input norm (Llama's meaning), HF's `pre_feedforward_*`.
@@ -62,6 +64,10 @@ def gemma3_weights(
     """Gemma 3 tensors under Llama-family HF names (the Llama renaming takes them from there),
     every norm weight as the `(1 + w)` it multiplies by."""
     for name, t in weights:
+        if is_image_path_tensor(name):  # the tower and projector: models/gemma3_vision.py
+            continue
+        if name.startswith("model.language_model."):  # newer ConditionalGeneration files
+            name = "model." + name[len("model.language_model.") :]
         if name.startswith("language_model."):  # a Gemma3ForConditionalGeneration's text part
             name = name[len("language_model.") :]
         if name.startswith("model.layers."):

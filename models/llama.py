@@ -230,20 +230,26 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionStep,
         aux_layers: tuple[int, ...] = (),
         lora: LoRARows | None = None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [tokens, hidden]. With `aux_layers` (EAGLE-3),
         the inputs of those layers are concatenated after it: [tokens, hidden * (1 + n)].
-        `lora`: LoRA adapters' rows in the step (models/lora.py)."""
+        `lora`: LoRA adapters' rows in the step (models/lora.py). `images`: (rows, soft tokens
+        [rows, hidden]) whose embeddings are the image encoder's, as they are (unscaled)."""
+        if images is not None:  # a placeholder id may lie outside the vocabulary (Gemma 3)
+            input_ids = input_ids.index_fill(0, images[0], 0)
         x = self.embed_tokens(input_ids)
         if self.spec.embedding_multiplier != 1.0:
             # in the serving dtype, as Gemma's own code rounds its sqrt(hidden) normaliser
             x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype)
+        if images is not None:
+            x = x.index_copy(0, images[0], images[1].to(x.dtype))
         factor, tables = self.rope_attention_factor, self.inv_freq(x.device)
         rope = {k: rope_cos_sin(positions, inv, factor) for k, inv in tables.items()}
         residual: torch.Tensor | None = None
         captured: dict[int, torch.Tensor] = {}
         per_layer = self.per_layer_inputs(input_ids, x)
-        plain = not aux_layers and not lora and per_layer is None
+        plain = not aux_layers and not lora and per_layer is None and images is None
         stacked = self._decode_stack(x, rope, attn) if plain else None
         if stacked is not None:
             x, residual = stacked

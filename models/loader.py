@@ -22,6 +22,7 @@ from tqdm import tqdm
 from models.checkpoint import Part, fuse_parts
 from models.deepseek_v4 import DeepseekV4ForCausalLM, deepseek_v4_spec, deepseek_v4_weights
 from models.gemma3 import gemma3_fields, gemma3_weights
+from models.gemma3_vision import Gemma3ImageEncoder, gemma3_vision_spec, is_image_path_tensor
 from models.gemma4 import Gemma4ForCausalLM, gemma4_spec, gemma4_weights
 from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
 from models.laguna import LagunaForCausalLM, laguna_spec, laguna_weights
@@ -114,6 +115,18 @@ def load_model(
     return model.eval(), spec
 
 
+def load_image_encoder(
+    path: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str
+) -> torch.nn.Module | None:
+    """A vision-language checkpoint's image encoder (pixels -> soft tokens in the text model's
+    width), in `dtype` on `device`; None for a text model."""
+    if spec.vision is None:
+        return None
+    encoder = Gemma3ImageEncoder(spec.vision, spec.hidden_size)
+    encoder.load_weights(hf_weights(path, dtype, keep=is_image_path_tensor))
+    return encoder.to(device=device, dtype=dtype).eval()
+
+
 # the variations with a layer or model class of their own (the others are the shared decoder)
 _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
@@ -184,7 +197,9 @@ def hf_spec(path: str, context: int | None = None) -> ModelSpec:
         raise FileNotFoundError(f"{path}: not a GGUF file and no config.json")
     cfg = _read_json(root / "config.json")
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    vision = None
     if arch == "Gemma3ForConditionalGeneration" and "text_config" in cfg:
+        vision = gemma3_vision_spec(cfg)  # its image path (models/gemma3_vision.py)
         arch, cfg = "Gemma3ForCausalLM", {**cfg, **cfg["text_config"]}  # its language model
     if arch == "Gemma4ForConditionalGeneration" and "text_config" in cfg:
         arch, cfg = "Gemma4ForCausalLM", {**cfg, **cfg["text_config"]}  # its language model
@@ -210,7 +225,7 @@ def hf_spec(path: str, context: int | None = None) -> ModelSpec:
     sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     fields: dict = {}
     if arch == "Gemma3ForCausalLM":
-        fields = gemma3_fields(cfg)
+        fields = gemma3_fields(cfg) | {"vision": vision}
     elif arch == "Phi3ForCausalLM":
         fields = phi3_fields(cfg, context)
     elif arch == "Qwen3MoeForCausalLM":
@@ -294,9 +309,12 @@ def _eos_ids(root: Path, cfg: dict) -> list[int]:
     return []
 
 
-def hf_weights(path: str, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the directory's safetensors files, under its checkpoint name, cast to
-    `dtype` one tensor at a time (a bf16 checkpoint served in bf16 is never upcast)."""
+def hf_weights(
+    path: str, dtype: torch.dtype = torch.float32, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the directory's safetensors files (those `keep` accepts), under its
+    checkpoint name, cast to `dtype` one tensor at a time (a bf16 checkpoint served in bf16 is
+    never upcast)."""
     root = Path(path)
     index = root / "model.safetensors.index.json"
     if index.is_file():
@@ -308,7 +326,8 @@ def hf_weights(path: str, dtype: torch.dtype = torch.float32) -> Iterator[tuple[
     for fname in tqdm(files, desc="loading safetensors", unit="file", disable=len(files) < 2):
         with safe_open(str(root / fname), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name).to(dtype)
 
 
 # HF Llama-family names -> the model's. Top level:

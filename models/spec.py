@@ -46,6 +46,22 @@ class KVGroupSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """What a vision-language model's images are to the serving stack: each image becomes
+    `tokens_per_image` soft tokens at placeholder positions holding `image_token_id`, written
+    by the processor between `begin_token_id` and `end_token_id`; the soft tokens of one image
+    attend to each other in both directions. `tower_config`: the checkpoint's vision config,
+    for the encoder's own builder (models/gemma3_vision.py)."""
+
+    architecture: str  # "gemma3"
+    image_token_id: int
+    tokens_per_image: int
+    begin_token_id: int | None
+    end_token_id: int | None
+    tower_config: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     architecture: str
     vocab_size: int
@@ -78,6 +94,7 @@ class ModelSpec:
     # the KV groups, where their blocks are not derived from the layers (DeepSeek V4's window,
     # compressor rows and compressed entries); empty: one K/V group per `LayerSpec.kv_group`
     group_specs: tuple[KVGroupSpec, ...] = ()
+    vision: VisionSpec | None = None  # a vision-language model's images (None: text only)
     extra: dict = field(default_factory=dict)
 
     @property

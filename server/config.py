@@ -43,7 +43,9 @@ SECTIONS: dict[str, list[str]] = {
         "host port api_key salt_cache_per_key served_model_name allowed_origins max_queue_len "
         "max_body_bytes max_n max_top_logprobs max_stop_sequences max_stop_length "
         "default_max_tokens tool_call_parser reasoning_parser log_level request_timeout_s "
-        "app_cache_stats max_grammar_compile_s grammar_compile_workers shutdown_grace_s"
+        "app_cache_stats max_grammar_compile_s grammar_compile_workers shutdown_grace_s "
+        "allowed_media_domains max_images_per_request max_image_bytes max_image_pixels "
+        "min_image_side"
     ).split(),
     "model": (
         "model dtype quantization gguf_int8_activations gguf_int8_prefill cpu_packed_weights "
@@ -56,7 +58,7 @@ SECTIONS: dict[str, list[str]] = {
     ).split(),
     "cache": (
         "block_size num_kv_blocks kv_cache_memory gpu_memory_utilization enable_prefix_caching "
-        "reclaim_window_blocks"
+        "reclaim_window_blocks encoder_cache_bytes"
     ).split(),
     "offload": "host_bytes idle_seconds disk_path disk_bytes preemption_mode".split(),
     "responses": "responses_db responses_max_stored responses_max_age_s".split(),
@@ -163,6 +165,20 @@ class ServerConfig:
         0, "grammars compiled at once (worker processes); 0: one fewer than the cores"
     )
     shutdown_grace_s: float = setting(30.0, "on SIGTERM, let in-flight requests finish this long")
+    allowed_media_domains: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "hosts an image URL may be fetched from (an image_url that is not a data: "
+            "URL); empty: none, remote images are refused",
+            "choices": None,
+        },
+    )
+    max_images_per_request: int = setting(8, "most images in one request")
+    max_image_bytes: int = setting(10_485_760, "largest image file accepted, in bytes")
+    max_image_pixels: int = setting(
+        33_554_432, "largest image accepted, width x height (checked before decoding)"
+    )
+    min_image_side: int = setting(2, "images narrower or shorter than this many pixels are refused")
     idle_seconds: float = setting(
         0.0, "offload a session's KV to the host tier after this long idle; 0: off"
     )

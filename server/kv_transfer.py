@@ -23,6 +23,7 @@ import uuid
 from typing import Any
 
 from engine.async_engine import AsyncEngine
+from engine.core.images import PromptImage
 from server.errors import APIError
 from server.metrics import Metrics
 
@@ -72,9 +73,11 @@ class KVTransfer:
         prompt_ids: list[int],
         cache_salt: str | None,
         params: dict[str, Any] | None,
+        images: tuple[PromptImage, ...] = (),
     ) -> int:
         """Bring the prompt's published blocks this instance lacks into its host tier, before
-        the request is admitted. Returns the tokens received. Never raises for the store."""
+        the request is admitted (`images`: the prompt's, whose content hashes key the blocks
+        that hold them). Returns the tokens received. Never raises for the store."""
         engine.open_remote(self.url, self.ttl_s, self.secret)
         sent = _published(params)
         if sent is not None and sent.get("namespace") not in (
@@ -92,6 +95,7 @@ class KVTransfer:
             cache_salt,
             None if sent is None else sent["num_blocks"],
             None if sent is None else sent.get("last_block_hash"),
+            images,
         )
         for reason in got.fallbacks:
             self.metrics.kv_fallbacks.labels(reason).inc()

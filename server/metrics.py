@@ -78,6 +78,17 @@ class EngineCollector(Collector):
         yield cached
         if snap.spec is not None:
             yield from _spec_metrics(snap.spec, gauge, counter)
+        if (enc := snap.encoder) is not None:  # a vision model's encoded images
+            yield counter("encoder_cache_hits", "Images whose encoding was found in the encoder "
+                          "cache (not encoded again).", enc.hits)  # fmt: skip
+            yield counter("encoder_cache_misses", "Images the vision encoder ran on.",
+                          enc.encoded)  # fmt: skip
+            yield counter("encoder_cache_evictions", "Encoded images evicted from the cache.",
+                          enc.evicted)  # fmt: skip
+            yield gauge("encoder_cache_used_bytes", "Bytes of encoded images held.",
+                        enc.used_bytes)  # fmt: skip
+            yield gauge("encoder_cache_capacity_bytes", "Encoder cache capacity in bytes.",
+                        enc.capacity_bytes)  # fmt: skip
         host = snap.host
         # both tiers always, 0 included, so an alert on rate() works from the first scrape
         integrity = CounterMetricFamily(

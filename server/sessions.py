@@ -9,6 +9,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.core.images import PromptImage
+
 log = logging.getLogger("kvserve.sessions")
 
 
@@ -18,6 +20,7 @@ class Session:
     last_seen: float
     cache_salt: str | None = None
     offloaded: bool = False
+    images: tuple[PromptImage, ...] = ()  # its prompt's (their content hashes key its blocks)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -51,11 +54,18 @@ class SessionTracker:
         return same
 
     def end_turn(
-        self, session_id: str | None, token_ids: list[int], cache_salt: str | None = None
+        self,
+        session_id: str | None,
+        token_ids: list[int],
+        cache_salt: str | None = None,
+        images: tuple[PromptImage, ...] = (),
     ) -> None:
         if not session_id:
             return
-        self.sessions[session_id] = Session(list(token_ids), time.monotonic(), cache_salt)
+        self.sessions[session_id] = Session(
+            list(token_ids), time.monotonic(), cache_salt,
+            images=tuple(image.identity() for image in images),  # not their pixels
+        )  # fmt: skip
         self.sessions.move_to_end(session_id)
         while len(self.sessions) > self.max_sessions:
             self.sessions.popitem(last=False)

@@ -173,10 +173,17 @@ def test_a_choice_and_a_budget_keep_their_apis_names() -> None:
     assert e.param == "function_call"
 
 
-def test_a_part_a_text_model_cannot_read_is_named_where_it_was_sent() -> None:
-    image = {"type": "image_url", "image_url": {"url": "data:,"}}
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}
+def test_a_part_no_model_here_reads_is_named_where_it_was_sent() -> None:
+    """An audio part is refused as the body becomes a conversation; an image part becomes the
+    turn's image (a text model refuses it when the images are read: tests/test_vision_server.py
+    and tests/test_tools_structured.py)."""
+    audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, audio]}]}
     e = raised(lambda: chat_conversation(ChatCompletionRequest.model_validate(body)))
     assert e.param == "messages.0.content.1" and e.code == "unsupported_content"
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}
+    (turn,) = chat_conversation(ChatCompletionRequest.model_validate(body)).turns
+    assert turn.text == "hi" and [i.param for i in turn.images] == ["messages.0.content.1"]
     body = ResponsesRequest.model_validate({"input": []})
     assert raised(lambda: responses_conversation(body, [], 0)).param == "input"

@@ -186,7 +186,7 @@ def test_errors_come_in_anthropic_shape(served) -> None:
         httpx.post(url, json={**ok, "messages": [{"role": "user", "content": [image]}]},
                    headers=key), 400, "invalid_request_error",
     )  # fmt: skip
-    assert said.startswith("messages.0.content.0.type")
+    assert said.startswith("messages.0.content.0: this model takes text only")
     anthropic_error(httpx.post(url, json={**ok, "model": "claude-x"}, headers=key), 404,
                     "not_found_error")  # fmt: skip
     long = {**ok, "messages": [{"role": "user", "content": "word " * 2500}]}

@@ -38,6 +38,9 @@ class StepMetadata:
     # new tokens' slots there; None: those layers use `block_tables` too
     window_block_tables: list[list[int]] | None = None
     window_slot_mapping: torch.Tensor | None = None
+    # per sequence, the position ranges [start, end) of the images its chunk computes: their
+    # tokens attend to each other in both directions (the rest stays causal); None: no images
+    image_spans: list[list[tuple[int, int]]] | None = None
 
     @property
     def num_seqs(self) -> int:

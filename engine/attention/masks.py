@@ -17,14 +17,23 @@ def decode_mask(seq_lens: torch.Tensor, num_keys: int, window: int | None) -> to
     return torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))[None, :, None, :]
 
 
-def prefill_mask(context: int, seq_len: int, window: int | None) -> torch.Tensor | None:
+def prefill_mask(
+    context: int,
+    seq_len: int,
+    window: int | None,
+    image_spans: tuple[tuple[int, int], ...] = (),
+) -> torch.Tensor | None:
     """[seq_len - context, seq_len] bool, True = attend: a chunk after `context` earlier tokens
-    (causal, within the window); None where plain causal attention over the chunk is it."""
-    if context == 0 and window is None:
+    (causal, within the window); None where plain causal attention over the chunk is it. The
+    tokens of each image span [start, end) also see the span's later tokens, as transformers'
+    Gemma 3 mask does: the window then still applies (AND(window, OR(causal, image)))."""
+    if context == 0 and window is None and not image_spans:
         return None
     q_pos = torch.arange(context, seq_len)[:, None]
     k_pos = torch.arange(seq_len)[None, :]
     m = k_pos <= q_pos
+    for start, end in image_spans:
+        m |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
     if window is not None:
         m &= k_pos > q_pos - window  # window tokens, itself included (as HF)
     return m

@@ -31,6 +31,7 @@ REQUIREMENTS = (
     "int8 KV",
     "compressed attention",
     "sparse attention",
+    "image spans",
 )
 
 
@@ -199,6 +200,8 @@ class ModelNeeds:
     # too), and the lightning indexer's top-k selection of them with a sparse gather (CSA)
     compressed: bool = False
     sparse: bool = False
+    # an image's soft tokens attend to each other both ways inside a causal prompt (Gemma 3)
+    image_spans: bool = False
 
     @staticmethod
     def of(spec: ModelSpec, tree_masks: bool = False, int8_kv: bool = False) -> ModelNeeds:
@@ -215,6 +218,7 @@ class ModelNeeds:
             int8_kv,
             any(g.role in ("csa", "hca") for g in spec.group_specs),
             any(g.role == "csa" for g in spec.group_specs),
+            spec.vision is not None,
         )
 
 
@@ -259,6 +263,7 @@ def model_refusals(
     tree_masks: bool = False,
     int8_kv: bool = False,
     compressed: bool = False,
+    image_spans: bool = False,
 ) -> Verdict:
     """The model-shape requirements a backend cannot serve, in the matrix's one wording: each
     backend says what its kernels support (`head_dims`: the head sizes they are built for,
@@ -289,6 +294,8 @@ def model_refusals(
             "no lightning-indexer top-k over compressed entries nor a sparse gather in its "
             "kernels (FlashMLA-style sparse decode is not wired here)"
         )
+    if needs.image_spans and not image_spans:
+        verdict["image spans"] = "no mask for an image's bidirectional span in a causal prompt"
     return verdict
 
 

@@ -63,6 +63,7 @@ class _Prefill:
     # per window, [q, seq_len] bool, True = attend; None = plain causal. Built when SDPA
     # first serves the chunk in a layer of that window, then kept for the step's other layers
     masks: dict[int | None, torch.Tensor | None]
+    image_spans: tuple[tuple[int, int], ...] = ()  # positions attending both ways
 
 
 class TorchAttentionStep(AttentionStep):
@@ -75,14 +76,17 @@ class TorchAttentionStep(AttentionStep):
             slots = slots.to(device)
         self.slot_block, self.slot_offset = slots // bs, slots % bs
 
-        decode_seqs = [i for i, q in enumerate(meta.query_lens) if q == 1]
+        # a chunk holding image tokens is attended under its own mask (SDPA, below)
+        spans = meta.image_spans or [[] for _ in meta.query_lens]
+        decode_seqs = [i for i, q in enumerate(meta.query_lens) if q == 1 and not spans[i]]
         # With the C++ decode op, a short chunk (a verify step's 1 + k rows, a short prompt)
         # is attended as one decode query per row, row j seeing its sequence up to its own
         # position: the op writes every row's K/V before it attends, so the rows see each other
         # causally, and the step keeps the fused decode path instead of gather + SDPA.
         cpp = backend.decode_op is not None
         if cpp:
-            decode_seqs = [i for i, q in enumerate(meta.query_lens) if q <= ROWS_AS_DECODE]
+            decode_seqs = [i for i, q in enumerate(meta.query_lens)
+                           if q <= ROWS_AS_DECODE and not spans[i]]  # fmt: skip
         rows = [(meta.query_start[i] + j, i, meta.context_lens[i] + j + 1)
                 for i in decode_seqs for j in range(meta.query_lens[i])]  # fmt: skip
         self.all_decode = len(decode_seqs) == meta.num_seqs
@@ -120,7 +124,9 @@ class TorchAttentionStep(AttentionStep):
             pages = torch.tensor(  # int32: the C++ op's and index_select's
                 meta.block_tables[i][: -(-seq // bs)], dtype=torch.int32, device=device
             )
-            self.prefills.append(_Prefill(slice(start, start + q_len), seq, pages, ctx, {}))
+            self.prefills.append(
+                _Prefill(slice(start, start + q_len), seq, pages, ctx, {}, tuple(spans[i]))
+            )
         # the sliding-window layers' own pool (engine/kv/window.py): the same plan over its
         # tables, for those layers
         self.window_step: TorchAttentionStep | None = None
@@ -267,7 +273,7 @@ class TorchAttentionStep(AttentionStep):
             out.index_copy_(0, bucket.rows, o)
         op_takes = self.backend.prefill_op is not None and cpp_reads(q.dtype, cache.dtype)
         for p in self.prefills:
-            if op_takes:  # reads the chunk's pages
+            if op_takes and not p.image_spans:  # reads the chunk's pages (causal only)
                 o = out[p.rows]
                 self.backend.prefill_op(q[p.rows], o, cache[0], cache[1], p.pages, p.context,
                                         scale, window or 0)  # fmt: skip
@@ -307,7 +313,7 @@ class TorchAttentionStep(AttentionStep):
         window: int | None,
     ) -> torch.Tensor:
         if window not in p.masks:
-            mask = prefill_mask(p.context, p.seq_len, window)
+            mask = prefill_mask(p.context, p.seq_len, window, p.image_spans)
             p.masks[window] = mask.to(q.device) if mask is not None else None
         mask = p.masks[window]
         if p.context > 0 or fresh is None:
@@ -384,7 +390,9 @@ class TorchBackend(AttentionBackend):
         verdict = slow_cpu_dtype(facts, dtype)
         if needs.compressed and needs.int8_kv:
             verdict["int8 KV"] = "compressed KV groups are stored in the serving dtype"
-        return verdict | model_refusals(needs, soft_cap=False, int8_kv=True, compressed=True)
+        return verdict | model_refusals(
+            needs, soft_cap=False, int8_kv=True, compressed=True, image_spans=True
+        )
 
     @classmethod
     def is_fast_on(cls, facts: DeviceFacts) -> bool:

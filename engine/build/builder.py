@@ -24,6 +24,7 @@ from engine.build.parts import EngineParts, Pool, engine_info
 from engine.build.prefill_choice import choose_prefill_attention
 from engine.build.speculation import build_drafter, load_draft_head
 from engine.build.step_costs import step_budget
+from engine.build.vision import build_image_encoder
 from engine.build.weights import (
     LoadedWeights,
     int8_activations,
@@ -146,7 +147,9 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         grammars=grammars,
     )
     aux = draft.cfg.aux_layers if draft else ()
-    runner = ModelRunner(weights.model, pool.backend, kv, device, aux, tp)
+    vision = build_image_encoder(config, model_path, spec, dtype, device)
+    runner = ModelRunner(weights.model, pool.backend, kv, device, aux, tp,
+                         vision[0] if vision else None)  # fmt: skip
     if pool.graphs:
         runner.capture_cuda_graphs(config.max_num_seqs, pool.max_model_len, pool.num_blocks)
     drafter = build_drafter(config, key, weights.model,
@@ -160,6 +163,7 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     return EngineParts(
         info, weights.model, spec, draft, tokenizer, frozenset(eos), pool.backend.kv_caches,
         host, kv, scheduler, runner, outputs, drafter, grammars, loras, tp,
+        vision[1] if vision else None,
     )  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.pooling import resolve_pooling
 from engine.spec.drafting import Drafter
 from models.eagle.head import EagleHead
+from models.image_processor import ImageProcessor
 from models.llama import LlamaForCausalLM
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
@@ -52,6 +53,7 @@ class EngineParts:
     structured: StructuredOutputs | None  # None without a tokenizer or xgrammar
     loras: LoRARegistry
     tp: TPGroup | None = None  # the other tensor-parallel ranks
+    image_processor: ImageProcessor | None = None  # a vision model's (models/image_processor.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +169,9 @@ def engine_info(
         ),
         host_block_bytes=host.block_bytes if host is not None else 0,
         tensor_parallel_size=config.tensor_parallel_size,
+        image_token_id=spec.vision.image_token_id if runner.images is not None else None,
+        tokens_per_image=spec.vision.tokens_per_image if runner.images is not None else 0,
+        encoder_cache_bytes=runner.images.cache.capacity_bytes if runner.images else 0,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.core.images import PromptImage
 from engine.core.sampling_params import ParamError, SamplingParams
 
 
@@ -56,14 +57,26 @@ class EngineInfo:
     architecture_traits: str = ""  # ModelSpec.traits(): sliding windows, experts
     window_kv: str = ""  # where the sliding-window layers' KV lives (engine/kv/window.py)
     kv_cache_bytes: int = 0  # every KV tensor's bytes (the window pool's included)
+    # a vision-language model's image placeholder id and soft tokens an image (None: text only)
+    image_token_id: int | None = None
+    tokens_per_image: int = 0
+    encoder_cache_bytes: int = 0  # the image encoder cache's bound (engine/runner/encoder.py)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """A prompt and its sampling parameters fit this engine, or ParamError says why."""
+    def validate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: tuple[PromptImage, ...] = (),
+    ) -> None:
+        """A prompt, its images and its sampling parameters fit this engine, or ParamError
+        says why."""
         field = "input" if params.pooling else "prompt"  # embeddings name their input `input`
         if not prompt_token_ids:
             raise ParamError(field, f"{field} must contain at least one token")
         vocab = self.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        self._validate_images(prompt_token_ids, images)
+        image_id = self.image_token_id  # may lie past the vocabulary (Gemma 3's does)
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab and t != image_id), None)
         if bad is not None:
             raise ParamError(field, f"token id {bad} is outside the vocabulary [0, {vocab})")
         if params.pooling:  # prefill only: no output tokens
@@ -87,6 +100,28 @@ class EngineInfo:
         for token_id in params.logit_bias:
             if not 0 <= token_id < vocab:
                 raise ParamError("logit_bias", f"token id {token_id} is outside the vocabulary")
+
+    def _validate_images(self, prompt: list[int], images: tuple[PromptImage, ...]) -> None:
+        """Each image covers placeholder tokens only, in order, without overlap, and every
+        placeholder token belongs to an image (its embedding would otherwise be undefined)."""
+        image_id = self.image_token_id
+        if images and image_id is None:
+            raise ParamError("prompt", "this model takes text only; it cannot read images")
+        at = 0
+        for k, image in enumerate(images):
+            span = prompt[image.offset : image.end]
+            if image.offset < at or image.num_tokens <= 0 or image.end > len(prompt):
+                raise ParamError("prompt", f"image {k} lies outside the prompt or overlaps another")
+            if any(t != image_id for t in span):
+                raise ParamError("prompt", f"image {k}'s positions do not hold its placeholder")
+            if image.num_tokens > self.max_num_batched_tokens:
+                raise ParamError("prompt", f"image {k} takes {image.num_tokens} tokens, more "
+                                 f"than a step's {self.max_num_batched_tokens}")  # fmt: skip
+            at = image.end
+        if image_id is not None and prompt.count(image_id) != sum(i.num_tokens for i in images):
+            raise ParamError(
+                "prompt", f"token id {image_id} is an image's placeholder; send the image itself"
+            )
 
     def _validate_length(self, n: int) -> None:
         if n > self.max_model_len:

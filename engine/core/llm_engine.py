@@ -6,16 +6,17 @@ emit (engine/core/output_processor.py) -> draft (engine/spec/). Building lives i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from engine.build.builder import build_engine
 from engine.config import EngineConfig
 from engine.core.batch import GrammarMask, ScheduledRequest, StepUpdate
 from engine.core.engine_info import EngineInfo
+from engine.core.images import PromptImage
 from engine.core.outputs import RequestOutput
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import LoRARef, ParamError, SamplingParams
-from engine.core.snapshot import EngineSnapshot, HostTierSnapshot, SpecSnapshot
+from engine.core.snapshot import EncoderSnapshot, EngineSnapshot, HostTierSnapshot, SpecSnapshot
 from engine.core.step_guard import run_step
 from engine.kv.host import SWAP_IN_BUCKETS
 from engine.lora.registry import LoRAAdapter
@@ -46,6 +47,9 @@ class LLMEngine:
         self.structured = parts.structured
         self.loras = parts.loras
         self.tp = parts.tp
+        # a vision model's images: the processor's settings and where their tokens go
+        self.image_processor = parts.image_processor
+        self.vision = parts.spec.vision if parts.image_processor is not None else None
         self.outputs = parts.outputs
         self.stats = EngineStats()
 
@@ -63,8 +67,13 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.info.validate(prompt_token_ids, params)
+    def validate_prompt(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: tuple[PromptImage, ...] = (),
+    ) -> None:
+        self.info.validate(prompt_token_ids, params, images)
 
     def add_request(
         self,
@@ -72,6 +81,7 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        images: tuple[PromptImage, ...] = (),
     ) -> Request:
         """Admit a request the caller's door has validated (`info.validate`: the offline `LLM`
         and `AsyncEngine.submit` each do, once, where they can answer the caller), as vLLM's
@@ -83,6 +93,7 @@ class LLMEngine:
         request = Request(
             request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len,
             device=self.runner.device,  # seeded generators draw on the engine's device
+            images=tuple(images),
         )  # fmt: skip
         if arrival_time is not None:
             request.arrival_time = arrival_time
@@ -127,9 +138,15 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
-    def offload_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """Move an idle session's cached blocks to the host tier; returns blocks moved."""
-        return self.kv.offload_prefix(token_ids, cache_salt)
+    def offload_prefix(
+        self,
+        token_ids: list[int],
+        cache_salt: str | None = None,
+        images: tuple[PromptImage, ...] = (),
+    ) -> int:
+        """Move an idle session's cached blocks to the host tier (`images`: its prompt's, whose
+        content hashes key the blocks holding them); returns blocks moved."""
+        return self.kv.offload_prefix(token_ids, cache_salt, images)
 
     def import_blocks(self, blocks: list[tuple[bytes, bytes]]) -> int:
         """Blocks fetched from the remote store into the host tier; returns how many."""
@@ -184,6 +201,8 @@ class LLMEngine:
             decode_step_seconds=self.stats.decode_step_seconds,
             host=host,
             spec=spec,
+            encoder=(EncoderSnapshot(*astuple(self.runner.images.cache.stats()))
+                     if self.runner.images is not None else None),  # fmt: skip
         )
 
     def shutdown(self) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.core.images import PromptImage
 from engine.core.outputs import PrefixSummary
 from engine.core.sampling_params import SamplingParams
 
@@ -70,6 +71,8 @@ class Request:
     matcher: GrammarMatcher | None = None
     # mean pooling: float32 sum of the prompt positions' hidden states computed so far
     pooled_sum: torch.Tensor | None = None
+    # the prompt's images, by position (engine/core/images.py)
+    images: tuple[PromptImage, ...] = ()
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

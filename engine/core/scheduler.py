@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine.core.batch import Emitted, ScheduledRequest, SchedulerOutput, StepUpdate
+from engine.core.images import cut_at_image
 from engine.core.prefill_policy import (
     DeadlinePolicy,
     FcfsPolicy,
@@ -223,6 +224,8 @@ class Scheduler:
         victim itself). Returns the budget left."""
         remaining = request.num_tokens - request.num_computed_tokens
         n = min(remaining, budget)
+        if request.images:  # no chunk ends inside an image (engine/core/images.py)
+            n = cut_at_image(request.images, request.num_computed_tokens, n)
         num_spec = 0
         if remaining == 1 and request.spec_token_ids:
             num_spec = min(request.num_spec, budget - 1)
@@ -258,6 +261,8 @@ class Scheduler:
         hits = self.kv.get_computed_blocks(request)
         num_hit = hits.num_tokens(self.kv.block_size)
         n = min(request.num_tokens - num_hit, budget)
+        if request.images:
+            n = cut_at_image(request.images, num_hit, n)
         lookahead = self._lookahead(request, num_hit, n)
         if not self.kv.allocate_slots(request, n + lookahead, hits):
             return None

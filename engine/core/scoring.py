@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core.batch import ScheduledRequest, SchedulerOutput
+from engine.core.images import PromptImage
 from engine.core.request import Request
 from engine.core.sampling_params import LoRARef, SamplingParams
 
@@ -18,13 +19,17 @@ if TYPE_CHECKING:
 
 
 def score_prompt(
-    engine: LLMEngine, token_ids: list[int], lora: LoRARef | None = None
+    engine: LLMEngine,
+    token_ids: list[int],
+    lora: LoRARef | None = None,
+    images: tuple[PromptImage, ...] = (),
 ) -> torch.Tensor:
     """Float32 logits [len(token_ids), vocab]; row i predicts token i + 1. `lora`: the model
-    with that adapter."""
+    with that adapter; `images`: the prompt's images."""
     params = SamplingParams(max_tokens=1, lora=lora)
-    engine.validate_prompt(token_ids, params)
-    request = Request("__score__", list(token_ids), params, frozenset(), engine.max_model_len)
+    engine.validate_prompt(token_ids, params, images)
+    request = Request("__score__", list(token_ids), params, frozenset(), engine.max_model_len,
+                      images=tuple(images))  # fmt: skip
     if lora is not None:
         request.lora = engine.loras.weights(lora)
     if not engine.kv.allocate_slots(request, len(token_ids)):

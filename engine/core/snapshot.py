@@ -41,6 +41,18 @@ class SpecSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class EncoderSnapshot:
+    """A vision model's encoder cache (engine/runner/encoder.py)."""
+
+    hits: int  # images whose soft tokens were found in the cache
+    encoded: int  # images the encoder ran on
+    evicted: int
+    used_bytes: int
+    capacity_bytes: int
+    entries: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     num_running: int
     num_waiting: int
@@ -63,3 +75,4 @@ class EngineSnapshot:
     decode_step_seconds: float
     host: HostTierSnapshot | None
     spec: SpecSnapshot | None
+    encoder: EncoderSnapshot | None = None  # None: a text model

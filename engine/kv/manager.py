@@ -14,9 +14,10 @@ the same call, before anything can overwrite them.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from engine.core.images import PromptImage
 from engine.core.outputs import PrefixSummary
 from engine.core.request import Request
 from engine.kv.hashing import BlockHasher, BlockKey, extra_keys
@@ -112,8 +113,9 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         """Extend `request.block_hashes` to cover every full block of its tokens."""
         self.hasher.extend(
-            request.block_hashes, request.all_token_ids, request.sampling_params.cache_namespace
-        )
+            request.block_hashes, request.all_token_ids, request.sampling_params.cache_namespace,
+            request.images,
+        )  # fmt: skip
 
     def _cache_block(self, request: Request, block: KVBlock, index: int) -> BlockKey:
         key = self.hasher.key(
@@ -121,6 +123,7 @@ class KVCacheManager:
             request.all_token_ids,
             request.sampling_params.cache_namespace,
             index,
+            request.images,
         )
         self.pool.cache(block, key.block_hash, key)
         return key
@@ -181,8 +184,9 @@ class KVCacheManager:
         parent = self.hasher.parent(request.block_hashes, j)
         tokens = request.all_token_ids[j * bs : j * bs + limit]
         block, n = self.pool.best_partial(
-            parent, tokens, extra_keys(request.sampling_params.cache_namespace, j)
-        )
+            parent, tokens,
+            extra_keys(request.sampling_params.cache_namespace, j, request.images, bs),
+        )  # fmt: skip
         if block is not None and n > 0:
             hit.partial, hit.partial_len = block, n
 
@@ -298,13 +302,15 @@ class KVCacheManager:
         ]
         return self.host.save(pairs)
 
-    def offload_prefix(self, token_ids: list[int], cache_salt: str | None) -> int:
+    def offload_prefix(
+        self, token_ids: list[int], cache_salt: str | None, images: Sequence[PromptImage] = ()
+    ) -> int:
         """Move a sequence's free cached device blocks to the host tier (idle session offload),
         freeing device blocks before pressure arrives. Blocks in use are left alone."""
         if self.host is None:
             return 0
         blocks = []
-        for block_hash in self.hasher.hashes(token_ids, cache_salt):
+        for block_hash in self.hasher.hashes(token_ids, cache_salt, images):
             block = self.pool.lookup(block_hash)
             if block is None:
                 break

@@ -17,6 +17,7 @@ from engine.kv.manager import KVCacheManager
 from engine.parallel.messages import Step
 from engine.parallel.tensor_parallel import TPGroup
 from engine.runner.cuda_graphs import CudaGraphs
+from engine.runner.encoder import ImageEncoder, StepImages
 from engine.runner.runner_output import RunnerOutput, pool, sample_step, score_prompts
 from engine.runner.step_inputs import step_inputs
 from models.llama import LlamaForCausalLM
@@ -63,6 +64,7 @@ class ModelRunner:
         device: torch.device,
         aux_layers: tuple[int, ...] = (),
         tp: TPGroup | None = None,
+        images: ImageEncoder | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -73,6 +75,7 @@ class ModelRunner:
         self.graphs: CudaGraphs | None = None
         # tensor parallelism: the other ranks run each step's forward on their shards
         self.tp = tp
+        self.images = images  # a vision-language model's image encoder and its cache
 
     def capture_cuda_graphs(
         self, max_num_seqs: int, max_model_len: int, scratch_block: int
@@ -99,14 +102,16 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int]]:
         """Input ids, positions, attention metadata and the hidden rows that need logits: the
         last row of a chunk that reaches its request's end, and every draft row."""
-        input_ids, positions, meta, rows, _ = self._prepare(out, shared_logits=False)
+        input_ids, positions, meta, rows, _, _ = self._prepare(out, shared_logits=False)
         return input_ids, positions, meta, rows
 
     def _prepare(
         self, out: SchedulerOutput, shared_logits: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int], torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int], torch.Tensor | None,
+               StepImages | None]:  # fmt: skip
         """`prepare`, plus the rows as a device index (None when every token samples, as in
-        a decode step: no gather needed), all uploaded in one copy. Under tensor parallelism
+        a decode step: no gather needed), all uploaded in one copy, and the step's images
+        (their spans are in the metadata too). Under tensor parallelism
         the other ranks are sent the step, and the sampling rows when `shared_logits` (the
         forward then computes their logits by vocabulary part on every rank)."""
         token_ids: list[int] = []
@@ -133,14 +138,22 @@ class ModelRunner:
             windows,
         )  # fmt: skip
         assert input_ids is not None
-        return input_ids, positions, meta, logits_rows, index
+        images = self.images.step_images(out) if self.images is not None else None
+        if images is not None:
+            meta.image_spans = images.spans
+        return input_ids, positions, meta, logits_rows, index, images
 
     @torch.inference_mode()
     def all_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Float32 logits for every scheduled token (prompt scoring), without sampling."""
-        input_ids, positions, meta, _ = self.prepare(out)
-        hidden = self.model(input_ids, positions, self.backend.plan(meta), (), self._lora(out))
+        input_ids, positions, meta, _, _, images = self._prepare(out, shared_logits=False)
+        hidden = self.model(input_ids, positions, self.backend.plan(meta), (), self._lora(out),
+                            self._image_rows(images))  # fmt: skip
         return self.model.compute_logits(hidden)
+
+    @staticmethod
+    def _image_rows(images: StepImages | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (images.rows, images.embeds) if images is not None else None
 
     def execute(self, out: SchedulerOutput, grammar: GrammarMask | None = None) -> RunnerOutput:
         """The step: forward, pool, mask with `grammar`, sample or verify. A failed forward
@@ -176,15 +189,17 @@ class ModelRunner:
         sample, in scheduled order, every token's hidden state (the draft head's features:
         [tokens, hidden], or [tokens, hidden * (1 + len(aux_layers))]), and the positions and
         plan it ran with (None under a CUDA graph)."""
-        input_ids, positions, meta, rows, index = self._prepare(out)
+        input_ids, positions, meta, rows, index, images = self._prepare(out)
         lora = self._lora(out)
         plan = None
-        if self.graphs is not None and lora is None and self.graphs.can_run(meta):
+        graphed = lora is None and images is None
+        if self.graphs is not None and graphed and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             attn = self.backend.plan(meta)
             plan = (positions, attn)
-            hidden = self.model(input_ids, positions, attn, self.aux_layers, lora)
+            hidden = self.model(input_ids, positions, attn, self.aux_layers, lora,
+                                self._image_rows(images))  # fmt: skip
         if not rows:
             empty = hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32)
             return empty, hidden, plan

@@ -11,7 +11,15 @@ from starlette.requests import Request
 from engine.async_engine import AsyncEngine
 from server.errors import APIError
 from server.flow.constraints import requested
-from server.flow.conversation import Budget, Call, Conversation, Tool, ToolChoice, Turn
+from server.flow.conversation import (
+    Budget,
+    Call,
+    Conversation,
+    ImageRef,
+    Tool,
+    ToolChoice,
+    Turn,
+)
 from server.flow.conversation_plan import ConversationPlan, plan_conversation
 from server.flow.plan import GenerationPlan, logprobs_of, session_id
 from server.protocol.openai import ChatCompletionRequest, ChatMessage, ContentPart
@@ -20,27 +28,40 @@ from server.state import ServerState
 
 
 def chat_turns(messages: list[ChatMessage]) -> list[Turn]:
-    """Chat messages as turns; a part a text model cannot read is a 400 naming it."""
+    """Chat messages as turns, with their images; a part no model here reads is a 400 naming
+    it."""
     turns = []
     for i, m in enumerate(messages):
         calls = [Call(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
         if m.function_call is not None:  # a legacy assistant turn
             calls.append(Call("call_0", m.function_call.name, m.function_call.arguments))
         role = "tool" if m.role == "function" else m.role  # a legacy function's result
-        text = _text(m.content, f"messages.{i}.content")
+        parts = _parts(m.content, f"messages.{i}.content")
+        text = m.content if parts is None else "".join(p for p in parts if isinstance(p, str))
         turn = Turn(role, text, calls, m.tool_call_id, m.name, m.reasoning_content, f"messages.{i}")
+        if parts is not None and len(parts) != sum(isinstance(p, str) for p in parts):
+            turn.parts = tuple(parts)
         turns.append(turn)
     return turns
 
 
-def _text(content: str | list[ContentPart] | None, where: str) -> str | None:
+def _parts(content: str | list[ContentPart] | None, where: str) -> list[str | ImageRef] | None:
+    """A content list's text and images in order (None: the content is a string or absent)."""
     if content is None or isinstance(content, str):
-        return content
+        return None
+    parts: list[str | ImageRef] = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            at, why = f"{where}.{j}", f"this model takes text only; a {part.type!r} part"
-            raise APIError(400, f"{at}: {why} cannot be read", param=at, code="unsupported_content")
-    return "".join(part.text or "" for part in content)
+        at = f"{where}.{j}"
+        if part.type == "text" and part.text is not None:
+            parts.append(part.text)
+        elif part.type == "image_url" and part.image_url is not None:
+            parts.append(ImageRef(part.image_url.url, at))
+        else:
+            why = f"a {part.type!r} part cannot be read (send text or image_url parts)"
+            if part.type == "image_url":
+                why = "an image_url part needs image_url.url"
+            raise APIError(400, f"{at}: {why}", param=at, code="unsupported_content")
+    return parts
 
 
 def chat_tools(
@@ -94,7 +115,7 @@ def chat_conversation(body: ChatCompletionRequest) -> Conversation:
     )
 
 
-def chat_plan(
+async def chat_plan(
     state: ServerState,
     engine: AsyncEngine,
     request: Request,
@@ -114,4 +135,4 @@ def chat_plan(
         kv_transfer_params=body.kv_transfer_params,
         streamed=bool(body.stream),
     )
-    return plan_conversation(state, engine, chat_conversation(body), generation)
+    return await plan_conversation(state, engine, chat_conversation(body), generation)

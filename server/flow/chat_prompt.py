@@ -78,6 +78,9 @@ def template_messages(
             role = "system"
         text = turn.text or ""
         entry: dict[str, Any] = {"role": role, "content": text}
+        if turn.images:  # content parts in order, as templates that take images read them
+            entry["content"] = [{"type": "image"} if not isinstance(p, str)
+                                else {"type": "text", "text": p} for p in turn.parts]  # fmt: skip
         if turn.name:
             entry["name"] = turn.name
         if turn.thought is not None and role == "assistant":
@@ -107,6 +110,7 @@ def template_messages(
         # results of parallel calls (and a user turn after them) in one user turn, as Hermes
         # templates render them: templates that insist on alternating roles (Gemma's) accept it
         merge = out and out[-1]["role"] == entry["role"] == "user"
+        merge = merge and isinstance(entry["content"], str)  # a turn with images stays whole
         if merge and (len(out) - 1 in tool_turns or len(out) in tool_turns):
             out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + entry["content"]}
             tool_turns.add(len(out) - 1)
@@ -130,6 +134,15 @@ def render_prompt(
     template's refusal is a 400 naming the field that holds the turns."""
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer; use /v1/completions with token ids")
+    return tokenizer.encode(render_text(tokenizer, conversation, tools), add_special_tokens=False)
+
+
+def render_text(
+    tokenizer: Tokenizer | None, conversation: Conversation, tools: Sequence[Tool] | None = None
+) -> str:
+    """The rendered conversation as text (`render_prompt` before tokenizing)."""
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer; use /v1/completions with token ids")
     traits = TemplateTraits.of(tokenizer.chat_template)
     rendered = template_messages(conversation.turns, traits, tools)
     template_kwargs = dict(conversation.template_kwargs)
@@ -144,4 +157,4 @@ def render_prompt(
         raise APIError(400, str(e), param=param) from None
     except TypeError as e:  # a template concatenating a null content
         raise APIError(400, f"chat template failed: {e}", param=param) from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text

@@ -23,11 +23,21 @@ class Call:
     arguments: str  # JSON text as sent: a call the cap cut off comes back unfinished
 
 
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    """An image a client put in a turn, as sent: a data: URL (`data:image/png;base64,...`) or
+    a remote URL; `param` is the part that holds it (`messages.0.content.1`)."""
+
+    url: str
+    param: str
+
+
 @dataclass(slots=True)
 class Turn:
     """One message: its role and text (None: an assistant turn that only calls), the calls it
     made, the call a tool result answers, and an assistant turn's thought. `source`: where the
-    client put it (`messages.3`, `input.1`, `instructions`)."""
+    client put it (`messages.3`, `input.1`, `instructions`). `parts`: a turn with images, its
+    text and images in the order sent (empty: the text alone)."""
 
     role: Role
     text: str | None
@@ -36,6 +46,11 @@ class Turn:
     name: str | None = None  # a participant's name; a legacy function result's function
     thought: str | None = None  # for templates that render an assistant turn's thought
     source: str = ""
+    parts: tuple[str | ImageRef, ...] = ()
+
+    @property
+    def images(self) -> list[ImageRef]:
+        return [p for p in self.parts if isinstance(p, ImageRef)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,3 +125,8 @@ class Conversation:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     thought_budget: Budget | None = None
     add_generation_prompt: bool = True
+
+    @property
+    def images(self) -> list[ImageRef]:
+        """Every image of the conversation, in order."""
+        return [image for turn in self.turns for image in turn.images]

@@ -7,15 +7,17 @@ module does the rest. Made once, immutable."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from engine.async_engine import AsyncEngine
+from engine.core.images import PromptImage
 from engine.core.sampling_params import ThoughtBudget
 from server.errors import APIError
 from server.flow.answer import AnswerPlan
-from server.flow.chat_prompt import render_prompt
+from server.flow.chat_prompt import render_prompt, render_text
 from server.flow.constraints import ToolPlan, grammar_for, tool_plan
 from server.flow.conversation import Budget, Conversation
+from server.flow.images import ImageSet, load_images, place_images
 from server.flow.plan import GenerationPlan
 from server.flow.reasoning import ReasoningPlan, opened_by_prompt, thought_tags
 from server.flow.tool_parsers import PARSERS, ToolParser, parser_for_template
@@ -29,8 +31,22 @@ def tool_parser(state: ServerState, engine: AsyncEngine) -> ToolParser:
     return parser_for_template(engine.tokenizer.chat_template if engine.tokenizer else None)
 
 
-def render(engine: AsyncEngine, conversation: Conversation, tools: ToolPlan | None) -> list[int]:
-    return render_prompt(engine.tokenizer, conversation, tools.tools if tools else None)
+def render(
+    engine: AsyncEngine,
+    conversation: Conversation,
+    tools: ToolPlan | None,
+    images: ImageSet | None = None,
+) -> tuple[list[int], tuple[PromptImage, ...]]:
+    """The prompt's token ids and its images at their soft tokens (`images`: the conversation's,
+    loaded by `load_images`)."""
+    offered = tools.tools if tools else None
+    refs = conversation.images
+    if not refs:
+        return render_prompt(engine.tokenizer, conversation, offered), ()
+    assert images is not None and engine.vision is not None and engine.tokenizer is not None
+    text = render_text(engine.tokenizer, conversation, offered)
+    loaded = [images[ref] for ref in refs]
+    return place_images(engine.tokenizer, engine.vision, text, loaded, conversation.param)
 
 
 @dataclass(frozen=True)
@@ -40,9 +56,10 @@ class ConversationPlan:
     generation: GenerationPlan
     tools: ToolPlan | None
     answer: AnswerPlan
+    images: ImageSet = field(default_factory=dict)  # the conversation's, as read
 
 
-def plan_conversation(
+async def plan_conversation(
     state: ServerState,
     engine: AsyncEngine,
     conversation: Conversation,
@@ -52,14 +69,16 @@ def plan_conversation(
     """The plan of `conversation`, generated as `generation` describes (its prompts and grammar
     are filled in here). `shorter`: given the rendered prompt's length in tokens, a shorter
     conversation to render instead (the Responses API's `truncation: auto`), or None to keep
-    it; the tools, and so the tool plan and grammar, stay the same."""
+    it; the tools, and so the tool plan and grammar, stay the same. The conversation's images
+    are read first (server/flow/images.py)."""
     tools = tool_plan(conversation)
     parser = tool_parser(state, engine) if tools is not None else None
     grammar = grammar_for(conversation.rules, tools, parser.name if parser else "hermes")
-    prompt_ids = render(engine, conversation, tools)
+    images = await load_images(state.config.server, engine, conversation)
+    prompt_ids, placed = render(engine, conversation, tools, images)
     while shorter is not None and (cut := shorter(len(prompt_ids))) is not None:
-        prompt_ids = render(engine, cut, tools)
-    generation = replace(generation, prompts=[prompt_ids], grammar=grammar)
+        prompt_ids, placed = render(engine, cut, tools, images)
+    generation = replace(generation, prompts=[prompt_ids], grammar=grammar, images=placed)
     # a grammar shapes the output from its first token: no room for a thought
     reasoning = None if grammar else reasoning_plan(state, engine, prompt_ids)
     if conversation.thought_budget is not None and reasoning is not None:
@@ -69,7 +88,7 @@ def plan_conversation(
     if tools is not None and tools.parses:
         kept = 1 if not tools.parallel else conversation.max_calls
         answer = AnswerPlan(reasoning, parser, tools.determined_name, kept)
-    return ConversationPlan(generation, tools, answer)
+    return ConversationPlan(generation, tools, answer, images)
 
 
 def reasoning_plan(

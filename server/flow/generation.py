@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.core.images import PromptImage
 from engine.core.outputs import RequestOutput
 from engine.core.sampled import TokenLogprobs
 from engine.core.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ class Choice:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # the prompt's, when scored
     # the application to count the prompt's cache hit for, until its first output has
     app: str | None = None
+    images: tuple[PromptImage, ...] = ()  # its prompt's images (engine/core/images.py)
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
@@ -112,13 +114,21 @@ def usage_of(choices: list[Choice], n: int) -> dict:
         sum(len(c.prompt_ids) for c in firsts),
         sum(len(c.token_ids) for c in choices),
         sum(c.num_cached_tokens for c in firsts),
+        sum(image.num_tokens for c in firsts for image in c.images),
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, image_tokens: int = 0
+) -> dict:
+    """OpenAI's usage; a prompt's images' soft tokens are among its prompt tokens, and counted
+    apart as `image_tokens` where it has any."""
+    details: dict = {"cached_tokens": cached_tokens}
+    if image_tokens:
+        details["image_tokens"] = image_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }

@@ -2,8 +2,9 @@
 system prompt, messages and content blocks become turns (tool_use blocks the assistant's calls,
 tool_result blocks tool results), its tools, tool_choice, output format and thinking settings the
 conversation's, each named as the Messages API names them, so the template, the grammar that
-forces calls and the sampler are the ones every route uses. What a text model cannot take
-(images, documents, server tools) is a 400 naming the block. A cache breakpoint keeps the
+forces calls and the sampler are the ones every route uses. Image blocks are a user turn's
+images (a 400 naming the block for a text model); documents and server tools are a 400 naming
+the block. A cache breakpoint keeps the
 prompt up to it warm past the request."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from server.flow.conversation import (
     Budget,
     Call,
     Conversation,
+    ImageRef,
     OutputRule,
     Tool,
     ToolChoice,
@@ -98,17 +100,22 @@ def messages_turns(body: MessagesRequest) -> list[Turn]:
 
 def _check_block(block: AnthropicContentBlock, where: str) -> None:
     if block.type not in TEXT_BLOCKS:
-        raise _refuse(f"{where}.type", f"{block.type!r} blocks are not supported by this "
-                      "text model; send text, tool_use or tool_result")  # fmt: skip
+        raise _refuse(f"{where}.type", f"{block.type!r} blocks are not supported here; send "
+                      "text, image, tool_use or tool_result")  # fmt: skip
 
 
 def _user_turn(blocks: list[AnthropicContentBlock], where: str) -> list[Turn]:
     """Tool results become tool turns (in order), the rest of the text one user turn."""
     out: list[Turn] = []
-    text = []
+    text: list[str] = []
+    parts: list[str | ImageRef] = []  # the text and images in order
     for j, block in enumerate(blocks):
         at = f"{where}.content.{j}"
         _check_block(block, at)
+        if block.type == "image":
+            assert block.source is not None
+            parts.append(ImageRef(block.source.as_url(), at))
+            continue
         if block.type == "tool_result":
             result = _text_of(block.content, f"{at}.content")
             if block.is_error:
@@ -116,10 +123,15 @@ def _user_turn(blocks: list[AnthropicContentBlock], where: str) -> list[Turn]:
             out.append(Turn("tool", result, call_id=block.tool_use_id, source=where))
         elif block.type == "text":
             text.append(block.text or "")
+            parts.append(block.text or "")
         else:
             raise _refuse(f"{at}.type", f"a user turn cannot hold {block.type!r} blocks")
-    if text or not out:
-        out.append(Turn("user", "".join(text), source=where))
+    images = len(parts) > len(text)
+    if text or images or not out:
+        turn = Turn("user", "".join(text), source=where)
+        if images:
+            turn.parts = tuple(parts)
+        out.append(turn)
     return out
 
 
@@ -189,7 +201,7 @@ def messages_conversation(body: MessagesRequest) -> Conversation:
     )
 
 
-def messages_plan(
+async def messages_plan(
     state: ServerState,
     engine: AsyncEngine,
     request: Request,
@@ -217,7 +229,7 @@ def messages_plan(
         streamed=body.stream,
         param_names=PARAM_NAMES,
     )
-    plan = plan_conversation(state, engine, conversation, generation)
+    plan = await plan_conversation(state, engine, conversation, generation)
     mark = breakpoint_of(body, conversation.turns)
     if mark is not None and engine.info.prefix_caching:
         keep = kept_prefix(engine, plan, conversation, mark, app_name(request, sampling))
@@ -239,5 +251,5 @@ def kept_prefix(
     if end is not None:
         upto = replace(conversation, turns=conversation.turns[: end + 1],
                        add_generation_prompt=False)  # fmt: skip
-        num_tokens = min(num_tokens, len(render(engine, upto, plan.tools)))
+        num_tokens = min(num_tokens, len(render(engine, upto, plan.tools, plan.images)[0]))
     return KeepPrefix(num_tokens, ttl, app)

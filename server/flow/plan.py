@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from engine.async_engine import AsyncEngine
+from engine.core.images import PromptImage
 from engine.core.sampling_params import GrammarSpec, KeepPrefix, LoRARef, ThoughtBudget
 from server.errors import APIError
 from server.flow.generation import Choice
@@ -118,7 +119,8 @@ def make_choices(
             )  # fmt: skip
             index = p_idx * body.n + i
             choices.append(Choice(index, ids, params, f"{plan.req_id}-{index}",
-                                  app=app if first else None))  # fmt: skip
+                                  app=app if first else None,
+                                  images=plan.images if p_idx == 0 else ()))  # fmt: skip
     return choices
 
 
@@ -142,6 +144,7 @@ class GenerationPlan:
     keep_prefix: KeepPrefix | None = None  # cache_control: the prefix pinned after the request
     streamed: bool = False  # the client reads the tokens as they come
     param_names: dict[str, str] = field(default_factory=dict)
+    images: tuple[PromptImage, ...] = ()  # the (one) prompt's images (engine/core/images.py)
 
 
 def renamed(e: APIError | None, names: dict[str, str]) -> APIError:

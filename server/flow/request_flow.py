@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine
+from engine.core.images import PromptImage
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import GrammarSpec, ParamError, SamplingParams
 from engine.grammar.budget import GrammarBusyError
@@ -89,8 +90,9 @@ async def start(
         def on_done(done: list[Choice]) -> None:
             first = done[0]
             state.sessions.end_turn(
-                session, first.prompt_ids + first.token_ids, first.params.cache_namespace
-            )
+                session, first.prompt_ids + first.token_ids, first.params.cache_namespace,
+                first.images,
+            )  # fmt: skip
 
     return Generation.admit(state, engine, choices, body.n, plan.req_id, on_done, publish)
 
@@ -182,7 +184,8 @@ class Generation:
         publish: Callable[[], Awaitable[dict]] | None = None,
     ) -> Generation:
         """Every choice enters the engine now, or the request gets a 429."""
-        q = submit_or_429(state, engine, [(c.request_id, c.prompt_ids, c.params) for c in choices])
+        q = submit_or_429(state, engine, [(c.request_id, c.prompt_ids, c.params) for c in choices],
+                          {c.request_id: c.images for c in choices if c.images})  # fmt: skip
         lora = choices[0].params.lora if choices else None
         head = {
             "id": req_id,
@@ -274,7 +277,7 @@ async def kv_handover(
     if transfer.fetches(params):
         for c in firsts:
             sent = params if len(firsts) == 1 else None
-            await transfer.fetch(engine, c.prompt_ids, c.params.cache_namespace, sent)
+            await transfer.fetch(engine, c.prompt_ids, c.params.cache_namespace, sent, c.images)
     if not transfer.publishes(params):
         return None
 
@@ -291,10 +294,13 @@ def admission_limit(state: ServerState) -> int:
 
 
 def submit_or_429(
-    state: ServerState, engine: AsyncEngine, requests: list[tuple[str, list[int], SamplingParams]]
+    state: ServerState,
+    engine: AsyncEngine,
+    requests: list[tuple[str, list[int], SamplingParams]],
+    images: dict[str, tuple[PromptImage, ...]] | None = None,
 ) -> asyncio.Queue:
     """Admit all of a request's engine requests now, or answer 429 (queue full)."""
-    q = engine.submit(requests, admission_limit(state))
+    q = engine.submit(requests, admission_limit(state), images)
     if q is None:
         raise APIError(
             429,

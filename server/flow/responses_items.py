@@ -44,19 +44,31 @@ def call_name(name: str, namespaces: frozenset[str]) -> dict[str, str]:
 
 
 def _part_text(parts: str | list[InputPart], where: str) -> str:
+    return "".join(p["text"] for p in _parts(parts, where, images=False))
+
+
+def _parts(parts: str | list[InputPart], where: str, images: bool = True) -> list[dict[str, Any]]:
+    """Text parts (and, where a message may hold them, input_image parts) as stored: the text
+    of consecutive text parts joined into one."""
     if isinstance(parts, str):
-        return parts
-    texts = []
+        return [{"type": "input_text", "text": parts}]
+    out: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
-        if part.type not in ("input_text", "output_text", "text") or part.text is None:
-            raise APIError(
-                400,
-                f"{where}.{j}: this model takes text only; a {part.type!r} part cannot be read",
-                param=f"{where}.{j}",
-                code="unsupported_content",
-            )
-        texts.append(part.text)
-    return "".join(texts)
+        at = f"{where}.{j}"
+        if part.type in ("input_text", "output_text", "text") and part.text is not None:
+            if out and out[-1]["type"] == "input_text":
+                out[-1]["text"] += part.text
+            else:
+                out.append({"type": "input_text", "text": part.text})
+        elif images and part.type == "input_image" and part.image_url is not None:
+            out.append({"type": "input_image", "image_url": part.image_url,
+                        "detail": part.detail or "auto"})  # fmt: skip
+        else:
+            why = f"a {part.type!r} part cannot be read (send input_text or input_image parts)"
+            if part.type == "input_image":
+                why = "an input_image part needs image_url (a data: URL or http(s) URL)"
+            raise APIError(400, f"{at}: {why}", param=at, code="unsupported_content")
+    return out or [{"type": "input_text", "text": ""}]
 
 
 def seal(thought: str) -> str:
@@ -104,18 +116,19 @@ def input_items(value: str | list[InputItem]) -> list[dict[str, Any]]:
         where = f"input.{i}"
         if item.type == "message":
             assert item.role is not None and item.content is not None
-            text = _part_text(item.content, f"{where}.content")
-            kind = "output_text" if item.role == "assistant" else "input_text"
-            part: dict[str, Any] = {"type": kind, "text": text}
-            if kind == "output_text":
-                part |= {"annotations": [], "logprobs": []}
+            assistant = item.role == "assistant"
+            content = _parts(item.content, f"{where}.content", images=not assistant)
+            if assistant:
+                text = "".join(p["text"] for p in content)
+                content = [{"type": "output_text", "text": text, "annotations": [],
+                            "logprobs": []}]  # fmt: skip
             items.append(
                 {
                     "type": "message",
                     "id": item.id or new_id("msg"),
                     "status": "completed",
                     "role": item.role,
-                    "content": [part],
+                    "content": content,
                 }
             )
         elif item.type == "function_call":

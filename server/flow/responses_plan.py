@@ -14,7 +14,15 @@ from engine.async_engine import AsyncEngine
 from engine.grammar.structured_output import GrammarSpec
 from server.errors import APIError
 from server.flow.constraints import schema_spec
-from server.flow.conversation import Call, Conversation, OutputRule, Tool, ToolChoice, Turn
+from server.flow.conversation import (
+    Call,
+    Conversation,
+    ImageRef,
+    OutputRule,
+    Tool,
+    ToolChoice,
+    Turn,
+)
 from server.flow.conversation_plan import ConversationPlan, plan_conversation
 from server.flow.plan import GenerationPlan, logprobs_of, sampling_fields
 from server.flow.responses_items import model_function_name, thought_of
@@ -124,8 +132,14 @@ def responses_turns(
             thought = thought_of(item)
             continue
         if item["type"] == "message":
-            text = "".join(p["text"] for p in item["content"])
-            turns.append(Turn(item["role"], text, source=where))
+            text = "".join(p["text"] for p in item["content"] if "text" in p)
+            turn = Turn(item["role"], text, source=where)
+            if any(p["type"] == "input_image" for p in item["content"]):
+                turn.parts = tuple(
+                    p["text"] if "text" in p else ImageRef(p["image_url"], f"{where}.content.{j}")
+                    for j, p in enumerate(item["content"])
+                )
+            turns.append(turn)
         elif item["type"] == "function_call":
             name = model_function_name(item.get("namespace"), item["name"])
             call = Call(item["call_id"], name, item["arguments"])
@@ -201,7 +215,7 @@ def truncation(
     return shorter
 
 
-def responses_plan(
+async def responses_plan(
     state: ServerState,
     engine: AsyncEngine,
     body: ResponsesRequest,
@@ -234,4 +248,4 @@ def responses_plan(
     if body.truncation == "auto":
         room = engine.info.max_model_len - (body.max_output_tokens or 1)
         shorter = truncation(body, room, items, num_stored)
-    return plan_conversation(state, engine, conversation, generation, shorter)
+    return await plan_conversation(state, engine, conversation, generation, shorter)

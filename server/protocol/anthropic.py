@@ -9,13 +9,38 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# what a text model can take from a message; image, document and search results are refused by
-# the route with a 400 naming the block
-TEXT_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+# what a model can take from a message (images: a vision model); documents and search results
+# are refused by the route with a 400 naming the block
+TEXT_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image")
 
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class AnthropicImageSource(_Base):
+    """An image block's picture: base64 data of a media type, or a URL (fetched only from the
+    server's allowed_media_domains)."""
+
+    type: Literal["base64", "url"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_type(self) -> AnthropicImageSource:
+        if self.type == "base64" and (self.media_type is None or self.data is None):
+            raise ValueError("a base64 image source needs media_type and data")
+        if self.type == "url" and self.url is None:
+            raise ValueError("a url image source needs url")
+        return self
+
+    def as_url(self) -> str:
+        """The picture as one URL: base64 data as a data: URL."""
+        if self.type == "url":
+            assert self.url is not None
+            return self.url
+        return f"data:{self.media_type};base64,{self.data}"
 
 
 class AnthropicCacheControl(_Base):
@@ -41,6 +66,7 @@ class AnthropicContentBlock(_Base):
     thinking: str | None = None
     signature: str | None = None
     data: str | None = None  # redacted_thinking
+    source: AnthropicImageSource | None = None  # image
     cache_control: AnthropicCacheControl | None = None
 
     @model_validator(mode="after")
@@ -50,6 +76,7 @@ class AnthropicContentBlock(_Base):
             "tool_use": ("id", "name", "input"),
             "tool_result": ("tool_use_id",),
             "thinking": ("thinking",),
+            "image": ("source",),
         }
         missing = [f for f in needs.get(self.type, ()) if getattr(self, f) is None]
         if missing:

@@ -26,13 +26,23 @@ class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class ImageURL(_Base):
+    """An image part's image: a data: URL, or a remote URL the server may be allowed to fetch.
+    `detail` is OpenAI's resolution hint: a vision model here reads every image at its one
+    input size, which is what each value comes to."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(_Base):
-    """A content part. Only text reaches a text model; other kinds (image_url, input_audio,
-    file) are refused when the messages become turns (server/flow/chat_plan.py), with a 400
-    naming the part."""
+    """A content part: text, or an image (`image_url`) for a vision model; other kinds
+    (input_audio, file) are refused when the messages become turns (server/flow/chat_plan.py),
+    with a 400 naming the part, as an image is for a text model."""
 
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 # roles whose messages must carry content (OpenAI's schema: only the assistant's may be null
@@ -201,6 +211,7 @@ class _Out(BaseModel):
 
 class PromptTokensDetails(_Out):
     cached_tokens: int
+    image_tokens: int | None = None  # a vision model's image soft tokens (absent: none)
 
 
 class Usage(_Out):

@@ -17,11 +17,16 @@ class _Base(BaseModel):
 
 
 class InputPart(_Base):
-    """A content part of an input message: input_text / output_text carry text; other kinds
-    (input_image, input_file, input_audio) are refused by the route with a 400 naming the part."""
+    """A content part of an input message: input_text / output_text carry text, input_image an
+    image (`image_url`: a data: URL or a remote one; `detail` as chat's); other kinds
+    (input_file, input_audio, an image by `file_id`) are refused by the route with a 400 naming
+    the part."""
 
     type: str
     text: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class InputItem(_Base):

@@ -214,6 +214,7 @@ async def offload_idle_sessions(state: ServerState) -> None:
         if engine is None or engine.dead is not None or not engine.info.has_host_tier:
             continue
         for sid, session in state.sessions.idle(idle):
-            moved = await engine.offload_prefix(session.token_ids, session.cache_salt)
+            moved = await engine.offload_prefix(session.token_ids, session.cache_salt,
+                                                session.images)  # fmt: skip
             session.offloaded = True
             log.debug("session %s idle %.0fs: %d blocks offloaded to host", sid, idle, moved)

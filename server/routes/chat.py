@@ -36,7 +36,7 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(body.model)
     engine = state.ready_engine()
     req_id = f"chatcmpl-{uuid.uuid4().hex}"
-    plan = chat_plan(state, engine, request, body, req_id)
+    plan = await chat_plan(state, engine, request, body, req_id)
     gen = await start(state, engine, request, plan.generation)
     with_logprobs = plan.generation.logprobs is not None
     legacy = body.functions is not None  # calls come back as `function_call`

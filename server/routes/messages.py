@@ -19,6 +19,7 @@ from server.flow.answer import Answer
 from server.flow.constraints import tool_plan
 from server.flow.conversation import Conversation
 from server.flow.conversation_plan import render
+from server.flow.images import load_images
 from server.flow.messages_output import (
     MessagesEvents,
     content_blocks,
@@ -80,7 +81,8 @@ async def _open(
 async def create_message(request: Request) -> Response:
     state, engine, body, conversation = await _open(request, MessagesRequest)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
-    plan, cache_control = messages_plan(state, engine, request, body, conversation, msg_id)
+    plan, cache_control = await messages_plan(state, engine, request, body, conversation,
+                                              msg_id)  # fmt: skip
     gen = await start(state, engine, request, plan.generation)
     info = engine.info
 
@@ -107,6 +109,7 @@ async def create_message(request: Request) -> Response:
 @anthropic_errors
 async def count_tokens(request: Request) -> Response:
     """The prompt's length as the model's template renders it, tools included."""
-    _, engine, _, conversation = await _open(request, CountTokensRequest)
-    ids = render(engine, conversation, tool_plan(conversation))
+    state, engine, _, conversation = await _open(request, CountTokensRequest)
+    images = await load_images(state.config.server, engine, conversation)
+    ids, _ = render(engine, conversation, tool_plan(conversation), images)
     return reply(AnthropicTokenCount, {"input_tokens": len(ids)})

@@ -74,7 +74,8 @@ async def create_response(request: Request) -> Response:
     items = history + input_items(body.input)
     resp_id = new_id("resp")
     thread = thread or resp_id
-    plan = responses_plan(state, engine, body, items, len(history), resp_id, f"response:{thread}")
+    plan = await responses_plan(state, engine, body, items, len(history), resp_id,
+                                f"response:{thread}")  # fmt: skip
     gen = await start(state, engine, request, plan.generation)
     with_logprobs = plan.generation.logprobs is not None
     created = int(time.time())

@@ -4,6 +4,7 @@
 
 const $ = (id) => document.getElementById(id);
 const history = [];  // {role, content}
+const pasted = [];  // images pasted for the next message, as data: URLs
 let controller = null;
 
 function apiKey() { return sessionStorage.getItem("kvserve-key") || ""; }
@@ -42,11 +43,21 @@ function setMeta(el, text) {
   meta.textContent = text;
 }
 
+function showPasted() {
+  $("attached").textContent = pasted.length ? `${pasted.length} image(s) attached` : "";
+}
+
 async function send(text) {
-  const messages = [{ role: "system", content: $("system").value }, ...history,
-                    { role: "user", content: text }];
-  history.push({ role: "user", content: text });
-  addMessage("user", text);
+  const images = pasted.splice(0);
+  showPasted();
+  // with images, OpenAI's content parts: the pictures, then the text
+  const asked = images.length
+    ? [...images.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text }]
+    : text;
+  const system = $("system").value.trim() ? [{ role: "system", content: $("system").value }] : [];
+  const messages = [...system, ...history, { role: "user", content: asked }];
+  history.push({ role: "user", content: asked });
+  addMessage("user", images.length ? `[${images.length} image(s)] ${text}` : text);
   const reply = addMessage("assistant", "");
   controller = new AbortController();
   $("send").disabled = true; $("stop").disabled = false;
@@ -109,15 +120,28 @@ async function send(text) {
 $("composer").addEventListener("submit", (e) => {
   e.preventDefault();
   const text = $("input").value.trim();
-  if (!text || controller) return;
+  if ((!text && !pasted.length) || controller) return;
   $("input").value = "";
   send(text);
 });
 $("input").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
 });
+$("input").addEventListener("paste", (e) => {
+  const files = [...(e.clipboardData ? e.clipboardData.files : [])]
+    .filter((f) => f.type.startsWith("image/"));
+  if (!files.length) return;  // text pastes as usual
+  e.preventDefault();
+  for (const file of files) {
+    const reader = new FileReader();
+    reader.onload = () => { pasted.push(reader.result); showPasted(); };
+    reader.readAsDataURL(file);
+  }
+});
 $("stop").addEventListener("click", () => { if (controller) controller.abort(); });
-$("clear").addEventListener("click", () => { history.length = 0; $("messages").textContent = ""; });
+$("clear").addEventListener("click", () => {
+  history.length = 0; pasted.length = 0; showPasted(); $("messages").textContent = "";
+});
 $("key-button").addEventListener("click", askKey);
 
 // ---- live engine panel --------------------------------------------------------------------

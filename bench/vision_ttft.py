@@ -1,0 +1,114 @@
+"""TTFT of a one-image chat against a live kvserve: the picture cold (new to the server: decoded,
+encoded by the vision tower, its prompt computed), the picture cached (the same image again:
+its blocks are a prefix hit, nothing encoded), and its encoding cached but not its KV (the
+prefix cache cleared: decoded, not encoded again, the prompt computed).
+
+    python bench/vision_ttft.py [--model GEMMA3_VLM_DIR] [--requests 8] [--size 640x480]
+        [--server-arg=--max-num-batched-tokens=512 ...]
+
+Without --model, the tests' tiny random Gemma 3 vision model (tests/vision_model.py) is built
+in a temporary directory and served with blocks of 16 tokens. Sequential requests (one at a
+time), streamed; prints mean and p50 TTFT per case, the cached tokens and the encoder-cache
+counters. Run it with the checkout first on PYTHONPATH (`harness` launches the server from
+the checkout it is imported from)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from harness import sse
+from harness.launch import Server
+
+
+def picture(seed: int, size: tuple[int, int]) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+async def one(client: httpx.AsyncClient, image: bytes, max_tokens: int) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": data_url(image)}},
+               {"type": "text", "text": "Describe this picture."}]  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    s = (await sse.stream(client, "/v1/chat/completions", body)).check()
+    assert s.usage is not None
+    return {"ttft": s.ttft if s.ttft is not None else s.e2e, "prompt": s.usage["prompt_tokens"],
+            "cached": s.usage["prompt_tokens_details"]["cached_tokens"]}  # fmt: skip
+
+
+def counter(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    found = re.findall(rf"^kvserve:{name}(?:_total)? (\S+)$", text, re.M)
+    return float(found[0]) if found else float("nan")
+
+
+async def run(base: str, n: int, size: tuple[int, int], max_tokens: int) -> None:
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        await one(client, picture(10_000, size), max_tokens)  # warm-up (first-request costs)
+        cases: dict[str, list[dict]] = {"cold": [], "cached": [], "encoded, KV not cached": []}
+        for i in range(n):  # interleaved, so that load on the machine spreads over all three
+            cases["cold"].append(await one(client, picture(i, size), max_tokens))
+            cases["cached"].append(await one(client, picture(i, size), max_tokens))
+            await client.post("/reset_prefix_cache")  # the KV goes, the encoding stays
+            cases["encoded, KV not cached"].append(await one(client, picture(i, size), max_tokens))
+    for name, results in cases.items():
+        ttfts = sorted(r["ttft"] for r in results)
+        print(f"{name:24s} TTFT mean {statistics.mean(ttfts) * 1000:8.1f} ms  "
+              f"p50 {ttfts[len(ttfts) // 2] * 1000:8.1f} ms  cached "
+              f"{statistics.mean(r['cached'] for r in results):.0f} of "
+              f"{statistics.mean(r['prompt'] for r in results):.0f} prompt tokens")  # fmt: skip
+    print(f"encoder cache: {counter(base, 'encoder_cache_misses'):.0f} images encoded, "
+          f"{counter(base, 'encoder_cache_hits'):.0f} found cached")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="a Gemma 3 vision-language HF directory")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--size", default="640x480", help="the pictures' width x height")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--server-arg", action="append", default=[])
+    args = ap.parse_args()
+    size = tuple(int(v) for v in args.size.split("x"))
+    server_args = list(args.server_arg)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:  # the tests' builder, from the checkout's root
+            # its prompts are ~40 tokens: blocks of 16, so that the picture's are full ones
+            server_args = ["--block-size", "16", *server_args]
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            from tests.vision_model import build_gemma3_vlm
+
+            model = str(build_gemma3_vlm(Path(tmp) / "tiny-gemma3-vlm"))
+        with Server(["--model", model, *server_args]) as server:
+            asyncio.run(run(server.base, args.requests, size, args.max_tokens))  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    main()

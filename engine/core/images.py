@@ -1,0 +1,57 @@
+"""A prompt's images, as leaf values every room may read: where each image's placeholder tokens
+sit in the prompt, its content hash (what the prefix cache and the encoder cache key it by),
+and the pixels its model's processor made of it. The server builds them (decoding, limits,
+the chat template's placeholders); the engine checks them against the prompt, hashes them
+into the blocks they cover, encodes them and places their soft tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptImage:
+    """One image of a prompt: its soft tokens take positions [offset, offset + num_tokens),
+    which attend to each other in both directions."""
+
+    offset: int
+    num_tokens: int
+    content_hash: bytes  # sha256 of the preprocessed pixels (models/image_processor.py)
+    pixels: torch.Tensor  # [channels, height, width] float32, as the model's processor made it
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+    def identity(self) -> PromptImage:
+        """The image as the block hashes know it, without its pixels (what is kept beyond the
+        request: an idle session's offload rebuilds its hashes from it)."""
+        return PromptImage(self.offset, self.num_tokens, self.content_hash, torch.empty(0))
+
+
+def image_keys(images: Sequence[PromptImage], start: int, end: int) -> bytes:
+    """What the images overlapping token positions [start, end) add to that block's hash: each
+    one's content hash and where it begins relative to the block, so the same placeholder
+    tokens hold another picture's KV under another hash."""
+    keys = b""
+    for image in images:
+        if image.offset < end and image.end > start:
+            keys += b"img:" + image.content_hash + (image.offset - start).to_bytes(8, "little",
+                                                                                   signed=True)
+    return keys
+
+
+def cut_at_image(images: Sequence[PromptImage], start: int, n: int) -> int:
+    """The chunk size to grant instead of `n` tokens from `start`, so that no chunk ends inside
+    an image: an image's soft tokens attend to each other in both directions, so the ones of
+    this chunk cannot be computed before the rest of their image is in the same step. The
+    chunk stops before the image, or, when it begins at or inside one, takes the image's
+    remainder whole (it may then exceed `n`)."""
+    end = start + n
+    for image in images:
+        if image.offset < end < image.end:
+            return image.offset - start if image.offset > start else image.end - start
+    return n

@@ -1,0 +1,104 @@
+"""A tiny random Gemma 3 vision-language checkpoint (`Gemma3ForConditionalGeneration`: SigLIP
+tower of width 32 and 2 layers over 28x28 images in 7x7 patches, 4 soft tokens an image, a
+2-layer text model with a sliding window of 8 beside a global layer), with a byte-level BPE
+tokenizer that knows Gemma's turn and image tokens and a Gemma-shaped chat template; and small
+PNG images to send it."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tests.conftest import CORPUS
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+            "<end_of_image>", "<image_soft_token>"]  # fmt: skip
+BOI, EOI, IMAGE = 5, 6, 7  # their ids (trained first, in this order)
+TOKENS_PER_IMAGE = 4
+# Gemma 3's template, its system-prompt merging left out: an image item is <start_of_image>,
+# which the processor widens into the image's soft tokens
+TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+def build_gemma3_vlm(out: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                query_pre_attn_scalar=16, max_position_embeddings=4096,
+                layer_types=["sliding_attention", "full_attention"], bos_token_id=1,
+                eos_token_id=2, pad_token_id=0)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=28, patch_size=7, vision_use_head=False)  # fmt: skip
+    config = Gemma3Config(text_config=text, vision_config=vision,
+                          mm_tokens_per_image=TOKENS_PER_IMAGE, boi_token_index=BOI,
+                          eoi_token_index=EOI, image_token_index=IMAGE)  # fmt: skip
+    torch.manual_seed(zlib.crc32(b"gemma3-vlm") % 1000)
+    model = Gemma3ForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "layer_norm" not in name and "layernorm" not in name:
+                p.copy_(0.1 * torch.randn_like(p))  # Gemma's (1 + w) norms
+            elif "layer_norm" in name or "layernorm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(CORPUS, trainer)
+    assert [tok.token_to_id(t) for t in SPECIALS[5:]] == [BOI, EOI, IMAGE]
+    tok.save(str(out / "tokenizer.json"))
+    # what transformers' Gemma3Processor reads too (the tests' reference for the prompt)
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<end_of_turn>", "chat_template": TEMPLATE,
+        "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast",
+        "processor_class": "Gemma3Processor",
+        "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                 "image_token": "<image_soft_token>"},
+    }))  # fmt: skip
+    (out / "chat_template.jinja").write_text(TEMPLATE)
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma3Processor", "image_seq_length": TOKENS_PER_IMAGE,
+    }))  # fmt: skip
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "do_resize": True,
+        "size": {"height": 28, "width": 28}, "resample": 2, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
+    }))  # fmt: skip
+    return out
+
+
+def png(seed: int, size: tuple[int, int] = (40, 30)) -> bytes:
+    """A random RGB picture, PNG-encoded (resized to the tower's 28x28 by the processor)."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
