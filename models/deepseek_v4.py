@@ -324,9 +324,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         attn: AttentionStep,
         aux_layers: tuple[int, ...] = (),
         lora: object | None = None,
+        images: object | None = None,
     ) -> torch.Tensor:
-        if aux_layers or lora:
-            raise ValueError("DeepSeek V4 takes no draft-head layers or LoRA adapters")
+        if aux_layers or lora or images is not None:
+            raise ValueError("DeepSeek V4 takes no draft-head layers, LoRA adapters or images")
         paged = attn.paged_batch()
         if paged is None:
             raise ValueError(f"{type(attn).__name__} does not serve compressed attention")
