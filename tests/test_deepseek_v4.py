@@ -176,6 +176,8 @@ def test_what_is_refused_says_why(ref, chunked) -> None:
     rope = {"main": {"rope_type": "default"}, "compress": {"rope_type": "yarn", "factor": 16}}
     with pytest.raises(ValueError, match="compress rope 'yarn' is not supported"):
         deepseek_v4_spec({**CONFIG, "rope_parameters": rope}, ())
+    with pytest.raises(ValueError, match="fp8 quantized weights"):
+        deepseek_v4_spec({**CONFIG, "quantization_config": {"quant_method": "fp8"}}, ())
     spec = chunked.engine.spec
     with pytest.raises(ValueError, match="compressed KV groups are stored in the serving dtype"):
         select_backend(spec, DeviceFacts("cpu"), torch.float32, 16, kv_dtype=torch.int8)
