@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=64, help="tokens a block (CPU default)")
     ap.add_argument("--dtype-bytes", type=float, default=2.0, help="bytes a KV value (bf16: 2)")
     ap.add_argument("--time", action="store_true", help="also time decode steps (minutes)")
+    ap.add_argument("--context", type=int, default=8 << 10, help="--time: tokens of context")
+    ap.add_argument("--batches", default="1,16", help="--time: batch sizes")
     args = ap.parse_args()
     bs, size = args.block_size, args.dtype_bytes
     layout_report("tiny (tests/test_deepseek_v4.py)", TINY, bs, size, 64 << 20)
@@ -99,7 +101,7 @@ def main() -> None:
     if args.time:
         from bench.deepseek_v4_step import time_steps
 
-        time_steps()
+        time_steps(args.context, tuple(int(b) for b in args.batches.split(",")))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,8 @@
 against a dense Llama of the same hidden size, layers, heads and head_dim (one KV head), at batch
 1 and 16 with 8k tokens of context each, in the same run; and where the V4 step's time goes.
 
-A step's time: the prompts are prefilled once (their blocks stay cached), then
-generate(max_tokens=1 + K) against generate(max_tokens=1), both prefix hits: the difference over K
-is K decode steps. `python -m bench.deepseek_v4_kv --time` runs it."""
+A step's time: the median of STEPS `engine.step()` calls once every request of the batch has
+its first token (all rows decode). `python -m bench.deepseek_v4_kv --time` runs it."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import torch
 
 from engine import LLM, SamplingParams
 
-CONTEXT, STEPS, ROUNDS = 8 << 10, 4, 2
+CONTEXT, STEPS = 8 << 10, 6
 
 
 def write(out: Path, kind: str) -> str:
@@ -43,32 +42,42 @@ def write(out: Path, kind: str) -> str:
     return str(out)
 
 
-def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate(prompts, params)
-    return time.perf_counter() - start
+def step_ms(llm: LLM, batch: int, context: int, profiled: bool = False) -> tuple[float, str]:
+    """Median time of STEPS engine steps once `batch` requests of `context` prompt tokens are
+    all decoding; with `profiled`, the torch profiler's top ops over those steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS + 3, ignore_eos=True)
+    for s in range(batch):
+        prompt = [(i * 37 + s * 101) % 500 + 3 for i in range(context)]
+        engine.add_request(f"{batch}-{s}-{time.monotonic_ns()}", prompt, params)
+    started: set[str] = set()
+    while len(started) < batch:  # the prompts, chunk by chunk
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    engine.step()  # a first decode step
+    times, table = [], ""
+    with profile(activities=[ProfilerActivity.CPU]) if profiled else _Nothing() as prof:
+        for _ in range(STEPS):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+    if profiled:
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    while engine.has_unfinished():
+        engine.step()
+    return 1000 * statistics.median(times), table
 
 
-def step_ms(llm: LLM, batch: int) -> float:
-    prompts = [[(i * 37 + s * 101) % 500 + 3 for i in range(CONTEXT)] for s in range(batch)]
-    timed(llm, prompts, 1)  # prefill: the blocks stay cached
-    diffs = [(timed(llm, prompts, 1 + STEPS) - timed(llm, prompts, 1)) / STEPS
-             for _ in range(ROUNDS)]  # fmt: skip
-    return 1000 * statistics.median(diffs)
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
-def profile(llm: LLM, batch: int) -> str:
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    prompts = [[(i * 37 + s * 101) % 500 + 3 for i in range(CONTEXT)] for s in range(batch)]
-    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        timed(llm, prompts, 1 + STEPS)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-
-
-def time_steps() -> None:
+def time_steps(context: int = CONTEXT, batches: tuple[int, ...] = (1, 16)) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engines = {
             kind: LLM(write(Path(tmp) / kind, kind), dtype="float32", num_kv_blocks=2304,
@@ -77,11 +86,14 @@ def time_steps() -> None:
             for kind in ("v4", "dense")
         }  # fmt: skip
         threads = torch.get_num_threads()
-        print(f"\ndecode step at {CONTEXT} tokens of context, float32, {threads} threads "
-              f"(median of {ROUNDS}, {STEPS} steps each)")  # fmt: skip
-        for batch in (1, 16):
-            ms = {kind: step_ms(llm, batch) for kind, llm in engines.items()}
+        print(f"\ndecode step at {context} tokens of context, float32, {threads} threads "
+              f"(median of {STEPS} steps)")  # fmt: skip
+        table = ""
+        for batch in batches:
+            ms = {}
+            for kind, llm in engines.items():
+                ms[kind], prof = step_ms(llm, batch, context, kind == "v4" and batch == batches[-1])
+                table = prof or table
             print(f"batch {batch:2d}: v4 {ms['v4']:7.2f} ms, dense {ms['dense']:7.2f} ms "
                   f"({ms['v4'] / ms['dense']:.2f}x)")  # fmt: skip
-        print("\nwhere a v4 batch-16 run's time goes (prefix-hit prefill + decode steps):")
-        print(profile(engines["v4"], 16))
+        print(f"\nwhere a v4 batch-{batches[-1]} decode step's time goes:\n{table}")

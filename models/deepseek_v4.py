@@ -49,6 +49,10 @@ def deepseek_v4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
         kind = (rope.get(label) or {}).get("rope_type", "default")
         if kind != "default":
             raise ValueError(f"DeepSeek V4 {label} rope {kind!r} is not supported (default only)")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"DeepSeek V4 with {method} quantized weights is not supported "
+                         "(serve a bfloat16 or float32 checkpoint)")  # fmt: skip
     if cfg.get("num_key_value_heads", 1) != 1:
         raise ValueError("DeepSeek V4 has one shared KV head (num_key_value_heads 1)")
     if cfg.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":

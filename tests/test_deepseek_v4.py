@@ -166,3 +166,22 @@ def test_disk_tier_transfer_and_preemption(ref, plain, tmp_path) -> None:
     got = tight.generate([other], LONGER)[0]
     assert got.outputs[0].token_ids == want and got.num_cached_tokens == 192
     assert tight.engine.kv.hits_by_source["remote"] == 192  # counted as the store's
+
+
+def test_what_is_refused_says_why(ref, chunked) -> None:
+    """Configurations kvserve does not serve for V4 are startup errors with the reason."""
+    from engine.attention import DeviceFacts, select_backend
+    from models.deepseek_v4 import deepseek_v4_spec
+
+    rope = {"main": {"rope_type": "default"}, "compress": {"rope_type": "yarn", "factor": 16}}
+    with pytest.raises(ValueError, match="compress rope 'yarn' is not supported"):
+        deepseek_v4_spec({**CONFIG, "rope_parameters": rope}, ())
+    with pytest.raises(ValueError, match="fp8 quantized weights"):
+        deepseek_v4_spec({**CONFIG, "quantization_config": {"quant_method": "fp8"}}, ())
+    spec = chunked.engine.spec
+    with pytest.raises(ValueError, match="compressed KV groups are stored in the serving dtype"):
+        select_backend(spec, DeviceFacts("cpu"), torch.float32, 16, kv_dtype=torch.int8)
+    with pytest.raises(ValueError, match="EAGLE draft head over DeepseekV4ForCausalLM"):
+        LLM(str(ref[0]), speculative_method="eagle", speculative_model="x", **FAST)
+    with pytest.raises(ValueError, match="its layers do not take LoRA adapters"):
+        LLM(str(ref[0]), lora_modules=["a=x"], **FAST)

@@ -220,6 +220,9 @@ def _quantize(
     """Weights quantized at load, measured through the warmed-up backend before they serve
     (engine/weights/); returns the banner's weights line."""
     model, backend = weights.model, pool.backend
+    if config.quantization not in ("auto", "none") and weights.spec.group_specs:
+        raise ValueError(f"--quantization {config.quantization} with {weights.spec.architecture}: "
+                         "its layers keep their weights in the serving dtype")  # fmt: skip
     if config.quantization == "int8":
         return quantize_model(model, backend, tokenizer, pool.scratch_blocks, pool.block_size,
                               device)  # fmt: skip

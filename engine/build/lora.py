@@ -22,6 +22,11 @@ def build_loras(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> Lo
             raise ValueError("lora_modules with tensor_parallel_size > 1: LoRA adapters are "
                              "served by one rank (they are not split across ranks)")  # fmt: skip
         max_loras = 0
+    if spec.group_specs:  # DeepSeek V4: its own layers, whose projections take no adapter rows
+        if modules:
+            raise ValueError(f"lora_modules with {spec.architecture}: its layers do not take "
+                             "LoRA adapters")  # fmt: skip
+        max_loras = 0
     if modules and max_loras == 0:
         raise ValueError("lora_modules with max_loras 0: nothing could serve them")
     registry = LoRARegistry(LoRALimits(max_loras, config.max_lora_rank), spec, dtype)
