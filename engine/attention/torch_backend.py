@@ -85,8 +85,8 @@ class TorchAttentionStep(AttentionStep):
         # causally, and the step keeps the fused decode path instead of gather + SDPA.
         cpp = backend.decode_op is not None
         if cpp:
-            decode_seqs = [i for i, q in enumerate(meta.query_lens)
-                           if q <= ROWS_AS_DECODE and not spans[i]]  # fmt: skip
+            decode_seqs = [i for i, q in enumerate(meta.query_lens) if q <= ROWS_AS_DECODE
+                           and not spans[i]]  # fmt: skip
         rows = [(meta.query_start[i] + j, i, meta.context_lens[i] + j + 1)
                 for i in decode_seqs for j in range(meta.query_lens[i])]  # fmt: skip
         self.all_decode = len(decode_seqs) == meta.num_seqs
@@ -124,9 +124,8 @@ class TorchAttentionStep(AttentionStep):
             pages = torch.tensor(  # int32: the C++ op's and index_select's
                 meta.block_tables[i][: -(-seq // bs)], dtype=torch.int32, device=device
             )
-            self.prefills.append(
-                _Prefill(slice(start, start + q_len), seq, pages, ctx, {}, tuple(spans[i]))
-            )
+            chunk = _Prefill(slice(start, start + q_len), seq, pages, ctx, {}, tuple(spans[i]))
+            self.prefills.append(chunk)
         # the sliding-window layers' own pool (engine/kv/window.py): the same plan over its
         # tables, for those layers
         self.window_step: TorchAttentionStep | None = None
