@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--len", type=int, default=1500, help="long prompt tokens")
     ap.add_argument("--short-first", type=int, default=2, help="short prompts before each long")
     ap.add_argument("--server-arg", action="append", default=[], help="one server flag each")
+    ap.add_argument("--ready-timeout", type=float, default=900.0, help="server start, seconds")
     a = ap.parse_args()
     llm = LLM()
     print(f"step budget: {llm.engine.scheduler.budget.describe()}", flush=True)
@@ -70,7 +71,7 @@ def main() -> None:
     longs_ids, shorts_ids = [p for p, _ in longs], [p for p, _ in shorts]
     print(f"prompts: long {len(longs_ids[0])} tokens, short {len(shorts_ids[0])}", flush=True)
     served, after_short, alone = [], [], []
-    with Server(a.server_arg) as server:
+    with Server(a.server_arg, timeout=a.ready_timeout) as server:
         model = server.model_id()
         served_ttft(server.base, model, shorts_ids.pop())  # warm-ups: first-call costs
         engine_prefill(llm, shorts_ids.pop())

@@ -12,9 +12,14 @@
 // see are skipped, and only blocks on a boundary are masked element by element.
 // Arithmetic is float32 throughout (a bf16 cache or query is widened by a shift, an int8 row
 // multiplied by its scales: kv_int8.h); the output is rounded to the query's dtype once.
+// paged_prefill_tiles: the same op with the bf16 blocks' two products (Q K^T and P V) as tile
+// GEMMs through PyTorch's own brgemm (at::native::cpublas::brgemm, oneDNN's ukernel: AMX tiles
+// where the CPU has them, AVX-512 otherwise), on the very pair-interleaved (VNNI) blocks the
+// dot-product path packs; the engine times both at startup (engine/build/prefill_choice.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
@@ -268,7 +273,7 @@ struct Scratch {
 template <typename T, typename C, bool kBF16, int NV>
 void attend_block(const T* qp, int64_t q_row_stride, T* op, int64_t o_row_stride,
                   const Packed<C, kBF16>& kv, int64_t kh, int64_t h, int64_t r0, int64_t nq,
-                  int64_t ctx, int64_t window, float sc2, Scratch& w) {
+                  int64_t ctx, int64_t window, float sc2, Scratch& w, bool tiles) {
   const int64_t D = kv.D;
   float *q = w.q.data(), *o = w.o.data(), *s = w.s.data();
   std::fill(o, o + QB * D, 0.f);
@@ -293,7 +298,13 @@ void attend_block(const T* qp, int64_t q_row_stride, T* op, int64_t o_row_stride
     const int nk = static_cast<int>(std::min<int64_t>(KB, k_end - k0));
     if constexpr (kBF16) {
 #if defined(__AVX512BF16__)
-      for (int64_t r = 0; r < nqr; r += R) scores_bf16(&w.qb[r * D / 2], kv.kblock(kh, k0), s + r * KB, D / 2);
+      if (tiles) {  // S [nqr, KB] = Q [nqr, D] x K^T [D, KB] (pairs along D: VNNI)
+        at::native::cpublas::brgemm(nqr, KB, D, D, KB, KB, false,
+                                    reinterpret_cast<const at::BFloat16*>(w.qb.data()),
+                                    reinterpret_cast<const at::BFloat16*>(kv.kblock(kh, k0)), s, true);
+      } else {
+        for (int64_t r = 0; r < nqr; r += R) scores_bf16(&w.qb[r * D / 2], kv.kblock(kh, k0), s + r * KB, D / 2);
+      }
       for (int64_t i = 0; i < nqr * KB; i += W) vstore(s + i, vmul(vload(s + i), vset1(sc2)));
 #endif
     } else {
@@ -316,8 +327,14 @@ void attend_block(const T* qp, int64_t q_row_stride, T* op, int64_t o_row_stride
         const __m512bh pr = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16), _mm512_loadu_ps(s + i));
         _mm512_storeu_si512(&w.pb[i / 2], (__m512i)pr);
       }
-      for (int64_t r = 0; r < nqr; r += R)
-        accumulate_bf16<NV>(&w.pb[r * KB / 2], kv.vblock(kh, k0), o + r * D, nk, D);
+      if (tiles) {  // O [nqr, D] += P [nqr, KB] x V [KB, D] (pairs along KB: VNNI)
+        at::native::cpublas::brgemm(nqr, D, KB, KB, D, D, true,
+                                    reinterpret_cast<const at::BFloat16*>(w.pb.data()),
+                                    reinterpret_cast<const at::BFloat16*>(kv.vblock(kh, k0)), o, true);
+      } else {
+        for (int64_t r = 0; r < nqr; r += R)
+          accumulate_bf16<NV>(&w.pb[r * KB / 2], kv.vblock(kh, k0), o + r * D, nk, D);
+      }
 #endif
     } else {
       for (int64_t r = 0; r < nqr; r += R) accumulate<NV>(s + r * KB, kv.vblock(kh, k0), o + r * D, nk, D);
@@ -333,7 +350,7 @@ void attend_block(const T* qp, int64_t q_row_stride, T* op, int64_t o_row_stride
 template <typename T, typename C, bool kBF16, int NV>
 void prefill_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& pages, int64_t ctx, float scale,
-                  int64_t window) {
+                  int64_t window, bool tiles) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), seq = ctx + n;
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   const int64_t G = H / KVH, nqb = (n + QB - 1) / QB, tasks = H * nqb;
@@ -361,23 +378,26 @@ void prefill_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cach
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t b = nqb - 1 - t / H, h = t % H;
       const int64_t r0 = b * QB, nq = std::min<int64_t>(QB, n - r0);
-      attend_block<T, C, kBF16, NV>(qp, qs, op, os, kv, h / G, h, r0, nq, ctx, window, sc2, w);
+      attend_block<T, C, kBF16, NV>(qp, qs, op, os, kv, h / G, h, r0, nq, ctx, window, sc2, w,
+                                    tiles);
     }
+    if (tiles) at::native::cpublas::brgemm_release();  // this thread's tile configuration
   }
 }
 
 template <typename T, typename C>
 void prefill_nv(const at::Tensor& q, at::Tensor& out, const at::Tensor& k, const at::Tensor& v,
-                const at::Tensor& pages, int64_t ctx, float scale, int64_t window) {
+                const at::Tensor& pages, int64_t ctx, float scale, int64_t window, bool tiles) {
   const int64_t D = q.size(2);
   // bf16 queries on a bf16 cache: bf16 dot products where the CPU has them
   constexpr bool kBF16 = kHaveBF16Dot && std::is_same<T, at::BFloat16>::value;
+  tiles = tiles && kBF16;
   if (D % (4 * W) == 0) {
-    prefill_impl<T, C, kBF16, 4>(q, out, k, v, pages, ctx, scale, window);
+    prefill_impl<T, C, kBF16, 4>(q, out, k, v, pages, ctx, scale, window, tiles);
   } else if (D % (2 * W) == 0) {
-    prefill_impl<T, C, kBF16, 2>(q, out, k, v, pages, ctx, scale, window);
+    prefill_impl<T, C, kBF16, 2>(q, out, k, v, pages, ctx, scale, window, tiles);
   } else {
-    prefill_impl<T, C, kBF16, 1>(q, out, k, v, pages, ctx, scale, window);
+    prefill_impl<T, C, kBF16, 1>(q, out, k, v, pages, ctx, scale, window, tiles);
   }
 }
 #endif
@@ -401,9 +421,9 @@ bool bf16_dot() {
 // v_cache [KVH, num_blocks, block_size, row] contiguous (row = D, or an int8 row with its scales), holding this sequence's keys and values
 // at positions [0, ctx + n) (this chunk's already written); pages int32, the sequence's blocks;
 // query row i is at position ctx + i; window 0 = full.
-void paged_prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
-                   const at::Tensor& v_cache, const at::Tensor& pages, int64_t ctx, double scale,
-                   int64_t window) {
+void prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
+             const at::Tensor& v_cache, const at::Tensor& pages, int64_t ctx, double scale,
+             int64_t window, bool tiles) {
   TORCH_CHECK(W > 0, "built without AVX2");
   const auto dt = q.scalar_type(), ct = k_cache.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "float32 or bfloat16 only");
@@ -421,16 +441,39 @@ void paged_prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cac
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const float sc = static_cast<float>(scale);
   if (dt == at::kFloat && ct == at::kFloat) {
-    prefill_nv<float, float>(q, out, k_cache, v_cache, pages, ctx, sc, window);
+    prefill_nv<float, float>(q, out, k_cache, v_cache, pages, ctx, sc, window, false);
   } else if (ct == at::kChar && dt == at::kFloat) {
-    prefill_nv<float, int8_t>(q, out, k_cache, v_cache, pages, ctx, sc, window);
+    prefill_nv<float, int8_t>(q, out, k_cache, v_cache, pages, ctx, sc, window, false);
   } else if (ct == at::kChar) {
-    prefill_nv<at::BFloat16, int8_t>(q, out, k_cache, v_cache, pages, ctx, sc, window);
+    prefill_nv<at::BFloat16, int8_t>(q, out, k_cache, v_cache, pages, ctx, sc, window, tiles);
   } else if (dt == at::kFloat) {
-    prefill_nv<float, at::BFloat16>(q, out, k_cache, v_cache, pages, ctx, sc, window);
+    prefill_nv<float, at::BFloat16>(q, out, k_cache, v_cache, pages, ctx, sc, window, false);
   } else {
-    prefill_nv<at::BFloat16, at::BFloat16>(q, out, k_cache, v_cache, pages, ctx, sc, window);
+    prefill_nv<at::BFloat16, at::BFloat16>(q, out, k_cache, v_cache, pages, ctx, sc, window, tiles);
   }
+#endif
+}
+
+void paged_prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
+                   const at::Tensor& v_cache, const at::Tensor& pages, int64_t ctx, double scale,
+                   int64_t window) {
+  prefill(q, out, k_cache, v_cache, pages, ctx, scale, window, false);
+}
+
+// The same with tile GEMMs for bf16 queries (on a bf16 or int8 cache); other dtypes as above.
+void paged_prefill_tiles(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& pages, int64_t ctx,
+                         double scale, int64_t window) {
+  prefill(q, out, k_cache, v_cache, pages, ctx, scale, window, true);
+}
+
+// Whether paged_prefill_tiles multiplies bf16 blocks as tile GEMMs here (built with AVX512-BF16,
+// the pair-interleaved blocks it hands to brgemm).
+bool tiles() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
 #endif
 }
 
@@ -440,4 +483,8 @@ TORCH_LIBRARY(kvserve_cpu_prefill, m) {
   m.def("paged_prefill(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor pages, "
         "int context, float scale, int window) -> ()");
   m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(paged_prefill));
+  m.def("tiles() -> bool", &tiles);
+  m.def("paged_prefill_tiles(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, "
+        "Tensor pages, int context, float scale, int window) -> ()");
+  m.impl("paged_prefill_tiles", c10::DispatchKey::CPU, TORCH_FN(paged_prefill_tiles));
 }

@@ -104,6 +104,29 @@ def test_op_matches_reference(ctx, n, heads, kv_heads, dim, bs, window, dtype, c
         torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
 
 
+@pytest.mark.parametrize("ctx, n, heads, kv_heads, dim, bs, window", CASES)
+@pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.int8])
+def test_tile_gemm_op_matches_reference(ctx, n, heads, kv_heads, dim, bs, window, cdtype) -> None:
+    """paged_prefill_tiles: bf16 queries with Q K^T and P V as brgemm tile GEMMs (AMX where the
+    CPU has it; this machine's AVX-512 ukernel or fallback otherwise: only its correctness is
+    checked here) on the paged cache, to the same bf16 tolerance as the dot-product path, and
+    to a few bf16 roundings of that path (the same products, summed in another order)."""
+    op = ops()
+    if not op.tiles():
+        pytest.skip("built without AVX512-BF16: no pair-interleaved bf16 blocks to tile")
+    if dim % op.simd_width() or (cdtype == torch.int8 and dim % 32):
+        pytest.skip(f"head size {dim} is not one this build reads")
+    q, cache, pages = paged(ctx, n, heads, kv_heads, dim, bs, torch.bfloat16, cdtype)
+    scale = 1 / math.sqrt(dim)
+    tiled = torch.full_like(q.contiguous(), float("nan"))
+    op.paged_prefill_tiles(q, tiled, cache[0], cache[1], pages, ctx, scale, window)
+    dotted = torch.full_like(q.contiguous(), float("nan"))
+    op.paged_prefill(q, dotted, cache[0], cache[1], pages, ctx, scale, window)
+    expected = reference(q, cache, pages, ctx, window, scale)
+    torch.testing.assert_close(tiled.double(), expected, atol=2e-2, rtol=2**-7)
+    torch.testing.assert_close(tiled.float(), dotted.float(), atol=2e-2, rtol=2**-6)
+
+
 def test_op_refuses_what_it_cannot_read() -> None:
     op = ops()
     q, cache, pages = paged(0, 8, 2, 1, 16, 4, torch.float32, torch.float32)

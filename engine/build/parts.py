@@ -137,7 +137,9 @@ def engine_info(
         device_label=facts.label,
         compiled_decode=getattr(backend, "decode_op", None) is not None,
         compiled_prefill=(  # queries in the serving dtype: bf16 operands only on a bf16 cache
-            cpu_prefill.arithmetic(dtype if pool.kv_dtype == dtype else torch.float32)
+            cpu_prefill.arithmetic(
+                dtype if pool.kv_dtype == dtype else torch.float32, backend.prefill_op
+            )
             if getattr(backend, "prefill_op", None) is not None
             else None
         ),

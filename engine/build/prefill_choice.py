@@ -1,5 +1,7 @@
 """Which CPU prefill attention serves: kvserve's C++ flash attention (kernels/
-cpu_prefill.cpp) or torch's SDPA, by timing both at startup on this model's layer geometry.
+cpu_prefill.cpp; for bf16 queries also its tile-GEMM form, Q K^T and P V through PyTorch's
+brgemm: AMX tiles where the CPU has them) or torch's SDPA, by timing them at startup on this
+model's layer geometry.
 
 Neither wins everywhere: on a Zen 5 (AVX512-BF16, no AMX) the C++ op took 0.37x SDPA's time on a
 1,024-token causal chunk, while on a Sapphire Rapids with AMX torch's SDPA (its AMX tiles) took
@@ -13,6 +15,7 @@ import time
 
 import torch
 
+from engine.attention import cpu_prefill
 from engine.attention.torch_backend import TorchBackend
 from engine.runner.step_inputs import step_metadata
 from models.spec import ModelSpec
@@ -24,16 +27,17 @@ SDPA_MARGIN = 1.25
 
 # by (dtype, heads, kv heads, head_dim, block size): an engine built again in this process
 # (tests, TP workers) reuses the verdict instead of re-timing noise
-_CHOSEN: dict[tuple, tuple[bool, str]] = {}
+_CHOSEN: dict[tuple, tuple[str, str]] = {}
 
 
 @torch.inference_mode()
 def choose_prefill_attention(
     backend: TorchBackend, spec: ModelSpec, dtype: torch.dtype, scratch_blocks: int
 ) -> str:
-    """Time the C++ op and SDPA on the largest layer's geometry over scratch blocks (no request
-    owns any yet); keep the op only where it is faster (else `backend.prefill_op` is cleared).
-    Returns the kernel matrix's line ("" where there was nothing to choose)."""
+    """Time the C++ op (and its tile-GEMM form for bf16) and SDPA on the largest layer's
+    geometry over scratch blocks (no request owns any yet); `backend.prefill_op` becomes the
+    faster form of the op, or is cleared where SDPA beats it. Returns the kernel matrix's line
+    ("" where there was nothing to choose)."""
     if backend.prefill_op is None:
         return ""
     if spec.group_specs:  # a model attending over its KV groups itself (DeepSeek V4)
@@ -48,13 +52,21 @@ def choose_prefill_attention(
     key = (dtype, lay.num_heads, lay.num_kv_heads, lay.head_dim, bs, n)
     if key not in _CHOSEN:
         _CHOSEN[key] = _time_both(backend, layer, dtype, n)
-    keep, line = _CHOSEN[key]
-    if not keep:
-        backend.prefill_op = None
+    chosen, line = _CHOSEN[key]
+    backend.prefill_op = _forms(backend.prefill_op, dtype).get(chosen)
     return line
 
 
-def _time_both(backend: TorchBackend, layer: int, dtype: torch.dtype, n: int) -> tuple[bool, str]:
+def _forms(op, dtype: torch.dtype) -> dict[str, object]:
+    """The op's forms for queries of `dtype`, by the banner's name (SDPA's is None)."""
+    forms: dict[str, object] = {"the C++ op": op, "torch SDPA": None}
+    ops = cpu_prefill.load()
+    if dtype == torch.bfloat16 and ops is not None and ops.tiles():
+        forms["the C++ op on tile GEMMs"] = ops.paged_prefill_tiles
+    return forms
+
+
+def _time_both(backend: TorchBackend, layer: int, dtype: torch.dtype, n: int) -> tuple[str, str]:
     lay = backend.spec.layers[layer]
     table = list(range(-(-2 * n // backend.block_size)))
     g = torch.Generator().manual_seed(0)
@@ -63,23 +75,26 @@ def _time_both(backend: TorchBackend, layer: int, dtype: torch.dtype, n: int) ->
     device = backend.kv_caches[0].device
     metas = [step_metadata([(table, start, n)], backend.block_size, device)[1] for start in (0, n)]
     op = backend.prefill_op
+    forms = _forms(op, dtype)
 
-    def once(use_op: bool) -> float:
-        backend.prefill_op = op if use_op else None
+    def once(form: object) -> float:
+        backend.prefill_op = form
         t = time.perf_counter()
         for meta in metas:
             backend.plan(meta).forward(layer, q, kv, kv)
         return time.perf_counter() - t
 
-    times: dict[bool, list[float]] = {True: [], False: []}
+    times: dict[str, list[float]] = {name: [] for name in forms}
     for _ in range(4):  # interleaved, the first round a warm-up
-        for use_op in (True, False):
-            times[use_op].append(once(use_op))
+        for name, form in forms.items():
+            times[name].append(once(form))
     backend.prefill_op = op
-    t_op, t_sdpa = (min(times[k][1:]) * 1e3 for k in (True, False))
-    keep = t_op <= t_sdpa * SDPA_MARGIN
-    served = "the C++ op" if keep else "torch SDPA"
-    return keep, (
-        f"{served} (measured: C++ {t_op:.1f} ms, SDPA {t_sdpa:.1f} ms for a {n}-token chunk "
-        f"fresh and after {n} tokens, layer {layer}'s heads)"
+    ms = {name: min(ts[1:]) * 1e3 for name, ts in times.items()}
+    # the op's faster form; SDPA must beat it by SDPA_MARGIN to displace it
+    best_op = min((name for name in forms if forms[name] is not None), key=ms.__getitem__)
+    chosen = best_op if ms[best_op] <= ms["torch SDPA"] * SDPA_MARGIN else "torch SDPA"
+    measured = ", ".join(f"{name.removeprefix('the ')} {t:.1f} ms" for name, t in ms.items())
+    return chosen, (
+        f"{chosen} (measured: {measured} for a {n}-token chunk fresh and after {n} tokens, "
+        f"layer {layer}'s heads)"
     )

@@ -199,7 +199,8 @@ class StepBudget:
     def describe(self) -> str:
         """The kernel matrix's line: what a step is held to, and the costs behind it."""
         if self.costs is None:
-            return f"{self.max_tokens} tokens a step (not measured: --target-step-ms -1)"
+            # --target-step-ms -1, or costs timed while the CPU was busy (the log says which)
+            return f"{self.max_tokens} tokens a step (not measured)"
         if self.max_itl_factor:
             itl = f"; with streamed decode rows at most {self.max_itl_factor:g}x their step alone"
         elif self.stream_rows:

@@ -221,6 +221,10 @@ def _best_times(weights: list[GGUFWeight], paths: list[str], rows: int) -> list[
 # int8-rounded activations cost accuracy (~0.5% relative error per product): they must beat
 # the exact paths by this factor to be chosen
 Q8_MARGIN = 1.1
+# the dense path must beat the block kernel by this factor to take its rows: a tie is no
+# evidence (two paths timed alike while a neighbour held the CPU: 2171.9 vs 2165.8 ms for one
+# row, when a quiet pass is ~10 ms), and the kernel reads a quarter of the dense copy's bytes
+DENSE_MARGIN = 1.05
 
 
 # Crossovers measured in this process, by what they depend on (the caller's key): an engine built
@@ -239,7 +243,8 @@ def measure_crossover(
     """Time the three paths at ROW_BUCKETS, over all the decoder's GGUF weights in forward order
     and over the lm_head apart (another shape and format, its own crossover): the block kernel on
     int8-rounded activations, on float32 activations, and the dense path (the packed copy, or
-    dequantize + GEMM). Each group takes, bucket by bucket from one row, the fastest (int8
+    dequantize + GEMM). Each group takes, bucket by bucket from one row, the fastest (the dense
+    path by DENSE_MARGIN, int8
     activations only with `int8_activations` and by Q8_MARGIN: they round activations the way
     llama.cpp does, and flip near-tied tokens), until the dense path wins; its weights'
     `q8_max_rows` and
@@ -267,7 +272,7 @@ def measure_crossover(
             seen.append(f"{rows}: {times}" + (f"/{q8 * 1e3:.1f}" if int8_activations else ""))
             if q8 * Q8_MARGIN < min(exact, dense) and q8_limit == kernel_limit:
                 q8_limit = kernel_limit = rows
-            elif exact <= dense:
+            elif exact <= dense * DENSE_MARGIN:
                 kernel_limit = rows
             else:
                 break
