@@ -11,6 +11,7 @@ measured, like every other kernel choice, and the banner says which serves and b
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from engine.attention import cpu_prefill
 from engine.attention.torch_backend import TorchBackend
 from engine.runner.step_inputs import step_metadata
+from models.linear.dense import onednn_pack_refusal
 from models.spec import ModelSpec
 
 CHUNK = 512  # a fresh chunk, then one after as much context: both prefill shapes
@@ -61,9 +63,26 @@ def _forms(op, dtype: torch.dtype) -> dict[str, object]:
     """The op's forms for queries of `dtype`, by the banner's name (SDPA's is None)."""
     forms: dict[str, object] = {"the C++ op": op, "torch SDPA": None}
     ops = cpu_prefill.load()
-    if dtype == torch.bfloat16 and ops is not None and ops.tiles():
+    if dtype == torch.bfloat16 and ops is not None and ops.tiles() and not tile_gemm_refusal():
         forms["the C++ op on tile GEMMs"] = ops.paged_prefill_tiles
     return forms
+
+
+# oneDNN ISA ceilings under which its bf16 brgemm ukernel runs (ONEDNN_MAX_CPU_ISA's values)
+BF16_BRGEMM_ISAS = ("ALL", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
+                    "AVX512_CORE_AMX_FP16", "AVX10_1_512", "AVX10_1_512_AMX",
+                    "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")  # fmt: skip
+
+
+def tile_gemm_refusal() -> str | None:
+    """Why oneDNN's bf16 brgemm cannot run here although the op was built for AVX512-BF16, or
+    None. A brgemm that oneDNN refuses throws inside the op's parallel region and aborts the
+    process, so it is never timed where oneDNN's bf16 kernels are held back: ONEDNN_MAX_CPU_ISA
+    below AVX512_CORE_BF16, or oneDNN refusing a bf16 weight reorder (as on an AVX2-only CPU)."""
+    ceiling = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    if ceiling not in BF16_BRGEMM_ISAS:
+        return f"ONEDNN_MAX_CPU_ISA={ceiling} holds oneDNN below AVX512_CORE_BF16"
+    return onednn_pack_refusal(torch.bfloat16)
 
 
 def _time_both(backend: TorchBackend, layer: int, dtype: torch.dtype, n: int) -> tuple[str, str]:
