@@ -23,7 +23,7 @@ from torch import nn
 from models.attention_step import AttentionStep
 from models.deepseek_v4_attention import CSA, HCA, SLIDING, V4Attention, rms
 from models.deepseek_v4_plan import V4Batch
-from models.spec import KVGroupSpec, LayerSpec, ModelSpec
+from models.spec import KVGroupSpec, LayerSpec, ModelSpec, hf_model_spec
 
 ARCH = "DeepseekV4ForCausalLM"
 _LEGACY_RATE = {0: SLIDING, 4: CSA, 128: HCA}
@@ -85,16 +85,13 @@ def deepseek_v4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
         layers.append(LayerSpec(heads, 1, hd, cfg.get("moe_intermediate_size", 2048), own[0],
                                 cfg.get("n_routed_experts", 256),
                                 cfg.get("num_experts_per_tok", 6)))  # fmt: skip
-    return ModelSpec(
-        architecture=ARCH,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        layers=tuple(layers),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+    return hf_model_spec(
+        ARCH,
+        cfg,
+        layers,
         rope_theta=float((rope.get("main") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))),
         max_position_embeddings=cfg.get("max_position_embeddings", 1 << 20),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         sliding_window=window,
         partial_rotary_factor=float(factor),

@@ -42,7 +42,7 @@ from models.linear.dense import Linear
 from models.llama import DecoderLayer, LlamaForCausalLM
 from models.lora import LoRARows
 from models.moe import MoE
-from models.spec import LayerSpec, ModelSpec
+from models.spec import LayerSpec, ModelSpec, hf_model_spec
 
 ARCH = "Gemma4ForCausalLM"
 _DEFAULT_ROPE = {
@@ -114,12 +114,10 @@ def gemma4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
     full, local = rope["full_attention"], rope["sliding_attention"]
     if local.get("rope_type", "default") != "default":
         raise ValueError(f"Gemma 4 sliding-layer rope {local['rope_type']!r} is not supported")
-    return ModelSpec(
-        architecture=ARCH,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        layers=tuple(layers),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+    return hf_model_spec(
+        ARCH,
+        cfg,
+        layers,
         rope_theta=float(full["rope_theta"]),
         rope_scaling=dict(full) if full.get("rope_type", "default") != "default" else None,
         max_position_embeddings=cfg.get("max_position_embeddings", 131_072),
@@ -127,7 +125,6 @@ def gemma4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
         qk_norm=True,
         v_norm=True,
         hidden_act=cfg.get("hidden_activation") or "gelu_pytorch_tanh",
-        bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         sliding_window=cfg.get("sliding_window"),
         full_attention_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),

@@ -35,7 +35,7 @@ from models.linear.dense import Linear
 from models.llama import DecoderLayer, LlamaForCausalLM
 from models.lora import LoRARows
 from models.moe import Expert, MoE
-from models.spec import LayerSpec, ModelSpec
+from models.spec import LayerSpec, ModelSpec, hf_model_spec
 
 ARCH = "LagunaForCausalLM"
 S, F_ = "sliding_attention", "full_attention"
@@ -83,18 +83,15 @@ def laguna_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
     if gating not in (True, "per-head", "per-element"):
         raise ValueError(f"Laguna gating {gating!r} is not one of true, per-head, per-element")
     sliding = cfg.get("sliding_window", 512) if S in types else None
-    return ModelSpec(
-        architecture=ARCH,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        layers=tuple(layers),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+    return hf_model_spec(
+        ARCH,
+        cfg,
+        layers,
         rope_theta=float(rope[F_]["rope_theta"]),
         max_position_embeddings=cfg.get("max_position_embeddings", 131_072),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qk_norm=True,
         hidden_act=cfg.get("hidden_act", "silu"),
-        bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         sliding_window=sliding,
         full_attention_layers=tuple(i for i, t in enumerate(types) if t == F_),

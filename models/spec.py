@@ -214,3 +214,19 @@ def uniform_layers(
         LayerSpec(num_heads, num_kv_heads, head_dim, intermediate_size, kv_group=i)
         for i in range(num_layers)
     )
+
+
+def hf_model_spec(
+    architecture: str, cfg: dict, layers: list[LayerSpec] | tuple[LayerSpec, ...], **fields: object
+) -> ModelSpec:
+    """A ModelSpec from an HF text config: the fields every such config names alike (vocabulary,
+    hidden size, norm epsilon, BOS id) read here, the architecture's own given as `fields`."""
+    return ModelSpec(
+        architecture=architecture,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        layers=tuple(layers),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        bos_token_id=cfg.get("bos_token_id"),
+        **fields,  # type: ignore[arg-type]
+    )
