@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from engine.async_engine import AsyncEngine
@@ -28,6 +29,18 @@ from server.errors import APIError
 from server.metrics import Metrics
 
 log = logging.getLogger("kvserve.kv_transfer")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDirections:
+    """What one request's KV hand-over does: fetch its prompt's blocks from the store before
+    admission (a decode instance), publish them when it ends (a prefill instance)."""
+
+    fetch: bool = False
+    publish: bool = False
+
+
+NO_TRANSFER = TransferDirections()
 
 
 class KVTransfer:
@@ -41,12 +54,13 @@ class KVTransfer:
 
     # ---- what a request asks for ------------------------------------------------------------
 
-    def check(self, params: dict[str, Any] | None) -> None:
-        """A request that asks for a transfer this instance cannot do is a 400 (the request
-        would otherwise run without the transfer it named)."""
-        if params is None:
-            return
-        wants = params.get("do_remote_decode") or params.get("do_remote_prefill")
+    def directions(self, params: dict[str, Any] | None) -> TransferDirections:
+        """Which transfers a request makes, by this instance's role and its `kv_transfer_params`.
+        A request that asks for a transfer this instance cannot do is a 400 (it would otherwise
+        run without the transfer it named)."""
+        wants = params is not None and (
+            params.get("do_remote_decode") or params.get("do_remote_prefill")
+        )
         if wants and not self.url:
             raise APIError(
                 400,
@@ -54,15 +68,11 @@ class KVTransfer:
                 "(start it with --kv-store-url)",
                 param="kv_transfer_params",
             )
-
-    def publishes(self, params: dict[str, Any] | None) -> bool:
-        return bool(self.url) and (
-            self.role == "prefill" or bool(params and params.get("do_remote_decode"))
-        )
-
-    def fetches(self, params: dict[str, Any] | None) -> bool:
-        return bool(self.url) and (
-            self.role == "decode" or bool(params and params.get("do_remote_prefill"))
+        if not self.url:
+            return NO_TRANSFER
+        return TransferDirections(
+            fetch=self.role == "decode" or bool(params and params.get("do_remote_prefill")),
+            publish=self.role == "prefill" or bool(params and params.get("do_remote_decode")),
         )
 
     # ---- decode side --------------------------------------------------------------------------

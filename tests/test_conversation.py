@@ -184,6 +184,7 @@ def test_a_part_no_model_here_reads_is_named_where_it_was_sent() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}
     (turn,) = chat_conversation(ChatCompletionRequest.model_validate(body)).turns
-    assert turn.text == "hi" and [i.param for i in turn.images] == ["messages.0.content.1"]
+    images = [p.param for p in turn.parts if not isinstance(p, str)]
+    assert turn.text == "hi" and images == ["messages.0.content.1"]
     body = ResponsesRequest.model_validate({"input": []})
     assert raised(lambda: responses_conversation(body, [], 0)).param == "input"

@@ -78,7 +78,7 @@ def template_messages(
             role = "system"
         text = turn.text or ""
         entry: dict[str, Any] = {"role": role, "content": text}
-        if turn.images:  # content parts in order, as templates that take images read them
+        if turn.parts:  # a turn with images: its parts in order, as templates read them
             entry["content"] = [{"type": "image"} if not isinstance(p, str)
                                 else {"type": "text", "text": p} for p in turn.parts]  # fmt: skip
         if turn.name:

@@ -48,10 +48,6 @@ class Turn:
     source: str = ""
     parts: tuple[str | ImageRef, ...] = ()
 
-    @property
-    def images(self) -> list[ImageRef]:
-        return [p for p in self.parts if isinstance(p, ImageRef)]
-
 
 @dataclass(frozen=True, slots=True)
 class Tool:
@@ -125,8 +121,3 @@ class Conversation:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     thought_budget: Budget | None = None
     add_generation_prompt: bool = True
-
-    @property
-    def images(self) -> list[ImageRef]:
-        """Every image of the conversation, in order."""
-        return [image for turn in self.turns for image in turn.images]

@@ -17,7 +17,7 @@ from server.flow.answer import AnswerPlan
 from server.flow.chat_prompt import render_prompt, render_text
 from server.flow.constraints import ToolPlan, grammar_for, tool_plan
 from server.flow.conversation import Budget, Conversation
-from server.flow.images import ImageSet, load_images, place_images
+from server.flow.images import ImageSet, images_of, load_images, place_images
 from server.flow.plan import GenerationPlan
 from server.flow.reasoning import ReasoningPlan, opened_by_prompt, thought_tags
 from server.flow.tool_parsers import PARSERS, ToolParser, parser_for_template
@@ -37,10 +37,10 @@ def render(
     tools: ToolPlan | None,
     images: ImageSet | None = None,
 ) -> tuple[list[int], tuple[PromptImage, ...]]:
-    """The prompt's token ids and its images at their soft tokens (`images`: the conversation's,
-    loaded by `load_images`)."""
+    """The prompt's token ids and its images at their soft tokens (`images`: those of the
+    conversation `conversation` was cut from, loaded by `load_images`)."""
     offered = tools.tools if tools else None
-    refs = conversation.images
+    refs = images_of(conversation) if images else []
     if not refs:
         return render_prompt(engine.tokenizer, conversation, offered), ()
     assert images is not None and engine.vision is not None and engine.tokenizer is not None

@@ -43,10 +43,15 @@ def _refuse(ref: ImageRef, why: str, code: str = "invalid_image") -> APIError:
     return APIError(400, f"{ref.param}: {why}", param=ref.param, code=code)
 
 
+def images_of(conversation: Conversation) -> list[ImageRef]:
+    """Every image of the conversation, in order."""
+    return [p for turn in conversation.turns for p in turn.parts if isinstance(p, ImageRef)]
+
+
 async def load_images(cfg: ServerConfig, engine: AsyncEngine, conversation: Conversation
                       ) -> ImageSet:  # fmt: skip
     """Every image of the conversation, read and preprocessed (none: {})."""
-    refs = conversation.images
+    refs = images_of(conversation)
     if not refs:
         return {}
     processor = engine.image_processor

@@ -38,6 +38,7 @@ from server.flow.plan import (
     make_choices,
     renamed,
 )
+from server.kv_transfer import TransferDirections
 from server.protocol.admin import ErrorResponse
 from server.protocol.wire import SSE_DONE, sse
 from server.state import VERSION, ServerState, log
@@ -68,18 +69,18 @@ async def start(
     choices, KV hand-over, admission (or a 400/429 naming the route's own parameter)."""
     body = plan.body
     try:
+        transfer = state.kv_transfer.directions(plan.kv_transfer_params)
+        lora = state.adapter(body.model)
         check_limits(state, body)
         salt = effective_salt(state, request, body.cache_salt)
         app = app_name(request, body) if state.config.server.app_cache_stats else None
-        if plan.grammar is not None:
-            await compile_grammar(state, engine, *plan.grammar)
-        state.kv_transfer.check(plan.kv_transfer_params)
-        exports = state.kv_transfer.publishes(plan.kv_transfer_params)
-        lora = state.adapter(body.model)
         if app is not None and lora is not None:  # an adapter's hits are counted apart
             app = f"{app}@{lora.name}"[:96]
-        choices = make_choices(engine, plan, salt, app, exports, lora)
-        publish = await kv_handover(state, engine, choices, body.n, plan.kv_transfer_params)
+        choices = make_choices(engine, plan, salt, app, transfer.publish, lora)
+        if plan.grammar is not None:
+            await compile_grammar(state, engine, *plan.grammar)
+        publish = await kv_handover(state, engine, choices, body.n, plan.kv_transfer_params,
+                                    transfer)  # fmt: skip
     except (APIError, ParamError) as e:
         raise renamed(to_api_error(e), plan.param_names) from None
     on_done = None
@@ -267,6 +268,7 @@ async def kv_handover(
     choices: list[Choice],
     n: int,
     params: dict | None,
+    directions: TransferDirections,
 ) -> Callable[[], Awaitable[dict]] | None:
     """Disaggregation around one request (server/kv_transfer.py): a decode instance fetches the
     prompts' published KV now, before admission; on a prefill instance each prompt's first
@@ -274,11 +276,11 @@ async def kv_handover(
     the publishing step runs then."""
     transfer = state.kv_transfer
     firsts = choices[::n]  # one choice per prompt
-    if transfer.fetches(params):
+    if directions.fetch:
         for c in firsts:
             sent = params if len(firsts) == 1 else None
             await transfer.fetch(engine, c.prompt_ids, c.params.cache_namespace, sent, c.images)
-    if not transfer.publishes(params):
+    if not directions.publish:
         return None
 
     async def publish() -> dict:
