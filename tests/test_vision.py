@@ -118,6 +118,36 @@ def test_chunks_never_end_inside_an_image() -> None:
     assert cut_at_image([image], 0, 14) == 14 and cut_at_image([image], 0, 9) == 9
 
 
+def test_an_image_is_prefill_work_in_the_step_budget() -> None:
+    """The scheduler charges a chunk's images at the encoder's measured cost: beside a
+    prompt whose chunk holds an image, a second prompt gets that much less of the step."""
+    from engine.core.images import encoder_charge
+    from engine.core.scheduler import Scheduler
+    from engine.core.step_budget import StepBudget
+    from engine.kv.manager import KVCacheManager
+    from tests.test_scheduler import request
+
+    image = PromptImage(2, 4, b"h", torch.zeros(3, 1, 1))
+    assert encoder_charge([image], 0, 2, 2.5) == 0  # the chunk stops before it
+    assert encoder_charge([image], 0, 8, 2.5) == 10 and encoder_charge([image], 4, 4, 2.5) == 10
+    assert encoder_charge([image], 0, 8, 0.0) == 0
+    granted = {}
+    for cost in (0.0, 2.0):
+        sched = Scheduler(KVCacheManager(32, 4), 4, StepBudget(24), image_cost=cost)
+        with_image = request("img", list(range(1, 9)), 2)
+        with_image.images = (image,)
+        sched.add(with_image)
+        sched.add(request("text", list(range(10, 30)), 2))
+        out = sched.schedule()
+        granted[cost] = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    assert granted[0.0] == {"img": 8, "text": 16}
+    assert granted[2.0] == {"img": 8, "text": 8}  # 24 - 8 - 4 soft tokens x 2
+
+
+def test_the_encoder_cost_is_measured_at_startup(cached_llm) -> None:
+    assert cached_llm.engine.scheduler.image_cost > 0
+
+
 @pytest.fixture(scope="module")
 def cached_llm(vlm) -> LLM:
     return LLM(vlm, num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)

@@ -24,7 +24,7 @@ from engine.build.parts import EngineParts, Pool, engine_info
 from engine.build.prefill_choice import choose_prefill_attention
 from engine.build.speculation import build_drafter, load_draft_head
 from engine.build.step_costs import step_budget
-from engine.build.vision import build_image_encoder
+from engine.build.vision import build_image_encoder, encoder_cost
 from engine.build.weights import (
     LoadedWeights,
     int8_activations,
@@ -135,6 +135,10 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     budget = step_budget(config, key, weights.model, pool.backend, pool.scratch_blocks, device)
     loras = build_loras(config, spec, dtype)
     kernel_table += f"\n  step budget: {budget.describe()}\n  lora: {loras.describe()}"
+    vision = build_image_encoder(config, model_path, spec, dtype, device)
+    image_cost = encoder_cost(*vision, budget) if vision else 0.0
+    if vision:
+        kernel_table += f"\n  images: {image_cost:.2f} prefill tokens of a step a soft token"
     scheduler = Scheduler(
         kv,
         config.max_num_seqs,
@@ -145,9 +149,9 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         max_loras=loras.limits.max_loras,
         stop_strings=outputs.match_stop,
         grammars=grammars,
+        image_cost=image_cost,
     )
     aux = draft.cfg.aux_layers if draft else ()
-    vision = build_image_encoder(config, model_path, spec, dtype, device)
     runner = ModelRunner(weights.model, pool.backend, kv, device, aux, tp,
                          vision[0] if vision else None)  # fmt: skip
     if pool.graphs:

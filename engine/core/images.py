@@ -55,3 +55,16 @@ def cut_at_image(images: Sequence[PromptImage], start: int, n: int) -> int:
         if image.offset < end < image.end:
             return image.offset - start if image.offset > start else image.end - start
     return n
+
+
+def encoder_charge(images: Sequence[PromptImage], start: int, n: int, cost: float) -> int:
+    """Step-budget tokens the image encoder's work in a chunk of `n` tokens from `start` is
+    worth: each image the chunk computes any of is encoded in that step (whole: no chunk
+    ends inside one), at `cost` prefill tokens per soft token (measured at startup,
+    engine/build/vision.py). An image the encoder cache holds is charged alike: the
+    scheduler does not see the cache, and a charge too high only shortens one step."""
+    if cost <= 0:
+        return 0
+    end = start + n
+    soft = sum(image.num_tokens for image in images if image.offset < end and image.end > start)
+    return int(soft * cost + 0.5)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine.core.batch import Emitted, ScheduledRequest, SchedulerOutput, StepUpdate
-from engine.core.images import cut_at_image
+from engine.core.images import cut_at_image, encoder_charge
 from engine.core.prefill_policy import (
     DeadlinePolicy,
     FcfsPolicy,
@@ -71,8 +71,12 @@ class Scheduler:
         stop_strings: StopStrings | None = None,
         grammars: Grammars | None = None,
         max_loras: int = 0,
+        image_cost: float = 0.0,
     ) -> None:
+        """`image_cost`: the prefill tokens one image soft token's encoding is worth in a step
+        (0: images cost only their positions)."""
         self.kv = kv
+        self.image_cost = image_cost
         self.max_loras = max_loras
         self.stop_strings = stop_strings
         self.grammars = grammars
@@ -242,7 +246,7 @@ class Scheduler:
             if victim is request:
                 return budget
         out.scheduled.append(ScheduledRequest(request, n, num_spec))
-        return budget - n
+        return budget - n - self._image_charge(request, request.num_computed_tokens, n)
 
     @staticmethod
     def _unschedule(out: SchedulerOutput, victim: Request) -> int:
@@ -276,7 +280,11 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         out.scheduled.append(ScheduledRequest(request, n))
-        return budget - n
+        return budget - n - self._image_charge(request, num_hit, n)
+
+    def _image_charge(self, request: Request, start: int, n: int) -> int:
+        """What the encoder's work on the images in this chunk takes of the step's budget."""
+        return encoder_charge(request.images, start, n, self.image_cost) if request.images else 0
 
     def _lora_admissible(self, request: Request) -> bool:
         """A request of an adapter no running request uses joins only while fewer than
