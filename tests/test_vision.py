@@ -142,6 +142,7 @@ def test_an_image_is_prefill_work_in_the_step_budget() -> None:
         granted[cost] = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
     assert granted[0.0] == {"img": 8, "text": 16}
     assert granted[2.0] == {"img": 8, "text": 8}  # 24 - 8 - 4 soft tokens x 2
+    assert out.encoder_tokens == 8  # what the step's cost is predicted from, beside its tokens
 
 
 def test_the_encoder_cost_is_measured_at_startup(cached_llm) -> None:

@@ -41,6 +41,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # the step budget's tokens the image encoder's work in this step was charged
+    encoder_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -60,7 +60,7 @@ class PrefillPolicy:
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """A step's wall time, against what the measured costs predicted for its tokens (only
         the streamed rows' bound reads it; decode-only steps serve at their measured cost)."""
-        predicted = self.budget.predicted(out.num_tokens)
+        predicted = self.budget.predicted(out.num_tokens + out.encoder_tokens)
         if predicted is None or not self.budget.bounds_streams:
             return
         if any(s.num_new_tokens - s.num_spec > 1 for s in out.scheduled):

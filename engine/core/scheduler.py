@@ -246,7 +246,7 @@ class Scheduler:
             if victim is request:
                 return budget
         out.scheduled.append(ScheduledRequest(request, n, num_spec))
-        return budget - n - self._image_charge(request, request.num_computed_tokens, n)
+        return budget - n - self._image_charge(out, request, request.num_computed_tokens, n)
 
     @staticmethod
     def _unschedule(out: SchedulerOutput, victim: Request) -> int:
@@ -280,11 +280,15 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         out.scheduled.append(ScheduledRequest(request, n))
-        return budget - n - self._image_charge(request, num_hit, n)
+        return budget - n - self._image_charge(out, request, num_hit, n)
 
-    def _image_charge(self, request: Request, start: int, n: int) -> int:
+    def _image_charge(self, out: SchedulerOutput, request: Request, start: int, n: int) -> int:
         """What the encoder's work on the images in this chunk takes of the step's budget."""
-        return encoder_charge(request.images, start, n, self.image_cost) if request.images else 0
+        if not request.images:
+            return 0
+        charge = encoder_charge(request.images, start, n, self.image_cost)
+        out.encoder_tokens += charge
+        return charge
 
     def _lora_admissible(self, request: Request) -> bool:
         """A request of an adapter no running request uses joins only while fewer than
