@@ -182,6 +182,18 @@ class ModelSpec:
                              for g in self.group_specs))  # fmt: skip
         return round(sum(2 * h * d * dtype_size for h, d in self.kv_groups))
 
+    def kv_bytes_per_token_at(self, context: int, dtype_size: float) -> int:
+        """Bytes a token takes in a request of `context` tokens where windowed groups keep only
+        their window (the window's blocks: up to one block more than the window), amortised
+        over the request's tokens."""
+        window = self.sliding_window or 0
+        total = 0.0
+        for g in self.kv_layouts:
+            per_token = g.planes * g.heads * g.width * dtype_size / g.rate
+            kept = min(context, window) / context if g.windowed and window else 1.0
+            total += per_token * kept
+        return round(total)
+
     def kv_bytes_per_token_unshared(self, dtype_size: float) -> int:
         """What every layer holding its own KV would take (the banner's comparison)."""
         return round(sum(2 * lay.num_kv_heads * lay.head_dim * dtype_size for lay in self.layers))

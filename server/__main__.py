@@ -32,6 +32,9 @@ def kv_line(info: EngineInfo) -> str:
     text = f"{ours} bytes in {info.num_kv_groups} KV groups ({info.num_layers} layers)"
     if unshared != ours:
         text += f", {unshared / ours:.2f}x fewer than unshared ({unshared} bytes)"
+    if info.kv_bytes_per_token_full_context != ours:
+        text += (f"; {info.kv_bytes_per_token_full_context} bytes a token at the full "
+                 f"{info.max_model_len}-token context (windowed groups keep their window only)")
     if info.draft_layout is not None:
         text += f", + {info.draft_kv_bytes_per_token} for the draft head"
     return text

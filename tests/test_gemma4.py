@@ -84,6 +84,9 @@ def test_shared_kv_is_one_group_and_counted_once(dirs) -> None:
     # float32: a sliding group 2 * 2 heads * 16 dims * 4 B = 256 bytes a token, a global one 512
     assert spec.kv_bytes_per_token(4) == 2 * 256 + 512 == 1024
     assert spec.kv_bytes_per_token_unshared(4) == 3 * 256 + 2 * 512 == 1792
+    # at 64 tokens the two sliding groups keep their window of 8: 512 + 2 * 256 / 8
+    assert spec.kv_bytes_per_token_at(64, 4) == 512 + 64
+    assert spec.kv_bytes_per_token_at(4, 4) == 1024  # within the window: every token kept
     moe = load_spec(str(dirs["moe"]))  # double-wide on its two reuse layers
     assert [lay.intermediate_size for lay in moe.layers] == [96, 96, 192, 192]
     assert [lay.kv_group for lay in moe.layers] == [0, 1, 0, 1]
@@ -106,6 +109,11 @@ def test_matches_transformers(name: str, dirs) -> None:
         if name == "shared":
             info = llm.engine.info
             assert (info.kv_bytes_per_token, info.kv_bytes_per_token_unshared) == (1024, 1792)
+            context = info.max_model_len  # the windows' share amortised over the full context
+            assert info.kv_bytes_per_token_full_context == round(512 + 512 * 8 / context)
+            from server.__main__ import kv_line
+
+            assert f"at the full {context}-token context" in kv_line(info)
             assert info.num_kv_groups == 3
             # the sliding groups (one of them shared) keep only the window's blocks
             assert llm.engine.kv.window is not None

@@ -130,6 +130,10 @@ def engine_info(
         prefix_caching=config.enable_prefix_caching,
         kv_bytes_per_token=spec.kv_bytes_per_token(dtype_size),
         kv_bytes_per_token_unshared=spec.kv_bytes_per_token_unshared(dtype_size),
+        kv_bytes_per_token_full_context=(
+            spec.kv_bytes_per_token_at(max_model_len, dtype_size)
+            if pool.window_blocks else spec.kv_bytes_per_token(dtype_size)
+        ),  # fmt: skip
         num_kv_groups=len(spec.kv_groups),
         draft_kv_bytes_per_token=pool_spec.kv_bytes_per_token(dtype_size)
         - spec.kv_bytes_per_token(dtype_size),

@@ -30,6 +30,9 @@ class EngineInfo:
     prefix_caching: bool
     kv_bytes_per_token: int  # target model only
     kv_bytes_per_token_unshared: int  # what one KV group per layer would take
+    # a token's share at the full context where windowed groups keep only their window (the
+    # same as kv_bytes_per_token where they keep every token)
+    kv_bytes_per_token_full_context: int
     num_kv_groups: int
     draft_kv_bytes_per_token: int
     attention_backend: str
