@@ -147,7 +147,7 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         grammars=grammars,
     )
     aux = draft.cfg.aux_layers if draft else ()
-    vision = build_image_encoder(config, model_path, spec, dtype, device)
+    vision = build_image_encoder(config, model_path, spec, dtype, device, draft is not None)
     runner = ModelRunner(weights.model, pool.backend, kv, device, aux, tp,
                          vision[0] if vision else None)  # fmt: skip
     if pool.graphs:

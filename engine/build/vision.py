@@ -10,19 +10,19 @@ import torch
 
 from engine.config import EngineConfig, parse_bytes
 from engine.runner.encoder import ImageEncoder
-from models.image_processor import ImageProcessor
-from models.loader import is_gguf, load_image_encoder
+from models.loader import is_gguf
 from models.spec import ModelSpec
+from models.vision import AnyImageProcessor, load_image_encoder, read_image_processor
 
 log = logging.getLogger("kvserve.engine")
 
 
 def build_image_encoder(
     config: EngineConfig, model_path: str, spec: ModelSpec, dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[ImageEncoder, ImageProcessor] | None:  # fmt: skip
+    device: torch.device, draft_head: bool = False,
+) -> tuple[ImageEncoder, AnyImageProcessor] | None:  # fmt: skip
     """The encoder with its cache, and the checkpoint's image processor; None for a text
-    model."""
+    model. `draft_head`: an EAGLE head drafts for the model."""
     if spec.vision is None or is_gguf(model_path):
         return None
     if config.tensor_parallel_size > 1:
@@ -30,10 +30,16 @@ def build_image_encoder(
             "a vision model under tensor parallelism: the other ranks' steps carry no images "
             "(serve it with tensor_parallel_size = 1)"
         )
+    if draft_head and spec.mrope_section:
+        raise ValueError(
+            "an EAGLE draft head for a model with M-RoPE positions: the head's own rotary "
+            "positions are one-axis (serve it with speculative_method = off, or n-gram drafts)"
+        )
     encoder = load_image_encoder(model_path, spec, dtype, device)
     assert encoder is not None
-    processor = ImageProcessor.read(model_path, int(spec.vision.tower_config["image_size"]))
+    processor = read_image_processor(model_path, spec.vision)
     capacity = parse_bytes(config.encoder_cache_bytes)
-    log.info("image encoder: %s, %d soft tokens an image; encoder cache %d bytes",
-             spec.vision.architecture, spec.vision.tokens_per_image, capacity)  # fmt: skip
+    tokens = spec.vision.tokens_per_image or "an image's own number of"
+    log.info("image encoder: %s, %s soft tokens an image; encoder cache %d bytes",
+             spec.vision.architecture, tokens, capacity)  # fmt: skip
     return ImageEncoder(encoder, capacity, device), processor

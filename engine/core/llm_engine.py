@@ -14,12 +14,14 @@ from engine.core.batch import GrammarMask, ScheduledRequest, StepUpdate
 from engine.core.engine_info import EngineInfo
 from engine.core.images import PromptImage
 from engine.core.outputs import RequestOutput
+from engine.core.positions import RopePositions
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import LoRARef, ParamError, SamplingParams
 from engine.core.snapshot import EncoderSnapshot, EngineSnapshot, HostTierSnapshot, SpecSnapshot
 from engine.core.step_guard import run_step
 from engine.kv.host import SWAP_IN_BUCKETS
 from engine.lora.registry import LoRAAdapter
+from models.mrope import mrope_positions
 
 
 @dataclass(slots=True)
@@ -95,6 +97,12 @@ class LLMEngine:
             device=self.runner.device,  # seeded generators draw on the engine's device
             images=tuple(images),
         )  # fmt: skip
+        if images and self.spec.mrope_section and self.spec.vision is not None:
+            positions, delta = mrope_positions(
+                len(prompt_token_ids), [(i.offset, i.num_tokens, i.grid) for i in images],
+                self.spec.vision.spatial_merge,
+            )  # fmt: skip
+            request.rope_positions = RopePositions(positions, delta)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         if params.lora is not None:
