@@ -60,7 +60,7 @@ def mrope_cos_sin(
     """float32 cos/sin [tokens, 1, head_dim // 2] of positions [3, tokens], each frequency at
     its axis's position (the layout of `models.layers.rope_cos_sin`)."""
     chosen = positions.to(torch.float32)[axes.to(positions.device)]  # [half, tokens]
-    freqs = chosen.t() * inv_freq[None, :]
+    freqs = (chosen.t() * inv_freq[None, :]).contiguous()
     cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
     if factor != 1.0:
         cos, sin = cos * factor, sin * factor

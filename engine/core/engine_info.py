@@ -117,7 +117,8 @@ class EngineInfo:
             if any(t != image_id for t in span):
                 raise ParamError("prompt", f"image {k}'s positions do not hold its placeholder")
             self._validate_geometry(k, image)
-            if image.num_tokens > self.max_num_batched_tokens:
+            # a two-way image is computed in one step (a causal one may be split)
+            if image.two_way and image.num_tokens > self.max_num_batched_tokens:
                 raise ParamError("prompt", f"image {k} takes {image.num_tokens} tokens, more "
                                  f"than a step's {self.max_num_batched_tokens}")  # fmt: skip
             at = image.end

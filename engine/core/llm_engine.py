@@ -77,6 +77,18 @@ class LLMEngine:
     ) -> None:
         self.info.validate(prompt_token_ids, params, images)
 
+    def rope_positions(self, prompt_len: int, images: tuple[PromptImage, ...]
+                       ) -> RopePositions | None:  # fmt: skip
+        """A prompt's own rotary positions: M-RoPE's, where the model has it and the prompt
+        has images (without images every axis is the token index: None)."""
+        if not images or not self.spec.mrope_section or self.spec.vision is None:
+            return None
+        positions, delta = mrope_positions(
+            prompt_len, [(i.offset, i.num_tokens, i.grid) for i in images],
+            self.spec.vision.spatial_merge,
+        )  # fmt: skip
+        return RopePositions(positions, delta)
+
     def add_request(
         self,
         request_id: str,
@@ -97,12 +109,7 @@ class LLMEngine:
             device=self.runner.device,  # seeded generators draw on the engine's device
             images=tuple(images),
         )  # fmt: skip
-        if images and self.spec.mrope_section and self.spec.vision is not None:
-            positions, delta = mrope_positions(
-                len(prompt_token_ids), [(i.offset, i.num_tokens, i.grid) for i in images],
-                self.spec.vision.spatial_merge,
-            )  # fmt: skip
-            request.rope_positions = RopePositions(positions, delta)
+        request.rope_positions = self.rope_positions(len(prompt_token_ids), images)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         if params.lora is not None:
