@@ -91,11 +91,8 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     heads, dim = q.shape[1:]
     for n, firsts in by_length.items():
         rows = (torch.tensor(firsts)[:, None] + torch.arange(n)).reshape(-1).to(q.device)
-
-        def batch(x: torch.Tensor, firsts: list[int] = firsts, n: int = n) -> torch.Tensor:
-            return x[rows].view(len(firsts), n, heads, dim).transpose(1, 2)
-
-        o = F.scaled_dot_product_attention(batch(q), batch(k), batch(v))
+        q_, k_, v_ = (x[rows].view(len(firsts), n, heads, dim).transpose(1, 2) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(q_, k_, v_)
         out[rows] = o.transpose(1, 2).reshape(-1, heads, dim)
     return out
 
@@ -118,7 +115,8 @@ class _MLP(nn.Module):
     def __init__(self, spec: QwenVisionSpec) -> None:
         super().__init__()
         h, i = spec.hidden_size, spec.intermediate_size
-        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(h, i), nn.Linear(h, i), nn.Linear(i, h)
+        self.gate_proj, self.up_proj = nn.Linear(h, i), nn.Linear(h, i)
+        self.down_proj = nn.Linear(i, h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -155,7 +153,8 @@ class _Merger(nn.Module):
         super().__init__()
         width = spec.hidden_size * spec.spatial_merge_size**2
         self.ln_q = RMSNorm(spec.hidden_size, 1e-6)
-        self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, spec.out_hidden_size))
+        self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(),
+                                 nn.Linear(width, spec.out_hidden_size))  # fmt: skip
         self.width = width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,8 +178,9 @@ class QwenVisionTower(nn.Module):
         """One image's patches [t*h*w, channels*temporal*patch^2] in the processor's order ->
         soft tokens [t*h*w / merge^2, out_hidden]."""
         s, unit = self.spec, self.spec.spatial_merge_size**2
-        order, window_lengths = window_order(grid, s.spatial_merge_size,
-                                             s.window_size // s.spatial_merge_size // s.patch_size)
+        order, window_lengths = window_order(
+            grid, s.spatial_merge_size, s.window_size // s.spatial_merge_size // s.patch_size
+        )
         order_t = torch.from_numpy(order).to(patches.device)
         # rows in window order, a merged patch's `unit` rows kept together
         rows = (order_t[:, None] * unit + torch.arange(unit, device=patches.device)).reshape(-1)

@@ -30,7 +30,8 @@ def qwen_vl_config(arch: str, cfg: dict) -> tuple[str, dict, dict]:
         raise ValueError(f"{arch}: the text config names no mrope_section")
     theta = text.get("rope_theta") or rope.get("rope_theta") or 1_000_000.0
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
-        raise ValueError(f"{arch}: rope type {rope.get('rope_type')!r} with M-RoPE is not supported")
+        kind = rope.get("rope_type", rope.get("type"))
+        raise ValueError(f"{arch}: rope type {kind!r} with M-RoPE is not supported")
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     text["rope_scaling"] = None
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]

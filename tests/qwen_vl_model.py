@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import CORPUS
+from tests.vision_model import train_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
             "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # fmt: skip
@@ -20,19 +20,18 @@ VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 3, 4, 5, 6
 PATCH, MERGE = 4, 2
 # Qwen2.5-VL's template, system prompt and tools left out: an image item is the block the
 # processor widens (one <|image_pad|> per merged patch)
-TEMPLATE = (
-    "{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for item in message['content'] -%}"
-    "{%- if item['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}{{ '<|im_end|>\n' }}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
-)
+TEMPLATE = "".join([
+    "{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\n' }}",
+    "{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}",
+    "{%- for item in message['content'] -%}{%- if item['type'] == 'image' -%}",
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}",
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}{%- endfor -%}",
+    "{%- endif -%}{{ '<|im_end|>\n' }}{%- endfor -%}",
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}",
+])  # fmt: skip
 
 
 def build_qwen25_vl(out: Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -49,21 +48,11 @@ def build_qwen25_vl(out: Path) -> Path:
     torch.manual_seed(zlib.crc32(b"qwen2.5-vl") % 1000)
     model = Qwen2_5_VLForConditionalGeneration(config).float()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
+        for name, p in model.named_parameters():  # RMSNorm weights near 1, the rest wide
+            is_norm = "norm" in name or "ln_q" in name
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if is_norm else 0.2 * torch.randn_like(p))
     model.save_pretrained(out, safe_serialization=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tok.train_from_iterator(CORPUS, trainer)
-    assert [tok.token_to_id(t) for t in SPECIALS[3:]] == [VISION_START, VISION_END, IMAGE_PAD,
-                                                          VIDEO_PAD]  # fmt: skip
-    tok.save(str(out / "tokenizer.json"))
+    train_tokenizer(out, SPECIALS)
     (out / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": TEMPLATE,
         "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Qwen2_5_VLProcessor",

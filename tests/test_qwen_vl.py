@@ -7,17 +7,24 @@ encoded once, another picture at the same place a miss."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.core.images import PromptImage
 from engine.core.sampling_params import ParamError
-from engine.core.scoring import score_prompt
 from models.image_processor import content_hash, decode_image
 from models.qwen_image_processor import QwenImageProcessor
 from tests.qwen_vl_model import IMAGE_PAD, build_qwen25_vl
-from tests.vision_model import png
+from tests.vision_model import (
+    assert_like_reference,
+    greedy_reference,
+    png,
+    reference_run,
+    run_request,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SIZES = {1: (40, 30), 2: (20, 28), 3: (40, 30)}  # seed -> picture size (a 4x5, 2x4, 4x5 grid)
@@ -25,17 +32,15 @@ SIZES = {1: (40, 30), 2: (20, 28), 3: (40, 30)}  # seed -> picture size (a 4x5, 
 
 @pytest.fixture(scope="module")
 def qvl(tmp_path_factory) -> str:
-    return str(build_qwen25_vl(tmp_path_factory.mktemp("qwen25-vl") / "vlm"))
+    """The tiny random checkpoint, built once for the module."""
+    folder = tmp_path_factory.mktemp("qwen25-vl")
+    return str(build_qwen25_vl(folder / "vlm"))
 
 
 @pytest.fixture(scope="module")
 def reference(qvl):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qvl, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    """transformers' model of the same checkpoint: the numbers every test compares with."""
+    return greedy_reference("Qwen2_5_VLForConditionalGeneration", qvl)
 
 
 def processor(qvl: str) -> QwenImageProcessor:
@@ -71,23 +76,11 @@ def theirs(reference, ids, images, generate: int = 0):
             image_grid_thw=torch.tensor([i.grid for i in images]),
             mm_token_type_ids=torch.tensor([[int(t == IMAGE_PAD) for t in ids]]),
         )
-    with torch.no_grad():
-        if generate:
-            out = reference.generate(**kw, max_new_tokens=generate, do_sample=False)
-            return out[0, len(ids) :].tolist()
-        return reference(**kw).logits[0]
+    return reference_run(reference, kw, len(ids), generate)
 
 
 def run(llm: LLM, ids, images, params=GREEDY, rid="r"):
-    engine = llm.engine
-    engine.add_request(rid, ids, params, images=images)
-    tokens, cached = [], 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens += out.new_token_ids
-            cached = out.num_cached_tokens
-    return tokens, cached
+    return run_request(llm, ids, images, params, rid)
 
 
 def test_patches_and_soft_tokens_match_transformers(qvl, reference) -> None:
@@ -123,11 +116,7 @@ def test_one_and_two_images_match_transformers(qvl, reference) -> None:
               enable_prefix_caching=False)  # fmt: skip
     for seeds in ([1], [1, 2], []):  # and text alone, on one-axis positions
         ids, images = prompt(llm, qvl, seeds)
-        ref = theirs(reference, ids, images)
-        ours = score_prompt(llm.engine, ids, images=images)
-        assert (ours - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
-        tokens, _ = run(llm, ids, images)
-        assert tokens == theirs(reference, ids, images, generate=GREEDY.max_tokens)
+        assert_like_reference(llm, ids, images, partial(theirs, reference), GREEDY)
     assert llm.engine.runner.images.cache.stats().encoded == 2  # each picture once
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
 
@@ -158,10 +147,22 @@ def test_an_image_the_tower_cannot_read_is_refused(cached_llm, qvl) -> None:
     ids, (image,) = prompt(llm, qvl, [2])
     wrong = [
         PromptImage(image.offset, image.num_tokens, image.content_hash, image.pixels),  # no grid
-        PromptImage(image.offset, image.num_tokens, image.content_hash, image.pixels[:-1],
-                    image.grid, two_way=False),  # fmt: skip
-        PromptImage(image.offset, image.num_tokens, image.content_hash, image.pixels,
-                    image.grid, two_way=True),  # fmt: skip
+        PromptImage(
+            image.offset,
+            image.num_tokens,
+            image.content_hash,
+            image.pixels[:-1],
+            image.grid,
+            two_way=False,
+        ),  # fmt: skip
+        PromptImage(
+            image.offset,
+            image.num_tokens,
+            image.content_hash,
+            image.pixels,
+            image.grid,
+            two_way=True,
+        ),  # fmt: skip
     ]
     for bad in wrong:
         with pytest.raises(ParamError):

@@ -136,17 +136,18 @@ class EngineInfo:
             return
         if (image.grid is None) != (vision.spatial_merge == 0):
             why = "has no patch grid" if image.grid is None else "has a patch grid"
-            raise ParamError("prompt", f"image {k} {why}; this model's tower reads "
-                             f"{'patches' if vision.spatial_merge else 'whole images'}")  # fmt: skip
+            reads = "patches" if vision.spatial_merge else "whole images"
+            raise ParamError("prompt", f"image {k} {why}; this model's tower reads {reads}")
         if image.grid is not None:
             t, h, w = image.grid
             m = vision.spatial_merge
             if min(t, h, w) <= 0 or h % m or w % m or image.pixels.shape[0] != t * h * w:
                 raise ParamError("prompt", f"image {k}'s patches do not fill its grid "
                                  f"{image.grid}")  # fmt: skip
-        if image.num_tokens != vision.image_tokens(image.grid):
+        made = vision.image_tokens(image.grid)
+        if image.num_tokens != made:
             raise ParamError("prompt", f"image {k} takes {image.num_tokens} positions; this "
-                             f"model makes {vision.image_tokens(image.grid)} soft tokens of it")  # fmt: skip
+                             f"model makes {made} soft tokens of it")  # fmt: skip
         if image.two_way != vision.two_way:
             raise ParamError("prompt", f"image {k}'s attention is not this model's "
                              f"({'two-way' if vision.two_way else 'causal'})")  # fmt: skip
