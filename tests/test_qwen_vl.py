@@ -167,3 +167,46 @@ def test_an_image_the_tower_cannot_read_is_refused(cached_llm, qvl) -> None:
     for bad in wrong:
         with pytest.raises(ParamError):
             llm.engine.validate_prompt(ids, GREEDY, (bad,))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mrope_tables_match_transformers(interleaved: bool) -> None:
+    """Sectioned (Qwen2.5-VL) and interleaved (Qwen3-VL's layout, for its decoder) M-RoPE
+    cos/sin equal transformers' rotary embeddings on positions whose axes differ."""
+    from transformers import Qwen2_5_VLTextConfig, Qwen3VLTextConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from models.mrope import mrope_axes, mrope_cos_sin
+
+    section = [4, 6, 6]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+    kind = (Qwen3VLTextConfig, Qwen3VLTextRotaryEmbedding) if interleaved else (
+        Qwen2_5_VLTextConfig, Qwen2_5_VLRotaryEmbedding)  # fmt: skip
+    theirs = kind[1](kind[0](hidden_size=128, num_attention_heads=4, head_dim=32, rope_parameters=rope))
+    positions = torch.tensor([[6, 6, 6, 11, 40], [6, 7, 9, 11, 3], [10, 6, 8, 11, 17]])
+    cos, sin = theirs(torch.zeros(1), positions[:, None, :])
+    ours = mrope_cos_sin(positions, theirs.inv_freq, mrope_axes(section, interleaved))
+    for want, got in zip((cos[0], sin[0]), ours):
+        assert (want[:, :16] - got[:, 0]).abs().max() < 1e-6
+        assert (want[:, 16:] - got[:, 0]).abs().max() < 1e-6
+
+
+def test_preempted_image_request_resumes_on_its_positions(qvl, reference) -> None:
+    """Two image requests in a pool too small for both: the newer is preempted (recomputed from
+    its first token, outputs included) and still answers as transformers does."""
+    llm = LLM(qvl, num_kv_blocks=23, block_size=4, max_num_batched_tokens=64,
+              enable_prefix_caching=False)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine, want = llm.engine, {}
+    for rid, seeds in (("a", [1]), ("b", [2])):
+        ids, images = prompt(llm, qvl, seeds)
+        engine.add_request(rid, ids, params, images=images)
+        want[rid] = theirs(reference, ids, images, generate=params.max_tokens)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            got[out.request_id] += out.new_token_ids
+    assert got == want
+    assert engine.scheduler.num_preemptions > 0
