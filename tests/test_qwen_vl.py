@@ -183,10 +183,11 @@ def test_mrope_tables_match_transformers(interleaved: bool) -> None:
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
     kind = (Qwen3VLTextConfig, Qwen3VLTextRotaryEmbedding) if interleaved else (
         Qwen2_5_VLTextConfig, Qwen2_5_VLRotaryEmbedding)  # fmt: skip
-    theirs = kind[1](kind[0](hidden_size=128, num_attention_heads=4, head_dim=32, rope_parameters=rope))
+    config = kind[0](hidden_size=128, num_attention_heads=4, head_dim=32, rope_parameters=rope)
+    table = kind[1](config)
     positions = torch.tensor([[6, 6, 6, 11, 40], [6, 7, 9, 11, 3], [10, 6, 8, 11, 17]])
-    cos, sin = theirs(torch.zeros(1), positions[:, None, :])
-    ours = mrope_cos_sin(positions, theirs.inv_freq, mrope_axes(section, interleaved))
+    cos, sin = table(torch.zeros(1), positions[:, None, :])
+    ours = mrope_cos_sin(positions, table.inv_freq, mrope_axes(section, interleaved))
     for want, got in zip((cos[0], sin[0]), ours):
         assert (want[:, :16] - got[:, 0]).abs().max() < 1e-6
         assert (want[:, 16:] - got[:, 0]).abs().max() < 1e-6
