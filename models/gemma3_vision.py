@@ -88,6 +88,11 @@ class Gemma3ImageEncoder(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.multi_modal_projector(self.vision_tower(pixels))
 
+    def encode(self, pixels: list[torch.Tensor], grids: list[tuple[int, int, int] | None]
+               ) -> list[torch.Tensor]:  # fmt: skip
+        """Images of one size, in one batch; a fixed-size tower's have no grid."""
+        return list(self(torch.stack(pixels)))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The image path's tensors of a checkpoint (others are skipped); raises on a missing
         one. A SigLIP pooling head, which Gemma 3 never reads, is skipped too."""

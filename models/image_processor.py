@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 # PIL's resampling filters by the numbers transformers' configs store (PILImageResampling)
-_RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS,
+RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS,
              2: Image.Resampling.BILINEAR, 3: Image.Resampling.BICUBIC,
              4: Image.Resampling.BOX, 5: Image.Resampling.HAMMING}  # fmt: skip
 # transformers' IMAGENET_STANDARD_MEAN / STD: Gemma 3's processor defaults
@@ -91,10 +91,10 @@ class ImageProcessor:
                 f"{image_size}x{image_size}"
             )
         resample = cfg.get("resample", 2)
-        if resample not in _RESAMPLE:
+        if resample not in RESAMPLE:
             raise ValueError(f"preprocessor_config.json: unknown resample filter {resample}")
         return ImageProcessor(
-            height, width, _RESAMPLE[resample],
+            height, width, RESAMPLE[resample],
             bool(cfg.get("do_rescale", True)), float(cfg.get("rescale_factor", 1 / 255)),
             bool(cfg.get("do_normalize", True)),
             tuple(cfg.get("image_mean", _STANDARD)), tuple(cfg.get("image_std", _STANDARD)),
@@ -102,20 +102,34 @@ class ImageProcessor:
 
     def __call__(self, image: Image.Image) -> np.ndarray:
         """[3, height, width] float32, as transformers' PIL processor computes it."""
-        resized = image.convert("RGB").resize((self.width, self.height), resample=self.resample)
-        pixels = np.asarray(resized).astype(np.float64)
-        if self.do_rescale:
-            pixels = pixels * self.rescale_factor
-        pixels = pixels.astype(np.float32)
-        if self.do_normalize:
-            mean = np.asarray(self.mean, dtype=np.float32)
-            std = np.asarray(self.std, dtype=np.float32)
-            pixels = (pixels - mean) / std
-        return np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
+        return resized_pixels(image, self.height, self.width, self)
+
+    def process(self, image: Image.Image) -> tuple[np.ndarray, None]:
+        """The pixels, and no patch grid (a fixed-size tower's images have none)."""
+        return self(image), None
 
 
-def content_hash(pixels: np.ndarray) -> bytes:
-    """The identity of an image as the tower reads it: sha256 over its shape and values."""
+def resized_pixels(image: Image.Image, height: int, width: int, how: ImageProcessor
+                   ) -> np.ndarray:  # fmt: skip
+    """[3, height, width] float32: the image resized with `how`'s filter, rescaled and
+    normalised as `how` says, as transformers' PIL processors compute it."""
+    resized = image.convert("RGB").resize((width, height), resample=how.resample)
+    pixels = np.asarray(resized).astype(np.float64)
+    if how.do_rescale:
+        pixels = pixels * how.rescale_factor
+    pixels = pixels.astype(np.float32)
+    if how.do_normalize:
+        mean = np.asarray(how.mean, dtype=np.float32)
+        std = np.asarray(how.std, dtype=np.float32)
+        pixels = (pixels - mean) / std
+    return np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
+
+
+def content_hash(pixels: np.ndarray, grid: tuple[int, int, int] | None = None) -> bytes:
+    """The identity of an image as the tower reads it: sha256 over its shape, its patch grid
+    (a dynamic-resolution tower's patches of a 4x8 and an 8x4 grid have one shape) and values."""
     h = hashlib.sha256(repr(pixels.shape).encode())
+    if grid is not None:
+        h.update(repr(tuple(grid)).encode())
     h.update(np.ascontiguousarray(pixels).tobytes())
     return h.digest()

@@ -33,6 +33,7 @@ from models.linear.decode_stack import DecodeStack
 from models.linear.dense import Linear
 from models.lora import LoRARows
 from models.moe import MoE
+from models.mrope import mrope_axes, mrope_cos_sin
 from models.spec import LayerSpec, ModelSpec
 
 
@@ -209,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope_keys = [rope_key(spec, i) for i in range(spec.num_layers)]
         with torch.device("cpu"):  # real values even when the model is built on "meta"
             self._inv_freq = {key: rope_table(spec, *key) for key in sorted(set(self.rope_keys))}
+            self.mrope_axes = (mrope_axes(spec.mrope_section, spec.mrope_interleaved)
+                               if spec.mrope_section else None)  # fmt: skip
         self.rope_attention_factor = rope_attention_factor(spec.rope_scaling)
         # per device, moved once (not uploaded on every forward: a host->device copy each step)
         self._inv_freq_on: dict[torch.device, dict[int, torch.Tensor]] = {}
@@ -244,8 +247,7 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype)
         if images is not None:
             x = x.index_copy(0, images[0], images[1].to(x.dtype))
-        factor, tables = self.rope_attention_factor, self.inv_freq(x.device)
-        rope = {k: rope_cos_sin(positions, inv, factor) for k, inv in tables.items()}
+        rope = self.rope(positions, x.device)
         residual: torch.Tensor | None = None
         captured: dict[int, torch.Tensor] = {}
         per_layer = self.per_layer_inputs(input_ids, x)
@@ -264,6 +266,18 @@ class LlamaForCausalLM(nn.Module):
         if not aux_layers:
             return hidden
         return torch.cat([hidden, *(captured[i] for i in aux_layers)], dim=-1)
+
+    def rope(
+        self, positions: torch.Tensor, device: torch.device
+    ) -> dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin per `rope_key` of the step's positions: [tokens], or M-RoPE's [3, tokens]
+        (models/mrope.py; where all three axes agree it equals the plain table)."""
+        factor, tables = self.rope_attention_factor, self.inv_freq(device)
+        if positions.dim() == 2:
+            axes = self.mrope_axes
+            assert axes is not None, "three-axis positions need the model's M-RoPE sections"
+            return {k: mrope_cos_sin(positions, inv, axes, factor) for k, inv in tables.items()}
+        return {k: rope_cos_sin(positions, inv, factor) for k, inv in tables.items()}
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """[tokens, layers, width]: an input of each layer's own (Gemma 4's per-layer

@@ -22,13 +22,15 @@ from tqdm import tqdm
 from models.checkpoint import Part, fuse_parts
 from models.deepseek_v4 import DeepseekV4ForCausalLM, deepseek_v4_spec, deepseek_v4_weights
 from models.gemma3 import gemma3_fields, gemma3_weights
-from models.gemma3_vision import Gemma3ImageEncoder, gemma3_vision_spec, is_image_path_tensor
+from models.gemma3_vision import gemma3_vision_spec
 from models.gemma4 import Gemma4ForCausalLM, gemma4_spec, gemma4_weights
 from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
 from models.laguna import LagunaForCausalLM, laguna_spec, laguna_weights
 from models.llama import LlamaForCausalLM
 from models.openelm import openelm_spec, openelm_weights
 from models.phi3 import phi3_fields
+from models.qwen_vision import is_qwen_vision_tensor
+from models.qwen_vl import QWEN_VL_ARCHITECTURES, qwen_vl_config, qwen_vl_text_weights
 from models.spec import LayerSpec, ModelSpec
 from models.tp_plan import RankShard
 
@@ -109,22 +111,13 @@ def load_model(
         weights = deepseek_v4_weights(hf_weights(path, dtype), spec)
     elif spec.architecture == "Gemma3ForCausalLM":
         weights = fuse_parts(spec, hf_llama_parts(gemma3_weights(hf_weights(path, dtype))))
+    elif spec.vision is not None and spec.vision.architecture == "qwen2_5_vl":
+        text = hf_weights(path, dtype, keep=lambda name: not is_qwen_vision_tensor(name))
+        weights = fuse_parts(spec, hf_llama_parts(qwen_vl_text_weights(text)))
     else:
         weights = fuse_parts(spec, hf_llama_parts(hf_weights(path, dtype)))
     model.load_weights(part.weights(weights) if part is not None else weights)
     return model.eval(), spec
-
-
-def load_image_encoder(
-    path: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str
-) -> torch.nn.Module | None:
-    """A vision-language checkpoint's image encoder (pixels -> soft tokens in the text model's
-    width), in `dtype` on `device`; None for a text model."""
-    if spec.vision is None:
-        return None
-    encoder = Gemma3ImageEncoder(spec.vision, spec.hidden_size)
-    encoder.load_weights(hf_weights(path, dtype, keep=is_image_path_tensor))
-    return encoder.to(device=device, dtype=dtype).eval()
 
 
 # the variations with a layer or model class of their own (the others are the shared decoder)
@@ -197,10 +190,12 @@ def hf_spec(path: str, context: int | None = None) -> ModelSpec:
         raise FileNotFoundError(f"{path}: not a GGUF file and no config.json")
     cfg = _read_json(root / "config.json")
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-    vision = None
+    vision, vision_fields = None, {}
     if arch == "Gemma3ForConditionalGeneration" and "text_config" in cfg:
         vision = gemma3_vision_spec(cfg)  # its image path (models/gemma3_vision.py)
         arch, cfg = "Gemma3ForCausalLM", {**cfg, **cfg["text_config"]}  # its language model
+    if arch in QWEN_VL_ARCHITECTURES:  # Qwen2 + M-RoPE, its tower (models/qwen_vl.py)
+        arch, cfg, vision_fields = qwen_vl_config(arch, cfg)
     if arch == "Gemma4ForConditionalGeneration" and "text_config" in cfg:
         arch, cfg = "Gemma4ForCausalLM", {**cfg, **cfg["text_config"]}  # its language model
     if arch == "Gemma4ForCausalLM":
@@ -247,6 +242,7 @@ def hf_spec(path: str, context: int | None = None) -> ModelSpec:
         eos_token_ids=tuple(eos),
         sliding_window=sliding,
     )
+    fields |= vision_fields
     return replace(spec, **fields) if fields else spec
 
 

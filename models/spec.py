@@ -48,17 +48,32 @@ class KVGroupSpec:
 @dataclass(frozen=True, slots=True)
 class VisionSpec:
     """What a vision-language model's images are to the serving stack: each image becomes
-    `tokens_per_image` soft tokens at placeholder positions holding `image_token_id`, written
-    by the processor between `begin_token_id` and `end_token_id`; the soft tokens of one image
-    attend to each other in both directions. `tower_config`: the checkpoint's vision config,
-    for the encoder's own builder (models/gemma3_vision.py)."""
+    soft tokens at placeholder positions holding `image_token_id`, written by the processor
+    between `begin_token_id` and `end_token_id`: `tokens_per_image` of them (Gemma 3), or, at
+    dynamic resolution (`spatial_merge` > 0, Qwen2.5-VL), one per `spatial_merge` x
+    `spatial_merge` patches of the image's own patch grid. `two_way`: the soft tokens of one
+    image attend to each other in both directions (Gemma 3; Qwen's stay causal). `marker`:
+    what the chat template writes for an image, which the processor widens ("begin": the
+    begin token, widened into the whole block; "image": the placeholder itself, between the
+    begin and end tokens the template wrote, repeated). `tower_config`: the checkpoint's vision
+    config, for the encoder's own builder (models/gemma3_vision.py, models/qwen_vision.py)."""
 
-    architecture: str  # "gemma3"
+    architecture: str  # "gemma3", "qwen2_5_vl"
     image_token_id: int
-    tokens_per_image: int
+    tokens_per_image: int  # 0: each image's own (dynamic resolution)
     begin_token_id: int | None
     end_token_id: int | None
     tower_config: dict = field(default_factory=dict, compare=False)
+    spatial_merge: int = 0
+    two_way: bool = True
+    marker: str = "begin"
+
+    def image_tokens(self, grid: tuple[int, int, int] | None) -> int:
+        """Soft tokens of an image whose patch grid (t, h, w) is `grid` (None: fixed size)."""
+        if not self.spatial_merge:
+            return self.tokens_per_image
+        assert grid is not None, "a dynamic-resolution image has a patch grid"
+        return grid[0] * grid[1] * grid[2] // self.spatial_merge**2
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +98,11 @@ class ModelSpec:
     full_attention_layers: tuple[int, ...] = ()
     local_rope_theta: float | None = None  # the windowed layers' rope base, unscaled (Gemma 3)
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims (Phi-4)
+    # M-RoPE (Qwen2.5-VL): positions have three axes (t, h, w) and the rotary frequencies are
+    # split among them in these sections (models/mrope.py); `mrope_interleaved`: Qwen3-VL's
+    # h/w frequencies interleaved with t's rather than in contiguous sections
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
     # Gemma: embeddings times sqrt(hidden); RMSNorm on the attention and FFN outputs too;
     # softmax scale query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5; tanh-capped logits
     embedding_multiplier: float = 1.0

@@ -7,6 +7,7 @@ miss) and the encoder cache (a repeated picture is encoded once)."""
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -14,9 +15,17 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.images import PromptImage, cut_at_image
 from engine.core.sampling_params import ParamError
-from engine.core.scoring import score_prompt
 from models.image_processor import ImageProcessor, content_hash, decode_image
-from tests.vision_model import IMAGE, TOKENS_PER_IMAGE, build_gemma3_vlm, png
+from tests.vision_model import (
+    IMAGE,
+    TOKENS_PER_IMAGE,
+    assert_like_reference,
+    build_gemma3_vlm,
+    greedy_reference,
+    png,
+    reference_run,
+    run_request,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 EXPANDED = "\n\n<start_of_image>" + "<image_soft_token>" * TOKENS_PER_IMAGE + "<end_of_image>\n\n"
@@ -29,12 +38,7 @@ def vlm(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(vlm):
-    from transformers import Gemma3ForConditionalGeneration
-
-    model = Gemma3ForConditionalGeneration.from_pretrained(vlm, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return greedy_reference("Gemma3ForConditionalGeneration", vlm)
 
 
 def prompt(llm: LLM, vlm: str, seeds: list[int], question: str = "What is this?"):
@@ -60,23 +64,11 @@ def theirs(reference, ids, images, generate: int = 0):
         pixel_values=torch.stack([i.pixels for i in images]),
         token_type_ids=torch.tensor([[int(t == IMAGE) for t in ids]]),
     )
-    with torch.no_grad():
-        if generate:
-            out = reference.generate(**kw, max_new_tokens=generate, do_sample=False)
-            return out[0, len(ids) :].tolist()
-        return reference(**kw).logits[0]
+    return reference_run(reference, kw, len(ids), generate)
 
 
 def run(llm: LLM, ids, images, params=GREEDY, rid="r"):
-    engine = llm.engine
-    engine.add_request(rid, ids, params, images=images)
-    tokens, cached = [], 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens += out.new_token_ids
-            cached = out.num_cached_tokens
-    return tokens, cached
+    return run_request(llm, ids, images, params, rid)
 
 
 def test_pixels_match_transformers_pil_processor(vlm) -> None:
@@ -97,11 +89,7 @@ def test_one_and_two_images_match_transformers(vlm, reference, chunk: int) -> No
               enable_prefix_caching=False)  # fmt: skip
     for seeds in ([1], [1, 2]):
         ids, images = prompt(llm, vlm, seeds)
-        ref = theirs(reference, ids, images)
-        ours = score_prompt(llm.engine, ids, images=images)
-        assert (ours - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
-        tokens, _ = run(llm, ids, images)
-        assert tokens == theirs(reference, ids, images, generate=GREEDY.max_tokens)
+        ref = assert_like_reference(llm, ids, images, partial(theirs, reference), GREEDY)
     # the two-way span matters: transformers' causal-only answer differs from this one
     with torch.no_grad():
         pixels = torch.stack([i.pixels for i in images])
@@ -129,7 +117,9 @@ def test_an_image_is_prefill_work_in_the_step_budget() -> None:
 
     image = PromptImage(2, 4, b"h", torch.zeros(3, 1, 1))
     assert encoder_charge([image], 0, 2, 2.5) == 0  # the chunk stops before it
-    assert encoder_charge([image], 0, 8, 2.5) == 10 and encoder_charge([image], 4, 4, 2.5) == 10
+    assert encoder_charge([image], 0, 8, 2.5) == 10 and encoder_charge([image], 2, 1, 2.5) == 10
+    assert encoder_charge([image], 4, 4, 2.5) == 0  # a split image's rest: in the encoder cache
+    assert encoder_charge([image], 4, 4, 2.5, admitted=True) == 10  # a hit that ends inside it
     assert encoder_charge([image], 0, 8, 0.0) == 0
     granted = {}
     for cost in (0.0, 2.0):

@@ -37,7 +37,6 @@ TEMPLATE = (
 
 
 def build_gemma3_vlm(out: Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -61,14 +60,7 @@ def build_gemma3_vlm(out: Path) -> Path:
             else:
                 p.normal_(0.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tok.train_from_iterator(CORPUS, trainer)
-    assert [tok.token_to_id(t) for t in SPECIALS[5:]] == [BOI, EOI, IMAGE]
-    tok.save(str(out / "tokenizer.json"))
+    train_tokenizer(out, SPECIALS)
     # what transformers' Gemma3Processor reads too (the tests' reference for the prompt)
     (out / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<bos>", "eos_token": "<end_of_turn>", "chat_template": TEMPLATE,
@@ -102,3 +94,64 @@ def png(seed: int, size: tuple[int, int] = (40, 30)) -> bytes:
 
 def data_url(data: bytes, media: str = "image/png") -> str:
     return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def train_tokenizer(out: Path, specials: list[str]) -> None:
+    """A byte-level BPE tokenizer over the test corpus, its special tokens trained first (ids
+    0, 1, ... in order), saved as `out`/tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(CORPUS, trainer)
+    assert [tok.token_to_id(t) for t in specials] == list(range(len(specials)))
+    tok.save(str(out / "tokenizer.json"))
+
+
+def greedy_reference(architecture: str, path: str):
+    """transformers' `architecture` model from `path`, float32, generating without an EOS."""
+    import transformers
+
+    model = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def reference_run(reference, kw: dict, prompt_len: int, generate: int = 0):
+    """transformers' float32 logits of the prompt [tokens, vocab], or its `generate` greedy
+    tokens after it, from the model inputs `kw`."""
+    with torch.no_grad():
+        if generate:
+            out = reference.generate(**kw, max_new_tokens=generate, do_sample=False)
+            return out[0, prompt_len:].tolist()
+        return reference(**kw).logits[0]
+
+
+def assert_like_reference(llm, ids: list[int], images, theirs, params) -> torch.Tensor:
+    """The prompt's logits (scored in one step) and its greedy tokens (under `params`) equal
+    transformers' (`theirs(ids, images, generate=n)`); returns transformers' logits."""
+    from engine.core.scoring import score_prompt
+
+    ref = theirs(ids, images)
+    ours = score_prompt(llm.engine, ids, images=images)
+    assert (ours - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+    tokens, _ = run_request(llm, ids, images, params)
+    assert tokens == theirs(ids, images, generate=params.max_tokens)
+    return ref
+
+
+def run_request(llm, ids: list[int], images, params, rid: str = "r") -> tuple[list[int], int]:
+    """A request with images through the engine to its end: its tokens and cached tokens."""
+    engine = llm.engine
+    engine.add_request(rid, ids, params, images=images)
+    tokens, cached = [], 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens += out.new_token_ids
+            cached = out.num_cached_tokens
+    return tokens, cached

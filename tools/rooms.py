@@ -16,6 +16,7 @@ from __future__ import annotations
 LEAVES = frozenset({
     "engine.core.request",  # a request's state
     "engine.core.images",  # a prompt's images (placement, content hash, pixels)
+    "engine.core.positions",  # a request's own rotary positions (M-RoPE)
     "engine.core.sampling_params",  # what a request asks for
     "engine.core.sampled",  # what sampling yields (token logprobs, picks)
     "engine.core.batch",  # a step's grant and result, the grammar mask that goes with it

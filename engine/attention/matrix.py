@@ -218,7 +218,7 @@ class ModelNeeds:
             int8_kv,
             any(g.role in ("csa", "hca") for g in spec.group_specs),
             any(g.role == "csa" for g in spec.group_specs),
-            spec.vision is not None,
+            spec.vision is not None and spec.vision.two_way,  # Qwen's images stay causal
         )
 
 

@@ -29,10 +29,10 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.pooling import resolve_pooling
 from engine.spec.drafting import Drafter
 from models.eagle.head import EagleHead
-from models.image_processor import ImageProcessor
 from models.llama import LlamaForCausalLM
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
+from models.vision import AnyImageProcessor
 
 
 @dataclass(slots=True)
@@ -53,7 +53,7 @@ class EngineParts:
     structured: StructuredOutputs | None  # None without a tokenizer or xgrammar
     loras: LoRARegistry
     tp: TPGroup | None = None  # the other tensor-parallel ranks
-    image_processor: ImageProcessor | None = None  # a vision model's (models/image_processor.py)
+    image_processor: AnyImageProcessor | None = None  # a vision model's (models/vision.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +178,7 @@ def engine_info(
         image_token_id=spec.vision.image_token_id if runner.images is not None else None,
         tokens_per_image=spec.vision.tokens_per_image if runner.images is not None else 0,
         encoder_cache_bytes=runner.images.cache.capacity_bytes if runner.images else 0,
+        vision=spec.vision if runner.images is not None else None,
     )
 
 

@@ -7,24 +7,25 @@ from __future__ import annotations
 import logging
 
 import torch
+from PIL import Image
 
 from engine.config import EngineConfig, parse_bytes
 from engine.core.step_budget import StepBudget
 from engine.runner.encoder import ImageEncoder
 from engine.spec.cost import timed_rounds
-from models.image_processor import ImageProcessor
-from models.loader import is_gguf, load_image_encoder
+from models.loader import is_gguf
 from models.spec import ModelSpec
+from models.vision import AnyImageProcessor, load_image_encoder, read_image_processor
 
 log = logging.getLogger("kvserve.engine")
 
 
 def build_image_encoder(
     config: EngineConfig, model_path: str, spec: ModelSpec, dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[ImageEncoder, ImageProcessor] | None:  # fmt: skip
+    device: torch.device, draft_head: bool = False,
+) -> tuple[ImageEncoder, AnyImageProcessor] | None:  # fmt: skip
     """The encoder with its cache, and the checkpoint's image processor; None for a text
-    model."""
+    model. `draft_head`: an EAGLE head drafts for the model."""
     if spec.vision is None or is_gguf(model_path):
         return None
     if config.tensor_parallel_size > 1:
@@ -32,27 +33,39 @@ def build_image_encoder(
             "a vision model under tensor parallelism: the other ranks' steps carry no images "
             "(serve it with tensor_parallel_size = 1)"
         )
+    if draft_head and spec.mrope_section:
+        raise ValueError(
+            "an EAGLE draft head for a model with M-RoPE positions: the head's own rotary "
+            "positions are one-axis (serve it with speculative_method = off, or n-gram drafts)"
+        )
     encoder = load_image_encoder(model_path, spec, dtype, device)
     assert encoder is not None
-    processor = ImageProcessor.read(model_path, int(spec.vision.tower_config["image_size"]))
+    processor = read_image_processor(model_path, spec.vision)
     capacity = parse_bytes(config.encoder_cache_bytes)
-    log.info("image encoder: %s, %d soft tokens an image; encoder cache %d bytes",
-             spec.vision.architecture, spec.vision.tokens_per_image, capacity)  # fmt: skip
+    tokens = spec.vision.tokens_per_image or "an image's own number of"
+    log.info("image encoder: %s, %s soft tokens an image; encoder cache %d bytes",
+             spec.vision.architecture, tokens, capacity)  # fmt: skip
     return ImageEncoder(encoder, capacity, device), processor
 
 
-def encoder_cost(encoder: ImageEncoder, processor: ImageProcessor, budget: StepBudget) -> float:
+# the picture the encoder is timed on (a dynamic-resolution processor sizes it as it would a
+# client's picture of this size)
+PROBE_SIDE = 448
+
+
+def encoder_cost(encoder: ImageEncoder, processor: AnyImageProcessor, budget: StepBudget
+                 ) -> float:  # fmt: skip
     """The prefill tokens one soft token's encoding is worth in a step (the scheduler's
-    `image_cost`): one image of the processor's size encoded, timed as the step costs are,
-    per soft token, over a token's share of the step the budget holds prefills to. 0 when the
-    steps are not timed (the budget counts tokens alone)."""
+    `image_cost`): one image encoded, timed as the step costs are, per soft token, over a
+    token's share of the step the budget holds prefills to. 0 when the steps are not timed
+    (the budget counts tokens alone)."""
     if budget.costs is None:
         return 0.0
-    pixels = torch.zeros(1, 3, processor.height, processor.width, device=encoder.device,
-                         dtype=encoder.dtype)  # fmt: skip
+    array, grid = processor.process(Image.new("RGB", (PROBE_SIDE, PROBE_SIDE), (128, 128, 128)))
+    pixels = [torch.from_numpy(array).to(encoder.device, encoder.dtype)]
     with torch.inference_mode():
-        soft_tokens = encoder.model(pixels).shape[1]
-        (times,) = timed_rounds([lambda: encoder.model(pixels)], encoder.device)
+        soft_tokens = encoder.model.encode(pixels, [grid])[0].shape[0]
+        (times,) = timed_rounds([lambda: encoder.model.encode(pixels, [grid])], encoder.device)
     rows = budget.target_rows or budget.max_tokens
     per_token = budget.costs.cost(rows) / rows
     cost = min(times) / soft_tokens / per_token

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from engine.core.images import PromptImage
 from engine.core.sampling_params import ParamError, SamplingParams
+from models.spec import VisionSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ class EngineInfo:
     image_token_id: int | None = None
     tokens_per_image: int = 0
     encoder_cache_bytes: int = 0  # the image encoder cache's bound (engine/runner/encoder.py)
+    vision: VisionSpec | None = None  # how its images become soft tokens (None: text only)
 
     def validate(
         self,
@@ -117,7 +119,9 @@ class EngineInfo:
                 raise ParamError("prompt", f"image {k} lies outside the prompt or overlaps another")
             if any(t != image_id for t in span):
                 raise ParamError("prompt", f"image {k}'s positions do not hold its placeholder")
-            if image.num_tokens > self.max_num_batched_tokens:
+            self._validate_geometry(k, image)
+            # a two-way image is computed in one step (a causal one may be split)
+            if image.two_way and image.num_tokens > self.max_num_batched_tokens:
                 raise ParamError("prompt", f"image {k} takes {image.num_tokens} tokens, more "
                                  f"than a step's {self.max_num_batched_tokens}")  # fmt: skip
             at = image.end
@@ -125,6 +129,31 @@ class EngineInfo:
             raise ParamError(
                 "prompt", f"token id {image_id} is an image's placeholder; send the image itself"
             )
+
+    def _validate_geometry(self, k: int, image: PromptImage) -> None:
+        """The image is what this model's tower reads: a patch grid exactly where the tower
+        is dynamic-resolution, its pixels that many patches, the soft tokens the tower makes
+        of it, and its attention (two-way or causal) the model's."""
+        vision = self.vision
+        if vision is None:
+            return
+        if (image.grid is None) != (vision.spatial_merge == 0):
+            why = "has no patch grid" if image.grid is None else "has a patch grid"
+            reads = "patches" if vision.spatial_merge else "whole images"
+            raise ParamError("prompt", f"image {k} {why}; this model's tower reads {reads}")
+        if image.grid is not None:
+            t, h, w = image.grid
+            m = vision.spatial_merge
+            if min(t, h, w) <= 0 or h % m or w % m or image.pixels.shape[0] != t * h * w:
+                raise ParamError("prompt", f"image {k}'s patches do not fill its grid "
+                                 f"{image.grid}")  # fmt: skip
+        made = vision.image_tokens(image.grid)
+        if image.num_tokens != made:
+            raise ParamError("prompt", f"image {k} takes {image.num_tokens} positions; this "
+                             f"model makes {made} soft tokens of it")  # fmt: skip
+        if image.two_way != vision.two_way:
+            raise ParamError("prompt", f"image {k}'s attention is not this model's "
+                             f"({'two-way' if vision.two_way else 'causal'})")  # fmt: skip
 
     def _validate_length(self, n: int) -> None:
         if n > self.max_model_len:

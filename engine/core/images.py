@@ -15,12 +15,16 @@ import torch
 @dataclass(frozen=True, slots=True, eq=False)
 class PromptImage:
     """One image of a prompt: its soft tokens take positions [offset, offset + num_tokens),
-    which attend to each other in both directions."""
+    which attend to each other in both directions where `two_way` (Gemma 3; Qwen's are causal
+    like text). `grid`: a dynamic-resolution tower's patch grid (t, h, w), which its pixels
+    are patches of (Qwen2.5-VL: [t * h * w, patch values]); None for a fixed-size tower."""
 
     offset: int
     num_tokens: int
     content_hash: bytes  # sha256 of the preprocessed pixels (models/image_processor.py)
     pixels: torch.Tensor  # [channels, height, width] float32, as the model's processor made it
+    grid: tuple[int, int, int] | None = None
+    two_way: bool = True
 
     @property
     def end(self) -> int:
@@ -29,7 +33,8 @@ class PromptImage:
     def identity(self) -> PromptImage:
         """The image as the block hashes know it, without its pixels (what is kept beyond the
         request: an idle session's offload rebuilds its hashes from it)."""
-        return PromptImage(self.offset, self.num_tokens, self.content_hash, torch.empty(0))
+        return PromptImage(self.offset, self.num_tokens, self.content_hash, torch.empty(0),
+                           self.grid, self.two_way)  # fmt: skip
 
 
 def image_keys(images: Sequence[PromptImage], start: int, end: int) -> bytes:
@@ -49,22 +54,28 @@ def cut_at_image(images: Sequence[PromptImage], start: int, n: int) -> int:
     an image: an image's soft tokens attend to each other in both directions, so the ones of
     this chunk cannot be computed before the rest of their image is in the same step. The
     chunk stops before the image, or, when it begins at or inside one, takes the image's
-    remainder whole (it may then exceed `n`)."""
+    remainder whole (it may then exceed `n`). A causal image (not `two_way`) may be split."""
     end = start + n
     for image in images:
-        if image.offset < end < image.end:
+        if image.two_way and image.offset < end < image.end:
             return image.offset - start if image.offset > start else image.end - start
     return n
 
 
-def encoder_charge(images: Sequence[PromptImage], start: int, n: int, cost: float) -> int:
+def encoder_charge(images: Sequence[PromptImage], start: int, n: int, cost: float,
+                   admitted: bool = False) -> int:  # fmt: skip
     """Step-budget tokens the image encoder's work in a chunk of `n` tokens from `start` is
-    worth: each image the chunk computes any of is encoded in that step (whole: no chunk
-    ends inside one), at `cost` prefill tokens per soft token (measured at startup,
-    engine/build/vision.py). An image the encoder cache holds is charged alike: the
-    scheduler does not see the cache, and a charge too high only shortens one step."""
+    worth, at `cost` prefill tokens per soft token (measured at startup,
+    engine/build/vision.py): an image is encoded whole in the step whose chunk first reaches
+    it, the one it begins in, or the first chunk of an admission that begins inside it (a
+    prefix hit that ends there); a later chunk of an image split across steps finds it in
+    the encoder cache. An image the encoder cache holds is charged alike: the scheduler does
+    not see the cache, and a charge too high only shortens one step."""
     if cost <= 0:
         return 0
     end = start + n
-    soft = sum(image.num_tokens for image in images if image.offset < end and image.end > start)
+    soft = 0
+    for image in images:
+        if start <= image.offset < end or (admitted and image.offset < start < image.end):
+            soft += image.num_tokens
     return int(soft * cost + 0.5)

@@ -14,12 +14,14 @@ from engine.core.batch import GrammarMask, ScheduledRequest, StepUpdate
 from engine.core.engine_info import EngineInfo
 from engine.core.images import PromptImage
 from engine.core.outputs import RequestOutput
+from engine.core.positions import RopePositions
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import LoRARef, ParamError, SamplingParams
 from engine.core.snapshot import EncoderSnapshot, EngineSnapshot, HostTierSnapshot, SpecSnapshot
 from engine.core.step_guard import run_step
 from engine.kv.host import SWAP_IN_BUCKETS
 from engine.lora.registry import LoRAAdapter
+from models.mrope import mrope_positions
 
 
 @dataclass(slots=True)
@@ -75,6 +77,18 @@ class LLMEngine:
     ) -> None:
         self.info.validate(prompt_token_ids, params, images)
 
+    def rope_positions(self, prompt_len: int, images: tuple[PromptImage, ...]
+                       ) -> RopePositions | None:  # fmt: skip
+        """A prompt's own rotary positions: M-RoPE's, where the model has it and the prompt
+        has images (without images every axis is the token index: None)."""
+        if not images or not self.spec.mrope_section or self.spec.vision is None:
+            return None
+        positions, delta = mrope_positions(
+            prompt_len, [(i.offset, i.num_tokens, i.grid) for i in images],
+            self.spec.vision.spatial_merge,
+        )  # fmt: skip
+        return RopePositions(positions, delta)
+
     def add_request(
         self,
         request_id: str,
@@ -95,6 +109,7 @@ class LLMEngine:
             device=self.runner.device,  # seeded generators draw on the engine's device
             images=tuple(images),
         )  # fmt: skip
+        request.rope_positions = self.rope_positions(len(prompt_token_ids), images)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         if params.lora is not None:

@@ -13,6 +13,7 @@ import torch
 
 from engine.core.images import PromptImage
 from engine.core.outputs import PrefixSummary
+from engine.core.positions import RopePositions
 from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class Request:
     pooled_sum: torch.Tensor | None = None
     # the prompt's images, by position (engine/core/images.py)
     images: tuple[PromptImage, ...] = ()
+    # its rotary positions where they are not its token indices (M-RoPE with images)
+    rope_positions: RopePositions | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

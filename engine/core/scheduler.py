@@ -280,13 +280,14 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         out.scheduled.append(ScheduledRequest(request, n))
-        return budget - n - self._image_charge(out, request, num_hit, n)
+        return budget - n - self._image_charge(out, request, num_hit, n, admitted=True)
 
-    def _image_charge(self, out: SchedulerOutput, request: Request, start: int, n: int) -> int:
+    def _image_charge(self, out: SchedulerOutput, request: Request, start: int, n: int,
+                      admitted: bool = False) -> int:  # fmt: skip
         """What the encoder's work on the images in this chunk takes of the step's budget."""
         if not request.images:
             return 0
-        charge = encoder_charge(request.images, start, n, self.image_cost)
+        charge = encoder_charge(request.images, start, n, self.image_cost, admitted)
         out.encoder_tokens += charge
         return charge
 

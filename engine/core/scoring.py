@@ -28,8 +28,9 @@ def score_prompt(
     with that adapter; `images`: the prompt's images."""
     params = SamplingParams(max_tokens=1, lora=lora)
     engine.validate_prompt(token_ids, params, images)
+    rope = engine.rope_positions(len(token_ids), tuple(images))
     request = Request("__score__", list(token_ids), params, frozenset(), engine.max_model_len,
-                      images=tuple(images))  # fmt: skip
+                      images=tuple(images), rope_positions=rope)  # fmt: skip
     if lora is not None:
         request.lora = engine.loras.weights(lora)
     if not engine.kv.allocate_slots(request, len(token_ids)):

@@ -92,7 +92,8 @@ class ImageEncoder:
                 a, b = max(start, image.offset), min(end, image.end)
                 if a < b:
                     pieces.append((row + a - start, image, a - image.offset, b - image.offset))
-                    seq_spans.append((image.offset, image.end))
+                    if image.two_way:  # a causal image needs no span of its own
+                        seq_spans.append((image.offset, image.end))
             spans.append(seq_spans)
             row += item.num_new_tokens
         if not pieces:
@@ -115,8 +116,8 @@ class ImageEncoder:
             else:
                 missing[key] = image
         if missing:
-            pixels = torch.stack([image.pixels for image in missing.values()])
-            encoded = self.model(pixels.to(self.device, self.dtype))
+            pixels = [image.pixels.to(self.device, self.dtype) for image in missing.values()]
+            encoded = self.model.encode(pixels, [image.grid for image in missing.values()])
             for (key, image), soft in zip(missing.items(), encoded, strict=True):
                 if soft.shape[0] != image.num_tokens:
                     raise ValueError(f"the encoder made {soft.shape[0]} soft tokens of an image "

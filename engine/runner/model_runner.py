@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from engine.attention import kv_quant
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
 from engine.core.batch import GrammarMask, SchedulerOutput
+from engine.core.positions import plain_window
 from engine.kv.manager import KVCacheManager
 from engine.parallel.messages import Step
 from engine.parallel.tensor_parallel import TPGroup
@@ -139,9 +141,26 @@ class ModelRunner:
         )  # fmt: skip
         assert input_ids is not None
         images = self.images.step_images(out) if self.images is not None else None
-        if images is not None:
+        if images is not None and any(images.spans):
             meta.image_spans = images.spans
-        return input_ids, positions, meta, logits_rows, index, images
+        own = self._rope_positions(out)
+        return input_ids, positions if own is None else own, meta, logits_rows, index, images
+
+    def _rope_positions(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """[axes, tokens] positions where a scheduled request has its own (M-RoPE with
+        images: engine/core/positions.py), the others' token indices on every axis; None
+        where none has (the 1-D positions serve)."""
+        own = [item.request.rope_positions for item in out.scheduled]
+        if all(rope is None for rope in own):
+            return None
+        axes = next(rope.prompt.shape[0] for rope in own if rope is not None)
+        windows = []
+        for item, rope in zip(out.scheduled, own):
+            start = item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            windows.append(plain_window(axes, start, end) if rope is None
+                           else rope.window(start, end))  # fmt: skip
+        return torch.from_numpy(np.concatenate(windows, axis=1)).to(self.device)
 
     @torch.inference_mode()
     def all_logits(self, out: SchedulerOutput) -> torch.Tensor:
@@ -192,7 +211,7 @@ class ModelRunner:
         input_ids, positions, meta, rows, index, images = self._prepare(out)
         lora = self._lora(out)
         plan = None
-        graphed = lora is None and images is None
+        graphed = lora is None and images is None and positions.dim() == 1
         if self.graphs is not None and graphed and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:

@@ -20,9 +20,10 @@ import torch
 
 from engine.async_engine import AsyncEngine
 from engine.core.images import PromptImage
-from models.image_processor import ImageError, ImageProcessor, content_hash, decode_image
+from models.image_processor import ImageError, content_hash, decode_image
 from models.spec import VisionSpec
 from models.tokenizer import Tokenizer
+from models.vision import AnyImageProcessor
 from server.config import ServerConfig
 from server.errors import APIError
 from server.flow.conversation import Conversation, ImageRef
@@ -32,8 +33,9 @@ FETCH_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class LoadedImage:
-    pixels: np.ndarray  # [channels, height, width] float32, the model's processor's
+    pixels: np.ndarray  # float32, the model's processor's (models/vision.py)
     content_hash: bytes
+    grid: tuple[int, int, int] | None = None  # a dynamic-resolution tower's patch grid
 
 
 ImageSet = dict[ImageRef, LoadedImage]
@@ -69,14 +71,14 @@ async def load_images(cfg: ServerConfig, engine: AsyncEngine, conversation: Conv
     return loaded
 
 
-def _preprocess(ref: ImageRef, data: bytes, processor: ImageProcessor, cfg: ServerConfig
+def _preprocess(ref: ImageRef, data: bytes, processor: AnyImageProcessor, cfg: ServerConfig
                 ) -> LoadedImage:  # fmt: skip
     try:
         image = decode_image(data, cfg.max_image_pixels, cfg.min_image_side)
+        pixels, grid = processor.process(image)
     except ImageError as e:
         raise _refuse(ref, str(e)) from None
-    pixels = processor(image)
-    return LoadedImage(pixels, content_hash(pixels))
+    return LoadedImage(pixels, content_hash(pixels, grid), grid)
 
 
 async def image_bytes(ref: ImageRef, cfg: ServerConfig) -> bytes:
@@ -134,13 +136,15 @@ def _fetch(ref: ImageRef, url: str, limit: int) -> bytes:
 @dataclass(frozen=True, slots=True)
 class ImageMarkup:
     """How a model's prompt holds an image: the chat template writes `marker` where the image
-    goes, and the processor widens it into `expansion` (whose placeholder tokens the soft tokens
-    replace)."""
+    goes, and the processor widens it into `expansion(n)` for an image of n soft tokens (whose
+    placeholder tokens the soft tokens replace)."""
 
     marker: str
-    expansion: str
+    begin: str
+    end: str
+    image: str
     image_token_id: int
-    tokens_per_image: int
+    whole_block: bool  # Gemma 3: the marker is the begin token, widened into the whole block
 
     @staticmethod
     def of(tokenizer: Tokenizer, vision: VisionSpec) -> ImageMarkup:
@@ -152,9 +156,14 @@ class ImageMarkup:
         image = text(vision.image_token_id)
         if not begin or not image:
             raise ValueError("the tokenizer lacks the model's image tokens")
-        # Gemma 3's processor: its `full_image_sequence`
-        expansion = f"\n\n{begin}{image * vision.tokens_per_image}{end}\n\n"
-        return ImageMarkup(begin, expansion, vision.image_token_id, vision.tokens_per_image)
+        whole = vision.marker == "begin"
+        return ImageMarkup(begin if whole else image, begin, end, image, vision.image_token_id,
+                           whole)  # fmt: skip
+
+    def expansion(self, n: int) -> str:
+        if self.whole_block:  # Gemma 3's processor: its `full_image_sequence`
+            return f"\n\n{self.begin}{self.image * n}{self.end}\n\n"
+        return self.image * n  # Qwen's: the template wrote the begin and end tokens around it
 
 
 def place_images(
@@ -164,21 +173,25 @@ def place_images(
     soft tokens. The template must have written one marker per image, and the text no stray
     placeholder (a 400 naming the field that holds the turns)."""
     markup = ImageMarkup.of(tokenizer, vision)
-    if text.count(markup.marker) != len(images):
-        raise APIError(400, f"{param}: the chat template placed {text.count(markup.marker)} "
+    pieces = text.split(markup.marker)
+    if len(pieces) - 1 != len(images):
+        raise APIError(400, f"{param}: the chat template placed {len(pieces) - 1} "
                        f"image markers for {len(images)} images", param=param)  # fmt: skip
-    ids = tokenizer.encode(text.replace(markup.marker, markup.expansion), add_special_tokens=False)
-    starts = [i for i, t in enumerate(ids)
-              if t == markup.image_token_id and (i == 0 or ids[i - 1] != t)]  # fmt: skip
-    n = markup.tokens_per_image
+    counts = [vision.image_tokens(image.grid) for image in images]
+    widened = pieces[0] + "".join(markup.expansion(n) + rest
+                                  for n, rest in zip(counts, pieces[1:]))  # fmt: skip
+    ids = tokenizer.encode(widened, add_special_tokens=False)
+    image_id = markup.image_token_id
+    starts = [i for i, t in enumerate(ids) if t == image_id and (i == 0 or ids[i - 1] != t)]
     runs_ok = len(starts) == len(images) and all(
-        ids[s : s + n] == [markup.image_token_id] * n for s in starts
+        ids[s : s + n] == [image_id] * n for s, n in zip(starts, counts)
     )
-    if not runs_ok or ids.count(markup.image_token_id) != n * len(images):
+    if not runs_ok or ids.count(image_id) != sum(counts):
         raise APIError(400, f"{param}: the text holds the model's image placeholder token; "
                        "send images as image parts", param=param)  # fmt: skip
     placed = tuple(
-        PromptImage(s, n, image.content_hash, torch.from_numpy(image.pixels))
-        for s, image in zip(starts, images, strict=True)
+        PromptImage(s, n, image.content_hash, torch.from_numpy(image.pixels), image.grid,
+                    vision.two_way)  # fmt: skip
+        for s, n, image in zip(starts, counts, images, strict=True)
     )
     return ids, placed

@@ -1,0 +1,63 @@
+"""Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`) as the serving stack sees it: its language
+model is Qwen2's decoder (models/llama.py) with M-RoPE positions (models/mrope.py), its image
+path the tower in models/qwen_vision.py, whose soft tokens replace the `<|image_pad|>`
+placeholders the chat template's `<|vision_start|><|image_pad|><|vision_end|>` is widened into
+(one a merged patch). Read here: the config's two halves and the text model's tensor names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from models.qwen_vision import is_qwen_vision_tensor
+from models.spec import VisionSpec
+
+# the conditional-generation architectures, by the decoder their language model is
+QWEN_VL_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
+_NESTED = "model.language_model."  # transformers 5's spelling of the text model's tensors
+
+
+def qwen_vl_config(arch: str, cfg: dict) -> tuple[str, dict, dict]:
+    """(the text architecture, the text model's config, the spec fields the vision side adds:
+    the VisionSpec and the M-RoPE sections). The rope settings lose their M-RoPE part, which
+    the decoder's plain rotary table does not read."""
+    text = {**cfg, **cfg.get("text_config", {})}
+    tower = cfg.get("vision_config") or {}
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = tuple(int(s) for s in rope.get("mrope_section") or ())
+    if not section:
+        raise ValueError(f"{arch}: the text config names no mrope_section")
+    theta = text.get("rope_theta") or rope.get("rope_theta") or 1_000_000.0
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
+        kind = rope.get("rope_type", rope.get("type"))
+        raise ValueError(f"{arch}: rope type {kind!r} with M-RoPE is not supported")
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    text["rope_scaling"] = None
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if 2 * sum(section) != head_dim:
+        raise ValueError(f"{arch}: mrope_section {list(section)} does not cover half of a "
+                         f"{head_dim}-wide head")  # fmt: skip
+    merge = int(tower.get("spatial_merge_size", 2))
+    vision = VisionSpec(
+        architecture="qwen2_5_vl",
+        image_token_id=int(cfg.get("image_token_id", 151_655)),
+        tokens_per_image=0,
+        begin_token_id=cfg.get("vision_start_token_id", 151_652),
+        end_token_id=cfg.get("vision_end_token_id", 151_653),
+        tower_config=dict(tower),
+        spatial_merge=merge,
+        two_way=False,  # the decoder's mask stays causal over image tokens
+        marker="image",
+    )
+    return QWEN_VL_ARCHITECTURES[arch], text, {"vision": vision, "mrope_section": section}
+
+
+def qwen_vl_text_weights(weights: Iterable[tuple[str, torch.Tensor]]
+                         ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """The language model's tensors under Qwen2's HF names; the tower's are skipped (loaded by
+    the image encoder)."""
+    for name, tensor in weights:
+        if is_qwen_vision_tensor(name):
+            continue
+        yield ("model." + name[len(_NESTED) :] if name.startswith(_NESTED) else name), tensor

@@ -1,0 +1,42 @@
+"""A vision-language checkpoint's image side, by its `VisionSpec.architecture`: the image
+encoder (pixels -> soft tokens in the text model's width) and the image processor (decoded
+image -> what the encoder reads). Gemma 3: models/gemma3_vision.py and image_processor.py;
+Qwen2.5-VL: models/qwen_vision.py and qwen_image_processor.py."""
+
+from __future__ import annotations
+
+import torch
+
+from models.gemma3_vision import Gemma3ImageEncoder, is_image_path_tensor
+from models.image_processor import ImageProcessor
+from models.loader import hf_weights
+from models.qwen_image_processor import QwenImageProcessor
+from models.qwen_vision import QwenImageEncoder, is_qwen_vision_tensor
+from models.spec import ModelSpec, VisionSpec
+
+AnyImageProcessor = ImageProcessor | QwenImageProcessor
+ImageEncoderModel = Gemma3ImageEncoder | QwenImageEncoder
+
+
+def load_image_encoder(
+    path: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str
+) -> ImageEncoderModel | None:
+    """The checkpoint's image encoder in `dtype` on `device`; None for a text model."""
+    if spec.vision is None:
+        return None
+    encoder: ImageEncoderModel
+    if spec.vision.architecture == "qwen2_5_vl":
+        encoder = QwenImageEncoder(spec.vision, spec.hidden_size)
+        encoder.load_weights(hf_weights(path, dtype, keep=is_qwen_vision_tensor))
+    else:
+        encoder = Gemma3ImageEncoder(spec.vision, spec.hidden_size)
+        encoder.load_weights(hf_weights(path, dtype, keep=is_image_path_tensor))
+    return encoder.to(device=device, dtype=dtype).eval()
+
+
+def read_image_processor(path: str, vision: VisionSpec) -> AnyImageProcessor:
+    """The checkpoint's processor settings (`preprocessor_config.json`), checked against its
+    tower."""
+    if vision.architecture == "qwen2_5_vl":
+        return QwenImageProcessor.read(path, vision.tower_config)
+    return ImageProcessor.read(path, int(vision.tower_config["image_size"]))

@@ -1,0 +1,72 @@
+"""A tiny random Qwen2.5-VL checkpoint (`Qwen2_5_VLForConditionalGeneration`: a 3-block tower
+of width 32 over 4-pixel patches merged 2x2, windows of 2x2 merged patches beside one
+full-attention block; a 2-layer Qwen2 text model with M-RoPE sections (2, 3, 3)), with a
+byte-level BPE tokenizer that knows Qwen's turn and vision tokens, a Qwen-shaped chat template
+and a processor config whose pixel bounds give small images a few soft tokens."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import torch
+
+from tests.vision_model import train_tokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+            "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # fmt: skip
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 3, 4, 5, 6
+PATCH, MERGE = 4, 2
+# Qwen2.5-VL's template, system prompt and tools left out: an image item is the block the
+# processor widens (one <|image_pad|> per merged patch)
+TEMPLATE = "".join([
+    "{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\n' }}",
+    "{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}",
+    "{%- for item in message['content'] -%}{%- if item['type'] == 'image' -%}",
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}",
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}{%- endfor -%}",
+    "{%- endif -%}{{ '<|im_end|>\n' }}{%- endfor -%}",
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}",
+])  # fmt: skip
+
+
+def build_qwen25_vl(out: Path) -> Path:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2, 3, 3]})  # fmt: skip
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2,
+                  window_size=16, fullatt_block_indexes=[1])  # fmt: skip
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_PAD,
+                              video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
+                              vision_end_token_id=VISION_END)  # fmt: skip
+    torch.manual_seed(zlib.crc32(b"qwen2.5-vl") % 1000)
+    model = Qwen2_5_VLForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # RMSNorm weights near 1, the rest wide
+            is_norm = "norm" in name or "ln_q" in name
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if is_norm else 0.2 * torch.randn_like(p))
+    model.save_pretrained(out, safe_serialization=True)
+    train_tokenizer(out, SPECIALS)
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Qwen2_5_VLProcessor",
+        "extra_special_tokens": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                                 "vision_bos_token": "<|vision_start|>",
+                                 "vision_eos_token": "<|vision_end|>"},
+    }))  # fmt: skip
+    (out / "chat_template.jinja").write_text(TEMPLATE)
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+        "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True,
+        "size": {"shortest_edge": 8 * 8, "longest_edge": 48 * 48}, "patch_size": PATCH,
+        "temporal_patch_size": 2, "merge_size": MERGE,
+    }))  # fmt: skip
+    return out
