@@ -38,7 +38,8 @@ INT8_ROWS = _op("int8_rows", "int8_rows.cpp")
 CPU_DECODE = _op("cpu_decode", "cpu_decode.cpp", "kv_int8.h", "cpu_simd.h", "decode_attend.h")
 # engine/attention/cpu_prefill.py: paged prefill flash attention (`.paged_prefill`,
 # `.simd_width`: 0 without AVX2, `.bf16_dot`)
-CPU_PREFILL = _op("cpu_prefill", "cpu_prefill.cpp", "cpu_simd.h", "kv_int8.h")
+CPU_PREFILL = _op("cpu_prefill", "cpu_prefill.cpp", "cpu_prefill_blocks.h", "cpu_simd.h",
+                  "kv_int8.h")
 # engine/grammar/token_bitmask.py: a grammar's token bitmask applied to logits rows (`.apply_`)
 TOKEN_BITMASK = _op("token_bitmask", "token_bitmask.cpp")
 # models/linear/decode_stack.py: a decode step's whole decoder stack in one op (`.forward`). It
