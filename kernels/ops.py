@@ -28,7 +28,7 @@ CPU_FUSED = _op("cpu_fused", "cpu_fused.cpp")
 GGUF = _op("gguf", "gguf_linear.cpp")
 # models/linear/gguf_linear.py: the kernels on the interleaved copy, float and int8 activations
 # (`.repack`, `.linear_float`, `.linear`, `.lanes`: 0 without AVX2)
-GGUF_Q8 = _op("gguf_q8", "gguf_q8.cpp", "gguf_q8_bf16.h")
+GGUF_Q8 = _op("gguf_q8", "gguf_q8.cpp", "gguf_q8_isa.h", "gguf_q8_bf16.h")
 # models/linear/int8_prefill.py: int8 rows for `torch._int_mm` and their scaling back
 # (`.quantize_rows`, `.scale_rows`)
 INT8_ROWS = _op("int8_rows", "int8_rows.cpp")
