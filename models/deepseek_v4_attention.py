@@ -158,10 +158,12 @@ class V4Attention(nn.Module):
         """The decode rows' attention by kernels/deepseek_v4.cpp's `sparse_decode`: what the
         PyTorch views compute, reading only the window keys and the entries a row keeps."""
         has = ent is not None and cache is not None
+        # the plan's indices broadcast (an entry's slot is the same for every row): the op
+        # takes them each [rows, keys]
+        win_keys = torch.broadcast_tensors(win.block, win.slot, win.visible)
+        ent_keys = torch.broadcast_tensors(ent.block, ent.slot, ent.visible) if has else (None,) * 3
         return DEEPSEEK_V4.load().sparse_decode(
-            q.contiguous(), window[0, 0], win.block, win.slot, win.visible,
-            cache[0, 0] if has else None, ent.block if has else None,
-            ent.slot if has else None, ent.visible if has else None,
+            q.contiguous(), window[0, 0], *win_keys, cache[0, 0] if has else None, *ent_keys,
             index_q.contiguous() if index_q is not None else None,
             index_w.contiguous() if index_w is not None else None,
             self.top_k if self.indexer is not None else 0, self.sinks, self.hd**-0.5,

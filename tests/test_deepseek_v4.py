@@ -107,11 +107,23 @@ def test_logits_and_greedy_match_transformers(ref, chunked) -> None:
     assert chunked.engine.kv.pool.num_free_blocks == chunked.engine.num_blocks
 
 
-def test_greedy_with_the_cpp_decode_step(ref, chunked) -> None:
+def test_greedy_with_the_cpp_decode_step(ref, chunked, monkeypatch) -> None:
     """The startup measurement's line is in the kernel matrix; with the C++ ops serving every
     part of the decode step (whatever it chose), decode across window boundaries batched with a
-    shorter request is still transformers' greedy text."""
+    shorter request (rows of different lengths in one call of the op) is still transformers'
+    greedy text."""
+    from models.deepseek_v4_attention import V4Attention
+
     _, _, greedy = ref
+    rows: list[int] = []  # each call's decode rows (a failed batched call is retried row by row)
+    real = V4Attention.decode_fused
+
+    def counted(self, q, *args):
+        out = real(self, q, *args)
+        rows.append(q.shape[0])
+        return out
+
+    monkeypatch.setattr(V4Attention, "decode_fused", counted)
     line = next(x for x in chunked.engine.info.kernel_table.splitlines() if "decode step:" in x)
     for part in ("hyper-connections: ", "CSA decode at ", "HCA decode at ", "window decode at "):
         assert part in line
@@ -125,6 +137,7 @@ def test_greedy_with_the_cpp_decode_step(ref, chunked) -> None:
         for m, was in zip(fusable, chosen, strict=True):
             m.fused = was
     assert both[0].outputs[0].token_ids == greedy
+    assert max(rows) == 2
 
 
 # a prompt whose cached part (9 blocks of 16: 144 tokens) ends halfway through an HCA window

@@ -52,7 +52,8 @@ def decode_inputs(attn: V4Attention, rows: int, context: int, block_size: int,
     counts = lengths // m
     ws = torch.arange(int(counts.max()))[None, :]
     last = (ws + 1) * m - 1
-    ent = Keys((last // block_size).expand(rows, -1), ((last % block_size) // m).expand(rows, -1),
+    # as the step's plan: an entry's slot [1, E] is every row's, its block [rows, E] per row
+    ent = Keys((last // block_size).expand(rows, -1), (last % block_size) // m,
                ws < counts[:, None])  # fmt: skip
     if attn.kind != CSA:
         return q, window, win, cache, ent, None, None
