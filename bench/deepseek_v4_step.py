@@ -76,9 +76,12 @@ def step_ms(llm: LLM, batch: int, context: int, forms: dict[str, Callable[[], No
                     times[name].append(time.perf_counter() - start)
                     if sum(1 for out in outs if out.new_token_ids) != batch:
                         raise RuntimeError(f"a step decoded {len(outs)} rows, not {batch}")
-            if profiled and round_ == 1:
-                tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total",
-                                                         row_limit=12)  # fmt: skip
+            if profiled and round_ == 1:  # the op count: what a loaded machine cannot skew
+                events = prof.key_averages()
+                calls = sum(e.count for e in events) / (STEPS // 2)
+                tables[name] = (f"{calls:.0f} op calls a step (profiler events, nested ones "
+                                f"included)\n" + events.table(sort_by="self_cpu_time_total",
+                                                               row_limit=12))  # fmt: skip
     engine.abort_all()
     return {name: 1000 * statistics.median(ts) for name, ts in times.items()}, tables
 
@@ -118,10 +121,12 @@ def time_steps(context: int = CONTEXT, batches: tuple[int, ...] = (1, 16)) -> No
               f"(median of {STEPS} steps a form)")  # fmt: skip
         for batch in batches:
             v4, tables = step_ms(engines["v4"], batch, context, v4_forms, profiled=True)
-            dense, _ = step_ms(engines["dense"], batch, context, {"dense": lambda: None})
+            dense, dense_tables = step_ms(engines["dense"], batch, context,
+                                          {"dense": lambda: None}, profiled=True)  # fmt: skip
             d = dense["dense"]
             print(f"batch {batch:2d}: dense {d:7.2f} ms; v4 PyTorch {v4['v4 PyTorch']:7.2f} ms "
                   f"({v4['v4 PyTorch'] / d:.2f}x), v4 as chosen {v4['v4 chosen']:7.2f} ms "
                   f"({v4['v4 chosen'] / d:.2f}x)")  # fmt: skip
+            print(f"dense: {dense_tables['dense'].splitlines()[0]}")
             for name, table in tables.items():
                 print(f"\nwhere a {name} batch-{batch} decode step's time goes:\n{table}")
