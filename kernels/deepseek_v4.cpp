@@ -1,5 +1,5 @@
 // DeepSeek V4's decode-step kernels for CPU float32: torch.ops.kvserve_deepseek_v4.hc_pre,
-// .hc_post and .sparse_decode. Their consumers are models/deepseek_v4_mix.py (the
+// .hc_post, .sparse_decode and .norm_rope. Their consumers are models/deepseek_v4_mix.py (the
 // hyper-connections) and models/deepseek_v4_attention.py (the decode rows' attention); the
 // PyTorch code beside each call stays the reference, and engine/build/deepseek_v4_choice.py
 // times both per geometry at startup.
@@ -10,7 +10,8 @@
 // attention of a decode row reads every compressed entry of its sequence and masks all but the
 // indexer's top k: at 8k tokens of context 2,048 CSA entries gathered, scored and softmaxed per
 // layer for 8 that count. Here a row scores the entries on the indexer's keys alone and attends
-// its window and the entries it keeps.
+// its window and the entries it keeps. The queries' and keys' RMSNorm + interleaved rotary is
+// ~20 ops a tensor in PyTorch, four tensors a layer: one call each here.
 //
 // Plain loops over float32 (vectorised by the compiler for any -march, AVX2 included) and
 // at::parallel_for over rows; no intrinsics. Built with -ffast-math: no infinities are relied on
@@ -283,11 +284,65 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& window,
   return out;
 }
 
+// x [T, ..., D] (float32, contiguous): optionally RMSNorm over D (times `weight` where given),
+// then interleaved rotary on the trailing 2P channels, pair (a, b) -> (a c - b s, b c + a s),
+// with cos and sin [T, P] shared by the middle dims. A new tensor.
+at::Tensor norm_rope(const at::Tensor& x, bool normalise, const c10::optional<at::Tensor>& weight,
+                     double eps, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() >= 2,
+              "norm_rope: x float32 [T, ..., D], contiguous");
+  const int64_t t = x.size(0), d = x.size(-1);
+  const int64_t per_token = t ? x.numel() / (t * d) : 0;
+  const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
+  TORCH_CHECK(c.scalar_type() == at::kFloat && sn.scalar_type() == at::kFloat && c.dim() == 2 &&
+                  c.size(0) == t && sn.sizes() == c.sizes(),
+              "norm_rope: cos, sin float32 [T, P]");
+  const int64_t pairs = c.size(1);
+  TORCH_CHECK(2 * pairs <= d, "norm_rope: 2P > D");
+  const bool weighted = weight.has_value() && weight->defined();
+  if (weighted)
+    TORCH_CHECK(weight->scalar_type() == at::kFloat && weight->numel() == d &&
+                weight->is_contiguous());
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float *cp = c.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  const float* wp = weighted ? weight->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  const int64_t head = d - 2 * pairs;
+  at::parallel_for(0, t * per_token, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* xr = xp + row * d;
+      float* o = op + row * d;
+      float inv = 1.f;
+      if (normalise) {
+        float ss = 0.f;
+        for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+        inv = 1.f / std::sqrt(ss / static_cast<float>(d) + e);
+      }
+      for (int64_t i = 0; i < d; ++i) o[i] = normalise ? (wp ? wp[i] * (xr[i] * inv) : xr[i] * inv)
+                                                      : xr[i];
+      const float* cr = cp + (row / per_token) * pairs;
+      const float* sr = sp + (row / per_token) * pairs;
+      float* tail = o + head;
+      for (int64_t k = 0; k < pairs; ++k) {
+        const float a = tail[2 * k], b = tail[2 * k + 1];
+        tail[2 * k] = a * cr[k] - b * sr[k];
+        tail[2 * k + 1] = b * cr[k] + a * sr[k];
+      }
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY(kvserve_deepseek_v4, m) {
   m.def(
       "hc_pre(Tensor streams, Tensor fn, Tensor base, Tensor scale, int iters, float eps, "
       "float norm_eps) -> (Tensor, Tensor, Tensor)");
   m.def("hc_post(Tensor out, Tensor streams, Tensor post, Tensor comb) -> Tensor");
+  m.def(
+      "norm_rope(Tensor x, bool normalise, Tensor? weight, float eps, Tensor cos, Tensor sin) "
+      "-> Tensor");
   m.def(
       "sparse_decode(Tensor q, Tensor window, Tensor win_block, Tensor win_slot, "
       "Tensor win_visible, Tensor? entries, Tensor? ent_block, Tensor? ent_slot, "
@@ -299,4 +354,5 @@ TORCH_LIBRARY_IMPL(kvserve_deepseek_v4, CPU, m) {
   m.impl("hc_pre", &hc_pre);
   m.impl("hc_post", &hc_post);
   m.impl("sparse_decode", &sparse_decode);
+  m.impl("norm_rope", &norm_rope);
 }

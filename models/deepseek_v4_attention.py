@@ -93,6 +93,7 @@ class V4Attention(nn.Module):
         self.groups = x["layer_groups"][idx]
         self.heads, self.hd, self.eps = heads, hd, spec.rms_norm_eps
         self.window = spec.sliding_window or 0
+        self.rotary_pairs = spec.rotary_dim(hd) // 2
         self.label = "main" if self.kind == SLIDING else "compress"
         self.q_a = nn.Linear(d, x["q_lora_rank"], bias=False)
         self.q_a_norm = nn.Parameter(torch.empty(x["q_lora_rank"]))
@@ -104,7 +105,9 @@ class V4Attention(nn.Module):
                                             heads * hd // self.o_groups))  # fmt: skip
         self.o_b = nn.Linear(self.o_groups * x["o_lora_rank"], d, bias=False)
         self.sinks = nn.Parameter(torch.empty(heads))
-        self.fused = False  # the decode rows through kernels/deepseek_v4.cpp (measured at startup)
+        # kernels/deepseek_v4.cpp's forms, where the startup measurement found them faster: the
+        # decode rows' attention (`fused`), RMSNorm + rotary of the queries, keys and output
+        self.fused = self.fused_rope = False
         self.compressor: Compressor | None = None
         self.indexer: Compressor | None = None
         if self.kind != SLIDING:
@@ -122,8 +125,8 @@ class V4Attention(nn.Module):
         t = h.shape[0]
         cos, sin = batch.rope[self.label]
         q_res = rms(self.q_a(h), self.q_a_norm, self.eps)
-        q = rope(rms(self.q_b(q_res).view(t, self.heads, self.hd), None, self.eps), cos, sin)
-        kv = rope(rms(self.kv(h), self.kv_norm, self.eps), cos, sin)
+        q = self.norm_rope(self.q_b(q_res).view(t, self.heads, self.hd), True, None, cos, sin)
+        kv = self.norm_rope(self.kv(h), True, self.kv_norm, cos, sin)
         window = batch.caches[self.groups[0]]
         blk, off = batch.token_slots(True)
         window[0, 0, blk, off] = kv.to(window.dtype)
@@ -133,7 +136,7 @@ class V4Attention(nn.Module):
             self._compress(h, batch, plan)
         if self.indexer is not None:
             iq = self.indexer.q_b(q_res).view(t, self.index_heads, self.index_dim)
-            index_q = rope(iq, *batch.rope["compress"]).float()
+            index_q = self.norm_rope(iq, False, None, *batch.rope["compress"]).float()
             index_w = self.indexer.weights(h).float() * self.index_heads**-0.5
         out = q.new_empty(q.shape)
         cache = batch.caches[self.groups[2]] if plan is not None else None
@@ -147,10 +150,18 @@ class V4Attention(nn.Module):
             form = self.decode_fused if j == 0 and self.fused and len(decode) else self.attend
             iq, iw = (index_q[rows], index_w[rows]) if index_q is not None else (None, None)
             out[rows] = form(q[rows], window, win, cache, ent, iq, iw)
-        out = rope(out, cos, -sin).reshape(t, self.o_groups, -1)
+        out = self.norm_rope(out, False, None, cos, -sin).reshape(t, self.o_groups, -1)
         weight = self.o_a.view(self.o_groups, -1, out.shape[-1]).transpose(1, 2)
         grouped = torch.bmm(out.transpose(0, 1), weight)  # each head group its own projection
         return self.o_b(grouped.transpose(0, 1).reshape(t, -1))
+
+    def norm_rope(self, x: torch.Tensor, normalise: bool, weight: torch.Tensor | None,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """rope(rms(x, weight)) (`normalise`) or rope(x), by the C++ op where it serves."""
+        if self.fused_rope:
+            return DEEPSEEK_V4.load().norm_rope(x.contiguous(), normalise, weight, self.eps,
+                                                cos, sin)  # fmt: skip
+        return rope(rms(x, weight, self.eps) if normalise else x, cos, sin)
 
     def decode_fused(self, q: torch.Tensor, window: torch.Tensor, win: Keys,
                      cache: torch.Tensor | None, ent: Keys | None, index_q: torch.Tensor | None,

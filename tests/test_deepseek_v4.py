@@ -125,17 +125,19 @@ def test_greedy_with_the_cpp_decode_step(ref, chunked, monkeypatch) -> None:
 
     monkeypatch.setattr(V4Attention, "decode_fused", counted)
     line = next(x for x in chunked.engine.info.kernel_table.splitlines() if "decode step:" in x)
-    for part in ("hyper-connections: ", "CSA decode at ", "HCA decode at ", "window decode at "):
+    for part in ("hyper-connections: ", "RMSNorm + rotary: ", "CSA decode at ", "HCA decode at ",
+                 "window decode at "):  # fmt: skip
         assert part in line
-    fusable = [m for m in chunked.engine.model.modules() if hasattr(m, "fused")]
-    chosen = [m.fused for m in fusable]
+    flags = [(m, name) for m in chunked.engine.model.modules()
+             for name in ("fused", "fused_rope") if hasattr(m, name)]  # fmt: skip
+    chosen = [getattr(m, name) for m, name in flags]
     try:
-        for m in fusable:
-            m.fused = m.scale.numel() == 3 if hasattr(m, "scale") else True  # not the head's
+        for m, name in flags:
+            setattr(m, name, True)
         both = chunked.generate([PROMPT, PROMPT[:37]], GREEDY)
     finally:
-        for m, was in zip(fusable, chosen, strict=True):
-            m.fused = was
+        for (m, name), was in zip(flags, chosen, strict=True):
+            setattr(m, name, was)
     assert both[0].outputs[0].token_ids == greedy
     assert max(rows) == 2
 

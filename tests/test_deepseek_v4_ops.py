@@ -1,9 +1,10 @@
 """DeepSeek V4's C++ decode-step ops (kernels/deepseek_v4.cpp) against the PyTorch code they
 stand in for, on the tiny config's layers with random weights (no checkpoint, no transformers):
-the hyper-connections' mixing (Sinkhorn projection, collapse, expansion) and the decode rows'
-attention of CSA (the indexer's top k of more entries than k), HCA and sliding layers, equal in
-float32 to rounding; and the startup measurement that chooses between them.
-tests/test_deepseek_v4.py runs the engine with them against transformers."""
+the hyper-connections' mixing (Sinkhorn projection, collapse, expansion), the RMSNorm + rotary
+of queries, keys and output, and the decode rows' attention of CSA (the indexer's top k of more
+entries than k), HCA and sliding layers, equal in float32 to rounding; and the startup
+measurement that chooses between them. tests/test_deepseek_v4.py runs the engine with them
+against transformers."""
 
 from __future__ import annotations
 
@@ -72,16 +73,35 @@ def test_sparse_decode_equals_pytorch(model) -> None:
     assert kinds == {CSA, HCA, SLIDING}
 
 
+@torch.inference_mode()
+def test_norm_rope_equals_pytorch(model) -> None:
+    """Queries [T, H, D] normalised without a weight, the key [T, D] with one, the output
+    rotated back (sin negated) without a norm; rows at positions far apart."""
+    a = model.layers[0].attn
+    freqs = torch.arange(5).float()[:, None] * 997 * torch.rand(1, a.rotary_pairs)
+    cos, sin = freqs.cos(), freqs.sin()
+    q, kv = torch.randn(5, a.heads, a.hd), torch.randn(5, a.hd)
+    for x, normalise, weight, s in ((q, True, None, sin), (kv, True, a.kv_norm, sin),
+                                    (q, False, None, -sin)):  # fmt: skip
+        a.fused_rope = False
+        ref = a.norm_rope(x, normalise, weight, cos, s)
+        a.fused_rope = True
+        close(a.norm_rope(x, normalise, weight, cos, s), ref)
+    a.fused_rope = False
+
+
 def test_the_choice_is_measured_and_set(model) -> None:
     line = choose_v4_kernels(model, torch.float32, torch.device("cpu"), 4, 16, 300)
     parts = dict(part.split(": ", 1) for part in line.split("; "))
-    assert set(parts) == {"hyper-connections", "CSA decode at 300 tokens",
+    assert set(parts) == {"hyper-connections", "RMSNorm + rotary", "CSA decode at 300 tokens",
                           "HCA decode at 300 tokens", "window decode at 300 tokens"}  # fmt: skip
     assert all("1 row PyTorch" in p and "4 rows PyTorch" in p for p in parts.values())
     served = parts["hyper-connections"].startswith("the C++ op")
     assert all(layer.attn_hc.fused == served for layer in model.layers)
     csa = parts["CSA decode at 300 tokens"].startswith("the C++ op")
     assert [layer.attn.fused for layer in model.layers][::3] == [csa, csa]
+    served = parts["RMSNorm + rotary"].startswith("the C++ op")
+    assert all(layer.attn.fused_rope == served for layer in model.layers)
     assert fused_refusal(torch.bfloat16, torch.device("cpu")) == (
         "the C++ ops take float32 (torch.bfloat16 serves)"
     )

@@ -1,6 +1,7 @@
 """Which form serves DeepSeek V4's decode-step work on CPU: its PyTorch ops (the reference) or
 kvserve's C++ ops (kernels/deepseek_v4.cpp), timed at startup on this model's geometry, each
-part on its own: the hyper-connection mixing (Sinkhorn projection, collapse, expansion) and the
+part on its own: the hyper-connection mixing (Sinkhorn projection, collapse, expansion), the
+RMSNorm + rotary of the attention's queries, key and output (every row, prefill too), and the
 decode rows' attention of each layer type (CSA: window + the indexer's top k of the compressed
 entries; HCA: window + every entry; sliding: the window alone).
 
@@ -116,6 +117,27 @@ def choose_v4_kernels(model: torch.nn.Module, dtype: torch.dtype, device: torch.
     fused, line = _judge("hyper-connections", ("mix", *geometry), mixing_at, rows)
     for m in mixers:
         m.fused = fused
+    parts.append(line)
+    first = attns[0]  # every layer's heads, head_dim and rotary dims are the same
+
+    def rotary_at(r: int) -> dict[str, Callable[[], object]]:
+        g = torch.Generator().manual_seed(r)
+        q, kv = torch.randn(r, first.heads, first.hd, generator=g), torch.randn(r, first.hd)
+        freqs = torch.rand(r, first.rotary_pairs, generator=g) * r
+        cos, sin = freqs.cos(), freqs.sin()
+
+        def run(fused: bool) -> object:  # a layer's queries, key and output
+            first.fused_rope = fused
+            first.norm_rope(q, True, None, cos, sin)
+            first.norm_rope(kv, True, first.kv_norm, cos, sin)
+            return first.norm_rope(q, False, None, cos, -sin)
+
+        return {"PyTorch": lambda: run(False), "C++": lambda: run(True)}
+
+    geometry = (first.heads, first.hd, first.rotary_pairs, rows)
+    fused, line = _judge("RMSNorm + rotary", ("rope", *geometry), rotary_at, rows)
+    for a in attns:
+        a.fused_rope = fused
     parts.append(line)
     context = max(block_size, min(CONTEXT, max_len))
     for kind, name in ((CSA, "CSA decode"), (HCA, "HCA decode"), (SLIDING, "window decode")):
