@@ -86,11 +86,15 @@ def step_ms(llm: LLM, batch: int, context: int, forms: dict[str, Callable[[], No
     return {name: 1000 * statistics.median(ts) for name, ts in times.items()}, tables
 
 
-def set_fused(model: torch.nn.Module, chosen: dict[torch.nn.Module, bool] | None) -> None:
-    """Every V4 module's C++ form off (None), or back to what the startup measurement chose."""
+FLAGS = ("fused", "fused_rope")  # the V4 modules' C++ forms (engine/build/deepseek_v4_choice.py)
+
+
+def set_fused(model: torch.nn.Module, chosen: dict[tuple, bool] | None) -> None:
+    """Every V4 module's C++ forms off (None), or back to what the startup measurement chose."""
     for module in model.modules():
-        if hasattr(module, "fused"):
-            module.fused = chosen[module] if chosen is not None else False
+        for flag in FLAGS:
+            if hasattr(module, flag):
+                setattr(module, flag, chosen[module, flag] if chosen is not None else False)
 
 
 class _Nothing:
@@ -110,7 +114,7 @@ def time_steps(context: int = CONTEXT, batches: tuple[int, ...] = (1, 16)) -> No
             for kind in ("v4", "dense")
         }  # fmt: skip
         model = engines["v4"].engine.model
-        chosen = {m: m.fused for m in model.modules() if hasattr(m, "fused")}
+        chosen = {(m, f): getattr(m, f) for m in model.modules() for f in FLAGS if hasattr(m, f)}
         v4_forms = {"v4 PyTorch": lambda: set_fused(model, None),
                     "v4 chosen": lambda: set_fused(model, chosen)}  # fmt: skip
         threads = torch.get_num_threads()
