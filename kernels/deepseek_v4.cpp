@@ -222,7 +222,7 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& window,
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<const float*> keys;
     std::vector<int64_t> seen;
-    std::vector<float> score, logits;
+    std::vector<float> score, logits, keys_t, head_score, total;
     for (int64_t r = begin; r < end; ++r) {
       keys.clear();
       const int64_t* b = wb.data_ptr<int64_t>() + r * wn;
@@ -241,16 +241,32 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& window,
         auto entry = [&](int64_t j) { return entp + (b2[j] * per_block + s2[j]) * width; };
         const int64_t k = std::min<int64_t>(top_k, en);  // as torch.topk over every column
         if (indexed && k > 0 && static_cast<int64_t>(seen.size()) > k) {
-          score.resize(en);
+          // the seen entries' index keys transposed, [index_dim, seen]: each head's scores are
+          // then one pass of multiply-adds along the entries (vectorised over them)
+          const int64_t ns = static_cast<int64_t>(seen.size());
           const float* iq = iqp + r * ih * idim;
           const float* iw = iwp + r * ih;
-          for (int64_t j : seen) {
-            const float* ik = entry(j) + hd;
-            float total = 0.f;
-            for (int64_t h = 0; h < ih; ++h)
-              total += std::max(dot(iq + h * idim, ik, idim), 0.f) * isc * iw[h];
-            score[j] = total;
+          keys_t.resize(idim * ns);
+          head_score.resize(ns);
+          total.assign(ns, 0.f);
+          for (int64_t jj = 0; jj < ns; ++jj) {
+            const float* ik = entry(seen[jj]) + hd;
+            for (int64_t c = 0; c < idim; ++c) keys_t[c * ns + jj] = ik[c];
           }
+          for (int64_t h = 0; h < ih; ++h) {
+            std::fill(head_score.begin(), head_score.end(), 0.f);
+            for (int64_t c = 0; c < idim; ++c) {
+              const float qc = iq[h * idim + c];
+              const float* kc = keys_t.data() + c * ns;
+              float* hs = head_score.data();
+              for (int64_t jj = 0; jj < ns; ++jj) hs[jj] += qc * kc[jj];
+            }
+            const float wh = iw[h];
+            for (int64_t jj = 0; jj < ns; ++jj)
+              total[jj] += std::max(head_score[jj], 0.f) * isc * wh;
+          }
+          score.resize(en);
+          for (int64_t jj = 0; jj < ns; ++jj) score[seen[jj]] = total[jj];
           // the k best scores; among equal scores the lower entry (an order, as topk's is)
           std::partial_sort(seen.begin(), seen.begin() + k, seen.end(), [&](int64_t a, int64_t c) {
             return score[a] > score[c] || (score[a] == score[c] && a < c);
