@@ -233,11 +233,26 @@ class V4MoE(nn.Module):
             ids = torch.topk(scores + self.router_bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+        if h.shape[0] == 1:  # one decode row: its experts without the grouping ops, in the
+            return self._one_row(h, ids[0].tolist(), weights[0])  # loop's order
         out = torch.zeros_like(h)
         for e in ids.unique().tolist():
             rows, slot = torch.where(ids == e)
             y = F.linear(self.swiglu(F.linear(h[rows], self.gate_up[e])), self.down[e])
             out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out + self.shared_down(self.swiglu(self.shared_gate_up(h)))
+
+    def _one_row(self, h: torch.Tensor, ids: list[int], weights: torch.Tensor) -> torch.Tensor:
+        """`forward` of one row: its experts in ascending order (a hash table's repeat of an
+        expert in slot order), each added as the loop's index_add_ adds it."""
+        out: torch.Tensor | None = None
+        done: dict[int, torch.Tensor] = {}
+        for e, slot in sorted((e, slot) for slot, e in enumerate(ids)):
+            if e not in done:
+                done[e] = F.linear(self.swiglu(F.linear(h, self.gate_up[e])), self.down[e])
+            y = done[e] * weights[slot : slot + 1]
+            out = y if out is None else out + y
+        assert out is not None
         return out + self.shared_down(self.swiglu(self.shared_gate_up(h)))
 
 
