@@ -8,7 +8,9 @@ kernels/deepseek_v4.cpp where they were faster; the banner's "decode step" line)
 
 A step's time: the median of STEPS `engine.step()` calls of a form once every request of the
 batch decodes (they ask for more tokens than the prefills of the batch take steps, and are
-aborted after). `python -m bench.deepseek_v4_kv --time` runs it."""
+aborted after), wall clock and the process's CPU time (which a shared machine's time-slicing
+does not inflate; with one torch thread the two agree on an idle machine).
+`python -m bench.deepseek_v4_kv --time` runs it."""
 
 from __future__ import annotations
 
@@ -64,25 +66,32 @@ def step_ms(llm: LLM, batch: int, context: int, forms: dict[str, Callable[[], No
     while len(started) < batch:  # the prompts, chunk by chunk
         started.update(out.request_id for out in engine.step() if out.new_token_ids)
     times: dict[str, list[float]] = {name: [] for name in forms}
+    cpu: dict[str, list[float]] = {name: [] for name in forms}
     tables = {}
-    for round_ in range(2):
+    # rounds 0 and 2 timed, the forms in turn; round 1 (with `profiled`) under the profiler,
+    # whose cost a step grows with its op count, so untimed
+    for round_ in (0, 1, 2) if profiled else (0, 2):
         for name, use in forms.items():
             use()
             engine.step()  # a first step of this form
-            with profile(activities=[ProfilerActivity.CPU]) if profiled else _Nothing() as prof:
+            with profile(activities=[ProfilerActivity.CPU]) if round_ == 1 else _Nothing() as prof:
                 for _ in range(STEPS // 2):
-                    start = time.perf_counter()
+                    start, cpu_start = time.perf_counter(), time.process_time()
                     outs = engine.step()
-                    times[name].append(time.perf_counter() - start)
+                    if round_ != 1:
+                        times[name].append(time.perf_counter() - start)
+                        cpu[name].append(time.process_time() - cpu_start)
                     if sum(1 for out in outs if out.new_token_ids) != batch:
                         raise RuntimeError(f"a step decoded {len(outs)} rows, not {batch}")
-            if profiled and round_ == 1:  # the op count: what a loaded machine cannot skew
+            if round_ == 1:  # the op count: what a loaded machine cannot skew
                 events = prof.key_averages()
                 calls = sum(e.count for e in events) / (STEPS // 2)
                 tables[name] = (f"{calls:.0f} op calls a step (profiler events, nested ones "
                                 f"included)\n" + events.table(sort_by="self_cpu_time_total",
                                                                row_limit=12))  # fmt: skip
     engine.abort_all()
+    for name in forms:  # the process's CPU time: what time-slicing on a shared machine spares
+        tables[f"{name} cpu"] = f"{1000 * statistics.median(cpu[name]):.2f}"
     return {name: 1000 * statistics.median(ts) for name, ts in times.items()}, tables
 
 
@@ -132,5 +141,11 @@ def time_steps(context: int = CONTEXT, batches: tuple[int, ...] = (1, 16)) -> No
                   f"({v4['v4 PyTorch'] / d:.2f}x), v4 as chosen {v4['v4 chosen']:7.2f} ms "
                   f"({v4['v4 chosen'] / d:.2f}x)")  # fmt: skip
             print(f"dense: {dense_tables['dense'].splitlines()[0]}")
+            cpu = {name: float(tables.pop(f"{name} cpu")) for name in v4_forms}
+            dense_cpu = float(dense_tables.pop("dense cpu"))
+            torch_ms, chosen_ms = cpu["v4 PyTorch"], cpu["v4 chosen"]
+            print(f"  CPU time a step: dense {dense_cpu:.2f} ms; v4 PyTorch {torch_ms:.2f} ms "
+                  f"({torch_ms / dense_cpu:.2f}x), v4 as chosen {chosen_ms:.2f} ms "
+                  f"({chosen_ms / dense_cpu:.2f}x)")  # fmt: skip
             for name, table in tables.items():
                 print(f"\nwhere a {name} batch-{batch} decode step's time goes:\n{table}")
