@@ -24,7 +24,7 @@ from models.deepseek_v4 import deepseek_v4_spec
 from models.spec import ModelSpec
 
 CSA, HCA, S = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
-# tests/test_deepseek_v4.py's tiny model
+# the tiny model: tests/test_deepseek_v4.py runs it against transformers (importing it from here)
 TINY = dict(
     vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,

@@ -49,6 +49,12 @@ TOKEN_BITMASK = _op("token_bitmask", "token_bitmask.cpp")
 # wherever the others do (its vector paths are compiled out without AVX2): needed like them.
 DECODE_STACK = _op("decode_stack", "decode_stack.cpp", needs=(CPU_FUSED, GGUF, GGUF_Q8, CPU_DECODE))
 
+# models/deepseek_v4_mix.py and models/deepseek_v4_attention.py: DeepSeek V4's hyper-connection
+# mixing (`.hc_pre`, `.hc_post`) and its decode rows' window + compressed/sparse attention
+# (`.sparse_decode`), float32
+DEEPSEEK_V4 = _op("deepseek_v4", "deepseek_v4.cpp")
+
 # every op, each after the ops it needs (scripts/build_ops.py builds them all)
-ALL = (CPU_FUSED, GGUF, GGUF_Q8, INT8_ROWS, CPU_DECODE, CPU_PREFILL, TOKEN_BITMASK, DECODE_STACK)
+ALL = (CPU_FUSED, GGUF, GGUF_Q8, INT8_ROWS, CPU_DECODE, CPU_PREFILL, TOKEN_BITMASK, DECODE_STACK,
+       DEEPSEEK_V4)
 BY_NAME = {op.name: op for op in ALL}

@@ -22,6 +22,7 @@ from torch import nn
 
 from models.attention_step import AttentionStep
 from models.deepseek_v4_attention import CSA, HCA, SLIDING, V4Attention, rms
+from models.deepseek_v4_mix import HyperConnection
 from models.deepseek_v4_plan import V4Batch
 from models.spec import KVGroupSpec, LayerSpec, ModelSpec, hf_model_spec
 
@@ -197,45 +198,6 @@ def deepseek_v4_weights(
 # ---- the model ----------------------------------------------------------------------------------
 
 
-class HyperConnection(nn.Module):
-    """The mHC weights of a block: collapse the streams (pre), expand the block's output (post)
-    and mix the streams (comb, projected to doubly stochastic by Sinkhorn-Knopp), float32."""
-
-    def __init__(self, spec: ModelSpec, outputs: int) -> None:
-        super().__init__()
-        n, x = spec.extra["hc_mult"], spec.extra
-        self.hc, self.iters, self.eps, self.norm_eps = n, x["hc_sinkhorn_iters"], x["hc_eps"], (
-            spec.rms_norm_eps)  # fmt: skip
-        self.fn = nn.Parameter(torch.empty(outputs, n * spec.hidden_size))
-        self.base = nn.Parameter(torch.empty(outputs))
-        self.scale = nn.Parameter(torch.empty(3 if outputs > n else 1))
-
-    def mix(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = rms(streams.flatten(1).float(), None, self.norm_eps)
-        return F.linear(flat, self.fn.float())
-
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(post [T, n], comb [T, n, n], collapsed [T, D]) of streams [T, n, D]."""
-        hc, mixes = self.hc, self.mix(streams)
-        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([hc, hc, hc * hc])
-        s_pre, s_post, s_comb = self.scale.float().unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.view(-1, hc, hc) * s_comb + comb_b.view(hc, hc), -1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
-
-    def head(self, streams: torch.Tensor) -> torch.Tensor:
-        """The final collapse of the streams (transformers' `hc_head`)."""
-        pre = torch.sigmoid(self.mix(streams) * self.scale.float() + self.base.float()) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-
-
 class V4MoE(nn.Module):
     """Clamped SwiGLU experts, chosen by a frozen token -> experts table (`hash_moe` layers) or
     by the top k of sqrt(softplus) scores plus a selection bias, weighted by their scores
@@ -271,11 +233,26 @@ class V4MoE(nn.Module):
             ids = torch.topk(scores + self.router_bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+        if h.shape[0] == 1:  # one decode row: its experts without the grouping ops, in the
+            return self._one_row(h, ids[0].tolist(), weights[0])  # loop's order
         out = torch.zeros_like(h)
         for e in ids.unique().tolist():
             rows, slot = torch.where(ids == e)
             y = F.linear(self.swiglu(F.linear(h[rows], self.gate_up[e])), self.down[e])
             out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out + self.shared_down(self.swiglu(self.shared_gate_up(h)))
+
+    def _one_row(self, h: torch.Tensor, ids: list[int], weights: torch.Tensor) -> torch.Tensor:
+        """`forward` of one row: its experts in ascending order (a hash table's repeat of an
+        expert in slot order), each added as the loop's index_add_ adds it."""
+        out: torch.Tensor | None = None
+        done: dict[int, torch.Tensor] = {}
+        for e, slot in sorted((e, slot) for slot, e in enumerate(ids)):
+            if e not in done:
+                done[e] = F.linear(self.swiglu(F.linear(h, self.gate_up[e])), self.down[e])
+            y = done[e] * weights[slot : slot + 1]
+            out = y if out is None else out + y
+        assert out is not None
         return out + self.shared_down(self.swiglu(self.shared_gate_up(h)))
 
 
@@ -296,10 +273,10 @@ class V4Layer(nn.Module):
     ) -> torch.Tensor:
         post, comb, x = self.attn_hc(streams)
         out = self.attn(rms(x, self.attn_norm, self.eps), batch)
-        streams = post.unsqueeze(-1) * out.unsqueeze(-2) + comb.transpose(-1, -2) @ streams
+        streams = self.attn_hc.expand(out, streams, post, comb)
         post, comb, x = self.ffn_hc(streams)
         out = self.ffn(rms(x, self.ffn_norm, self.eps), input_ids)
-        return post.unsqueeze(-1) * out.unsqueeze(-2) + comb.transpose(-1, -2) @ streams
+        return self.ffn_hc.expand(out, streams, post, comb)
 
 
 class DeepseekV4ForCausalLM(nn.Module):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.deepseek_v4_plan import RatePlan, V4Batch, additive
+from kernels.ops import DEEPSEEK_V4
+from models.deepseek_v4_plan import Keys, RatePlan, V4Batch, additive
 from models.spec import ModelSpec
 
 SLIDING = "sliding_attention"
@@ -91,6 +92,8 @@ class V4Attention(nn.Module):
         self.kind = x["layer_types"][idx]
         self.groups = x["layer_groups"][idx]
         self.heads, self.hd, self.eps = heads, hd, spec.rms_norm_eps
+        self.window = spec.sliding_window or 0
+        self.rotary_pairs = spec.rotary_dim(hd) // 2
         self.label = "main" if self.kind == SLIDING else "compress"
         self.q_a = nn.Linear(d, x["q_lora_rank"], bias=False)
         self.q_a_norm = nn.Parameter(torch.empty(x["q_lora_rank"]))
@@ -102,6 +105,9 @@ class V4Attention(nn.Module):
                                             heads * hd // self.o_groups))  # fmt: skip
         self.o_b = nn.Linear(self.o_groups * x["o_lora_rank"], d, bias=False)
         self.sinks = nn.Parameter(torch.empty(heads))
+        # kernels/deepseek_v4.cpp's forms, where the startup measurement found them faster: the
+        # decode rows' attention (`fused`), RMSNorm + rotary of the queries, keys and output
+        self.fused = self.fused_rope = False
         self.compressor: Compressor | None = None
         self.indexer: Compressor | None = None
         if self.kind != SLIDING:
@@ -119,8 +125,8 @@ class V4Attention(nn.Module):
         t = h.shape[0]
         cos, sin = batch.rope[self.label]
         q_res = rms(self.q_a(h), self.q_a_norm, self.eps)
-        q = rope(rms(self.q_b(q_res).view(t, self.heads, self.hd), None, self.eps), cos, sin)
-        kv = rope(rms(self.kv(h), self.kv_norm, self.eps), cos, sin)
+        q = self.norm_rope(self.q_b(q_res).view(t, self.heads, self.hd), True, None, cos, sin)
+        kv = self.norm_rope(self.kv(h), True, self.kv_norm, cos, sin)
         window = batch.caches[self.groups[0]]
         blk, off = batch.token_slots(True)
         window[0, 0, blk, off] = kv.to(window.dtype)
@@ -130,32 +136,69 @@ class V4Attention(nn.Module):
             self._compress(h, batch, plan)
         if self.indexer is not None:
             iq = self.indexer.q_b(q_res).view(t, self.index_heads, self.index_dim)
-            index_q = rope(iq, *batch.rope["compress"]).float()
+            index_q = self.norm_rope(iq, False, None, *batch.rope["compress"]).float()
             index_w = self.indexer.weights(h).float() * self.index_heads**-0.5
         out = q.new_empty(q.shape)
         cache = batch.caches[self.groups[2]] if plan is not None else None
-        views = []
-        if len(batch.decode_rows):  # the decode rows as one batch, each its own keys
-            views.append((batch.decode_rows, batch.decode_window, plan.decode if plan else None))
+        views, decode = [], batch.decode_rows
+        if len(decode):  # the decode rows as one batch, each its own keys
+            views.append((decode, batch.decode_window, plan.decode if plan else None))
         for j, (_, rows) in enumerate(batch.prefills):
             views.append((rows, batch.prefill_window[j], plan.prefill[j] if plan else None))
-        for rows, win, ent in views:
-            keys = window[0, 0, win.block, win.slot].to(q.dtype)  # [1 or rows, L, D]
-            bias = additive(win.visible)
-            if ent is not None and cache is not None:
-                entries = cache[0, 0, ent.block, ent.slot].to(q.dtype)
-                seen = ent.visible
-                if index_q is not None and index_w is not None:
-                    seen = self._select(index_q[rows], index_w[rows], entries[..., self.hd :], seen)
-                keys = torch.cat([keys, entries[..., : self.hd]], dim=1)
-                bias = torch.cat([bias, additive(seen)], dim=-1)
-            if keys.shape[0] == 1:
-                keys = keys[0]
-            out[rows] = self._attend(q[rows], keys, bias)
-        out = rope(out, cos, -sin).reshape(t, self.o_groups, -1)
+        for j, (rows, win, ent) in enumerate(views):
+            # the decode rows (the first view) through the C++ op where it was measured faster
+            form = self.decode_fused if j == 0 and self.fused and len(decode) else self.attend
+            iq, iw = (index_q[rows], index_w[rows]) if index_q is not None else (None, None)
+            out[rows] = form(q[rows], window, win, cache, ent, iq, iw)
+        out = self.norm_rope(out, False, None, cos, -sin).reshape(t, self.o_groups, -1)
         weight = self.o_a.view(self.o_groups, -1, out.shape[-1]).transpose(1, 2)
         grouped = torch.bmm(out.transpose(0, 1), weight)  # each head group its own projection
         return self.o_b(grouped.transpose(0, 1).reshape(t, -1))
+
+    def norm_rope(self, x: torch.Tensor, normalise: bool, weight: torch.Tensor | None,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """rope(rms(x, weight)) (`normalise`) or rope(x), by the C++ op where it serves."""
+        if self.fused_rope:
+            return DEEPSEEK_V4.load().norm_rope(x.contiguous(), normalise, weight, self.eps,
+                                                cos, sin)  # fmt: skip
+        return rope(rms(x, weight, self.eps) if normalise else x, cos, sin)
+
+    def decode_fused(self, q: torch.Tensor, window: torch.Tensor, win: Keys,
+                     cache: torch.Tensor | None, ent: Keys | None, index_q: torch.Tensor | None,
+                     index_w: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """The decode rows' attention by kernels/deepseek_v4.cpp's `sparse_decode`: what the
+        PyTorch views compute, reading only the window keys and the entries a row keeps."""
+        has = ent is not None and cache is not None
+        # the plan's indices broadcast (an entry's slot is the same for every row): the op
+        # takes them each [rows, keys]
+        win_keys = torch.broadcast_tensors(win.block, win.slot, win.visible)
+        ent_keys = torch.broadcast_tensors(ent.block, ent.slot, ent.visible) if has else (None,) * 3
+        return DEEPSEEK_V4.load().sparse_decode(
+            q.contiguous(), window[0, 0], *win_keys, cache[0, 0] if has else None, *ent_keys,
+            index_q.contiguous() if index_q is not None else None,
+            index_w.contiguous() if index_w is not None else None,
+            self.top_k if self.indexer is not None else 0, self.sinks, self.hd**-0.5,
+            self.index_dim**-0.5 if self.indexer is not None else 1.0,
+        )  # fmt: skip
+
+    def attend(self, q: torch.Tensor, window: torch.Tensor, win: Keys, cache: torch.Tensor | None,
+               ent: Keys | None, index_q: torch.Tensor | None, index_w: torch.Tensor | None
+               ) -> torch.Tensor:  # fmt: skip
+        """Query rows q [n, H, D] over their window keys and (CSA, HCA) compressed entries,
+        gathered whole and masked: the PyTorch reference (CSA: the indexer's top k of the
+        entries, its queries and weights index_q [n, IH, ID], index_w [n, IH])."""
+        keys = window[0, 0, win.block, win.slot].to(q.dtype)  # [1 or rows, L, D]
+        bias = additive(win.visible)
+        if ent is not None and cache is not None:
+            entries = cache[0, 0, ent.block, ent.slot].to(q.dtype)
+            seen = ent.visible
+            if index_q is not None and index_w is not None:
+                seen = self._select(index_q, index_w, entries[..., self.hd :], seen)
+            keys = torch.cat([keys, entries[..., : self.hd]], dim=1)
+            bias = torch.cat([bias, additive(seen)], dim=-1)
+        if keys.shape[0] == 1:
+            keys = keys[0]
+        return self._attend(q, keys, bias)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Softmax over the keys (K is V) and a sink logit per head: q [n, H, D], keys [L, D]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from bench.deepseek_v4_kv import TINY
 from engine import LLM
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
@@ -23,16 +24,10 @@ from tests.conftest import build_tokenizer
 if TYPE_CHECKING:
     from transformers import DeepseekV4ForCausalLM
 
-C, H, S = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
-CONFIG = dict(
-    vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
-    num_experts_per_tok=2, n_routed_experts=4, layer_types=[C, H, S, C],
-    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], compress_rates={C: 4, H: 32},
-    sliding_window=16, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16,
-    index_topk=8, partial_rotary_factor=0.25, max_position_embeddings=4096, bos_token_id=1,
-    eos_token_id=2, pad_token_id=0, hc_mult=4,
-)  # fmt: skip
+# bench/deepseek_v4_kv.py's tiny model (its KV layout report and step bench run the same one),
+# with special tokens and a shorter context
+CONFIG = {**TINY, "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2,
+          "pad_token_id": 0}  # fmt: skip
 # no startup measurements (step budget, oneDNN packing): these checks of numbers need none
 FAST = dict(target_step_ms=-1, cpu_packed_weights=False, spec_cost_model=False, dtype="float32",
             block_size=16)  # fmt: skip
@@ -110,6 +105,41 @@ def test_logits_and_greedy_match_transformers(ref, chunked) -> None:
     both = chunked.generate([PROMPT, PROMPT[:37]], GREEDY)
     assert both[0].outputs[0].token_ids == greedy
     assert chunked.engine.kv.pool.num_free_blocks == chunked.engine.num_blocks
+
+
+def test_greedy_with_the_cpp_decode_step(ref, chunked, monkeypatch) -> None:
+    """The startup measurement's line is in the kernel matrix; with the C++ ops serving every
+    part of the decode step (whatever it chose), decode across window boundaries batched with a
+    shorter request (rows of different lengths in one call of the op) is still transformers'
+    greedy text."""
+    from models.deepseek_v4_attention import V4Attention
+
+    _, _, greedy = ref
+    rows: list[int] = []  # each call's decode rows (a failed batched call is retried row by row)
+    real = V4Attention.decode_fused
+
+    def counted(self, q, *args):
+        out = real(self, q, *args)
+        rows.append(q.shape[0])
+        return out
+
+    monkeypatch.setattr(V4Attention, "decode_fused", counted)
+    line = next(x for x in chunked.engine.info.kernel_table.splitlines() if "decode step:" in x)
+    for part in ("hyper-connections: ", "RMSNorm + rotary: ", "CSA decode at ", "HCA decode at ",
+                 "window decode at "):  # fmt: skip
+        assert part in line
+    flags = [(m, name) for m in chunked.engine.model.modules()
+             for name in ("fused", "fused_rope") if hasattr(m, name)]  # fmt: skip
+    chosen = [getattr(m, name) for m, name in flags]
+    try:
+        for m, name in flags:
+            setattr(m, name, True)
+        both = chunked.generate([PROMPT, PROMPT[:37]], GREEDY)
+    finally:
+        for (m, name), was in zip(flags, chosen, strict=True):
+            setattr(m, name, was)
+    assert both[0].outputs[0].token_ids == greedy
+    assert max(rows) == 2
 
 
 # a prompt whose cached part (9 blocks of 16: 144 tokens) ends halfway through an HCA window

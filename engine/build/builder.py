@@ -18,6 +18,7 @@ from engine.attention.matrix import dtype_name
 from engine.attention.torch_backend import TorchBackend
 from engine.build import pool as kv_phase
 from engine.build import window as window_phase
+from engine.build.deepseek_v4_choice import choose_v4_kernels
 from engine.build.kv_judge import judge_int8_kv
 from engine.build.lora import build_loras
 from engine.build.parts import EngineParts, Pool, engine_info
@@ -124,6 +125,10 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     )
     if pool.prefill_attention:
         kernel_table += f"\n  prefill attention: {pool.prefill_attention}"
+    if weights.spec.group_specs:  # DeepSeek V4: its decode-step kernels, measured
+        v4 = choose_v4_kernels(weights.model, dtype, device, config.max_num_seqs,
+                               pool.block_size, pool.max_model_len)  # fmt: skip
+        kernel_table += f"\n  decode step: {v4}" if v4 else ""
     if host is not None:
         kernel_table += kv_phase.host_tier_lines(config, host)
     spec = weights.spec

@@ -44,7 +44,8 @@ def choose_prefill_attention(
         return ""
     if spec.group_specs:  # a model attending over its KV groups itself (DeepSeek V4)
         backend.prefill_op = None
-        return f"{spec.architecture}'s own PyTorch attention over its compressed KV groups"
+        return (f"{spec.architecture}'s own PyTorch attention over its compressed KV groups "
+                "(its decode rows: the decode step's line)")
     bs = backend.block_size
     n = min(CHUNK, scratch_blocks * bs // 2)
     if n < bs:
