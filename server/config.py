@@ -48,7 +48,7 @@ SECTIONS: dict[str, list[str]] = {
         "min_image_side"
     ).split(),
     "model": (
-        "model dtype quantization gguf_int8_activations gguf_int8_prefill cpu_packed_weights "
+        "model mmproj dtype quantization gguf_int8_activations gguf_int8_prefill cpu_packed_weights "
         "kv_cache_dtype device max_model_len"
     ).split(),
     "engine": (
