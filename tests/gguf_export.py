@@ -152,8 +152,19 @@ def write_gguf(
         if matrix_type == "F32" or a.ndim < 2 or "gate_inp" in name or "norm" in name:
             w.add_tensor(name, a)
         else:
-            q = gguf.quants.quantize(a, qtype)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+            add_blocks(w, name, a, qtype)
+    return finish(w, out)
+
+
+def add_blocks(w, name: str, a: np.ndarray, qtype) -> None:  # w: gguf.GGUFWriter
+    """`a` as `qtype` blocks, by the `gguf` package's quantizer."""
+    import gguf
+
+    q = gguf.quants.quantize(a, qtype)
+    w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
+
+def finish(w, out: Path) -> Path:  # w: gguf.GGUFWriter
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -220,8 +231,4 @@ def write_gguf_lora(peft_dir: Path, base_cfg: dict, out: Path) -> Path:
         if ab.startswith("B") and gname in ("attn_q", "attn_k"):
             a = _permute(a, heads if gname == "attn_q" else kv_heads)
         w.add_tensor(f"blk.{idx}.{gname}.weight.lora_{ab[0].lower()}", np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return finish(w, out)

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import load_file
 
+from tests.gguf_export import add_blocks, finish
+
 
 def _converter_name(name: str) -> str:
     """A transformers 5 tensor name as the original Gemma 3 checkpoints spell it (the names the
@@ -76,10 +78,5 @@ def write_mmproj(
         elif matrix_type == "F16":
             w.add_tensor(gguf_name, a.astype(np.float16))
         else:
-            q = gguf.quants.quantize(a, qtype)
-            w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+            add_blocks(w, gguf_name, a, qtype)
+    return finish(w, out)

@@ -26,7 +26,9 @@ from tests.vision_model import IMAGE, TOKENS_PER_IMAGE, build_gemma3_vlm, data_u
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # the prompt as Gemma 3's chat template renders one user turn with an image before its text
-TEXT = "<bos><start_of_turn>user\n<start_of_image>What is this?<end_of_turn>\n<start_of_turn>model\n"
+TEXT = (
+    "<bos><start_of_turn>user\n<start_of_image>What is this?<end_of_turn>\n<start_of_turn>model\n"
+)
 ENGINE = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
 
 
@@ -38,8 +40,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "vlm": vlm,
         "text": write_gguf(vlm, root / "text.gguf"),
         # llama.cpp's converter drops Gemma 3's soft token from the vocabulary (#12876)
-        "text_no_soft": write_gguf(vlm, root / "text-no-soft.gguf",
-                                   unused_tokens=("<image_soft_token>",)),  # fmt: skip
+        "text_no_soft": write_gguf(
+            vlm, root / "text-no-soft.gguf", unused_tokens=("<image_soft_token>",)
+        ),  # fmt: skip
         "mmproj": write_mmproj(vlm, root / "mmproj-f32.gguf", "F32"),
     }
 
@@ -75,8 +78,8 @@ def test_text_gguf_and_mmproj_answer_as_transformers(files, reference) -> None:
     assert vision is not None and vision.tokens_per_image == TOKENS_PER_IMAGE
     assert 0 <= vision.image_token_id < vocab and llm.tokenizer.id_to_token(IMAGE) == "[PAD7]"
     ids, images = placed(llm, 1)
-    expanded = TEXT.replace("<start_of_image>", "\n\n<start_of_image>"
-                            + "<image_soft_token>" * TOKENS_PER_IMAGE + "<end_of_image>\n\n")  # fmt: skip
+    soft = "<image_soft_token>" * TOKENS_PER_IMAGE
+    expanded = TEXT.replace("<start_of_image>", f"\n\n<start_of_image>{soft}<end_of_image>\n\n")
     theirs_ids = HFTokenizer.from_file(str(files["vlm"] / "tokenizer.json")).encode(expanded).ids
     assert ids == [IMAGE if t == vision.image_token_id else t for t in theirs_ids]
     kw = dict(input_ids=torch.tensor([theirs_ids]), pixel_values=images[0].pixels[None],
@@ -121,8 +124,9 @@ def test_chat_over_http_with_the_openai_sdk(files, reference) -> None:
     new = out[0, inputs["input_ids"].shape[1] :].tolist()
     # (the server holds back a trailing incomplete UTF-8 sequence, shown here as U+FFFD)
     wanted = load_tokenizer(str(files["text"])).decode(new).rstrip("\ufffd")
-    server = InProcessServer(files["text"], engine={**ENGINE, "mmproj": str(files["mmproj"])},
-                             served_model_name="gemma3")
+    server = InProcessServer(
+        files["text"], engine={**ENGINE, "mmproj": str(files["mmproj"])}, served_model_name="gemma3"
+    )
     try:
         client = OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
         reply = client.chat.completions.create(
