@@ -29,7 +29,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 TEXT = (
     "<bos><start_of_turn>user\n<start_of_image>What is this?<end_of_turn>\n<start_of_turn>model\n"
 )
-ENGINE = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
+# no startup measurements (step budget, packed weights, speculation costs): seconds each here
+ENGINE = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=64, target_step_ms=-1,
+              cpu_packed_weights=False, spec_cost_model=False)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
