@@ -27,8 +27,9 @@ from gguf import GGUFReader, VisionProjectorType
 
 from models.checkpoint import to_tensor
 from models.gemma3_vision import Gemma3ImageEncoder
-from models.gguf_loader import float_array
+from models.gguf_loader import field, float_array, gguf_spec
 from models.image_processor import ImageProcessor
+from models.loader import is_gguf
 from models.spec import ModelSpec, VisionSpec
 
 SERVED_PROJECTORS = (VisionProjectorType.GEMMA3,)
@@ -138,8 +139,6 @@ def gemma3_encoder_weights(mmproj: Mmproj) -> Iterator[tuple[str, torch.Tensor]]
 def _placeholders(text_path: str, spec: ModelSpec) -> tuple[int, int, int, str]:
     """(begin, end, placeholder ids, how the placeholder was found) from the text GGUF's
     vocabulary."""
-    from models.gguf_loader import field
-
     tokens = [str(t) for t in field(text_path, "tokenizer.ggml.tokens") or []]
     types = list(field(text_path, "tokenizer.ggml.token_type") or [1] * len(tokens))
     rows = min(len(tokens), spec.vocab_size)  # ids the embedding holds
@@ -164,9 +163,6 @@ def mmproj_vision_spec(mmproj_path: str, text_path: str) -> VisionSpec:
     """The image side of a GGUF text model served with an mmproj file, or a ValueError naming
     what does not fit: a text model that is not a GGUF or not Gemma 3, another projector type,
     a projector whose output width is not the text model's."""
-    from models.gguf_loader import gguf_spec
-    from models.loader import is_gguf
-
     if not is_gguf(text_path):
         raise ValueError(
             f"--mmproj goes with a GGUF text model; {text_path} is not a .gguf file (an HF "
