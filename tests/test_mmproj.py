@@ -105,6 +105,7 @@ def test_text_gguf_and_mmproj_answer_as_transformers(files, reference) -> None:
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
 
 
+@pytest.mark.slow  # starts a server
 def test_chat_over_http_with_the_openai_sdk(files, reference) -> None:
     """The vocabulary with `<image_soft_token>`; the chat route renders the GGUF's template."""
     from openai import OpenAI
@@ -144,11 +145,9 @@ def test_chat_over_http_with_the_openai_sdk(files, reference) -> None:
         server.stop()
 
 
-def test_a_q8_0_projector_is_close(files, tmp_path) -> None:
+def test_a_q8_0_projector_is_close(files, reference, tmp_path) -> None:
     """Matrices in Q8_0 blocks, dequantized at load: soft tokens within Q8_0's rounding of
     transformers' image features."""
-    from transformers import Gemma3ForConditionalGeneration
-
     from models.mmproj import load_mmproj_encoder, mmproj_vision_spec
     from models.spec import ModelSpec
 
@@ -157,9 +156,8 @@ def test_a_q8_0_projector_is_close(files, tmp_path) -> None:
     spec = ModelSpec("Gemma3ForCausalLM", 512, 64, (), vision=vision)
     encoder, processor = load_mmproj_encoder(str(q8), spec, torch.float32, "cpu")
     pixels = torch.from_numpy(processor(decode_image(png(2), 10**7, 2)))[None]
-    model = Gemma3ForConditionalGeneration.from_pretrained(files["vlm"], dtype=torch.float32)
     with torch.no_grad():
-        ref = model.get_image_features(pixel_values=pixels)
+        ref = reference.get_image_features(pixel_values=pixels)
     ref = getattr(ref, "pooler_output", ref)
     ours = encoder(pixels)
     err = (ours - ref).abs().max().item() / ref.abs().max().item()
