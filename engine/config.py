@@ -124,6 +124,11 @@ class EngineConfig:
     model: str | None = setting(
         None, "HF checkpoint directory or GGUF file (default: the shipped SmolLM2-135M-Instruct)"
     )
+    mmproj: str = setting(
+        "",
+        "llama.cpp's projector GGUF (convert_hf_to_gguf.py --mmproj) for a GGUF text model's "
+        "images; served: projector type gemma3 beside a gemma3 text GGUF; empty: text only",
+    )
     dtype: str = setting(
         "auto",
         "serving dtype. auto: CUDA bfloat16 from sm80, float16 below; CPU bfloat16 where it "

@@ -277,7 +277,7 @@ def _unpermuted(spec: ModelSpec, part: str | None, rows: np.ndarray) -> np.ndarr
     return np.array(rows, order="C", copy=True)
 
 
-def _float_array(t: ReaderTensor) -> np.ndarray:
+def float_array(t: ReaderTensor) -> np.ndarray:
     """A tensor's values as float32, in numpy's order (the reverse of ggml's shape)."""
     shape = tuple(int(x) for x in reversed(t.shape))
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
@@ -291,7 +291,7 @@ def _gguf_parts(path: str, spec: ModelSpec) -> Iterator[Part]:
         names = _model_names(t, arch)
         if not names:
             continue
-        array = _float_array(t)
+        array = float_array(t)
         for name, part, expert in names:
             matrix = array if expert is None else array[expert]
             yield name, part, to_tensor(_unpermuted(spec, part, matrix))
@@ -313,7 +313,7 @@ def gguf_lora_tensors(
     layer = spec.layers[0]
     tensors = {}
     for t in r.tensors:
-        array = _float_array(t)
+        array = float_array(t)
         if permuted and t.name.endswith(".lora_b") and t.name.split(".")[2] in ("attn_q", "attn_k"):
             heads = layer.num_heads if t.name.split(".")[2] == "attn_q" else layer.num_kv_heads
             if array.shape[0] % (2 * heads) == 0:

@@ -66,6 +66,15 @@ class Tokenizer:
             return None if i == self._backend.unk_id() and token != self.id_to_token(i) else i
         return self._backend.token_to_id(token)
 
+    def mark_special(self, token_id: int) -> None:
+        """Read the text of vocabulary entry `token_id` as that one token (an entry the loader
+        chose to hold an image's positions: models/mmproj.py)."""
+        text = self.id_to_token(token_id)
+        if self.kind != "tokenizers" or text is None:
+            raise ValueError(f"token id {token_id} cannot be made a special token here")
+        self._backend.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+        self.special_ids = self.special_ids | {token_id}
+
     @property
     def bos_token(self) -> str:
         return (self.id_to_token(self.bos_token_id) or "") if self.bos_token_id is not None else ""

@@ -48,8 +48,8 @@ SECTIONS: dict[str, list[str]] = {
         "min_image_side"
     ).split(),
     "model": (
-        "model dtype quantization gguf_int8_activations gguf_int8_prefill cpu_packed_weights "
-        "kv_cache_dtype device max_model_len"
+        "model mmproj dtype quantization gguf_int8_activations gguf_int8_prefill "
+        "cpu_packed_weights kv_cache_dtype device max_model_len"
     ).split(),
     "engine": (
         "max_num_seqs max_num_batched_tokens scheduling short_prefill_tokens target_step_ms "

@@ -21,6 +21,7 @@ GGUF_ARCH = {
     "MistralForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "qwen3moe",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its language model (images: mmproj_export.py)
     "Phi3ForCausalLM": "phi3",
 }
 _PERMUTED = {"llama", "mistral3"}
@@ -90,14 +91,22 @@ def _tensors(cfg: dict, arch: str, hf: dict[str, torch.Tensor]) -> dict[str, np.
     return out
 
 
-def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", arch: str | None = None) -> Path:
+def write_gguf(
+    hf_dir: Path, out: Path, matrix_type: str = "F32", arch: str | None = None,
+    unused_tokens: tuple[str, ...] = (),
+) -> Path:  # fmt: skip
     """`hf_dir`'s checkpoint and tokenizer as `out`; 2-D and 3-D weights in `matrix_type`
     ("F32", "Q8_0"), norms and routers in F32, as llama.cpp's converter writes them; `arch`
-    overrides the file's architecture name (`mistral3` for a Mistral)."""
+    overrides the file's architecture name (`mistral3` for a Mistral). A vision-language
+    checkpoint gives its language model, as the converter's text class reads it (the tower
+    goes to an mmproj file). `unused_tokens` are written as unused `[PAD<id>]` entries, as the
+    converter leaves Gemma 3's `<image_soft_token>`."""
     import gguf
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = arch or GGUF_ARCH[cfg["architectures"][0]]
+    if "text_config" in cfg:
+        cfg = {**cfg, **cfg["text_config"]}
     w = gguf.GGUFWriter(str(out), arch)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -124,6 +133,7 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", arch: str | No
     hf = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         hf.update(load_file(str(f)))
+    hf = {_text_name(name): t for name, t in hf.items() if _text_name(name)}
     tensors = _tensors(cfg, arch, hf)
     if arch == "phi3":
         factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
@@ -135,15 +145,26 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", arch: str | No
             w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(original))))
             tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
             tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
-    _add_tokenizer(w, hf_dir, cfg)
+    _add_tokenizer(w, hf_dir, cfg, unused_tokens)
     qtype = gguf.GGMLQuantizationType[matrix_type]
     for name, a in tensors.items():
         a = np.ascontiguousarray(a, dtype=np.float32)
         if matrix_type == "F32" or a.ndim < 2 or "gate_inp" in name or "norm" in name:
             w.add_tensor(name, a)
         else:
-            q = gguf.quants.quantize(a, qtype)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+            add_blocks(w, name, a, qtype)
+    return finish(w, out)
+
+
+def add_blocks(w, name: str, a: np.ndarray, qtype) -> None:  # w: gguf.GGUFWriter
+    """`a` as `qtype` blocks, by the `gguf` package's quantizer."""
+    import gguf
+
+    q = gguf.quants.quantize(a, qtype)
+    w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
+
+def finish(w, out: Path) -> Path:  # w: gguf.GGUFWriter
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -151,8 +172,20 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", arch: str | No
     return out
 
 
-def _add_tokenizer(w, hf_dir: Path, cfg: dict) -> None:  # w: gguf.GGUFWriter
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+def _text_name(name: str) -> str:
+    """A checkpoint tensor's name as the text model's ("" for the image path's): a
+    ConditionalGeneration's language model under "model.", as in a CausalLM."""
+    for prefix in ("language_model.model.", "model.language_model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix) :]
+    if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")):  # fmt: skip
+        return ""
+    return name.replace("language_model.", "", 1) if name.startswith("language_model.") else name
+
+
+def _add_tokenizer(w, hf_dir: Path, cfg: dict, unused: tuple[str, ...] = ()) -> None:
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())  # w: gguf.GGUFWriter
     vocab = tok["model"]["vocab"]
     tokens = [""] * cfg["vocab_size"]
     types = [1] * cfg["vocab_size"]
@@ -162,6 +195,9 @@ def _add_tokenizer(w, hf_dir: Path, cfg: dict) -> None:  # w: gguf.GGUFWriter
         tokens[i], types[i] = f"[PAD{i}]", 5
     for added in tok.get("added_tokens", []):
         types[added["id"]] = 3
+    for i, text in enumerate(list(tokens)):
+        if text in unused:
+            tokens[i], types[i] = f"[PAD{i}]", 5
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -195,8 +231,4 @@ def write_gguf_lora(peft_dir: Path, base_cfg: dict, out: Path) -> Path:
         if ab.startswith("B") and gname in ("attn_q", "attn_k"):
             a = _permute(a, heads if gname == "attn_q" else kv_heads)
         w.add_tensor(f"blk.{idx}.{gname}.weight.lora_{ab[0].lower()}", np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return finish(w, out)

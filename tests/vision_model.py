@@ -36,13 +36,16 @@ TEMPLATE = (
 )
 
 
-def build_gemma3_vlm(out: Path) -> Path:
+def build_gemma3_vlm(out: Path, text_layers: int = 2) -> Path:
+    """`text_layers` 6: llama.cpp's fixed Gemma 3 pattern (five windowed, then a global one),
+    the only one a GGUF can say; 2: one of each."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                query_pre_attn_scalar=16, max_position_embeddings=4096,
-                layer_types=["sliding_attention", "full_attention"], bos_token_id=1,
+    kinds = ["sliding_attention"] * (text_layers - 1) + ["full_attention"]
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=text_layers, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                max_position_embeddings=4096, layer_types=kinds, bos_token_id=1,
                 eos_token_id=2, pad_token_id=0)  # fmt: skip
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   image_size=28, patch_size=7, vision_use_head=False)  # fmt: skip
@@ -78,6 +81,7 @@ def build_gemma3_vlm(out: Path) -> Path:
         "size": {"height": 28, "width": 28}, "resample": 2, "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
+        "image_seq_length": TOKENS_PER_IMAGE,  # as Gemma 3's own (llama.cpp's converter reads it)
     }))  # fmt: skip
     return out
 

@@ -140,7 +140,8 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     budget = step_budget(config, key, weights.model, pool.backend, pool.scratch_blocks, device)
     loras = build_loras(config, spec, dtype)
     kernel_table += f"\n  step budget: {budget.describe()}\n  lora: {loras.describe()}"
-    vision = build_image_encoder(config, model_path, spec, dtype, device, draft is not None)
+    vision = build_image_encoder(config, model_path, spec, dtype, device, draft is not None,
+                                 tokenizer)  # fmt: skip
     image_cost = encoder_cost(*vision, budget) if vision else 0.0
     if vision:
         kernel_table += f"\n  images: {image_cost:.2f} prefill tokens of a step a soft token"

@@ -15,6 +15,7 @@ from engine.runner.encoder import ImageEncoder
 from engine.spec.cost import timed_rounds
 from models.loader import is_gguf
 from models.spec import ModelSpec
+from models.tokenizer import Tokenizer
 from models.vision import AnyImageProcessor, load_image_encoder, read_image_processor
 
 log = logging.getLogger("kvserve.engine")
@@ -22,11 +23,12 @@ log = logging.getLogger("kvserve.engine")
 
 def build_image_encoder(
     config: EngineConfig, model_path: str, spec: ModelSpec, dtype: torch.dtype,
-    device: torch.device, draft_head: bool = False,
+    device: torch.device, draft_head: bool = False, tokenizer: Tokenizer | None = None,
 ) -> tuple[ImageEncoder, AnyImageProcessor] | None:  # fmt: skip
-    """The encoder with its cache, and the checkpoint's image processor; None for a text
-    model. `draft_head`: an EAGLE head drafts for the model."""
-    if spec.vision is None or is_gguf(model_path):
+    """The encoder with its cache, and the checkpoint's image processor (an HF directory's, or
+    an mmproj file's beside a GGUF: models/mmproj.py); None for a text model. `draft_head`: an
+    EAGLE head drafts for the model; `tokenizer`: the one the server places images with."""
+    if spec.vision is None or (is_gguf(model_path) and not config.mmproj):
         return None
     if config.tensor_parallel_size > 1:
         raise ValueError(
@@ -38,9 +40,19 @@ def build_image_encoder(
             "an EAGLE draft head for a model with M-RoPE positions: the head's own rotary "
             "positions are one-axis (serve it with speculative_method = off, or n-gram drafts)"
         )
-    encoder = load_image_encoder(model_path, spec, dtype, device)
+    if config.mmproj:
+        from models.mmproj import load_mmproj_encoder  # imports `gguf`: GGUF serving only
+
+        encoder, processor = load_mmproj_encoder(config.mmproj, spec, dtype, device)
+        placeholder = spec.vision.image_token_id
+        if tokenizer is not None and placeholder not in tokenizer.special_ids:
+            tokenizer.mark_special(placeholder)  # an unused entry holds the image's positions
+        log.info("mmproj %s: image placeholder %s", config.mmproj,
+                 spec.vision.tower_config.get("placeholder"))  # fmt: skip
+    else:
+        encoder = load_image_encoder(model_path, spec, dtype, device)
+        processor = read_image_processor(model_path, spec.vision)
     assert encoder is not None
-    processor = read_image_processor(model_path, spec.vision)
     capacity = parse_bytes(config.encoder_cache_bytes)
     tokens = spec.vision.tokens_per_image or "an image's own number of"
     log.info("image encoder: %s, %s soft tokens an image; encoder cache %d bytes",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -87,7 +87,14 @@ def load_weights(
     """Load, keep GGUF blocks as stored, pack and measure, for this rank (`shard_of`: its part
     of a spec under tensor parallelism)."""
     torch.manual_seed(config.seed)
+    vision = None
+    if config.mmproj:  # its image side, checked against the text model before that is read
+        from models.mmproj import mmproj_vision_spec  # imports `gguf`: GGUF serving only
+
+        vision = mmproj_vision_spec(config.mmproj, model_path)
     model, spec = load_model(model_path, dtype, device, shard_of, config.max_model_len)
+    if vision is not None:
+        spec = replace(spec, vision=vision)
     shard = shard_of(spec) if shard_of is not None else None
     notes = f"{dtype_name(dtype)} (the serving dtype)"
     gguf_note, gguf_served = "", False
