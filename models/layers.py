@@ -54,6 +54,12 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
+# the plain (ungated) ones, by a config's `hidden_act`: the vision towers' MLPs
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
