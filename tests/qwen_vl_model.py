@@ -48,8 +48,8 @@ def build_qwen25_vl(out: Path) -> Path:
                   patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2,
                   window_size=16, fullatt_block_indexes=[1])  # fmt: skip
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **TOKEN_IDS)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    return _save(model, out, b"qwen2.5-vl", "Qwen2_5_VLProcessor")
+    return _save(Qwen2_5_VLForConditionalGeneration, config, out, b"qwen2.5-vl",
+                 "Qwen2_5_VLProcessor")  # fmt: skip
 
 
 def build_qwen3_vl(out: Path) -> Path:
@@ -67,15 +67,14 @@ def build_qwen3_vl(out: Path) -> Path:
                   num_position_embeddings=16, deepstack_visual_indexes=[0, 2],
                   hidden_act="gelu_pytorch_tanh")  # fmt: skip
     config = Qwen3VLConfig(text_config=text, vision_config=vision, **TOKEN_IDS)
-    model = Qwen3VLForConditionalGeneration(config)
-    return _save(model, out, b"qwen3-vl", "Qwen3VLProcessor")
+    return _save(Qwen3VLForConditionalGeneration, config, out, b"qwen3-vl", "Qwen3VLProcessor")
 
 
-def _save(model, out: Path, seed: bytes, processor_class: str) -> Path:
+def _save(model_class, config, out: Path, seed: bytes, processor_class: str) -> Path:
     """Random weights (norms near 1, the rest wide), the checkpoint, the tokenizer, the chat
     template and a processor config whose pixel bounds give small images a few soft tokens."""
     torch.manual_seed(zlib.crc32(seed) % 1000)
-    model = model.float()
+    model = model_class(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             is_norm = "norm" in name or "ln_q" in name

@@ -201,6 +201,7 @@ def test_mrope_tables_match_transformers(interleaved: bool) -> None:
         assert (want[:, 16:] - got[:, 0]).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("qvl", ["qwen2.5-vl"], indirect=True)  # the path is one for both
 def test_preempted_image_request_resumes_on_its_positions(qvl, reference) -> None:
     """Two image requests in a pool too small for both: the newer is preempted (recomputed from
     its first token, outputs included) and still answers as transformers does."""
