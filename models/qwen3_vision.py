@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import ACTIVATIONS
+from models.layers import PlainMLP
 from models.qwen_vision import (
     PatchEmbed,
     QwenVisionSpec,
@@ -25,17 +25,6 @@ from models.qwen_vision import (
     patch_rotary,
     rotary_inv_freq,
 )
-
-
-class _MLP(nn.Module):
-    def __init__(self, spec: QwenVisionSpec) -> None:
-        super().__init__()
-        self.linear_fc1 = nn.Linear(spec.hidden_size, spec.intermediate_size)
-        self.linear_fc2 = nn.Linear(spec.intermediate_size, spec.hidden_size)
-        self.act = ACTIVATIONS[spec.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class _Merger(nn.Module):
@@ -70,7 +59,11 @@ class Qwen3VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(spec, bias=True)
         self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.hidden_size)
         norm = partial(nn.LayerNorm, eps=1e-6)
-        self.blocks = nn.ModuleList(VisionBlock(spec, norm, _MLP(spec)) for _ in range(spec.depth))
+        self.blocks = nn.ModuleList(
+            VisionBlock(spec, norm, PlainMLP(spec.hidden_size, spec.intermediate_size,
+                                             spec.hidden_act, ("linear_fc1", "linear_fc2")))
+            for _ in range(spec.depth)
+        )  # fmt: skip
         self.merger = _Merger(spec, postshuffle=False)
         if any(not 0 <= i < spec.depth for i in spec.deepstack_visual_indexes):
             raise ValueError(f"deepstack_visual_indexes {list(spec.deepstack_visual_indexes)} "

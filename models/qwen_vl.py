@@ -23,6 +23,10 @@ QWEN_VL_ARCHITECTURES = {
     "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "qwen3_vl"),
 }
 QWEN_TOWERS = {tower for _, tower in QWEN_VL_ARCHITECTURES.values()}
+# transformers' `Qwen3VLVisionConfig` defaults where models/qwen_vision.py's spec would read
+# another (a config.json may leave a default out)
+QWEN3_TOWER_DEFAULTS = {"hidden_act": "gelu_pytorch_tanh", "patch_size": 16,
+                        "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]}
 _NESTED = "model.language_model."  # transformers 5's spelling of the text model's tensors
 
 
@@ -32,15 +36,15 @@ def qwen_vl_config(arch: str, cfg: dict) -> tuple[str, dict, dict]:
     part, which the decoder's plain rotary table does not read. Qwen3-VL's frequencies are
     interleaved whatever its `mrope_interleaved` says (transformers' table always is), and
     its sections default to transformers' (24, 20, 20)."""
-    decoder, kind = QWEN_VL_ARCHITECTURES[arch]
-    qwen3 = kind == "qwen3_vl"
+    decoder, tower_kind = QWEN_VL_ARCHITECTURES[arch]
+    qwen3 = tower_kind == "qwen3_vl"
     text = {**cfg, **cfg.get("text_config", {})}
-    tower = cfg.get("vision_config") or {}
+    tower = {**(QWEN3_TOWER_DEFAULTS if qwen3 else {}), **(cfg.get("vision_config") or {})}
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     section = tuple(int(s) for s in rope.get("mrope_section") or ((24, 20, 20) if qwen3 else ()))
     if not section:
         raise ValueError(f"{arch}: the text config names no mrope_section")
-    theta = text.get("rope_theta") or rope.get("rope_theta") or 1_000_000.0
+    theta = text.get("rope_theta") or rope.get("rope_theta") or (5e5 if qwen3 else 1e6)
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
         kind = rope.get("rope_type", rope.get("type"))
         raise ValueError(f"{arch}: rope type {kind!r} with M-RoPE is not supported")
@@ -52,7 +56,7 @@ def qwen_vl_config(arch: str, cfg: dict) -> tuple[str, dict, dict]:
                          f"{head_dim}-wide head")  # fmt: skip
     merge = int(tower.get("spatial_merge_size", 2))
     vision = VisionSpec(
-        architecture=kind,
+        architecture=tower_kind,
         image_token_id=int(cfg.get("image_token_id", 151_655)),
         tokens_per_image=0,
         begin_token_id=cfg.get("vision_start_token_id", 151_652),

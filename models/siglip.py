@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import ACTIVATIONS
+from models.layers import ACTIVATIONS, PlainMLP
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,24 +77,13 @@ class _Attention(nn.Module):
         return self.out_proj(o.transpose(1, 2).reshape(n, t, h))
 
 
-class _MLP(nn.Module):
-    def __init__(self, spec: SiglipSpec) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(spec.hidden_size, spec.intermediate_size)
-        self.fc2 = nn.Linear(spec.intermediate_size, spec.hidden_size)
-        self.act = ACTIVATIONS[spec.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class _Layer(nn.Module):
     def __init__(self, spec: SiglipSpec) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
         self.self_attn = _Attention(spec)
         self.layer_norm2 = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
-        self.mlp = _MLP(spec)
+        self.mlp = PlainMLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))

@@ -224,3 +224,21 @@ def test_preempted_image_request_resumes_on_its_positions(qvl, reference) -> Non
 
 def test_the_encoder_cost_is_measured_on_a_dynamic_resolution_image(cached_llm) -> None:
     assert cached_llm.engine.scheduler.image_cost > 0
+
+
+def test_a_qwen3_tower_it_cannot_read_is_refused_at_startup() -> None:
+    """What Qwen3-VL's tower cannot compute as transformers does is a load error, with why."""
+    from dataclasses import replace
+
+    from models.qwen3_vision import Qwen3VisionTower
+    from models.qwen_vision import QwenVisionSpec
+
+    good = QwenVisionSpec(2, 8, 16, 2, 8, 4, num_position_embeddings=16)
+    assert Qwen3VisionTower(good).side == 4
+    for bad, why in [
+        (replace(good, num_position_embeddings=15), "not a square grid"),
+        (replace(good, deepstack_visual_indexes=(1, 2)), "outside the tower's 2"),
+        (replace(good, window_size=16), "no attention windows"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            Qwen3VisionTower(bad)
