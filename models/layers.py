@@ -1,6 +1,6 @@
 """Small numeric building blocks shared by the architectures: RMSNorm (fused with the residual
-add where kvserve's C++ ops serve), gated activations and rotary embeddings. The linear layer and
-its weight formats are models/linear/."""
+add where kvserve's C++ ops serve), gated and plain activations, the vision towers' plain MLP
+and rotary embeddings. The linear layer and its weight formats are models/linear/."""
 
 from __future__ import annotations
 
@@ -54,6 +54,29 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
+# the plain (ungated) ones, by a config's `hidden_act`: the vision towers' MLPs
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class PlainMLP(nn.Module):
+    """second(act(first(x))), ungated: the vision towers' MLP. `names`: the checkpoint's names
+    of the two linears (SigLIP's fc1 / fc2, Qwen3-VL's linear_fc1 / linear_fc2)."""
+
+    def __init__(self, hidden: int, inner: int, act: str, names: tuple[str, str] = ("fc1", "fc2")
+                 ) -> None:  # fmt: skip
+        super().__init__()
+        self.names = names
+        setattr(self, names[0], nn.Linear(hidden, inner))
+        setattr(self, names[1], nn.Linear(inner, hidden))
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (getattr(self, name) for name in self.names)
+        return second(self.act(first(x)))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

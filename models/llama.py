@@ -238,7 +238,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [tokens, hidden]. With `aux_layers` (EAGLE-3),
         the inputs of those layers are concatenated after it: [tokens, hidden * (1 + n)].
         `lora`: LoRA adapters' rows in the step (models/lora.py). `images`: (rows, soft tokens
-        [rows, hidden]) whose embeddings are the image encoder's, as they are (unscaled)."""
+        [rows, hidden * (1 + k)]): the first `hidden` columns are those rows' embeddings, as
+        the image encoder made them (unscaled); the k more (Qwen3-VL's deepstack) are added to
+        those rows' hidden states after each of the first k layers."""
+        layer_adds: tuple[torch.Tensor, ...] = ()
         if images is not None:  # a placeholder id may lie outside the vocabulary (Gemma 3)
             input_ids = input_ids.index_fill(0, images[0], 0)
         x = self.embed_tokens(input_ids)
@@ -246,7 +249,9 @@ class LlamaForCausalLM(nn.Module):
             # in the serving dtype, as Gemma's own code rounds its sqrt(hidden) normaliser
             x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype)
         if images is not None:
-            x = x.index_copy(0, images[0], images[1].to(x.dtype))
+            soft, *deepstack = images[1].to(x.dtype).split(x.shape[1], dim=1)
+            layer_adds = tuple(deepstack)
+            x = x.index_copy(0, images[0], soft)
         rope = self.rope(positions, x.device)
         residual: torch.Tensor | None = None
         captured: dict[int, torch.Tensor] = {}
@@ -262,6 +267,10 @@ class LlamaForCausalLM(nn.Module):
             extra = () if per_layer is None else (per_layer[:, i],)
             # a layer may hand back its whole sum with no residual (Gemma 4 scales it)
             x, residual = layer(x, residual, cos, sin, attn, lora, *extra)
+            if i < len(layer_adds):  # to the layer's output, the residual sum
+                assert images is not None
+                total = x if residual is None else residual + x
+                x, residual = total.index_add(0, images[0], layer_adds[i]), None
         hidden = rms_norm(x if residual is None else residual + x, self.norm.weight, self.norm.eps)
         if not aux_layers:
             return hidden

@@ -30,7 +30,12 @@ from models.llama import LlamaForCausalLM
 from models.openelm import openelm_spec, openelm_weights
 from models.phi3 import phi3_fields
 from models.qwen_vision import is_qwen_vision_tensor
-from models.qwen_vl import QWEN_VL_ARCHITECTURES, qwen_vl_config, qwen_vl_text_weights
+from models.qwen_vl import (
+    QWEN_TOWERS,
+    QWEN_VL_ARCHITECTURES,
+    qwen_vl_config,
+    qwen_vl_text_weights,
+)
 from models.spec import LayerSpec, ModelSpec
 from models.tp_plan import RankShard
 
@@ -111,7 +116,7 @@ def load_model(
         weights = deepseek_v4_weights(hf_weights(path, dtype), spec)
     elif spec.architecture == "Gemma3ForCausalLM":
         weights = fuse_parts(spec, hf_llama_parts(gemma3_weights(hf_weights(path, dtype))))
-    elif spec.vision is not None and spec.vision.architecture == "qwen2_5_vl":
+    elif spec.vision is not None and spec.vision.architecture in QWEN_TOWERS:
         text = hf_weights(path, dtype, keep=lambda name: not is_qwen_vision_tensor(name))
         weights = fuse_parts(spec, hf_llama_parts(qwen_vl_text_weights(text)))
     else:
@@ -194,7 +199,7 @@ def hf_spec(path: str, context: int | None = None) -> ModelSpec:
     if arch == "Gemma3ForConditionalGeneration" and "text_config" in cfg:
         vision = gemma3_vision_spec(cfg)  # its image path (models/gemma3_vision.py)
         arch, cfg = "Gemma3ForCausalLM", {**cfg, **cfg["text_config"]}  # its language model
-    if arch in QWEN_VL_ARCHITECTURES:  # Qwen2 + M-RoPE, its tower (models/qwen_vl.py)
+    if arch in QWEN_VL_ARCHITECTURES:  # Qwen2/3 + M-RoPE, its tower (models/qwen_vl.py)
         arch, cfg, vision_fields = qwen_vl_config(arch, cfg)
     if arch == "Gemma4ForConditionalGeneration" and "text_config" in cfg:
         arch, cfg = "Gemma4ForCausalLM", {**cfg, **cfg["text_config"]}  # its language model

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers import ACTIVATIONS, PlainMLP
+
 
 @dataclass(frozen=True, slots=True)
 class SiglipSpec:
@@ -30,7 +32,7 @@ class SiglipSpec:
     @staticmethod
     def of(cfg: dict) -> SiglipSpec:
         act = cfg.get("hidden_act", "gelu_pytorch_tanh")
-        if act not in _ACTIVATIONS:
+        if act not in ACTIVATIONS:
             raise ValueError(f"vision tower activation {act!r} is not supported")
         return SiglipSpec(
             cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
@@ -41,12 +43,6 @@ class SiglipSpec:
     @property
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
-
-
-_ACTIVATIONS = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
 
 
 class _Embeddings(nn.Module):
@@ -81,24 +77,13 @@ class _Attention(nn.Module):
         return self.out_proj(o.transpose(1, 2).reshape(n, t, h))
 
 
-class _MLP(nn.Module):
-    def __init__(self, spec: SiglipSpec) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(spec.hidden_size, spec.intermediate_size)
-        self.fc2 = nn.Linear(spec.intermediate_size, spec.hidden_size)
-        self.act = _ACTIVATIONS[spec.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class _Layer(nn.Module):
     def __init__(self, spec: SiglipSpec) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
         self.self_attn = _Attention(spec)
         self.layer_norm2 = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
-        self.mlp = _MLP(spec)
+        self.mlp = PlainMLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))

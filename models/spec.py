@@ -58,7 +58,7 @@ class VisionSpec:
     begin and end tokens the template wrote, repeated). `tower_config`: the checkpoint's vision
     config, for the encoder's own builder (models/gemma3_vision.py, models/qwen_vision.py)."""
 
-    architecture: str  # "gemma3", "qwen2_5_vl"
+    architecture: str  # "gemma3", "qwen2_5_vl", "qwen3_vl"
     image_token_id: int
     tokens_per_image: int  # 0: each image's own (dynamic resolution)
     begin_token_id: int | None

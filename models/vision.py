@@ -1,7 +1,9 @@
 """A vision-language checkpoint's image side, by its `VisionSpec.architecture`: the image
 encoder (pixels -> soft tokens in the text model's width) and the image processor (decoded
 image -> what the encoder reads). Gemma 3: models/gemma3_vision.py and image_processor.py;
-Qwen2.5-VL: models/qwen_vision.py and qwen_image_processor.py."""
+Qwen2.5-VL: models/qwen_vision.py and qwen_image_processor.py; Qwen3-VL: models/qwen3_vision.py
+and the same processor (transformers' `Qwen2VLImageProcessor` serves both; a Qwen3-VL
+checkpoint's patch 16 and mean/std 0.5 are its `preprocessor_config.json`'s)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import torch
 from models.gemma3_vision import Gemma3ImageEncoder, is_image_path_tensor
 from models.image_processor import ImageProcessor
 from models.loader import hf_weights
+from models.qwen3_vision import Qwen3VisionTower
 from models.qwen_image_processor import QwenImageProcessor
-from models.qwen_vision import QwenImageEncoder, is_qwen_vision_tensor
+from models.qwen_vision import QwenImageEncoder, QwenVisionTower, is_qwen_vision_tensor
+from models.qwen_vl import QWEN_TOWERS
 from models.spec import ModelSpec, VisionSpec
 
 AnyImageProcessor = ImageProcessor | QwenImageProcessor
@@ -25,8 +29,9 @@ def load_image_encoder(
     if spec.vision is None:
         return None
     encoder: ImageEncoderModel
-    if spec.vision.architecture == "qwen2_5_vl":
-        encoder = QwenImageEncoder(spec.vision, spec.hidden_size)
+    if spec.vision.architecture in QWEN_TOWERS:
+        tower = Qwen3VisionTower if spec.vision.architecture == "qwen3_vl" else QwenVisionTower
+        encoder = QwenImageEncoder(spec.vision, spec.hidden_size, tower)
         encoder.load_weights(hf_weights(path, dtype, keep=is_qwen_vision_tensor))
     else:
         encoder = Gemma3ImageEncoder(spec.vision, spec.hidden_size)
@@ -37,6 +42,6 @@ def load_image_encoder(
 def read_image_processor(path: str, vision: VisionSpec) -> AnyImageProcessor:
     """The checkpoint's processor settings (`preprocessor_config.json`), checked against its
     tower."""
-    if vision.architecture == "qwen2_5_vl":
+    if vision.architecture in QWEN_TOWERS:
         return QwenImageProcessor.read(path, vision.tower_config)
     return ImageProcessor.read(path, int(vision.tower_config["image_size"]))

@@ -1,8 +1,9 @@
-"""A tiny random Qwen2.5-VL checkpoint (`Qwen2_5_VLForConditionalGeneration`: a 3-block tower
-of width 32 over 4-pixel patches merged 2x2, windows of 2x2 merged patches beside one
-full-attention block; a 2-layer Qwen2 text model with M-RoPE sections (2, 3, 3)), with a
-byte-level BPE tokenizer that knows Qwen's turn and vision tokens, a Qwen-shaped chat template
-and a processor config whose pixel bounds give small images a few soft tokens."""
+"""Tiny random Qwen2.5-VL and Qwen3-VL checkpoints (`Qwen2_5_VLForConditionalGeneration`: a
+3-block tower of width 32 over 4-pixel patches merged 2x2, windows of 2x2 merged patches beside
+one full-attention block; a 2-layer Qwen2 text model with M-RoPE sections (2, 3, 3); Qwen3-VL's
+in `build_qwen3_vl`), each with a byte-level BPE tokenizer that knows Qwen's turn and vision
+tokens, a Qwen-shaped chat template and a processor config whose pixel bounds give small images
+a few soft tokens."""
 
 from __future__ import annotations
 
@@ -31,38 +32,65 @@ TEMPLATE = "".join([
 ])  # fmt: skip
 
 
+TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2, pad_token_id=0)  # fmt: skip
+TOKEN_IDS = dict(image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
+                 vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)  # fmt: skip
+
+
 def build_qwen25_vl(out: Path) -> Path:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2, pad_token_id=0,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                 "mrope_section": [2, 3, 3]})  # fmt: skip
+    text = TEXT | dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                        "mrope_section": [2, 3, 3]})  # fmt: skip
     vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                   patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2,
                   window_size=16, fullatt_block_indexes=[1])  # fmt: skip
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_PAD,
-                              video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
-                              vision_end_token_id=VISION_END)  # fmt: skip
-    torch.manual_seed(zlib.crc32(b"qwen2.5-vl") % 1000)
-    model = Qwen2_5_VLForConditionalGeneration(config).float()
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **TOKEN_IDS)
+    return _save(Qwen2_5_VLForConditionalGeneration, config, out, b"qwen2.5-vl",
+                 "Qwen2_5_VLProcessor")  # fmt: skip
+
+
+def build_qwen3_vl(out: Path) -> Path:
+    """Qwen3-VL's shape of the same: a 2-layer Qwen3 text model (q/k norms, head 16) with
+    interleaved M-RoPE sections (2, 3, 3); a 3-block tower (LayerNorm, tanh-GELU MLP, patch
+    embedding with a bias) with a learned 4x4 position grid interpolated to each image, and
+    deepstack mergers after blocks 0 and 2, added after decoder layers 0 and 1."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    text = TEXT | dict(head_dim=16, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True})  # fmt: skip
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0, 2],
+                  hidden_act="gelu_pytorch_tanh")  # fmt: skip
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, **TOKEN_IDS)
+    return _save(Qwen3VLForConditionalGeneration, config, out, b"qwen3-vl", "Qwen3VLProcessor")
+
+
+def _save(model_class, config, out: Path, seed: bytes, processor_class: str) -> Path:
+    """Random weights (norms near 1, the rest wide), the checkpoint, the tokenizer, the chat
+    template and a processor config whose pixel bounds give small images a few soft tokens."""
+    torch.manual_seed(zlib.crc32(seed) % 1000)
+    model = model_class(config).float()
     with torch.no_grad():
-        for name, p in model.named_parameters():  # RMSNorm weights near 1, the rest wide
+        for name, p in model.named_parameters():
             is_norm = "norm" in name or "ln_q" in name
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if is_norm else 0.2 * torch.randn_like(p))
     model.save_pretrained(out, safe_serialization=True)
     train_tokenizer(out, SPECIALS)
     (out / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "Qwen2_5_VLProcessor",
+        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": processor_class,
         "extra_special_tokens": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                                  "vision_bos_token": "<|vision_start|>",
                                  "vision_eos_token": "<|vision_end|>"},
     }))  # fmt: skip
     (out / "chat_template.jinja").write_text(TEMPLATE)
     (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor_class,
         "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
         "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True,

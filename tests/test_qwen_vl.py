@@ -1,13 +1,17 @@
-"""Qwen2.5-VL through the engine (issue #71), against transformers float32 on a tiny random
-`Qwen2_5_VLForConditionalGeneration`: the dynamic-resolution processor's patches and the
-tower's soft tokens; logits and greedy text for prompts with one image and with two of
-different sizes (different grids, so different M-RoPE positions), prefilled whole and in
-chunks that split an image (its tokens are causal); the same picture again is a prefix hit
-encoded once, another picture at the same place a miss."""
+"""Qwen2.5-VL and Qwen3-VL through the engine (issue #71), each against transformers float32 on
+a tiny random `Qwen2_5_VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration` (every
+test runs on both): the dynamic-resolution processor's patches and the tower's soft tokens
+(Qwen3-VL's deepstack features too); logits and greedy text for prompts with one image and with
+two of different sizes (different grids, so different M-RoPE positions), prefilled whole and in
+chunks that split an image (its tokens are causal; Qwen3-VL's deepstack additions reach the
+rows of each chunk); the same picture again is a prefix hit encoded once, another picture at
+the same place a miss."""
 
 from __future__ import annotations
 
+import json
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ from engine.core.images import PromptImage
 from engine.core.sampling_params import ParamError
 from models.image_processor import content_hash, decode_image
 from models.qwen_image_processor import QwenImageProcessor
-from tests.qwen_vl_model import IMAGE_PAD, build_qwen25_vl
+from tests.qwen_vl_model import IMAGE_PAD, build_qwen3_vl, build_qwen25_vl
 from tests.vision_model import (
     assert_like_reference,
     greedy_reference,
@@ -30,17 +34,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SIZES = {1: (40, 30), 2: (20, 28), 3: (40, 30)}  # seed -> picture size (a 4x5, 2x4, 4x5 grid)
 
 
-@pytest.fixture(scope="module")
-def qvl(tmp_path_factory) -> str:
-    """The tiny random checkpoint, built once for the module."""
-    folder = tmp_path_factory.mktemp("qwen25-vl")
-    return str(build_qwen25_vl(folder / "vlm"))
+BUILDERS = {"qwen2.5-vl": build_qwen25_vl, "qwen3-vl": build_qwen3_vl}
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def qvl(request, tmp_path_factory) -> str:
+    """A tiny random checkpoint of each family, built once for the module."""
+    return str(BUILDERS[request.param](tmp_path_factory.mktemp(request.param) / "vlm"))
 
 
 @pytest.fixture(scope="module")
 def reference(qvl):
     """transformers' model of the same checkpoint: the numbers every test compares with."""
-    return greedy_reference("Qwen2_5_VLForConditionalGeneration", qvl)
+    architecture = json.loads((Path(qvl) / "config.json").read_text())["architectures"][0]
+    return greedy_reference(architecture, qvl)
 
 
 def processor(qvl: str) -> QwenImageProcessor:
@@ -100,10 +107,11 @@ def test_patches_and_soft_tokens_match_transformers(qvl, reference) -> None:
         assert [list(grid)] == want["image_grid_thw"].tolist()
         assert (want["pixel_values"] - torch.from_numpy(pixels)).abs().max() < 1e-6
         with torch.no_grad():
-            soft = reference.model.get_image_features(
-                want["pixel_values"], want["image_grid_thw"]
-            ).pooler_output[0]  # fmt: skip
+            out = reference.model.get_image_features(want["pixel_values"], want["image_grid_thw"])
+        deepstack = [layer[0] for layer in getattr(out, "deepstack_features", None) or ()]
+        soft = torch.cat([out.pooler_output[0], *deepstack], dim=1)  # Qwen3-VL's beside
         ours = encoder.encode([torch.from_numpy(pixels)], [grid])[0]
+        assert ours.shape == soft.shape
         assert (ours - soft).abs().max() < 1e-5 * soft.abs().max()
 
 
@@ -193,6 +201,7 @@ def test_mrope_tables_match_transformers(interleaved: bool) -> None:
         assert (want[:, 16:] - got[:, 0]).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("qvl", ["qwen2.5-vl"], indirect=True)  # the path is one for both
 def test_preempted_image_request_resumes_on_its_positions(qvl, reference) -> None:
     """Two image requests in a pool too small for both: the newer is preempted (recomputed from
     its first token, outputs included) and still answers as transformers does."""
@@ -215,3 +224,21 @@ def test_preempted_image_request_resumes_on_its_positions(qvl, reference) -> Non
 
 def test_the_encoder_cost_is_measured_on_a_dynamic_resolution_image(cached_llm) -> None:
     assert cached_llm.engine.scheduler.image_cost > 0
+
+
+def test_a_qwen3_tower_it_cannot_read_is_refused_at_startup() -> None:
+    """What Qwen3-VL's tower cannot compute as transformers does is a load error, with why."""
+    from dataclasses import replace
+
+    from models.qwen3_vision import Qwen3VisionTower
+    from models.qwen_vision import QwenVisionSpec
+
+    good = QwenVisionSpec(2, 8, 16, 2, 8, 4, num_position_embeddings=16)
+    assert Qwen3VisionTower(good).side == 4
+    for bad, why in [
+        (replace(good, num_position_embeddings=15), "not a square grid"),
+        (replace(good, deepstack_visual_indexes=(1, 2)), "outside the tower's 2"),
+        (replace(good, window_size=16), "no attention windows"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            Qwen3VisionTower(bad)

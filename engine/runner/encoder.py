@@ -27,8 +27,10 @@ class EncoderStats:
 
 
 class EncoderCache:
-    """Content hash -> soft tokens [tokens, hidden], least recently used evicted past
-    `capacity_bytes`. An entry larger than the whole cache is not kept."""
+    """Content hash -> soft tokens [tokens, hidden] (or [tokens, hidden * (1 + k)]: the k
+    per-layer additions an encoder makes beside them, Qwen3-VL's deepstack, kept with them),
+    least recently used evicted past `capacity_bytes`. An entry larger than the whole cache is
+    not kept."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
@@ -62,8 +64,9 @@ class EncoderCache:
 
 @dataclass(slots=True)
 class StepImages:
-    """The step's image rows (a device index into the flat batch), their soft tokens, and per
-    scheduled sequence the image spans its chunk computes (absolute positions)."""
+    """The step's image rows (a device index into the flat batch), their soft tokens (with any
+    per-layer additions along the width: the model's forward reads them), and per scheduled
+    sequence the image spans its chunk computes (absolute positions)."""
 
     rows: torch.Tensor
     embeds: torch.Tensor
