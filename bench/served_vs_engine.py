@@ -12,12 +12,17 @@ short prompt before it.
         [--server-arg=--max-num-batched-tokens=2048]
 
 Prints per round: served TTFT, in-process prefill after the same short prompts, and alone
-(ms), then the medians and served minus in-process (the target: within 30 ms).
+(ms), then the medians and served minus in-process (the target: within 30 ms), and where the
+served time went by the server's own log line of each long request: its route's TTFT (request
+in to first token out), and within it the engine's queue (arrival to first step) and prefill
+(first step to first token); the rest of the route's TTFT is planning before the engine and
+delivery after it, the rest of the client's is HTTP and the stream.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 
@@ -29,6 +34,17 @@ from harness.launch import Server
 from harness.workload import chat_prompts
 
 SHORT_LEN = 256
+SERVED_LINE = re.compile(r"prompt_tokens=(\d+) .*ttft=([\d.]+)s queue=([\d.]+)s prefill=([\d.]+)s")
+
+
+def server_side(log: str, prompt_tokens: int, last: int) -> dict[str, float]:
+    """Medians (ms) of the server's own timings of its last `last` requests of `prompt_tokens`."""
+    rows = [tuple(map(float, m.groups()[1:])) for m in SERVED_LINE.finditer(log)
+            if int(m[1]) == prompt_tokens][-last:]  # fmt: skip
+    if not rows:
+        return {}
+    return {k: 1e3 * statistics.median(r[i] for r in rows)
+            for i, k in enumerate(("route", "queue", "prefill"))}  # fmt: skip
 
 
 def served_ttft(base: str, model: str, ids: list[int]) -> float:
@@ -69,7 +85,8 @@ def main() -> None:
     longs = chat_prompts(llm.tokenizer, 3 * a.rounds + 2, (a.len, a.len), (1, 1), seed=11)
     shorts = chat_prompts(llm.tokenizer, n_short + 2, (SHORT_LEN, SHORT_LEN), (1, 1), seed=12)
     longs_ids, shorts_ids = [p for p, _ in longs], [p for p, _ in shorts]
-    print(f"prompts: long {len(longs_ids[0])} tokens, short {len(shorts_ids[0])}", flush=True)
+    long_len = len(longs_ids[0])
+    print(f"prompts: long {long_len} tokens, short {len(shorts_ids[0])}", flush=True)
     served, after_short, alone = [], [], []
     with Server(a.server_arg, timeout=a.ready_timeout) as server:
         model = server.model_id()
@@ -97,11 +114,19 @@ def main() -> None:
             print(f"round {rnd}: served TTFT {1e3 * served[-1]:.0f} ms, in-process after short "
                   f"{1e3 * after_short[-1]:.0f} ms, alone {1e3 * alone[-1]:.0f} ms",
                   flush=True)  # fmt: skip
+        side = server_side(server.log(), long_len, a.rounds)
     med = {k: 1e3 * statistics.median(v) for k, v in
            (("served", served), ("after", after_short), ("alone", alone))}  # fmt: skip
     print(f"median: served {med['served']:.0f} ms, in-process after short {med['after']:.0f} ms, "
           f"alone {med['alone']:.0f} ms; served - alone {med['served'] - med['alone']:+.0f} ms, "
           f"served / alone {med['served'] / med['alone']:.2f}x")  # fmt: skip
+    if side:
+        outside = side["route"] - side["queue"] - side["prefill"]
+        print(f"server side (medians): route TTFT {side['route']:.0f} ms = engine queue "
+              f"{side['queue']:.0f} + prefill {side['prefill']:.0f} + planning/delivery "
+              f"{outside:.0f}; client minus route {med['served'] - side['route']:+.0f} ms; "
+              f"engine prefill served minus in-process after short "
+              f"{side['prefill'] - med['after']:+.0f} ms")  # fmt: skip
     llm.shutdown()
 
 

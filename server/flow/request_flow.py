@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -172,6 +172,8 @@ class Generation:
     on_done: Callable[[list[Choice]], None] | None = None
     # a prefill instance's last act: publish the prompts' KV; returns `kv_transfer_params`
     publish: Callable[[], Awaitable[dict]] | None = None
+    # when the choices entered the engine: the start of the request's TTFT and e2e
+    submitted: float = field(default_factory=time.monotonic)
 
     @classmethod
     def admit(
@@ -185,6 +187,7 @@ class Generation:
         publish: Callable[[], Awaitable[dict]] | None = None,
     ) -> Generation:
         """Every choice enters the engine now, or the request gets a 429."""
+        submitted = time.monotonic()
         q = submit_or_429(state, engine, [(c.request_id, c.prompt_ids, c.params) for c in choices],
                           {c.request_id: c.images for c in choices if c.images})  # fmt: skip
         lora = choices[0].params.lora if choices else None
@@ -195,13 +198,13 @@ class Generation:
             "model": lora.name if lora is not None else state.model_name,
             "system_fingerprint": f"kvserve-{VERSION}",
         }
-        return cls(state, engine, choices, n, head, q, on_done, publish)
+        return cls(state, engine, choices, n, head, q, on_done, publish, submitted)
 
     async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Every choice's deltas in arrival order, accumulated into its `Choice`."""
         timeout = self.state.config.server.request_timeout_s
         by_id = {c.request_id: c for c in self.choices}
-        timing = Timing(self.state)
+        timing = Timing(self.state, self.submitted)
         try:
             async for out in self.engine.stream(list(by_id), self.queue, timeout):
                 choice = by_id[out.request_id]
@@ -336,18 +339,24 @@ async def run_or_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 class Timing:
     """Per-request latency observations for the Prometheus histograms and the log line."""
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, start: float) -> None:
+        """`start`: when the request entered the engine (its arrival there, as vLLM counts
+        TTFT: the route's planning before it is not in these figures)."""
         self.metrics = state.metrics
-        self.start = time.monotonic()
+        self.start = start
         self.last: float | None = None
         self.ttft: float | None = None
         self.queued = False
+        # the engine's own share of the first token: waiting for a step, then the prefill
+        self.queue_time: float | None = None
+        self.prefill_time: float | None = None
 
     def output(self, out: RequestOutput) -> None:
         kind = "cached" if out.num_cached_tokens else "cold"
         if not self.queued and out.queue_time is not None:
             self.metrics.queue.labels(kind).observe(out.queue_time)
             self.queued = True
+            self.queue_time = out.queue_time
         if not out.new_token_ids:
             return
         now = time.monotonic()
@@ -356,6 +365,7 @@ class Timing:
             self.metrics.ttft.observe(self.ttft)
             if out.prefill_time is not None:
                 self.metrics.prefill.labels(kind).observe(out.prefill_time)
+                self.prefill_time = out.prefill_time
         else:
             self.metrics.itl.observe(now - self.last)
         self.last = now
@@ -364,11 +374,14 @@ class Timing:
         e2e = time.monotonic() - self.start
         self.metrics.e2e.observe(e2e)
         log.info(
-            "%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft=%.3fs e2e=%.3fs",
+            "%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft=%.3fs queue=%.3fs "
+            "prefill=%.3fs e2e=%.3fs",
             req_id,
             usage["prompt_tokens"],
             usage["prompt_tokens_details"]["cached_tokens"],
             usage["completion_tokens"],
             self.ttft or 0.0,
+            self.queue_time or 0.0,
+            self.prefill_time or 0.0,
             e2e,
         )
