@@ -52,8 +52,8 @@ from engine.weights.quantization import (
     quantize_weight_only,
 )
 from models.eagle.head import EagleHead
-from models.linear import gguf_linear
-from models.linear.dense import pack_linears
+from models.linear import measure
+from models.linear.layer import pack_linears
 from models.loader import checkpoint_dtype, default_model_path
 from models.tokenizer import Tokenizer, load_tokenizer
 
@@ -134,6 +134,8 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     outputs = OutputProcessor(tokenizer, kv.export_prompt)
     budget = step_budget(config, key, weights.model, pool.backend, pool.scratch_blocks, device)
     loras = build_loras(config, spec, dtype)
+    if loras.limits.max_loras:  # the weights' methods are final (measured and judged above)
+        weights.model.enable_lora()
     kernel_table += f"\n  step budget: {budget.describe()}\n  lora: {loras.describe()}"
     scheduler = Scheduler(
         kv,
@@ -237,7 +239,7 @@ def _quantize(
         model, backend, tokenizer, pool.scratch_blocks, pool.block_size, device,
         binding=config.gguf_int8_activations == "auto", key=key,
     )  # fmt: skip
-    if int8_prefill(config) and (int8 := gguf_linear.measure_int8_dense(model, key)):
+    if int8_prefill(config) and (int8 := measure.measure_int8_dense(model, key)):
         log.info("GGUF dense path: %s", int8)
         notes += f"; {int8}"
     prefill = judge_int8_prefill(

@@ -36,7 +36,7 @@ from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.runner.step_inputs import step_metadata
 from models.gguf_loader import gguf_blocks
-from models.linear import gguf_linear
+from models.linear import gguf_linear, measure
 from models.linear.w8a8 import (
     CALIBRATION,
     input_ranges,
@@ -212,7 +212,7 @@ def quantize_weight_only(
             w.pack()
     accuracy = judge(method, reference, logits(), f"{fmt} weights")
     dtype = model.embed_tokens.weight.dtype
-    crossover = gguf_linear.measure_crossover(
+    crossover = measure.measure_crossover(
         model, dtype, int8_activations, key, q8_min_rows=q8_min_rows
     )
     stored = ", ".join(f"{f} {size / 2**20:.0f} MiB" for f, size in sorted(held.items()))
@@ -256,7 +256,9 @@ def serve_gguf_blocks(
         return "", False
     stored = ", ".join(f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in sorted(held.items()))
     copies = sum(
-        w.interleaved.numel() for w in gguf_linear.gguf_weights(model) if w.interleaved is not None
+        w.kernel.interleaved.numel()
+        for w in gguf_linear.gguf_weights(model)
+        if w.kernel.interleaved is not None
     )
     kernel = (
         f"block kernel for few rows on an interleaved copy ({copies / 2**20:.0f} MiB)"
