@@ -95,8 +95,8 @@ def test_engine_measures_and_judges_int8_prefill(llama_dir, monkeypatch) -> None
     it and its logits track the float GEMM's; `auto` under a bar no model meets drops the copies."""
     from engine.weights import quantization
 
-    monkeypatch.setattr(gguf_linear, "Q8_MARGIN", 0.0)
-    monkeypatch.setattr(gguf_linear, "_MEASURED_INT8", {})
+    monkeypatch.setattr(measure, "Q8_MARGIN", 0.0)
+    monkeypatch.setattr(measure, "_MEASURED_INT8", {})
     common = {"quantization": "int8wo", "num_kv_blocks": 32, "dtype": "float32"}
     llm = LLM(str(llama_dir), gguf_int8_prefill="on", **common)
     table = llm.engine.info.kernel_table
