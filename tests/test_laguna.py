@@ -19,7 +19,7 @@ import torch
 
 from engine import LLM
 from engine.core.scoring import score_prompt
-from tests.conftest import build_tokenizer
+from tests.conftest import build_dirs, save_model
 from tests.test_model_coverage import GREEDY, PROMPTS, reference
 
 S, F = "sliding_attention", "full_attention"
@@ -65,15 +65,12 @@ def build(name: str, out: Path) -> Path:
                 p.normal_(0.0, 0.2 if "embed" in pname else 0.1)
         if not model.config.tie_word_embeddings:  # (a)'s head its own tensor, the same values
             model.lm_head.weight.copy_(model.model.embed_tokens.weight)
-    model.save_pretrained(out, safe_serialization=True)
-    build_tokenizer(out)
-    return out
+    return save_model(model, out)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("laguna")
-    return {name: build(name, root / name) for name in CONFIGS}
+    return build_dirs(tmp_path_factory, "laguna", build, CONFIGS)
 
 
 def test_geometry_and_the_tensor_parallel_plan(dirs) -> None:
