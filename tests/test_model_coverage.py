@@ -80,16 +80,24 @@ def reference(path: Path, **kw):
     return model
 
 
-def assert_matches(llm: LLM, ref, prompts=PROMPTS) -> None:
+def reference_greedy(ref, prompts=PROMPTS) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (16 tokens, as GREEDY)."""
+    with torch.no_grad():
+        return [ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :]
+                .tolist() for p in prompts]  # fmt: skip
+
+
+def assert_matches(llm: LLM, ref, prompts=PROMPTS, greedy: list[list[int]] | None = None) -> None:
+    """Every prompt's logits within 1e-4 of transformers', greedy decoding its tokens (`greedy`:
+    `reference_greedy`, computed once by a caller that checks several engines), and every KV
+    block free after."""
     for prompt in prompts:
         ours = score_prompt(llm.engine, prompt)
         with torch.no_grad():
             theirs = ref(torch.tensor([prompt])).logits[0].float()
         assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
-    for prompt, res in zip(prompts, llm.generate(prompts, GREEDY)):
-        with torch.no_grad():
-            gen = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-        assert res.outputs[0].token_ids == gen[0, len(prompt) :].tolist()
+    want = reference_greedy(ref, prompts) if greedy is None else greedy
+    assert [res.outputs[0].token_ids for res in llm.generate(prompts, GREEDY)] == want
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
 
 
