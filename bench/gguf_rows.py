@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from engine import LLM
-from models.linear import gguf_linear
+from models.linear import gguf_linear, measure
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     for name, weights in groups.items():
         one = 0.0
         for rows in (int(r) for r in args.rows.split(",")):
-            ms = gguf_linear._best_times(weights, ["kernel"], rows)[0] * 1e3
+            ms = measure._best_times(weights, ["kernel"], rows)[0] * 1e3
             one = one or ms
             extra = f"  (+{(ms - one) / (rows - 1):.2f} a row)" if rows > 1 else ""
             print(f"{name:<16} {rows:>3} rows {ms:7.2f} ms{extra}")

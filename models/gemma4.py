@@ -38,9 +38,8 @@ from models.attention_step import AttentionStep
 from models.checkpoint import Part
 from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
 from models.layers import RMSNorm, rms_norm
-from models.linear.dense import Linear
+from models.linear.layer import Linear
 from models.llama import DecoderLayer, LlamaForCausalLM
-from models.lora import LoRARows
 from models.moe import MoE
 from models.spec import LayerSpec, ModelSpec, hf_model_spec
 
@@ -276,8 +275,8 @@ class Gemma4DecoderLayer(DecoderLayer):
             self.moe = Gemma4MoE(h, experts, self.act, eps)
             self.mlp_output_norm = RMSNorm(h, eps)
 
-    def _ffn(self, h: torch.Tensor, residual: torch.Tensor, lora: LoRARows | None) -> torch.Tensor:
-        out = self._dense(h, lora)
+    def _ffn(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        out = self._dense(h)
         if self.moe is None:
             return out
         return self.mlp_output_norm(out) + self.moe(residual)
@@ -289,10 +288,9 @@ class Gemma4DecoderLayer(DecoderLayer):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionStep,
-        lora: LoRARows | None = None,
         per_layer_input: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
-        out, residual = super().forward(x, residual, cos, sin, attn, lora)
+        out, residual = super().forward(x, residual, cos, sin, attn)
         stream = residual + out
         if per_layer_input is not None:
             gated = self.gate_act(self.per_layer_input_gate(stream)) * per_layer_input

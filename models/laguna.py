@@ -31,9 +31,8 @@ from torch import nn
 from models.checkpoint import Part
 from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
 from models.layers import rope_inv_freq
-from models.linear.dense import Linear
+from models.linear.layer import Linear
 from models.llama import DecoderLayer, LlamaForCausalLM
-from models.lora import LoRARows
 from models.moe import Expert, MoE
 from models.spec import LayerSpec, ModelSpec, hf_model_spec
 
@@ -204,7 +203,7 @@ class LagunaDecoderLayer(DecoderLayer):
     """The shared layer plus the softplus output gate on the attention output, and Laguna's
     experts in place of the base's. The gate is computed from the same normed input the qkv
     projection reads and applied to what o_proj reads, so both hook `_project` (the base's
-    forward, with its tensor-parallel and LoRA paths, stays the one forward)."""
+    forward, with its tensor-parallel path, stays the one forward)."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, idx: int) -> None:
         super().__init__(spec, layer, idx)
@@ -216,7 +215,7 @@ class LagunaDecoderLayer(DecoderLayer):
             self.moe = LagunaMoE(spec, layer, self.act)
         self._gate: torch.Tensor | None = None  # this forward's gate, from qkv's input to o's
 
-    def _project(self, name: str, x: torch.Tensor, lora: LoRARows | None) -> torch.Tensor:
+    def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if name == "qkv_proj":
             assert self.g_proj is not None
             # softplus in float32, then the serving dtype, as transformers computes it
@@ -229,7 +228,7 @@ class LagunaDecoderLayer(DecoderLayer):
                 x = (x.view(t, -1, d) * gate.unsqueeze(-1)).view(t, -1)
             else:
                 x = x * gate
-        return super()._project(name, x, lora)
+        return super()._project(name, x)
 
 
 class LagunaForCausalLM(LlamaForCausalLM):

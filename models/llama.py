@@ -30,8 +30,8 @@ from models.layers import (
     rope_inv_freq,
 )
 from models.linear.decode_stack import DecodeStack
-from models.linear.dense import Linear
-from models.lora import LoRARows
+from models.linear.layer import Linear
+from models.lora import LoRARows, StepAdapters, enable_lora
 from models.moe import MoE
 from models.mrope import mrope_axes, mrope_cos_sin
 from models.spec import LayerSpec, ModelSpec
@@ -110,21 +110,18 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionStep,
-        lora: LoRARows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`lora`: the step's adapters and their rows (models/lora.py), added to each
-        projection they target."""
         residual, h = add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
         if self.q_dim == 0:  # tensor parallel: this layer's heads are all on other ranks
-            return self._mlp(x.new_zeros(x.shape), residual, lora)
-        qkv = self._project("qkv_proj", h, lora)
+            return self._mlp(x.new_zeros(x.shape), residual)
+        qkv = self._project("qkv_proj", h)
         heads = self.layer.num_heads
         # plain rotary q/k: the backend may rotate, write and attend from qkv itself
         o = attn.attend_qkv(self.idx, qkv, cos, sin, heads) if self.plain_qkv else None
         if o is None:
             o = attn.forward(self.idx, *self._rotated_qkv(qkv, cos, sin))
-        o = self._project("o_proj", o.reshape(x.shape[0], self.q_dim), lora)
-        return self._mlp(o, residual, lora)
+        o = self._project("o_proj", o.reshape(x.shape[0], self.q_dim))
+        return self._mlp(o, residual)
 
     def _rotated_qkv(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -159,33 +156,31 @@ class DecoderLayer(nn.Module):
             q = q * self.q_scale
         return q, k, v
 
-    def _project(self, name: str, x: torch.Tensor, lora: LoRARows | None) -> torch.Tensor:
-        out = getattr(self, name)(x)
-        return out if lora is None else lora.add(out, x, self.idx, name)
+    def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The projection `name` of `x` (a variation's hook: Laguna gates around two)."""
+        return getattr(self, name)(x)
 
-    def _mlp(
-        self, x: torch.Tensor, residual: torch.Tensor, lora: LoRARows | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _mlp(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.reduce is not None:
             x = self.reduce(x)
         if self.attn_output_norm is not None:
             x = self.attn_output_norm(x)
         residual, h = add_rms_norm(x, residual, self.post_attention_layernorm.weight, self.eps)
-        out = self._ffn(h, residual, lora)
+        out = self._ffn(h, residual)
         if self.reduce is not None:
             out = self.reduce(out)
         if self.ffn_output_norm is not None:  # on the whole sum (after tensor parallelism's)
             out = self.ffn_output_norm(out)
         return out, residual
 
-    def _ffn(self, h: torch.Tensor, residual: torch.Tensor, lora: LoRARows | None) -> torch.Tensor:
+    def _ffn(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The FFN on its normed input `h` (`residual`: the un-normed sum, which Gemma 4's
         router reads)."""
-        return self.moe(h) if self.moe is not None else self._dense(h, lora)
+        return self.moe(h) if self.moe is not None else self._dense(h)
 
-    def _dense(self, h: torch.Tensor, lora: LoRARows | None) -> torch.Tensor:
-        gated = self.act(self._project("gate_up_proj", h, lora))
-        return self._project("down_proj", gated, lora)
+    def _dense(self, h: torch.Tensor) -> torch.Tensor:
+        gated = self.act(self._project("gate_up_proj", h))
+        return self._project("down_proj", gated)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -216,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
         # per device, moved once (not uploaded on every forward: a host->device copy each step)
         self._inv_freq_on: dict[torch.device, dict[int, torch.Tensor]] = {}
         self.decode_stack = DecodeStack()
+        # the step's LoRA adapters, read by the projections' LoRA methods (`enable_lora`)
+        self.adapters = StepAdapters()
 
     def inv_freq(self, device: torch.device) -> dict[tuple[int, bool], torch.Tensor]:
         """The rotary inverse frequencies per `rope_key`, on `device` (copied there once)."""
@@ -260,17 +257,18 @@ class LlamaForCausalLM(nn.Module):
         stacked = self._decode_stack(x, rope, attn) if plain else None
         if stacked is not None:
             x, residual = stacked
-        for i, layer in enumerate(self.layers if stacked is None else ()):
-            if i in aux_layers:
-                captured[i] = x if residual is None else residual + x
-            cos, sin = rope[self.rope_keys[i]]
-            extra = () if per_layer is None else (per_layer[:, i],)
-            # a layer may hand back its whole sum with no residual (Gemma 4 scales it)
-            x, residual = layer(x, residual, cos, sin, attn, lora, *extra)
-            if i < len(layer_adds):  # to the layer's output, the residual sum
-                assert images is not None
-                total = x if residual is None else residual + x
-                x, residual = total.index_add(0, images[0], layer_adds[i]), None
+        with self.adapters.serving(lora):
+            for i, layer in enumerate(self.layers if stacked is None else ()):
+                if i in aux_layers:
+                    captured[i] = x if residual is None else residual + x
+                cos, sin = rope[self.rope_keys[i]]
+                extra = () if per_layer is None else (per_layer[:, i],)
+                # a layer may hand back its whole sum with no residual (Gemma 4 scales it)
+                x, residual = layer(x, residual, cos, sin, attn, *extra)
+                if i < len(layer_adds):  # to the layer's output, the residual sum
+                    assert images is not None
+                    total = x if residual is None else residual + x
+                    x, residual = total.index_add(0, images[0], layer_adds[i]), None
         hidden = rms_norm(x if residual is None else residual + x, self.norm.weight, self.norm.eps)
         if not aux_layers:
             return hidden
@@ -300,6 +298,11 @@ class LlamaForCausalLM(nn.Module):
         """(output, residual) of every layer at once where the step and the layers' weights
         allow (models/linear/decode_stack.py); None: the layers run one by one."""
         return self.decode_stack(self.layers, x, rope, attn, self.spec.rms_norm_eps)
+
+    def enable_lora(self) -> None:
+        """Serve the decoder's projections with LoRA on top of their methods (models/lora.py),
+        once the methods are final: a step's `lora` rows then reach them."""
+        enable_lora(self.layers, self.adapters)
 
     def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Tensor parallelism's all-reduce of partial layer outputs (None: this rank alone)."""

@@ -7,24 +7,32 @@ B [out, r], s = lora_alpha / r, or / sqrt(r) under rsLoRA). The model fuses q/k/
 `qkv_proj` and gate/up into `gate_up_proj` (models/checkpoint.py), so an adapter's parts of one
 fused projection are fused too: their A stacked ([r_q + r_k + r_v, in]: one matmul for x A^T)
 and their B placed block-diagonally in [out, r_q + r_k + r_v] (a part the adapter does not
-target is zero rows), with s folded into B at load. The base projection runs once for every row
-of the step; then each adapter's two small matmuls run on its own rows (what Punica's and
-S-LoRA's grouped kernels do with one launch; here one pair of GEMMs per adapter and projection,
-and the rows of an adapter are a slice when they are contiguous).
+target is zero rows), with s folded into B at load. Each targeted projection serves through
+`LoRAOnTop`, a linear method over whichever format serves the base weight (`enable_lora`): the
+base product runs once for every row of the step; then each adapter's two small matmuls run on
+its own rows (what Punica's and S-LoRA's grouped kernels do with one launch; here one pair of
+GEMMs per adapter and projection, and the rows of an adapter are a slice when they are
+contiguous). The step's rows reach the methods through `StepAdapters`, which the model sets for
+a forward (as vLLM's punica wrapper is), so a layer calls its projections without them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from models.checkpoint import FUSED_PARTS
+from models.linear import LinearMethod
+from models.linear.layer import Linear
 from models.spec import ModelSpec
 
 MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -93,6 +101,59 @@ class LoRARows:
             else:
                 out.index_add_(0, rows, (x.index_select(0, rows) @ p.a_t) @ p.b_t)
         return out
+
+
+class StepAdapters:
+    """The adapters of the step being run and their rows, shared by every `LoRAOnTop` of a
+    model: set for one forward (`serving`), None between them and in steps without adapters."""
+
+    def __init__(self) -> None:
+        self.rows: LoRARows | None = None
+        self.enabled = False  # projections serve through LoRAOnTop (`enable_lora`)
+
+    @contextlib.contextmanager
+    def serving(self, rows: LoRARows | None) -> Iterator[None]:
+        if rows is not None and not self.enabled:
+            raise ValueError("LoRA rows for a model whose projections take no adapters "
+                             "(enable_lora at load)")  # fmt: skip
+        self.rows = rows
+        try:
+            yield
+        finally:
+            self.rows = None
+
+
+@dataclass(slots=True)
+class LoRAOnTop:
+    """A linear method on top of `base` (whichever format serves the projection): the base
+    product for every row, then each of the step's adapters' update on its own rows."""
+
+    base: LinearMethod
+    step: StepAdapters
+    layer: int
+    module: str  # the projection's name in MODULES
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        rows = self.step.rows
+        return out if rows is None else rows.add(out, x, self.layer, self.module)
+
+    def rows(self, index: slice | torch.Tensor, part: object) -> LinearMethod:
+        raise ValueError("a projection with LoRA adapters is not cut by rows")
+
+    def pack(self) -> int:
+        return self.base.pack()
+
+
+def enable_lora(layers: nn.ModuleList, step: StepAdapters) -> None:
+    """Serve each decoder projection an adapter may target (MODULES) through `LoRAOnTop` over
+    the method chosen for it at load. Call once the weights' methods are final."""
+    for idx, layer in enumerate(layers):
+        for module in MODULES:
+            linear = getattr(layer, module, None)
+            if isinstance(linear, Linear) and not isinstance(linear.method, LoRAOnTop):
+                linear.method = LoRAOnTop(linear.method, step, idx, module)
+    step.enabled = True
 
 
 def projection_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, list[tuple[str, int]]]]:

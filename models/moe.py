@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from models.linear.dense import Linear
+from models.linear.layer import Linear
 from models.spec import LayerSpec
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -139,15 +141,38 @@ def build_model(arch: str, out: Path, vocab_size: int = 512, **extra) -> Path:
     config = getattr(transformers, cfg_name)(**base)
     torch.manual_seed(zlib.crc32(arch.encode()) % 1000)
     model = getattr(transformers, model_name)(config).float()
+    randomize(model)
+    return save_model(model, out, max_shard_size="200KB")
+
+
+def randomize(model: torch.nn.Module, norm_center: float = 1.0) -> None:
+    """Random weights for a test model from torch's generator: norms around `norm_center`
+    (Gemma multiplies by 1 + w: 0), the rest N(0, 0.2)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                p.copy_(norm_center + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.2)
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="200KB")
+
+
+def save_model(model: Any, out: Path, **save: Any) -> Path:
+    """A transformers model saved as a directory kvserve loads: safetensors weights, its config
+    and the test tokenizer."""
+    model.save_pretrained(out, safe_serialization=True, **save)
     build_tokenizer(out)
     return out
+
+
+def build_dirs(
+    tmp_path_factory: pytest.TempPathFactory,
+    folder: str,
+    build: Callable[[str, Path], Path],
+    names: Iterable[str],
+) -> dict[str, Path]:
+    """`build(name, path)` of each name under a fresh temporary `folder`, by name."""
+    root = tmp_path_factory.mktemp(folder)
+    return {name: build(name, root / name) for name in names}
 
 
 @pytest.fixture(scope="session")

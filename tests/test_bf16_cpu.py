@@ -140,7 +140,7 @@ def test_auto_engine_follows_probe_and_checkpoint(llama_dir, monkeypatch) -> Non
 def smol_logits(smollm2_path):
     """dtype -> float32 logits at every position of each held-out text (one prefill each,
     through the torch backend; the linears packed as the engine packs them)."""
-    from models.linear.dense import pack_linears
+    from models.linear.layer import pack_linears
     from models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm2_path)

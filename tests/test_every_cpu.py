@@ -48,7 +48,8 @@ def test_restricted_onednn_refuses_packed_bf16_and_linear_takes_the_plain_path()
         """
 import json, torch
 import torch.nn.functional as F
-from models.linear.dense import Linear, onednn_pack_refusal
+from models.linear.dense import onednn_pack_refusal
+from models.linear.layer import Linear
 lin = Linear(96, 160).to(torch.bfloat16)
 lin.weight.data.normal_()
 added = lin.pack()

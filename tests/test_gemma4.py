@@ -19,7 +19,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
-from tests.conftest import build_tokenizer
+from tests.conftest import build_dirs, save_model
 from tests.test_model_coverage import GREEDY, PROMPTS, assert_matches, reference
 
 S, F = "sliding_attention", "full_attention"
@@ -61,15 +61,12 @@ def build(name: str, out: Path) -> Path:
     config = Gemma4TextConfig(**{**BASE, **CONFIGS[name]})
     model = Gemma4ForCausalLM(config).float()
     randomize(model, zlib.crc32(name.encode()) % 1000)
-    model.save_pretrained(out, safe_serialization=True)
-    build_tokenizer(out)
-    return out
+    return save_model(model, out)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("gemma4")
-    return {name: build(name, root / name) for name in CONFIGS}
+    return build_dirs(tmp_path_factory, "gemma4", build, CONFIGS)
 
 
 def test_shared_kv_is_one_group_and_counted_once(dirs) -> None:
@@ -153,8 +150,7 @@ def test_conditional_generation_serves_its_language_model(dirs, tmp_path) -> Non
                           audio_config=None)  # fmt: skip
     model = Gemma4ForConditionalGeneration(config).float().eval()
     model.model.language_model.load_state_dict(text.model.state_dict())
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    build_tokenizer(tmp_path)
+    save_model(model, tmp_path)
     llm = LLM(str(tmp_path), num_kv_blocks=96, block_size=4)
     assert llm.engine.spec.architecture == "Gemma4ForCausalLM"
     prompt = PROMPTS[1]
@@ -200,8 +196,7 @@ def test_sharing_keeps_the_multi_turn_hit_rate(dirs, tmp_path) -> None:
     config = Gemma4TextConfig(**{**BASE, **CONFIGS["shared"], "num_kv_shared_layers": 0})
     model = Gemma4ForCausalLM(config).float()
     randomize(model, 7)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    build_tokenizer(tmp_path)
+    save_model(model, tmp_path)
     rates = {}
     for blocks in (512, 40):
         rates[blocks] = _multi_turn_hit_rate(dirs["shared"], blocks)

@@ -104,6 +104,13 @@ OPENELM_HEADS = [(4, 1), (8, 2), (6, 3)]  # (query heads, kv heads) per layer
 OPENELM_FFN = [0.5, 2.0, 4.0]
 
 
+def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], cfg: dict) -> None:
+    """A model directory: the tensors as model.safetensors, config.json and a tokenizer."""
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    build_tokenizer(out)
+
+
 def write_openelm(out: Path) -> tuple[list[dict], dict]:
     out.mkdir(parents=True, exist_ok=True)
     layers = [{"heads": h, "kv_heads": kv, "owner": i, "qk_norm": True}
@@ -123,7 +130,6 @@ def write_openelm(out: Path) -> tuple[list[dict], dict]:
             p + "ffn.proj_1.weight": torch.cat([w[f"{i}.gate"], w[f"{i}.up"]]),
             p + "ffn.proj_2.weight": w[f"{i}.down"],
         }
-    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
     cfg = {
         "architectures": ["OpenELMForCausalLM"],
         "model_type": "openelm",
@@ -145,8 +151,7 @@ def write_openelm(out: Path) -> tuple[list[dict], dict]:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
-    (out / "config.json").write_text(json.dumps(cfg))
-    build_tokenizer(out)
+    write_checkpoint(out, t, cfg)
     return layers, w
 
 
@@ -182,7 +187,6 @@ def write_shared_llama(
         if owner[i] == i:
             t[p + "self_attn.k_proj.weight"] = w[f"{i}.k"]
             t[p + "self_attn.v_proj.weight"] = w[f"{i}.v"]
-    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": VOCAB,
@@ -199,8 +203,7 @@ def write_shared_llama(
         "eos_token_id": 2,
         **sharing,
     }
-    (out / "config.json").write_text(json.dumps(cfg))
-    build_tokenizer(out)
+    write_checkpoint(out, t, cfg)
     return layers, w
 
 

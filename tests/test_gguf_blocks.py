@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quantize
 from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
 from models.linear import gguf_linear
-from models.linear.gguf_linear import FORMATS, GGUFWeight
+from models.linear.gguf_linear import FORMATS, GGUFBlocks, GGUFWeight
 
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
 
@@ -188,7 +188,7 @@ def test_int8_activation_kernel_is_within_activation_rounding(fmt, rows) -> None
 def test_weight_takes_kernel_or_dense_path_by_rows_with_bias(dtype) -> None:
     raw, ref = blocks_of("Q4_1", 48, 64)
     bias = torch.randn(48)
-    w = GGUFWeight("Q4_1", raw, 64, 48, dtype, bias, kernel_max_rows=4)
+    w = GGUFWeight.of(GGUFBlocks("Q4_1", raw, 64, 48, dtype, bias), kernel_max_rows=4)
     for packed in (False, True):
         if packed and not w.pack():
             continue  # oneDNN does not pack this dtype here: the dequantizing path serves
@@ -223,7 +223,8 @@ def test_shipped_q4_1_is_served_as_stored(smol_pair) -> None:
     assert "GGUF blocks" not in dense.engine.info.kernel_table
     model = native.engine.runner.model
     assert model.layers[0].qkv_proj.weight.numel() == 0  # no float copy held
-    assert isinstance(model.lm_head.quant, GGUFWeight) and model.lm_head.quant.format == "Q8_0"
+    head = model.lm_head.format
+    assert isinstance(head, GGUFWeight) and head.kernel.format == "Q8_0"
     # --gguf-int8-activations off: float activations for every row
     blocks = gguf_linear.gguf_weights(model)
     assert blocks and all(w.q8_max_rows == 0 for w in blocks)
@@ -243,8 +244,7 @@ def test_shipped_q4_1_agrees_with_its_float32_dequantization(smol_pair) -> None:
         assert (a.argmax(-1) == b.argmax(-1)).all()
         assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.9999
     # decode rows through the exact block kernel: the dense model's greedy text
-    weights = [m.quant for m in native.engine.runner.model.modules() if hasattr(m, "quant")]
-    weights = [w for w in weights if isinstance(w, GGUFWeight)]
+    weights = gguf_linear.gguf_weights(native.engine.runner.model)
     saved = [(w.q8_max_rows, w.kernel_max_rows) for w in weights]
     for w in weights:
         w.q8_max_rows, w.kernel_max_rows = 0, 8
@@ -267,12 +267,12 @@ def test_int8_activation_head_tracks_the_float_head(smol_pair) -> None:
     tok = native.tokenizer
     ids = tok.encode("In 1969, Neil Armstrong became the first person to walk on the Moon.")
     hidden = _final_hidden(native, ids)
-    head = native.engine.runner.model.lm_head.quant
-    if head.interleaved is None:
+    head = native.engine.runner.model.lm_head.format
+    if head.kernel.interleaved is None:
         pytest.skip("the int8-activation kernel needs AVX2")
     q8 = torch.cat([head.kernel_q8(h[None]) for h in hidden]).float()
     exact = torch.cat([head.kernel(h[None]) for h in hidden]).float()
-    ref = torch.nn.functional.linear(hidden.float(), head.dense(torch.float32))
+    ref = torch.nn.functional.linear(hidden.float(), head.kernel.dequantized(torch.float32))
     torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-3)
     assert torch.nn.functional.cosine_similarity(q8, ref, dim=-1).min() > 0.999
     assert (q8.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
@@ -302,8 +302,8 @@ def test_safetensors_quantized_at_load_to_q8_0_blocks(llama_dir) -> None:
     assert float(table.split("top-1 agreement ")[1].split(",")[0]) >= 0.9
     model = q.engine.runner.model
     assert model.layers[0].gate_up_proj.weight.numel() == 0
-    assert model.layers[0].gate_up_proj.quant.format == "Q8_0"
-    assert model.lm_head.quant.format == "Q8_0"
+    assert model.layers[0].gate_up_proj.format.kernel.format == "Q8_0"
+    assert model.lm_head.format.kernel.format == "Q8_0"
     prompts = [[5, 17, 99, 3, 250], list(range(10, 40))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     a = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
@@ -354,8 +354,8 @@ def test_int8_activations_are_timed_and_limited_by_the_probe(smollm2_path) -> No
         )
     )
     model = llm.engine.runner.model
-    assert int(limits["lm_head"]) == model.lm_head.quant.q8_max_rows
-    assert int(limits["decoder layers"]) == model.layers[0].qkv_proj.quant.q8_max_rows
+    assert int(limits["lm_head"]) == model.lm_head.format.q8_max_rows
+    assert int(limits["decoder layers"]) == model.layers[0].qkv_proj.format.q8_max_rows
 
 
 @pytest.mark.main_pass_only

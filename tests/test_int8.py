@@ -12,7 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
 from engine.weights.quantization import HELD_OUT, WARN_TOP1, agreement
-from models.linear.dense import Linear
+from models.linear.layer import Linear
 from models.linear.w8a8 import can_quantize, int8_weight, needs_reduce_range, quantize_linears
 
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
@@ -51,9 +51,9 @@ def test_quantize_linears_skips_the_head_and_drops_float_weights() -> None:
     for m in (model.up, model.lm_head):
         m.weight.data.normal_()
     quantize_linears(model)
-    assert model.up.quant is not None and model.up.weight.numel() == 0
+    assert not model.up.dense and model.up.weight.numel() == 0
     assert model.up.pack() == 0  # nothing left to pack
-    assert model.lm_head.quant is None and model.lm_head.weight.numel() == 3200
+    assert model.lm_head.dense and model.lm_head.weight.numel() == 3200
     assert model.up(torch.randn(5, 32)).shape == (5, 64)
 
 

@@ -12,8 +12,8 @@ import torch
 from engine import LLM
 from engine.core.scoring import score_prompt
 from kernels.ops import INT8_ROWS
-from models.linear import gguf_linear, int8_prefill
-from models.linear.gguf_linear import GGUFWeight
+from models.linear import gguf_linear, int8_prefill, measure
+from models.linear.gguf_linear import GGUFBlocks, GGUFWeight
 from models.linear.int8_prefill import Int8Weight
 from tests.test_gguf_blocks import blocks_of
 
@@ -30,7 +30,7 @@ def test_int8_path_only_where_int_mm_is_exact() -> None:
     """The W8A8 copies are made only where `torch._int_mm` measures exact (AVX2 without VNNI:
     saturating sums); elsewhere a weight keeps its float dense path."""
     raw, _ = blocks_of("Q4_1", 48, 64)
-    w = GGUFWeight("Q4_1", raw, 64, 48, torch.float32, kernel_max_rows=4)
+    w = GGUFWeight.of(GGUFBlocks("Q4_1", raw, 64, 48, torch.float32), kernel_max_rows=4)
     assert (w.make_int8() > 0) == int8_prefill.int_mm_exact()
     assert (w.int8 is not None) == int8_prefill.int_mm_exact()
 
@@ -63,13 +63,13 @@ def test_weight_takes_int8_from_its_rows(dtype) -> None:
         return
     raw, ref = blocks_of("Q4_1", 48, 64)
     bias = torch.randn(48)
-    w = GGUFWeight("Q4_1", raw, 64, 48, dtype, bias, kernel_max_rows=4)
+    w = GGUFWeight.of(GGUFBlocks("Q4_1", raw, 64, 48, dtype, bias), kernel_max_rows=4)
     assert w.make_int8() == 48 * 64 + 48 * 4
     w.int8_min_rows = 40
     x = torch.randn(80, 64).to(dtype)
-    assert torch.equal(w(x[:39]), w.dense_matmul(x[:39]))
+    assert torch.equal(w(x[:39]), w.dense(x[:39]))
     got = w(x)
-    assert torch.equal(got, w.dense_int8(x))
+    assert torch.equal(got, w.int8(x))
     want = torch.nn.functional.linear(x.float(), ref, bias)
     # blocks_of's first block per row is offset by +0.5: a channel's int8 step is set by it,
     # ~3% of the other weights' spread (real weights have no such block: see the engine test)
@@ -95,8 +95,8 @@ def test_engine_measures_and_judges_int8_prefill(llama_dir, monkeypatch) -> None
     it and its logits track the float GEMM's; `auto` under a bar no model meets drops the copies."""
     from engine.weights import quantization
 
-    monkeypatch.setattr(gguf_linear, "Q8_MARGIN", 0.0)
-    monkeypatch.setattr(gguf_linear, "_MEASURED_INT8", {})
+    monkeypatch.setattr(measure, "Q8_MARGIN", 0.0)
+    monkeypatch.setattr(measure, "_MEASURED_INT8", {})
     common = {"quantization": "int8wo", "num_kv_blocks": 32, "dtype": "float32"}
     llm = LLM(str(llama_dir), gguf_int8_prefill="on", **common)
     table = llm.engine.info.kernel_table
@@ -104,13 +104,13 @@ def test_engine_measures_and_judges_int8_prefill(llama_dir, monkeypatch) -> None
         assert "int8 W8A8 dense path unavailable: torch._int_mm is not exact" in table
         assert all(w.int8 is None for w in gguf_linear.gguf_weights(llm.engine.runner.model))
         return
-    first = min(gguf_linear.INT8_ROW_BUCKETS)
+    first = min(measure.INT8_ROW_BUCKETS)
     assert f"int8 W8A8 dense path from {first} rows" in table
     assert re.search(r"int8 prefill serves \(vs the float GEMM on \d+ held-out positions", table)
     weights = gguf_linear.gguf_weights(llm.engine.runner.model)
     decoder = [w for w in weights if w.int8 is not None]
     assert decoder and all(w.int8_min_rows == first for w in decoder)
-    assert llm.engine.runner.model.lm_head.quant.int8 is None  # the head keeps the float path
+    assert llm.engine.runner.model.lm_head.format.int8 is None  # the head keeps the float path
 
     calls = []
     matmul = Int8Weight.matmul

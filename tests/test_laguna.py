@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.core.scoring import score_prompt
-from tests.conftest import build_tokenizer
-from tests.test_model_coverage import GREEDY, PROMPTS, reference
+from tests.conftest import build_dirs, save_model
+from tests.test_model_coverage import GREEDY, assert_matches, reference, reference_greedy
 
 S, F = "sliding_attention", "full_attention"
 BASE = dict(
@@ -65,15 +64,12 @@ def build(name: str, out: Path) -> Path:
                 p.normal_(0.0, 0.2 if "embed" in pname else 0.1)
         if not model.config.tie_word_embeddings:  # (a)'s head its own tensor, the same values
             model.lm_head.weight.copy_(model.model.embed_tokens.weight)
-    model.save_pretrained(out, safe_serialization=True)
-    build_tokenizer(out)
-    return out
+    return save_model(model, out)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("laguna")
-    return {name: build(name, root / name) for name in CONFIGS}
+    return build_dirs(tmp_path_factory, "laguna", build, CONFIGS)
 
 
 def test_geometry_and_the_tensor_parallel_plan(dirs) -> None:
@@ -124,22 +120,13 @@ def test_matches_transformers(name: str, dirs) -> None:
     """Prefill whole and in chunks of 7 (windows across chunk boundaries), then greedy decode;
     the chunked engine decodes under suffix drafts (k pinned, every draft verified)."""
     ref = reference(dirs[name])
-    with torch.no_grad():
-        greedy = [ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :]
-                  for p in PROMPTS]  # fmt: skip
+    greedy = reference_greedy(ref)
     for chunk, drafts in ((1024, 0), (7, 4)):
         llm = LLM(str(dirs[name]), dtype="float32", num_kv_blocks=96, block_size=4,
                   max_num_batched_tokens=chunk, num_speculative_tokens=drafts,
                   spec_cost_model=False, **FAST)  # fmt: skip
         assert llm.engine.spec.architecture == "LagunaForCausalLM"
-        for prompt in PROMPTS:
-            ours = score_prompt(llm.engine, prompt)
-            with torch.no_grad():
-                theirs = ref(torch.tensor([prompt])).logits[0].float()
-            assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
-        for want, res in zip(greedy, llm.generate(PROMPTS, GREEDY)):
-            assert res.outputs[0].token_ids == want.tolist()
-        assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
+        assert_matches(llm, ref, greedy=greedy)
 
 
 @pytest.mark.slow

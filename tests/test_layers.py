@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from kernels.build import COMPLETE, CppOps
 from kernels.ops import BY_NAME, CPU_FUSED
-from models.linear.dense import PACKED_MIN_ROWS, Linear, can_pack, pack_linears
+from models.linear.dense import PACKED_MIN_ROWS, DensePlain, can_pack
+from models.linear.layer import Linear, pack_linears
 
 pytestmark = pytest.mark.isa  # run again under the restricted ISA (scripts/test.sh)
 
@@ -48,7 +49,7 @@ def test_linear_paths_match_f_linear(bias: bool, dtype: torch.dtype) -> None:
 
 def test_packing_skips_what_onednn_cannot_take() -> None:
     layer = Linear(8, 8).to(torch.float16)  # float32 and bfloat16 are packed; float16 is not
-    assert layer.pack() == 0 and layer.packed is None
+    assert layer.pack() == 0 and isinstance(layer.method, DensePlain)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 40])
@@ -156,7 +157,7 @@ def test_a_complete_build_loads_without_ninja() -> None:
 
 
 def test_packed_rows_are_measured_here_and_set_on_every_packed_layer() -> None:
-    from models.linear.dense import PACKED_ROW_BUCKETS, measure_packed_rows
+    from models.linear.measure import PACKED_ROW_BUCKETS, measure_packed_rows
 
     stack = torch.nn.Sequential(*(Linear(256, 512) for _ in range(4)))
     for layer in stack:
@@ -164,12 +165,12 @@ def test_packed_rows_are_measured_here_and_set_on_every_packed_layer() -> None:
     if not pack_linears(stack):
         pytest.skip("oneDNN packs no float32 weight here")
     line = measure_packed_rows(stack)
-    chosen = {layer.packed_min_rows for layer in stack}
+    chosen = {layer.method.packed_min_rows for layer in stack}
     assert len(chosen) == 1
     (rows,) = chosen
     assert rows in PACKED_ROW_BUCKETS or rows == PACKED_ROW_BUCKETS[-1] + 1
     assert line.startswith(f"oneDNN-packed from {rows} rows (ms plain/packed by rows 1: ")
     x = torch.randn(rows, 256)
     with torch.inference_mode():
-        torch.testing.assert_close(stack[0](x), stack[0].plain_forward(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(stack[0](x), stack[0].method.plain(x), rtol=1e-4, atol=1e-4)
     assert measure_packed_rows(torch.nn.Sequential(Linear(8, 8))) == ""  # nothing packed

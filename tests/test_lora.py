@@ -279,3 +279,45 @@ def test_lora_modules_settings(llama_dir, adapters) -> None:
     assert "lora: off" in off.engine.info.kernel_table
     with pytest.raises(LoRAError, match="LoRA is off"):
         off.engine.add_lora("a", off.engine.loras.read(path))
+
+
+def test_lora_rides_on_top_of_whichever_method_serves() -> None:
+    """A projection's LoRA method: the base product for every row and the adapter's update on
+    its rows only; it stays on top when the format under it changes at load (oneDNN packing),
+    and a step's adapter rows on a model whose projections take none are refused."""
+    from torch import nn
+
+    from models.linear.layer import Linear
+    from models.lora import (
+        LoRAOnTop,
+        LoRAProjection,
+        LoRARows,
+        LoRAWeights,
+        StepAdapters,
+        enable_lora,
+    )
+
+    torch.manual_seed(0)
+    block = nn.Module()
+    block.o_proj = Linear(16, 24)
+    block.o_proj.weight.data.normal_()
+    a_t, b_t = torch.randn(16, 4), torch.randn(4, 24)
+    adapter = LoRAWeights(4, ({"o_proj": LoRAProjection(a_t, b_t)},), "f", 0, ("o_proj",))
+    rows = LoRARows(((adapter, slice(1, 3)),))
+    with pytest.raises(ValueError, match="take no adapters"):
+        with StepAdapters().serving(rows):
+            pass
+    step = StepAdapters()
+    enable_lora(nn.ModuleList([block]), step)
+    layer = block.o_proj
+    assert isinstance(layer.method, LoRAOnTop) and layer.dense
+    x = torch.randn(5, 16)
+    want = x @ layer.weight.T
+    want[1:3] += x[1:3] @ a_t @ b_t
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), x @ layer.weight.T, atol=1e-4)  # no step: the base
+        for _ in range(2):
+            with step.serving(rows):
+                assert torch.allclose(layer(x), want, atol=1e-4)
+            layer.pack()  # the second round: on the packed format where oneDNN packs here
+    assert isinstance(layer.method, LoRAOnTop) and layer.method.base is layer.format

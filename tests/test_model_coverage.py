@@ -15,7 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
-from tests.conftest import build_tokenizer
+from tests.conftest import build_dirs, build_tokenizer, randomize, save_model
 from tests.gguf_export import write_gguf
 
 pytestmark = pytest.mark.isa  # the C++ attention and block kernels again as an AVX2 CPU runs them
@@ -61,21 +61,14 @@ def build(arch: str, out: Path) -> Path:
     config = getattr(transformers, cfg_name)(**{**BASE, **overrides})
     torch.manual_seed(zlib.crc32(arch.encode()) % 1000)
     model = getattr(transformers, model_name)(config).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # Gemma multiplies by (1 + w): around 1 either way
-                p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(out, safe_serialization=True)
-    build_tokenizer(out)
-    return out
+    # Gemma multiplies by (1 + w): norms around 1 either way
+    randomize(model, 0.0 if arch == "gemma3" else 1.0)
+    return save_model(model, out)
 
 
 @pytest.fixture(scope="module")
 def new_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("new-archs")
-    return {arch: build(arch, root / arch) for arch in NEW_ARCHS}
+    return build_dirs(tmp_path_factory, "new-archs", build, NEW_ARCHS)
 
 
 def reference(path: Path, **kw):
@@ -87,16 +80,24 @@ def reference(path: Path, **kw):
     return model
 
 
-def assert_matches(llm: LLM, ref, prompts=PROMPTS) -> None:
+def reference_greedy(ref, prompts=PROMPTS) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (16 tokens, as GREEDY)."""
+    with torch.no_grad():
+        return [ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :]
+                .tolist() for p in prompts]  # fmt: skip
+
+
+def assert_matches(llm: LLM, ref, prompts=PROMPTS, greedy: list[list[int]] | None = None) -> None:
+    """Every prompt's logits within 1e-4 of transformers', greedy decoding its tokens (`greedy`:
+    `reference_greedy`, computed once by a caller that checks several engines), and every KV
+    block free after."""
     for prompt in prompts:
         ours = score_prompt(llm.engine, prompt)
         with torch.no_grad():
             theirs = ref(torch.tensor([prompt])).logits[0].float()
         assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
-    for prompt, res in zip(prompts, llm.generate(prompts, GREEDY)):
-        with torch.no_grad():
-            gen = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-        assert res.outputs[0].token_ids == gen[0, len(prompt) :].tolist()
+    want = reference_greedy(ref, prompts) if greedy is None else greedy
+    assert [res.outputs[0].token_ids for res in llm.generate(prompts, GREEDY)] == want
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
 
 

@@ -91,6 +91,17 @@ def check(sched: Scheduler, out: SchedulerOutput | None = None) -> None:
             )
 
 
+def drain(sched: Scheduler, rng: random.Random, steps: int) -> None:
+    """Steps (each checked, tokens from `fake_run`) until nothing is unfinished, `steps` at
+    most."""
+    for _ in range(steps):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        check(sched, out)
+        sched.update_from_output(out, fake_run(out, rng))
+
+
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12)),
@@ -137,12 +148,7 @@ def test_random_add_step_abort_keeps_the_invariants(
             check(sched)
     # drain: everything admitted finishes with exactly its max_tokens (ignore_eos), even
     # through preemptions, and every block comes back
-    for _ in range(2000):
-        if not sched.has_unfinished():
-            break
-        out = sched.schedule()
-        check(sched, out)
-        sched.update_from_output(out, fake_run(out, rng))
+    drain(sched, rng, 2000)
     assert not sched.has_unfinished()
     for r in added:
         assert r.status == RequestStatus.FINISHED
@@ -165,12 +171,7 @@ def test_a_short_prompt_admitted_first_then_preempted_leaves_the_step() -> None:
         if i == 1:
             out = sched.schedule()
             sched.update_from_output(out, fake_run(out, rng))
-    for _ in range(200):
-        if not sched.has_unfinished():
-            break
-        out = sched.schedule()
-        check(sched, out)
-        sched.update_from_output(out, fake_run(out, rng))
+    drain(sched, rng, 200)
     assert not sched.has_unfinished() and sched.kv.pool.num_free_blocks == 11
 
 

@@ -106,24 +106,23 @@ def test_chat_raw_body_matches_schema(server) -> None:
     assert all(e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6 for e in entries)
 
 
-def test_chat_stream_with_usage(server) -> None:
+def streamed_with_usage(server, path: str, body: dict) -> list[dict]:
+    """The events of a streamed POST to `path` (with a usage chunk), parsed, once the stream
+    is checked to be server-sent events ending in [DONE]."""
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream(
-        "POST",
-        server.base + "/v1/chat/completions",
-        timeout=60,
-        headers={"Authorization": f"Bearer {KEY}"},
-        json={
-            "model": "tiny",
-            "messages": HELLO,
-            "max_tokens": 10,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        },
-    ) as r:
+        "POST", server.base + path, timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+        json={**body, **stream},
+    ) as r:  # fmt: skip
         assert r.headers["content-type"].startswith("text/event-stream")
         chunks = list(sse.data(r))
     assert chunks[-1] == "[DONE]"
-    bodies = [json.loads(c) for c in chunks[:-1]]
+    return [json.loads(c) for c in chunks[:-1]]
+
+
+def test_chat_stream_with_usage(server) -> None:
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 10}
+    bodies = streamed_with_usage(server, "/v1/chat/completions", body)
     for b in bodies:
         validate("CreateChatCompletionStreamResponse", b)
     assert bodies[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -221,21 +220,7 @@ def test_completions_prompt_forms_and_echo(server, client) -> None:
 
 
 def test_completions_stream(server) -> None:
-    with httpx.stream(
-        "POST",
-        server.base + "/v1/completions",
-        timeout=60,
-        headers={"Authorization": f"Bearer {KEY}"},
-        json={
-            "prompt": "Hi",
-            "max_tokens": 6,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        },
-    ) as r:
-        chunks = list(sse.data(r))
-    assert chunks[-1] == "[DONE]"
-    bodies = [json.loads(c) for c in chunks[:-1]]
+    bodies = streamed_with_usage(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 6})
     for b in bodies[:-1]:
         # OpenAI's schema types finish_reason and usage as non-null, yet OpenAI's own completion
         # streams send finish_reason null until the last chunk and usage null on all but the

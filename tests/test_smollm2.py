@@ -100,9 +100,9 @@ def test_shipped_eagle_head_is_lossless_and_accepts(smol: LLM, smollm2_path) -> 
     if head.vocab_head is not None:  # the block kernel is built here: the head serves on it
         assert "draft head on Q8_0 blocks" in spec.engine.info.draft_source
         # its vocabulary rows are the target's own blocks: the same values as its lm_head's
-        target = spec.engine.model.lm_head.quant
-        rows = target.dense(torch.float32).index_select(0, head.token_map)
-        assert torch.equal(head.vocab_head.quant.dense(torch.float32), rows)
+        target = spec.engine.model.lm_head.method.kernel
+        rows = target.dequantized(torch.float32).index_select(0, head.token_map)
+        assert torch.equal(head.vocab_head.method.kernel.dequantized(torch.float32), rows)
     convs = [[{"role": "user", "content": p}] for p in heldout_prompts(3)]
     params = SamplingParams(temperature=0.0, max_tokens=48)
     want = [r.outputs[0].token_ids for r in smol.chat(convs, params)]

@@ -450,8 +450,8 @@ def test_head_on_blocks_is_its_dense_self_rounded(llama_dir, heads, name) -> Non
     stay lossless and kept is test_smollm2's shipped-head test; the greedy tests above run
     with it too."""
     from models.eagle.head import load_eagle_head
-    from models.linear.dense import pack_linears
     from models.linear.gguf_linear import GGUFWeight, load_q8
+    from models.linear.layer import pack_linears
 
     if load_q8() is None:
         pytest.skip("the block kernel needs AVX2")  # every x86 CPU this project serves has it
@@ -466,7 +466,7 @@ def test_head_on_blocks_is_its_dense_self_rounded(llama_dir, heads, name) -> Non
     for rows in (1, 3, 40):
         for attr in linears + (["lm_head"] if name == "eagle3" else []):
             ours, theirs = getattr(blocks, attr), getattr(dense, attr)
-            assert isinstance(ours.quant, GGUFWeight) and theirs.quant is None
+            assert isinstance(ours.method, GGUFWeight) and theirs.dense
             x = torch.randn(rows, theirs.in_features, generator=gen).to(dtype)
             want = theirs(x).float()
             err = (ours(x).float() - want).abs().max() / want.abs().max()

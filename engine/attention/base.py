@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict
 from models.attention_step import AttentionStep
@@ -45,6 +46,29 @@ class StepMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+
+def sdpa_rows(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of q [rows, heads, dim] over keys and values [kv heads, seq, dim] (grouped
+    query heads), causal where `mask` is None, in torch's SDPA as a batch of one: 4-D, since
+    torch's CPU flash-attention kernel takes only 4-D inputs (3-D ones fall back to the unfused
+    math path, ~6x slower on a 1,500-token prompt). Returns [rows, heads, dim]."""
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys[None],
+        values[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
 
 
 def paged_layer_cache(

@@ -253,6 +253,28 @@ def slow_cpu_dtype(facts: DeviceFacts, dtype: torch.dtype) -> Verdict:
     }
 
 
+# A model's need (a `ModelNeeds` flag) -> the matrix row and reason where a backend's kernels
+# lack it (`model_refusals`; sparse attention rides on compressed-attention support)
+_UNSUPPORTED = {
+    "sliding_window": ("sliding window", "no paged local-attention mask in its kernels"),
+    "mixed_windows": ("mixed windows", "one window per step's plan, not one per layer"),
+    "soft_cap": ("soft-capping", "logit soft-capping is not supported"),
+    "tree_masks": ("tree masks", "custom (tree) masks are not supported"),
+    "int8_kv": ("int8 KV", "its kernels read float16/bfloat16 pages, not int8 rows with scales"),
+    "compressed": (
+        "compressed attention",
+        "no kernel here reads compressed KV groups (one entry per m tokens beside the window, "
+        "with a sink per head); the torch backend's PyTorch path serves DeepSeek V4",
+    ),
+    "sparse": (
+        "sparse attention",
+        "no lightning-indexer top-k over compressed entries nor a sparse gather in its "
+        "kernels (FlashMLA-style sparse decode is not wired here)",
+    ),
+    "image_spans": ("image spans", "no mask for an image's bidirectional span in a causal prompt"),
+}
+
+
 def model_refusals(
     needs: ModelNeeds,
     *,
@@ -274,28 +296,14 @@ def model_refusals(
         verdict["head_dim"] = f"head_dim {bad_dims} not in {head_dims}"
     if needs.uneven_gqa:
         verdict["GQA group size"] = "query heads not a multiple of KV heads"
-    if needs.sliding_window and not sliding_window:
-        verdict["sliding window"] = "no paged local-attention mask in its kernels"
-    if needs.mixed_windows and not mixed_windows:
-        verdict["mixed windows"] = "one window per step's plan, not one per layer"
-    if needs.soft_cap and not soft_cap:
-        verdict["soft-capping"] = "logit soft-capping is not supported"
-    if needs.tree_masks and not tree_masks:
-        verdict["tree masks"] = "custom (tree) masks are not supported"
-    if needs.int8_kv and not int8_kv:
-        verdict["int8 KV"] = "its kernels read float16/bfloat16 pages, not int8 rows with scales"
-    if needs.compressed and not compressed:
-        verdict["compressed attention"] = (
-            "no kernel here reads compressed KV groups (one entry per m tokens beside the window, "
-            "with a sink per head); the torch backend's PyTorch path serves DeepSeek V4"
-        )
-    if needs.sparse and not compressed:
-        verdict["sparse attention"] = (
-            "no lightning-indexer top-k over compressed entries nor a sparse gather in its "
-            "kernels (FlashMLA-style sparse decode is not wired here)"
-        )
-    if needs.image_spans and not image_spans:
-        verdict["image spans"] = "no mask for an image's bidirectional span in a causal prompt"
+    supports = {
+        "sliding_window": sliding_window, "mixed_windows": mixed_windows, "soft_cap": soft_cap,
+        "tree_masks": tree_masks, "int8_kv": int8_kv, "compressed": compressed,
+        "sparse": compressed, "image_spans": image_spans,
+    }  # fmt: skip
+    for need, (row, why) in _UNSUPPORTED.items():
+        if getattr(needs, need) and not supports[need]:
+            verdict[row] = why
     return verdict
 
 

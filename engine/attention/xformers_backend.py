@@ -23,9 +23,14 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata, paged_layer_cache
+from engine.attention.base import (
+    AttentionBackend,
+    AttentionStep,
+    StepMetadata,
+    paged_layer_cache,
+    sdpa_rows,
+)
 from engine.attention.matrix import (
     DeviceFacts,
     ModelNeeds,
@@ -147,16 +152,7 @@ class XFormersStep(AttentionStep):
         if ctx > 0:  # bottom-right causal: query j sits at position ctx + j
             q_pos = torch.arange(ctx, seq_len, device=q.device)[:, None]
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        return o[0].transpose(0, 1)
+        return sdpa_rows(q, keys.transpose(0, 1), values.transpose(0, 1), mask, scale)
 
 
 class XFormersBackend(AttentionBackend):

@@ -47,14 +47,15 @@ from engine.parallel.tensor_parallel import TPGroup, start_ranks
 from engine.runner.model_runner import ModelRunner
 from engine.weights.quantization import (
     WEIGHT_ONLY,
+    HeldOut,
     judge_int8_activations,
     judge_int8_prefill,
     quantize_model,
     quantize_weight_only,
 )
 from models.eagle.head import EagleHead
-from models.linear import gguf_linear
-from models.linear.dense import pack_linears
+from models.linear import measure
+from models.linear.layer import pack_linears
 from models.loader import checkpoint_dtype, default_model_path
 from models.tokenizer import Tokenizer, load_tokenizer
 
@@ -139,6 +140,8 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     outputs = OutputProcessor(tokenizer, kv.export_prompt)
     budget = step_budget(config, key, weights.model, pool.backend, pool.scratch_blocks, device)
     loras = build_loras(config, spec, dtype)
+    if loras.limits.max_loras:  # the weights' methods are final (measured and judged above)
+        weights.model.enable_lora()
     kernel_table += f"\n  step budget: {budget.describe()}\n  lora: {loras.describe()}"
     vision = build_image_encoder(config, model_path, spec, dtype, device, draft is not None,
                                  tokenizer)  # fmt: skip
@@ -229,30 +232,25 @@ def _quantize(
 ) -> str:
     """Weights quantized at load, measured through the warmed-up backend before they serve
     (engine/weights/); returns the banner's weights line."""
-    model, backend = weights.model, pool.backend
+    model = weights.model
     if config.quantization not in ("auto", "none") and weights.spec.group_specs:
         raise ValueError(f"--quantization {config.quantization} with {weights.spec.architecture}: "
                          "its layers keep their weights in the serving dtype")  # fmt: skip
+    held = HeldOut(model, pool.backend, tokenizer, pool.scratch_blocks, pool.block_size, device)
     if config.quantization == "int8":
-        return quantize_model(model, backend, tokenizer, pool.scratch_blocks, pool.block_size,
-                              device)  # fmt: skip
+        return quantize_model(held)
     notes = weights.notes
     if config.quantization in WEIGHT_ONLY:
         notes = quantize_weight_only(
-            model, config.quantization, backend, tokenizer, pool.scratch_blocks, pool.block_size,
-            device, config.cpu_packed_weights, int8_activations(config),
+            held, config.quantization, config.cpu_packed_weights, int8_activations(config),
             config.spec_max_verify_rows, key,
         )  # fmt: skip
-    judged = judge_int8_activations(
-        model, backend, tokenizer, pool.scratch_blocks, pool.block_size, device,
-        binding=config.gguf_int8_activations == "auto", key=key,
-    )  # fmt: skip
-    if int8_prefill(config) and (int8 := gguf_linear.measure_int8_dense(model, key)):
+    judged = judge_int8_activations(held, config.gguf_int8_activations == "auto", key)
+    if int8_prefill(config) and (int8 := measure.measure_int8_dense(model, key)):
         log.info("GGUF dense path: %s", int8)
         notes += f"; {int8}"
     prefill = judge_int8_prefill(
-        model, backend, tokenizer, pool.scratch_blocks, pool.block_size, device,
-        binding=config.gguf_int8_prefill == "auto", key=(*key, "int8 prefill"),
+        held, config.gguf_int8_prefill == "auto", (*key, "int8 prefill")
     )  # fmt: skip
     return "; ".join(part for part in (notes, judged, prefill) if part)
 

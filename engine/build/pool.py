@@ -5,6 +5,7 @@ worker allocates and warms its shard's pool with the same `pool_for`."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -142,7 +143,9 @@ def choose_and_warm_up(
                                     kv_dtype, device)  # fmt: skip
         backend = backend_cls(pool_spec, caches, block_size, workspace)
         del caches  # the backend holds the pool: a failed warm-up's frees with it
-        reason = _warm_up_failure(model, backend, pool_spec, num_blocks, block_size, device)
+        warm = functools.partial(warm_up, model, backend, pool_spec, num_blocks, block_size, device)
+        reason = _warm_up_failure(backend.name, warm)
+        del warm  # (it holds the backend too)
         if reason is not None:
             if config.attention_backend != "auto":
                 raise ValueError(f"attention backend {backend_cls.name!r} (forced) {reason}")
@@ -204,21 +207,15 @@ def block_size_for(
     return size
 
 
-def _warm_up_failure(
-    model: LlamaForCausalLM,
-    backend: AttentionBackend,
-    pool_spec: ModelSpec,
-    num_blocks: int,
-    block_size: int,
-    device: torch.device,
-) -> str | None:
-    """Why the backend's warm-up failed, or None. The traceback is logged as text and not kept:
-    its frames hold the backend and its KV pool, which must be freed before the next try."""
+def _warm_up_failure(name: str, warm: Callable[[], None]) -> str | None:
+    """Why the warm-up `warm` of backend `name` failed, or None. The traceback is logged as text
+    and not kept: its frames hold the backend and its KV pool, which must be freed before the
+    next try."""
     try:
-        warm_up(model, backend, pool_spec, num_blocks, block_size, device)
+        warm()
     except Exception as e:  # noqa: BLE001 - any failure disqualifies the backend
         reason = f"warm-up failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        log.error("attention backend %s %s\n%s", backend.name, reason, traceback.format_exc())
+        log.error("attention backend %s %s\n%s", name, reason, traceback.format_exc())
         return reason
     return None
 

@@ -15,8 +15,9 @@ import torch
 from engine.attention.matrix import dtype_name
 from engine.config import EngineConfig
 from engine.weights.quantization import WEIGHT_ONLY, serve_gguf_blocks
-from models.linear import gguf_linear
-from models.linear.dense import measure_packed_rows, onednn_pack_refusal, pack_linears
+from models.linear import gguf_linear, measure
+from models.linear.dense import onednn_pack_refusal
+from models.linear.layer import pack_linears
 from models.linear.w8a8 import can_quantize
 from models.llama import LlamaForCausalLM
 from models.loader import load_model
@@ -106,12 +107,12 @@ def load_weights(
         if device.type == "cpu" and (refusal := onednn_pack_refusal(dtype)) is not None:
             log.warning("no oneDNN-packed weights for %s here: %s", dtype_name(dtype), refusal)
             notes += f"; unpacked: oneDNN refuses packed {dtype_name(dtype)} here ({refusal})"
-        elif device.type == "cpu" and (rows := measure_packed_rows(model)):
+        elif device.type == "cpu" and (rows := measure.measure_packed_rows(model)):
             log.info("linear layers: %s", rows)
             notes += f"; {rows}"
     if gguf_served:  # measured with the dense copies in place
         key = weights_key(config, model_path, dtype)
-        crossover = gguf_linear.measure_crossover(
+        crossover = measure.measure_crossover(
             model, dtype, int8_activations(config), key, config.spec_max_verify_rows
         )
         log.info("GGUF block kernel against the dense path: %s", crossover)

@@ -12,6 +12,7 @@ step."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -126,10 +127,7 @@ class DiskTier:
                     "those blocks will be recomputed",
                     self.root, e, self.save_failures,
                 )  # fmt: skip
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+            _remove(tmp)
             return False
         self.files[block_hash] = path
         return True
@@ -143,10 +141,7 @@ class DiskTier:
             "disk KV block %s is %s; skipped and removed (%d such blocks so far)",
             path.name, why, self.integrity_failures,
         )  # fmt: skip
-        try:
-            path.unlink(missing_ok=True)
-        except OSError:
-            pass
+        _remove(path)
 
     def load(self, block_hash: bytes) -> list[torch.Tensor] | None:
         path = self.files.get(block_hash)
@@ -182,3 +177,10 @@ class DiskTier:
             offset += n
         self.hits += 1
         return out
+
+
+def _remove(path: Path) -> None:
+    """Remove a file the tier gives up on; one it cannot remove is left (a later save of the
+    block replaces it, and a read checks its bytes)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)

@@ -50,7 +50,7 @@ from engine.parallel.messages import (
     WorkerBuild,
 )
 from engine.parallel.shm_allreduce import ShmAllReduce
-from models.linear.dense import Linear
+from models.linear.layer import Linear
 from models.spec import ModelSpec
 from models.tp_plan import RankShard, TPPlan, plan_tensor_parallel
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +37,7 @@ from engine.attention.base import AttentionBackend
 from engine.attention.matrix import dtype_name
 from engine.runner.step_inputs import step_metadata
 from models.gguf_loader import gguf_blocks
-from models.linear import gguf_linear
+from models.linear import gguf_linear, measure
 from models.linear.w8a8 import (
     CALIBRATION,
     input_ranges,
@@ -111,6 +112,31 @@ def held_out_logits(
     return logits
 
 
+@dataclass(frozen=True, slots=True)
+class HeldOut:
+    """The warmed-up model that held-out text runs through before a quantization serves (its KV
+    in the pool's first `num_blocks` blocks: no request owns any yet at startup)."""
+
+    model: LlamaForCausalLM
+    backend: AttentionBackend
+    tokenizer: Tokenizer | None
+    num_blocks: int
+    block_size: int
+    device: torch.device
+
+    @property
+    def limit(self) -> int:
+        """Tokens of a prompt at most: what the blocks hold, up to 256."""
+        return min(256, self.num_blocks * self.block_size)
+
+    def run(self) -> Callable[[list[int]], torch.Tensor]:
+        return forward_fn(self.model, self.backend, self.block_size, self.device)
+
+    def logits(self) -> Callable[[], torch.Tensor]:
+        """`held_out_logits` of the model as it is when called."""
+        return held_out_logits(self.model, self.run(), self.tokenizer, self.limit)
+
+
 def judge(
     method: str,
     reference: torch.Tensor,
@@ -140,16 +166,11 @@ def judge(
 
 @torch.inference_mode()
 def quantize_model(
-    model: LlamaForCausalLM,
-    backend: AttentionBackend,
-    tokenizer: Tokenizer | None,
-    num_blocks: int,
-    block_size: int,
-    device: torch.device,
+    held: HeldOut,
     alpha: float = 0.8,  # SmolLM2, alpha 0.5 / 0.65 / 0.8 / 0.9: top-1 0.88 / 0.86 / 0.93 / 0.88
 ) -> str:
     """Smooth, quantize, and describe the result for the kernel matrix."""
-    limit = min(256, num_blocks * block_size)
+    model, tokenizer, limit = held.model, held.tokenizer, held.limit
     if tokenizer is not None:
         prompts = [tokenizer.encode(t, add_special_tokens=False)[:limit] for t in CALIBRATION]
     else:  # token ids only: a spread of ids stands in for text
@@ -157,9 +178,7 @@ def quantize_model(
         vocab = model.spec.vocab_size
         prompts = [torch.randint(0, vocab, (min(64, limit),), generator=g).tolist()] * 4
 
-    run = forward_fn(model, backend, block_size, device)
-    logits = held_out_logits(model, run, tokenizer, limit)
-
+    run, logits = held.run(), held.logits()
     smooth(model, input_ranges(model, run, prompts), alpha)
     reference = logits()  # smoothing computes the same function: this is the float model
     int8_bytes = quantize_linears(model)
@@ -184,13 +203,8 @@ WEIGHT_ONLY = {"int4": "Q4_1", "int8wo": "Q8_0"}
 
 @torch.inference_mode()
 def quantize_weight_only(
-    model: LlamaForCausalLM,
+    held: HeldOut,
     method: str,
-    backend: AttentionBackend,
-    tokenizer: Tokenizer | None,
-    num_blocks: int,
-    block_size: int,
-    device: torch.device,
     pack: bool,
     int8_activations: bool = False,
     q8_min_rows: int = 0,
@@ -198,12 +212,7 @@ def quantize_weight_only(
 ) -> str:
     """Round every float linear weight to ggml blocks, measure the result on held-out text,
     and describe it for the kernel matrix (`key`: the crossover's memo, as in load_weights)."""
-    logits = held_out_logits(
-        model,
-        forward_fn(model, backend, block_size, device),
-        tokenizer,
-        min(256, num_blocks * block_size),
-    )
+    model, logits = held.model, held.logits()
     reference = logits()
     fmt = WEIGHT_ONLY[method]
     held = gguf_linear.attach(model, gguf_linear.quantize_to_blocks(model, fmt))
@@ -212,7 +221,7 @@ def quantize_weight_only(
             w.pack()
     accuracy = judge(method, reference, logits(), f"{fmt} weights")
     dtype = model.embed_tokens.weight.dtype
-    crossover = gguf_linear.measure_crossover(
+    crossover = measure.measure_crossover(
         model, dtype, int8_activations, key, q8_min_rows=q8_min_rows
     )
     stored = ", ".join(f"{f} {size / 2**20:.0f} MiB" for f, size in sorted(held.items()))
@@ -256,7 +265,9 @@ def serve_gguf_blocks(
         return "", False
     stored = ", ".join(f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in sorted(held.items()))
     copies = sum(
-        w.interleaved.numel() for w in gguf_linear.gguf_weights(model) if w.interleaved is not None
+        w.kernel.interleaved.numel()
+        for w in gguf_linear.gguf_weights(model)
+        if w.kernel.interleaved is not None
     )
     kernel = (
         f"block kernel for few rows on an interleaved copy ({copies / 2**20:.0f} MiB)"
@@ -273,12 +284,7 @@ _JUDGED: dict[tuple, tuple[bool, str]] = {}
 
 @torch.inference_mode()
 def _int8_verdict(
-    model: LlamaForCausalLM,
-    backend: AttentionBackend,
-    tokenizer: Tokenizer | None,
-    num_blocks: int,
-    block_size: int,
-    device: torch.device,
+    held: HeldOut,
     paths: tuple[Callable[[], None], Callable[[], None], Callable[[], None]],
     key: tuple | None,
     binding: bool,
@@ -292,10 +298,7 @@ def _int8_verdict(
         return _JUDGED[key]
     exact, int8, restore = paths
     against, served, refused = words
-    logits = held_out_logits(
-        model, forward_fn(model, backend, block_size, device), tokenizer,
-        min(256, num_blocks * block_size),
-    )  # fmt: skip
+    logits = held.logits()
     try:
         exact()
         reference = logits()
@@ -315,22 +318,13 @@ def _int8_verdict(
     return keep, text
 
 
-def judge_int8_activations(
-    model: LlamaForCausalLM,
-    backend: AttentionBackend,
-    tokenizer: Tokenizer | None,
-    num_blocks: int,
-    block_size: int,
-    device: torch.device,
-    binding: bool,
-    key: tuple | None = None,
-) -> str:
+def judge_int8_activations(held: HeldOut, binding: bool, key: tuple | None = None) -> str:
     """Where the startup probe chose the int8-activation kernel for some rows, measure what it
     costs: HELD_OUT through every weight's chosen kernel for every row (as decode runs them)
     against the same blocks on float activations (exact up to summation order). `binding`
     (auto): below INT8_ACTIVATION_TOP1 / _COSINE the int8 kernel is dropped and float
     activations serve. Returns the banner's words ("" when no weight chose it)."""
-    weights = gguf_linear.gguf_weights(model)
+    weights = gguf_linear.gguf_weights(held.model)
     chosen = [(w.q8_max_rows, w.kernel_max_rows) for w in weights]
     if not any(q8 for q8, _ in chosen):
         return ""
@@ -348,11 +342,9 @@ def judge_int8_activations(
         for w, limits in zip(weights, chosen):
             w.q8_max_rows, w.kernel_max_rows = limits
 
-    keep, text = _int8_verdict(
-        model, backend, tokenizer, num_blocks, block_size, device, (exact, int8, restore), key,
-        binding, ("float activations", "int8 activations serve where faster",
-                  "int8 activations refused by the accuracy judge"),
-    )  # fmt: skip
+    words = ("float activations", "int8 activations serve where faster",
+             "int8 activations refused by the accuracy judge")  # fmt: skip
+    keep, text = _int8_verdict(held, (exact, int8, restore), key, binding, words)
     if not keep:
         for w in weights:
             w.q8_max_rows = 0
@@ -360,21 +352,12 @@ def judge_int8_activations(
     return text
 
 
-def judge_int8_prefill(
-    model: LlamaForCausalLM,
-    backend: AttentionBackend,
-    tokenizer: Tokenizer | None,
-    num_blocks: int,
-    block_size: int,
-    device: torch.device,
-    binding: bool,
-    key: tuple | None = None,
-) -> str:
+def judge_int8_prefill(held: HeldOut, binding: bool, key: tuple | None = None) -> str:
     """Where the startup measurement kept int8 W8A8 copies for the dense path (prefill), measure
     what they cost: HELD_OUT with every dense-path row on them against the same weights on the
     float GEMM. `binding` (auto): below INT8_ACTIVATION_TOP1 / _COSINE (the bar int8 block-kernel
     activations meet) the copies are dropped. Returns the banner's words ("" where none serve)."""
-    weights = [w for w in gguf_linear.gguf_weights(model) if w.int8 is not None]
+    weights = [w for w in gguf_linear.gguf_weights(held.model) if w.int8 is not None]
     if not weights:
         return ""
     chosen = [(w.int8_min_rows, w.kernel_max_rows) for w in weights]
@@ -391,11 +374,8 @@ def judge_int8_prefill(
         for w, (rows, kernel) in zip(weights, chosen):
             w.int8_min_rows, w.kernel_max_rows = rows, kernel
 
-    keep, text = _int8_verdict(
-        model, backend, tokenizer, num_blocks, block_size, device, (exact, int8, restore), key,
-        binding, ("the float GEMM", "int8 prefill serves",
-                  "int8 prefill refused by the accuracy judge"),
-    )  # fmt: skip
+    words = ("the float GEMM", "int8 prefill serves", "int8 prefill refused by the accuracy judge")
+    keep, text = _int8_verdict(held, (exact, int8, restore), key, binding, words)
     if not keep:
         for w in weights:
             w.int8, w.int8_min_rows = None, 1 << 30

@@ -35,8 +35,9 @@ from models.layers import (
     silu_mul,
 )
 from models.linear import gguf_linear
-from models.linear.dense import Linear, cpu_linear
+from models.linear.dense import cpu_linear
 from models.linear.gguf_linear import GGUFWeight
+from models.linear.layer import Linear
 from models.llama import LlamaForCausalLM
 from models.spec import LayerSpec, ModelSpec
 
@@ -122,7 +123,9 @@ class EagleHead(nn.Module):
         self.token_map = token_map
         if token_map is not None and self.lm_head is None:
             target = self._target_lm_head[0]  # its weight may be held as GGUF blocks
-            weight = target.weight if target.quant is None else target.quant.dense(torch.float32)
+            method = target.format
+            blocks = method.kernel if isinstance(method, GGUFWeight) else None
+            weight = target.weight if blocks is None else blocks.dequantized(torch.float32)
             weight = weight.to(self.embed.weight.dtype)
             self.vocab_weight = weight.index_select(0, token_map.to(weight.device)).contiguous()
 
@@ -196,9 +199,10 @@ class EagleHead(nn.Module):
         for w in gguf_linear.gguf_weights(self) if layers else ():
             w.kernel_max_rows = layers[0].kernel_max_rows  # measured at the target's load
         vocab = ""
-        blocks = target.lm_head.quant
-        if self.vocab_weight is not None and isinstance(blocks, GGUFWeight):
+        head = target.lm_head.format
+        if self.vocab_weight is not None and isinstance(head, GGUFWeight):
             assert self.token_map is not None
+            blocks = head.kernel
             self.vocab_head = target.lm_head.rows(self.token_map.to(blocks.blocks.device))
             self.vocab_weight = None
             vocab = (

@@ -31,7 +31,7 @@ def load() -> Any:
 def kernel_kind(weights: list[gguf_linear.GGUFWeight], rows: int) -> int | None:
     """The block kernel every weight takes at `rows` rows, as `GGUFWeight.__call__` chooses it;
     None where they differ or one takes the dense path."""
-    interleaved = all(w.interleaved is not None for w in weights)
+    interleaved = all(w.kernel.interleaved is not None for w in weights)
     if all(rows <= w.q8_max_rows for w in weights):
         return INT8_INTERLEAVED if interleaved else None
     if all(w.q8_max_rows < rows <= w.kernel_max_rows for w in weights):
@@ -40,7 +40,7 @@ def kernel_kind(weights: list[gguf_linear.GGUFWeight], rows: int) -> int | None:
 
 
 def operands(weights: list[gguf_linear.GGUFWeight], kind: int) -> list[torch.Tensor]:
-    return [w.blocks if kind == FLOAT_ON_BLOCKS else w.interleaved for w in weights]  # type: ignore[misc]
+    return [w.kernel.blocks if kind == FLOAT_ON_BLOCKS else w.kernel.interleaved for w in weights]  # type: ignore[misc]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +67,9 @@ class StackLayout:
             if layer.attn_output_norm is not None or layer.act is not silu_mul:
                 return None
             for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                w = getattr(linear, "quant", None)
-                if not isinstance(w, gguf_linear.GGUFWeight) or w.bias is not None:
+                # a step with LoRA adapters takes the per-layer path: the formats under serve
+                w = linear.format
+                if not isinstance(w, gguf_linear.GGUFWeight) or w.kernel.bias is not None:
                     return None
                 weights.append(w)
         heads = {layer.layer.num_heads for layer in layers}
@@ -76,8 +77,8 @@ class StackLayout:
             return None
         return StackLayout(
             weights,
-            [gguf_linear.FORMATS[w.format] for w in weights],
-            [w.out_features for w in weights],
+            [gguf_linear.FORMATS[w.kernel.format] for w in weights],
+            [w.kernel.out_features for w in weights],
             [layer.input_layernorm.weight for layer in layers],
             [layer.post_attention_layernorm.weight for layer in layers],
             heads.pop(),
@@ -107,7 +108,7 @@ class DecodeStack:
         rotary table `rope`, attention step `attn`); None where that does not apply."""
         if len(rope) != 1 or x.dim() != 2 or x.device.type != "cpu":
             return None
-        first = layers[0].qkv_proj.quant
+        first = layers[0].qkv_proj.method
         if self._key is not first:
             self._layout, self._key = StackLayout.of(layers), first
         stack = self._layout

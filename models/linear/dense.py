@@ -1,8 +1,7 @@
-"""The dense format: a float weight [out, in] multiplied by torch, plain or from a oneDNN-packed
-copy, whichever the startup measurement found faster for the step's rows (`measure_packed_rows`).
-`Linear` is the layer every model builds: it holds the dense weight and, where the weight is
-served in another format, that format's method (`Linear.quant`: GGUF blocks, int8 W8A8), which
-multiplies x itself.
+"""The dense formats: a float weight [out, in] multiplied by torch as it is (`DensePlain`) or from
+a oneDNN-packed copy (`OneDNNPacked`), and `DenseWeight`, which of the two takes a step's rows:
+the packed copy from `packed_min_rows` rows, as the startup measurement found it faster
+(models/linear/measure.py `measure_packed_rows`).
 
 Why the plain path computes `(W @ x.T).T` on CPU: with W stored [out, in] (HF layout) MKL runs
 that as a GEMM with a skinny right-hand side, which reads weights at close to memory bandwidth
@@ -16,14 +15,12 @@ layout) -> 14.8 ms; 5 rows 41 -> 24 ms; 64 rows 119 -> 93 ms; 1024 rows equal
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from models.linear import LinearMethod
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -86,127 +83,73 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        # A oneDNN blocked copy of `weight` (CPU float32 or bfloat16; see `pack`), or None.
-        self.packed: torch.Tensor | None = None
-        self.packed_min_rows = 0
-        # the weight in another format, whose method multiplies x itself (`serve`): int8 W8A8
-        # (w8a8.py, --quantization int8) or GGUF blocks (gguf_linear.py); `weight` is then empty
-        self.quant: LinearMethod | None = None
+class WeightOwner(Protocol):
+    """A layer holding its dense weight and bias as parameters (models/linear/layer.py)."""
 
-    def serve(self, method: LinearMethod) -> None:
-        """Serve this layer from `method` (the weight in another format); the dense weight and
-        its packed copy are dropped (a tied weight is kept by its other owner)."""
-        self.quant = method
-        self.packed = None
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class DensePlain:
+    """The float weight multiplied as it is (`cpu_linear`). It reads the layer's parameters at
+    each call: they are materialised from the meta device, loaded and tied after the layer is
+    built and this method chosen."""
+
+    layer: WeightOwner
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear(x, self.layer.weight, self.layer.bias)
+
+    def rows(self, index: slice | torch.Tensor, part: WeightOwner) -> DensePlain:
+        return DensePlain(part)
 
     def pack(self) -> int:
-        """Also hold the weight in oneDNN's blocked layout for matmuls of >= PACKED_MIN_ROWS
-        rows. Call after the weights are final (a later weight change is not seen). Returns
-        the bytes added."""
-        if self.quant is not None:  # a GGUF weight packs its own dense copy; int8 has none
-            return self.quant.pack()
-        if not can_pack(self.weight):
-            return 0
-        self.packed = onednn_pack(self.weight.detach())
-        self.packed_min_rows = PACKED_MIN_ROWS[self.weight.dtype]
-        return self.weight.numel() * self.weight.element_size()
+        return 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            return self.quant(x)
-        packed = self.packed is not None and x.dim() == 2 and x.shape[0] >= self.packed_min_rows
-        if packed and x.dtype == self.weight.dtype:
-            return self.packed_forward(x)
-        return self.plain_forward(x)
 
-    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class OneDNNPacked:
+    """A weight in oneDNN's blocked layout (`onednn_pack`), for activations of its dtype; others
+    take `fallback` (the weight multiplied as it is)."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None  # in `dtype`
+    dtype: torch.dtype
+    # the weight multiplied as it is: a dense layer's own, a GGUF weight's dequantized
+    fallback: Callable[[torch.Tensor], torch.Tensor]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            return self.fallback(x)
         return onednn_linear(x, self.packed, self.bias)
 
-    def plain_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear(x, self.weight, self.bias)
 
-    def rows(self, index: slice | torch.Tensor) -> Linear:
-        """A Linear over output rows `index` of this one (a slice: views of its weight or a GGUF
-        weight's blocks; row ids: copies), packed again if this one is."""
-        part = Linear(self.in_features, 0, bias=self.bias is not None)
-        if self.bias is not None:
-            part.bias = nn.Parameter(self.bias.detach()[index], requires_grad=False)
-        if self.quant is not None:
-            part.quant = self.quant.rows(index)
-            return part
-        part.weight = nn.Parameter(self.weight.detach()[index], requires_grad=False)
-        if self.packed is not None:
-            part.pack()
-            part.packed_min_rows = self.packed_min_rows
-        return part
+@dataclass(slots=True)
+class DenseWeight:
+    """A float weight served plain below `packed_min_rows` rows and from its oneDNN-packed copy
+    from there on (2-D activations; others plain)."""
 
-    def load_rows(self, start: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Copy an HF-layout weight [out_rows, in] into output rows [start, start + out_rows)."""
-        rows = weight.shape[0]
-        self.weight.data[start : start + rows].copy_(weight)
-        if bias is not None:
-            assert self.bias is not None
-            self.bias.data[start : start + rows].copy_(bias)
+    plain: DensePlain
+    packed: OneDNNPacked
+    packed_min_rows: int
 
+    @staticmethod
+    def of(layer: WeightOwner, packed_min_rows: int | None = None) -> DenseWeight:
+        """`layer`'s weight packed now (a later weight change is not seen); from
+        PACKED_MIN_ROWS rows until measured."""
+        weight = layer.weight.detach()
+        plain = DensePlain(layer)
+        packed = OneDNNPacked(onednn_pack(weight), layer.bias, weight.dtype, plain)
+        return DenseWeight(plain, packed, packed_min_rows or PACKED_MIN_ROWS[weight.dtype])
 
-def pack_linears(module: nn.Module) -> int:
-    """`Linear.pack` every linear layer under `module` (each weight once, tied ones too)."""
-    return sum(m.pack() for m in module.modules() if isinstance(m, Linear))
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] >= self.packed_min_rows:
+            return self.packed(x)
+        return self.plain(x)
 
+    def rows(self, index: slice | torch.Tensor, part: WeightOwner) -> DenseWeight:
+        return DenseWeight.of(part, self.packed_min_rows)
 
-def best_pass_time(calls: list[tuple[Callable, torch.Tensor]], repeats: int = 3) -> float:
-    """Best time of one pass through `calls` (fn, x) in order: a forward's stream of weights,
-    mostly out of cache. The first pass allocates and warms the kernels, and is not counted."""
-    return best_pass_times([calls], repeats)[0]
-
-
-def best_pass_times(
-    passes: list[list[tuple[Callable, torch.Tensor]]], repeats: int = 3
-) -> list[float]:
-    """`best_pass_time` of each of `passes` (the paths a crossover compares), timed in
-    interleaved rounds so that load on a shared machine lands on every path alike rather
-    than on whichever ran while a neighbour was busy."""
-    best = [float("inf")] * len(passes)
-    for i in range(repeats + 1):
-        for j, calls in enumerate(passes):
-            start = time.perf_counter()
-            for fn, x in calls:
-                fn(x)
-            if i:
-                best[j] = min(best[j], time.perf_counter() - start)
-    return best
-
-
-PACKED_ROW_BUCKETS = (1, 2, 3, 4, 8)
-
-
-@torch.inference_mode()
-def measure_packed_rows(module: nn.Module) -> str:
-    """From how many rows the oneDNN-packed copies beat the plain matmul, measured here over all
-    packed linear layers under `module` in forward order (PACKED_MIN_ROWS was measured on a
-    Zen 5): the first of PACKED_ROW_BUCKETS where the packed pass is as fast, set on every packed
-    layer. Returns the choice and times for the banner ("" when nothing is packed)."""
-    layers = [m for m in module.modules() if isinstance(m, Linear) and m.packed is not None]
-    if not layers:
-        return ""
-    seen, chosen = [], PACKED_ROW_BUCKETS[-1] + 1
-    for rows in PACKED_ROW_BUCKETS:
-        xs = {m.in_features: torch.randn(rows, m.in_features).to(m.weight.dtype) for m in layers}
-        plain, packed = best_pass_times([
-            [(m.plain_forward, xs[m.in_features]) for m in layers],
-            [(m.packed_forward, xs[m.in_features]) for m in layers],
-        ])  # fmt: skip
-        seen.append(f"{rows}: {plain * 1e3:.1f}/{packed * 1e3:.1f}")
-        if packed <= plain:
-            chosen = rows
-            break
-    for m in layers:
-        m.packed_min_rows = chosen
-    return f"oneDNN-packed from {chosen} rows (ms plain/packed by rows {', '.join(seen)})"
+    def pack(self) -> int:
+        return 0  # packed already

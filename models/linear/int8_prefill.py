@@ -1,7 +1,7 @@
-"""int8 W8A8 for the dense path of GGUF weights (prefill: many rows): the weight dequantized from
-its blocks and rounded again per output channel to int8, each activation row rounded to int8 by
-its own range, int32 sums from `torch._int_mm` (oneDNN: VNNI where the CPU has it), scaled back in
-one pass (kernels/int8_rows.cpp; its build and fallback: kernels/build.py).
+"""int8 rows (`Int8Weight`), W8A8 for the dense path of GGUF weights (prefill: many rows): the
+weight dequantized from its blocks and rounded again per output channel to int8, each activation
+row rounded to int8 by its own range, int32 sums from `torch._int_mm` (oneDNN: VNNI where the CPU
+has it), scaled back in one pass (kernels/int8_rows.cpp; its build and fallback: kernels/build.py).
 
 Whether it serves is measured at startup (engine/weights/quantization.py: faster than the packed
 float GEMM at the rows it takes, and the model on it agrees with float prefill on held-out text).
@@ -37,17 +37,31 @@ def int_mm_exact() -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Int8Weight:
-    """A weight [out, in] as int8 [in, out] (the GEMM's right operand) and float32 scales [out]."""
+    """The int8 rows format: a weight [out, in] as int8 [in, out] (the GEMM's right operand),
+    float32 scales [out] and the layer's bias (float32)."""
 
     weight: torch.Tensor
     scales: torch.Tensor
+    bias: torch.Tensor | None = None
 
     @staticmethod
-    def from_dense(dense: torch.Tensor) -> Int8Weight:
+    def from_dense(dense: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Weight:
         w = dense.float()
         scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        return Int8Weight(q.t().contiguous(), scales.contiguous())
+        return Int8Weight(q.t().contiguous(), scales.contiguous(), bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def rows(self, index: slice | torch.Tensor, part: object = None) -> Int8Weight:
+        """Output rows `index` (each row is rounded by its own scale: the same codes as the
+        rows quantized alone)."""
+        bias = None if self.bias is None else self.bias[index]
+        return Int8Weight(self.weight[:, index].contiguous(), self.scales[index].contiguous(), bias)
+
+    def pack(self) -> int:
+        return 0
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] float32 or bf16 -> [rows, out] in x's dtype."""

@@ -25,11 +25,13 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from models.linear.dense import Linear
+from models.linear.layer import Linear
 
 
 @dataclass(frozen=True, slots=True)
-class Int8Weight:
+class W8A8:
+    """The W8A8 format: a weight (and bias) as fbgemm prepacked it."""
+
     packed: torch.Tensor  # fbgemm's prepacked weight (and bias)
     reduce_range: bool
     out_features: int
@@ -39,7 +41,7 @@ class Int8Weight:
         y = torch.ops.quantized.linear_dynamic(xf, self.packed, self.reduce_range)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
-    def rows(self, index: slice | torch.Tensor) -> Int8Weight:
+    def rows(self, index: slice | torch.Tensor, part: object = None) -> W8A8:
         # the lm_head (the one layer a rank or a draft head cuts by rows) stays in the serving
         # dtype, and int8 W8A8 is refused under tensor parallelism
         raise ValueError("int8 W8A8 weights are not cut by rows")
@@ -57,10 +59,10 @@ def _quantize_per_channel(weight: torch.Tensor) -> torch.Tensor:
         return torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
 
 
-def int8_weight(weight: torch.Tensor, bias: torch.Tensor | None, reduce_range: bool) -> Int8Weight:
+def int8_weight(weight: torch.Tensor, bias: torch.Tensor | None, reduce_range: bool) -> W8A8:
     b = bias.detach().float() if bias is not None else None
     packed = torch.ops.quantized.linear_prepack(_quantize_per_channel(weight), b)
-    return Int8Weight(packed, reduce_range, weight.shape[0])
+    return W8A8(packed, reduce_range, weight.shape[0])
 
 
 @lru_cache(maxsize=1)
@@ -152,7 +154,7 @@ def smooth(model: nn.Module, ranges: dict[Linear, torch.Tensor], alpha: float = 
         layer.gate_up_proj.weight.data[n:].div_(s.to(down.weight.dtype)[:, None])
         down.weight.data.mul_(s.to(down.weight.dtype))
         for linear in (layer.qkv_proj, layer.gate_up_proj, down):
-            linear.packed = None  # a packed copy holds the weight before smoothing
+            linear.unpack()  # a packed copy holds the weight before smoothing
 
 
 def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
