@@ -354,6 +354,10 @@ class EngineConfig:
         return 64 if self.resolved_device().type == "cpu" else 16
 
     def validate(self) -> None:
+        for f in fields(self):  # a setting with named values takes one of them
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}")
         if self.block_size is not None and self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError("block_size must be a power of two up to 128")
         if self.short_prefill_tokens < 0:
@@ -368,33 +372,15 @@ class EngineConfig:
             raise ValueError("kv_pin_share must be in [0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError("preemption_mode must be 'swap' or 'recompute'")
         parse_bytes(self.host_bytes)
         parse_bytes(self.disk_bytes)
         if self.num_speculative_tokens < 0 or self.spec_max_verify_rows < 1:
             raise ValueError("num_speculative_tokens must be >= 0, spec_max_verify_rows >= 1")
-        if self.speculative_method not in ("auto", "suffix", "grammar", "corpus", "eagle", "off"):
-            raise ValueError(
-                "speculative_method must be auto, suffix, grammar, corpus, eagle or off"
-            )
-        if self.kv_cache_dtype not in ("auto", "bfloat16", "float32", "fp8", "int8"):
-            raise ValueError("kv_cache_dtype must be auto, bfloat16, float32, fp8 or int8")
-        if self.quantization not in ("auto", "none", "int8", "int4", "int8wo"):
-            raise ValueError("quantization must be auto, none, int8, int4 or int8wo")
-        if self.gguf_int8_activations not in ("auto", "on", "off"):
-            raise ValueError("gguf_int8_activations must be auto, on or off")
-        if self.gguf_int8_prefill not in ("auto", "on", "off"):
-            raise ValueError("gguf_int8_prefill must be auto, on or off")
         if self.gguf_int8_prefill == "on" and self.tensor_parallel_size > 1:
             raise ValueError(
                 "gguf_int8_prefill on is a single-rank path (its measurement and judge run on "
                 "one model); use auto or off with tensor parallelism"
             )
-        if self.pooling not in ("auto", "last", "mean"):
-            raise ValueError("pooling must be auto, last or mean")
-        if self.tensor_parallel_allreduce not in ("auto", "shm", "gloo"):
-            raise ValueError("tensor_parallel_allreduce must be auto, shm or gloo")
         if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout_s <= 0:
             raise ValueError("tensor_parallel_size must be >= 1, tensor_parallel_timeout_s > 0")
         if self.max_loras < 0 or self.max_lora_rank < 1:
