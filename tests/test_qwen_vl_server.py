@@ -1,12 +1,14 @@
-"""Qwen2.5-VL and Qwen3-VL through HTTP with the `openai` SDK (issue #71), on the tiny random
-checkpoints (tests/test_qwen_vl.py's families):
+"""Qwen2.5-VL and Qwen3-VL through HTTP with the `openai` and `anthropic` SDKs (issue #71), on
+the tiny random checkpoints (tests/test_qwen_vl.py's families):
 chat `image_url` parts with one picture and with two of different sizes (each its own number
-of soft tokens and M-RoPE grid) and a Responses `input_image` answer as transformers does on
+of soft tokens and M-RoPE grid), a Responses `input_image` and a Messages `image` block answer
+as transformers does on
 the prompt its chat template and image processor build; the same picture again is a prefix
 hit that is not encoded again; an image the processor cannot resize is a 400."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -109,6 +111,18 @@ def test_chat_and_responses_answer_images_as_transformers(server, reference) -> 
             {"type": "input_text", "text": QUESTION}]}],
     )  # fmt: skip
     assert resp.output_text == answer and resp.usage.input_tokens == prompt_len
+    from anthropic import Anthropic
+
+    msg = Anthropic(base_url=server.base, api_key="x", max_retries=0).messages.create(
+        model="vlm", max_tokens=MAX_TOKENS, extra_body={"temperature": 0.0},
+        messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png(2, SIZES[2])).decode()}},
+            {"type": "text", "text": QUESTION}]}],
+    )  # fmt: skip
+    assert "".join(b.text for b in msg.content if b.type == "text") == answer
+    usage = msg.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == prompt_len
 
 
 def test_same_picture_is_a_prefix_hit_encoded_once(server, reference) -> None:
