@@ -203,11 +203,11 @@ def test_what_is_refused_says_why(ref, chunked) -> None:
     from engine.attention import DeviceFacts, select_backend
     from models.deepseek_v4 import deepseek_v4_spec
 
-    rope = {"main": {"rope_type": "default"}, "compress": {"rope_type": "yarn", "factor": 16}}
-    with pytest.raises(ValueError, match="compress rope 'yarn' is not supported"):
+    rope = {"main": {"rope_type": "default"}, "compress": {"rope_type": "dynamic", "factor": 4}}
+    with pytest.raises(ValueError, match="compress rope 'dynamic' is not supported"):
         deepseek_v4_spec({**CONFIG, "rope_parameters": rope}, ())
-    with pytest.raises(ValueError, match="fp8 quantized weights"):
-        deepseek_v4_spec({**CONFIG, "quantization_config": {"quant_method": "fp8"}}, ())
+    with pytest.raises(ValueError, match="gptq quantized weights are not supported"):
+        deepseek_v4_spec({**CONFIG, "quantization_config": {"quant_method": "gptq"}}, ())
     spec = chunked.engine.spec
     with pytest.raises(ValueError, match="compressed KV groups are stored in the serving dtype"):
         select_backend(spec, DeviceFacts("cpu"), torch.float32, 16, kv_dtype=torch.int8)
