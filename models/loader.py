@@ -225,6 +225,12 @@ def hf_spec(path: str, context: int | None = None) -> ModelSpec:
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
     rope_type = rope.get("rope_type", rope.get("type"))
     scaling = rope if rope_type not in (None, "default") else None
+    if rope_type == "yarn":  # what transformers' standardisation fills in
+        ctx = cfg.get("max_position_embeddings", 4096)
+        old = rope.setdefault(
+            "original_max_position_embeddings", cfg.get("original_max_position_embeddings", ctx)
+        )
+        rope["factor"] = rope.get("factor") or ctx / old
     eos = _eos_ids(root, cfg)
     sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     fields: dict = {}

@@ -36,12 +36,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 PROMPT = [(i * 37 + 11) % 509 + 3 for i in range(300)]
 
 
-def build(out: Path) -> DeepseekV4ForCausalLM:
-    """The tiny random checkpoint (and its tokenizer) at `out`; returns the transformers model."""
+def build(out: Path, config: dict = CONFIG) -> DeepseekV4ForCausalLM:
+    """The tiny random checkpoint of `config` (and its tokenizer) at `out`; returns the
+    transformers model."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(DeepseekV4Config(**CONFIG)).float().eval()
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**config)).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
