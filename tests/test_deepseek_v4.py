@@ -8,6 +8,8 @@ the engines are small and share what they can."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -108,6 +110,21 @@ def test_logits_and_greedy_match_transformers(ref, chunked) -> None:
     assert chunked.engine.kv.pool.num_free_blocks == chunked.engine.num_blocks
 
 
+@contextmanager
+def cpp_everywhere(llm: LLM) -> Iterator[None]:
+    """The C++ ops serve every part of the decode step, whatever the startup measurement chose."""
+    flags = [(m, name) for m in llm.engine.model.modules()
+             for name in ("fused", "fused_rope") if hasattr(m, name)]  # fmt: skip
+    chosen = [getattr(m, name) for m, name in flags]
+    try:
+        for m, name in flags:
+            setattr(m, name, True)
+        yield
+    finally:
+        for (m, name), was in zip(flags, chosen, strict=True):
+            setattr(m, name, was)
+
+
 def test_greedy_with_the_cpp_decode_step(ref, chunked, monkeypatch) -> None:
     """The startup measurement's line is in the kernel matrix; with the C++ ops serving every
     part of the decode step (whatever it chose), decode across window boundaries batched with a
@@ -129,16 +146,8 @@ def test_greedy_with_the_cpp_decode_step(ref, chunked, monkeypatch) -> None:
     for part in ("hyper-connections: ", "RMSNorm + rotary: ", "CSA decode at ", "HCA decode at ",
                  "window decode at "):  # fmt: skip
         assert part in line
-    flags = [(m, name) for m in chunked.engine.model.modules()
-             for name in ("fused", "fused_rope") if hasattr(m, name)]  # fmt: skip
-    chosen = [getattr(m, name) for m, name in flags]
-    try:
-        for m, name in flags:
-            setattr(m, name, True)
+    with cpp_everywhere(chunked):
         both = chunked.generate([PROMPT, PROMPT[:37]], GREEDY)
-    finally:
-        for (m, name), was in zip(flags, chosen, strict=True):
-            setattr(m, name, was)
     assert both[0].outputs[0].token_ids == greedy
     assert max(rows) == 2
 

@@ -25,7 +25,7 @@ from engine.core.scoring import score_prompt
 from models.deepseek_v4_load import v4_ropes
 from models.fp8_weights import unpack_fp4
 from models.layers import rope_attention_factor, rope_inv_freq
-from tests.test_deepseek_v4 import CONFIG, FAST, build
+from tests.test_deepseek_v4 import CONFIG, FAST, build, cpp_everywhere
 
 ROPES = {
     "main": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
@@ -175,13 +175,15 @@ def test_yarn_checkpoint_matches_transformers(ref) -> None:
 
 def test_fp8_checkpoint_matches_transformers(ref) -> None:
     """The FP8 files (weights and scales in different files, both scale names, FP4 experts)
-    load to the dequantized weights and give transformers' logits and greedy tokens; the
-    banner says they are served dequantized and what that costs."""
+    load to the dequantized weights and give transformers' logits and greedy tokens (with the
+    C++ decode ops too); the banner says they are served dequantized and what that costs."""
     root, logits, greedy = ref
     llm = LLM(str(root / "fp8"), num_kv_blocks=48, max_num_batched_tokens=30, **FAST)
     ours = score_prompt(llm.engine, PROMPT)
     assert (ours - logits).abs().max().item() < 1e-4 * logits.abs().max().item()
     assert llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids == greedy
+    with cpp_everywhere(llm):  # the C++ decode ops take the YaRN-scaled cos/sin tables too
+        assert llm.generate([PROMPT, PROMPT[:20]], GREEDY)[0].outputs[0].token_ids == greedy
     weights = next(x for x in llm.engine.info.kernel_table.splitlines() if "weights:" in x)
     assert "FP8 e4m3 weights in 24x40 blocks (float scales); FP4 (e2m1) routed experts" in weights
     assert "served dequantized: " in weights and "GiB of files" in weights
