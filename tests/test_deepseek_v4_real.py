@@ -189,6 +189,23 @@ def test_fp8_checkpoint_matches_transformers(ref) -> None:
     assert "served dequantized: " in weights and "GiB of files" in weights
 
 
+def test_fp8_checkpoint_in_bfloat16(ref) -> None:
+    """Dequantized to bfloat16 (a real checkpoint's serving dtype): as close to the float32
+    logits as transformers' own bfloat16 run of the same weights is."""
+    from transformers import DeepseekV4ForCausalLM
+
+    root, logits, _ = ref
+    llm = LLM(str(root / "fp8"), num_kv_blocks=48, **{**FAST, "dtype": "bfloat16"})
+    ours = score_prompt(llm.engine, PROMPT)
+    model = DeepseekV4ForCausalLM.from_pretrained(root / "plain", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor([PROMPT])).logits[0].float()
+    assert (ours - logits).abs().max() <= 1.25 * (theirs - logits).abs().max()
+    agree = [(x.argmax(-1) == logits.argmax(-1)).float().mean().item() for x in (ours, theirs)]
+    assert agree[0] >= agree[1] - 0.05
+    assert "bfloat16 (the serving dtype)" in llm.engine.info.kernel_table
+
+
 def test_other_quantization_is_refused(ref, tmp_path) -> None:
     """Another quantization method, or FP8 with static activation scales: startup errors
     with the reason."""
