@@ -141,15 +141,20 @@ def ref(tmp_path_factory):
 
 def test_ropes_resolve_as_transformers_does() -> None:
     """DeepSeek's release form (one flat `rope_scaling`: YaRN on the compress rope only, its
-    attention factor forced to 1), a flat one without an original context, and a nested pair:
-    each rope's frequencies and cos/sin factor are transformers' own."""
+    attention factor forced to 1), a flat one without an original context, nested pairs (YaRN
+    with mscale; linear and llama3): each rope's frequencies and cos/sin factor are
+    transformers' own."""
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
     release = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
                "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
     forms = [{"rope_scaling": release}, {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
-             {"rope_parameters": ROPES}]  # fmt: skip
+             {"rope_parameters": ROPES},
+             {"rope_parameters": {"main": {"rope_type": "linear", "factor": 2.0},
+                                  "compress": llama3}}]  # fmt: skip
     for form in forms:
         cfg = {**CONFIG, "compress_rope_theta": 40000.0, **json.loads(json.dumps(form))}
         theirs = DeepseekV4RotaryEmbedding(DeepseekV4Config(**json.loads(json.dumps(cfg))))
