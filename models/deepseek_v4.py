@@ -13,8 +13,7 @@ tokens); on an HCA layer its rows and entries (one per m' tokens). `layer_groups
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +21,10 @@ from torch import nn
 
 from models.attention_step import AttentionStep
 from models.deepseek_v4_attention import CSA, HCA, SLIDING, V4Attention, rms
+from models.deepseek_v4_load import v4_ropes
 from models.deepseek_v4_mix import HyperConnection
 from models.deepseek_v4_plan import V4Batch
+from models.fp8_weights import fp8_format
 from models.spec import KVGroupSpec, LayerSpec, ModelSpec, hf_model_spec
 
 ARCH = "DeepseekV4ForCausalLM"
@@ -45,15 +46,6 @@ def deepseek_v4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
         hashed = cfg.get("num_hash_layers", 3)
         mlp_types = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
     types, mlp_types = list(types)[:n], list(mlp_types)[:n]
-    rope = cfg.get("rope_parameters") or {}
-    for label in ("main", "compress"):
-        kind = (rope.get(label) or {}).get("rope_type", "default")
-        if kind != "default":
-            raise ValueError(f"DeepSeek V4 {label} rope {kind!r} is not supported (default only)")
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"DeepSeek V4 with {method} quantized weights is not supported "
-                         "(serve a bfloat16 or float32 checkpoint)")  # fmt: skip
     if cfg.get("num_key_value_heads", 1) != 1:
         raise ValueError("DeepSeek V4 has one shared KV head (num_key_value_heads 1)")
     if cfg.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
@@ -63,6 +55,8 @@ def deepseek_v4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
     factor = cfg.get("partial_rotary_factor")
     if factor is None:
         factor = cfg["qk_rope_head_dim"] / hd if cfg.get("qk_rope_head_dim") else 64 / 512
+    ropes = v4_ropes(cfg, float(factor))
+    fp8 = fp8_format(cfg)  # FP8 block-quantized files are served dequantized; others refused
     idx_dim = cfg.get("index_head_dim", 128)
     groups: list[KVGroupSpec] = []
     layer_groups: list[tuple[int, ...]] = []
@@ -90,7 +84,8 @@ def deepseek_v4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
         ARCH,
         cfg,
         layers,
-        rope_theta=float((rope.get("main") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))),
+        rope_theta=ropes["main"][0],
+        rope_scaling=ropes["main"][1],
         max_position_embeddings=cfg.get("max_position_embeddings", 1 << 20),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         eos_token_ids=eos,
@@ -102,8 +97,8 @@ def deepseek_v4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
             "mlp_layer_types": tuple(mlp_types),
             "layer_groups": tuple(layer_groups),
             "compress_rates": {CSA: rates[CSA], HCA: rates[HCA]},
-            "compress_rope_theta": float((rope.get("compress") or {}).get(
-                "rope_theta", cfg.get("compress_rope_theta", 160000.0))),
+            "ropes": ropes,
+            "fp8": fp8,
             "q_lora_rank": cfg.get("q_lora_rank", 1024),
             "o_groups": cfg.get("o_groups", 8),
             "o_lora_rank": cfg.get("o_lora_rank", 1024),
@@ -118,81 +113,6 @@ def deepseek_v4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
             "shared_expert_intermediate_size": cfg.get("moe_intermediate_size", 2048),
         },
     )  # fmt: skip
-
-
-# ---- checkpoint names ---------------------------------------------------------------------------
-
-# the files' names (DeepSeek's, as transformers' save_pretrained writes them back) under
-# "model.layers.N." -> the model's under "layers.N."
-_LAYER_NAMES = {
-    "attn.attn_sink": "attn.sinks",
-    "attn.wq_a.weight": "attn.q_a.weight", "attn.q_norm.weight": "attn.q_a_norm",
-    "attn.wq_b.weight": "attn.q_b.weight", "attn.wkv.weight": "attn.kv.weight",
-    "attn.norm.weight": "attn.kv_norm", "attn.wo_a.weight": "attn.o_a",
-    "attn.wo_b.weight": "attn.o_b.weight",
-    "attn.compressor.ape": "attn.compressor.position_bias",
-    "attn.compressor.norm.weight": "attn.compressor.norm",
-    "attn.compressor.wkv.weight": "attn.compressor.kv.weight",
-    "attn.compressor.wgate.weight": "attn.compressor.gate.weight",
-    "attn.indexer.compressor.ape": "attn.indexer.position_bias",
-    "attn.indexer.compressor.norm.weight": "attn.indexer.norm",
-    "attn.indexer.compressor.wkv.weight": "attn.indexer.kv.weight",
-    "attn.indexer.compressor.wgate.weight": "attn.indexer.gate.weight",
-    "attn.indexer.weights_proj.weight": "attn.indexer.weights.weight",
-    "attn.indexer.wq_b.weight": "attn.indexer.q_b.weight",
-    "attn_norm.weight": "attn_norm", "ffn_norm.weight": "ffn_norm",
-    "hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
-    "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale",
-    "ffn.gate.weight": "ffn.router.weight", "ffn.gate.bias": "ffn.router_bias",
-    "ffn.gate.tid2eid": "ffn.tid2eid",
-    "ffn.shared_experts.w2.weight": "ffn.shared_down.weight",
-}  # fmt: skip
-_TOP = {"model.embed_tokens.weight": "embed_tokens.weight", "embed.weight": "embed_tokens.weight",
-        "head.weight": "lm_head.weight", "lm_head.weight": "lm_head.weight",
-        "model.norm.weight": "norm", "model.hc_head.hc_fn": "hc_head.fn",
-        "model.hc_head.hc_base": "hc_head.base",
-        "model.hc_head.hc_scale": "hc_head.scale"}  # fmt: skip
-_EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight")
-_SHARED = re.compile(r"ffn\.shared_experts\.(w1|w3)\.weight")
-
-
-def deepseek_v4_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors under the model's names; an expert's w1/w3 (gate, up) and w2
-    (down) land in their rows of the layer's stacked tensors, gathered here per layer."""
-    inter = spec.layers[0].intermediate_size
-    pending: dict[str, torch.Tensor] = {}
-    for name, t in weights:
-        if name in _TOP:
-            yield _TOP[name], t
-            continue
-        if name.startswith("mtp.") or ".mtp." in name:
-            continue  # the multi-token-prediction layers: not instantiated (as transformers)
-        if not name.startswith("model.layers."):
-            raise ValueError(f"unexpected tensor {name}")
-        idx, rest = name[len("model.layers.") :].split(".", 1)
-        lay = spec.layers[int(idx)]
-        expert, shared = _EXPERT.fullmatch(rest), _SHARED.fullmatch(rest)
-        if expert:
-            key = f"layers.{idx}.ffn.{'down' if expert[2] == 'w2' else 'gate_up'}"
-            stack = pending.get(key)
-            if stack is None:
-                e = lay.num_experts
-                shape = (e, *t.shape) if expert[2] == "w2" else (e, 2 * inter, t.shape[1])
-                stack = pending[key] = t.new_zeros(shape)
-            rows = {"w1": slice(0, inter), "w3": slice(inter, None), "w2": slice(None)}[expert[2]]
-            stack[int(expert[1]), rows] = t
-            continue
-        if shared:
-            key = f"layers.{idx}.ffn.shared_gate_up.weight"
-            whole = pending.setdefault(key, t.new_zeros(2 * t.shape[0], t.shape[1]))
-            whole[slice(0, t.shape[0]) if shared[1] == "w1" else slice(t.shape[0], None)] = t
-            continue
-        if rest not in _LAYER_NAMES:
-            raise ValueError(f"unexpected tensor {name}")
-        yield f"layers.{idx}.{_LAYER_NAMES[rest]}", t
-    yield from pending.items()
 
 
 # ---- the model ----------------------------------------------------------------------------------

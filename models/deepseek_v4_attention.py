@@ -76,8 +76,7 @@ class Compressor(nn.Module):
             kv, gate = kv[:, m:], gate[:, m:]
         pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
         pooled = rms(pooled, self.norm, self.eps)
-        freqs = plan.positions.float()[:, None] * batch.compress_inv
-        return rope(pooled, freqs.cos(), freqs.sin())
+        return rope(pooled, *batch.cos_sin("compress", plan.positions.float()[:, None]))
 
 
 class V4Attention(nn.Module):

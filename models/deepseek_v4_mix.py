@@ -79,6 +79,7 @@ class HyperConnection(nn.Module):
         streams mixed by `comb` (new_j = post_j out + sum_i comb_ij streams_i)."""
         if self.fused:
             return fused_ops().hc_post(out.contiguous(), streams, post, comb)
+        post, comb = post.to(streams.dtype), comb.to(streams.dtype)  # as transformers mixes
         return post.unsqueeze(-1) * out.unsqueeze(-2) + comb.transpose(-1, -2) @ streams
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:

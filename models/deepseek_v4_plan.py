@@ -14,13 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from models.attention_step import PagedBatch
+from models.layers import rope_attention_factor, rope_inv_freq
 from models.spec import ModelSpec
 
 NEG_INF = float("-inf")
-
-
-def inv_freq(rotary: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, rotary, 2, dtype=torch.float) / rotary))
 
 
 def padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -54,11 +51,11 @@ class V4Batch:
         self.window = spec.sliding_window or 0
         pos = positions.float()[:, None]
         rotary = spec.rotary_dim(spec.layers[0].head_dim)
-        self.compress_inv = inv_freq(rotary, spec.extra["compress_rope_theta"]).to(device)
-        main = inv_freq(rotary, spec.rope_theta).to(device)
-        self.rope = {"main": ((pos * main).cos(), (pos * main).sin()),
-                     "compress": ((pos * self.compress_inv).cos(),
-                                  (pos * self.compress_inv).sin())}  # fmt: skip
+        # each rope's frequencies and its cos/sin magnitude (YaRN's attention factor)
+        self.inv_freq = {label: (rope_inv_freq(rotary, theta, scaling).to(device),
+                                 rope_attention_factor(scaling))
+                         for label, (theta, scaling) in spec.extra["ropes"].items()}  # fmt: skip
+        self.rope = {label: self.cos_sin(label, pos) for label in self.inv_freq}
         windowed = paged.window_block_tables or paged.block_tables
         self.tables = {False: padded(paged.block_tables, device), True: padded(windowed, device)}
         q_lens = torch.tensor(paged.query_lens, device=device)
@@ -80,6 +77,14 @@ class V4Batch:
                                                  self.ctx[i] - self.window + 1, self.end[i])
                                for i, rows in self.prefills]  # fmt: skip
         self.rate_plans = {m: RatePlan(self, m) for m in set(spec.extra["compress_rates"].values())}
+
+    def cos_sin(self, label: str, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rope `label`'s cos and sin [rows, pairs] at float positions `pos` [rows, 1]."""
+        inv, scale = self.inv_freq[label]
+        freqs = pos * inv
+        if scale == 1.0:
+            return freqs.cos(), freqs.sin()
+        return freqs.cos() * scale, freqs.sin() * scale
 
     def locate(self, windowed: bool, seq: torch.Tensor, pos: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -101,8 +101,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies for rotary embeddings over `head_dim` rotated dimensions, with Llama-3,
-    linear and LongRoPE scaling. GGUF files carry Llama-3 and LongRoPE scaling as per-frequency
-    divisors instead (`freq_factors`)."""
+    linear, YaRN and LongRoPE scaling (as transformers' `modeling_rope_utils` computes them).
+    GGUF files carry Llama-3 and LongRoPE scaling as per-frequency divisors instead
+    (`freq_factors`)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling and "freq_factors" in scaling:
         return (inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float64)).float()
@@ -127,6 +128,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled).float()
+    if kind == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling).float()
     if kind == "proportional":
         # Gemma 4's global layers: the first `partial_rotary_factor` of the frequencies, at
         # their full-head_dim values, rotate pairs (i, i + head_dim/2) across the whole head;
@@ -139,12 +142,42 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     raise ValueError(f"unsupported rope_scaling type {kind!r}")
 
 
+def _yarn(inv_freq: torch.Tensor, dims: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: the frequencies that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), those that turn more than `beta_fast` times kept, a
+    linear ramp between (over the dimension indices, floored/ceiled unless `truncate` is off)."""
+    factor, old_ctx = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+
+    def dim_of(turns: float) -> float:  # the dimension whose frequency turns `turns` times
+        return dims * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    ramp = (torch.arange(dims // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)
+    ramp = ramp.clamp(0, 1)  # 0: kept (extrapolated), 1: interpolated
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
 def rope_attention_factor(scaling: dict | None) -> float:
-    """LongRoPE's magnitude correction of cos and sin (1 for every other scaling)."""
-    if not scaling or scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+    """The magnitude correction of cos and sin: LongRoPE's, YaRN's (`attention_factor`, else
+    0.1 ln(factor) + 1, or its ratio under `mscale` / `mscale_all_dim`); 1 for the others."""
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if kind not in ("longrope", "su", "yarn"):
         return 1.0
+    assert scaling is not None
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if kind == "yarn":
+        factor = float(scaling["factor"])
+
+        def mscale(m: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+        return mscale()
     factor = float(scaling.get("factor") or 1.0)
     if factor <= 1.0:
         return 1.0

@@ -20,7 +20,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from models.checkpoint import Part, fuse_parts
-from models.deepseek_v4 import DeepseekV4ForCausalLM, deepseek_v4_spec, deepseek_v4_weights
+from models.deepseek_v4 import DeepseekV4ForCausalLM, deepseek_v4_spec
+from models.deepseek_v4_load import deepseek_v4_weights
+from models.fp8_weights import dequantized
 from models.gemma3 import gemma3_fields, gemma3_weights
 from models.gemma3_vision import gemma3_vision_spec
 from models.gemma4 import Gemma4ForCausalLM, gemma4_spec, gemma4_weights
@@ -113,7 +115,9 @@ def load_model(
     elif spec.architecture == "LagunaForCausalLM":
         weights = fuse_parts(spec, laguna_weights(hf_weights(path, dtype)))
     elif spec.architecture == "DeepseekV4ForCausalLM":
-        weights = deepseek_v4_weights(hf_weights(path, dtype), spec)
+        fp8 = spec.extra["fp8"]  # FP8 files: read as stored, dequantized to `dtype`
+        stored = dequantized(hf_weights(path, None), fp8, dtype) if fp8 else hf_weights(path, dtype)
+        weights = deepseek_v4_weights(stored, spec)
     elif spec.architecture == "Gemma3ForCausalLM":
         weights = fuse_parts(spec, hf_llama_parts(gemma3_weights(hf_weights(path, dtype))))
     elif spec.vision is not None and spec.vision.architecture in QWEN_TOWERS:
@@ -221,6 +225,12 @@ def hf_spec(path: str, context: int | None = None) -> ModelSpec:
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
     rope_type = rope.get("rope_type", rope.get("type"))
     scaling = rope if rope_type not in (None, "default") else None
+    if rope_type == "yarn":  # what transformers' standardisation fills in
+        ctx = cfg.get("max_position_embeddings", 4096)
+        old = rope.setdefault(
+            "original_max_position_embeddings", cfg.get("original_max_position_embeddings", ctx)
+        )
+        rope["factor"] = rope.get("factor") or ctx / old
     eos = _eos_ids(root, cfg)
     sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     fields: dict = {}
@@ -311,11 +321,11 @@ def _eos_ids(root: Path, cfg: dict) -> list[int]:
 
 
 def hf_weights(
-    path: str, dtype: torch.dtype = torch.float32, keep: Callable[[str], bool] | None = None
+    path: str, dtype: torch.dtype | None = torch.float32, keep: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the directory's safetensors files (those `keep` accepts), under its
     checkpoint name, cast to `dtype` one tensor at a time (a bf16 checkpoint served in bf16 is
-    never upcast)."""
+    never upcast; None: as stored)."""
     root = Path(path)
     index = root / "model.safetensors.index.json"
     if index.is_file():
@@ -328,7 +338,8 @@ def hf_weights(
         with safe_open(str(root / fname), framework="pt") as f:
             for name in f.keys():
                 if keep is None or keep(name):
-                    yield name, f.get_tensor(name).to(dtype)
+                    t = f.get_tensor(name)
+                    yield name, t if dtype is None else t.to(dtype)
 
 
 # HF Llama-family names -> the model's. Top level:

@@ -8,6 +8,8 @@ the engines are small and share what they can."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,12 +38,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 PROMPT = [(i * 37 + 11) % 509 + 3 for i in range(300)]
 
 
-def build(out: Path) -> DeepseekV4ForCausalLM:
-    """The tiny random checkpoint (and its tokenizer) at `out`; returns the transformers model."""
+def build(out: Path, config: dict = CONFIG) -> DeepseekV4ForCausalLM:
+    """The tiny random checkpoint of `config` (and its tokenizer) at `out`; returns the
+    transformers model."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(DeepseekV4Config(**CONFIG)).float().eval()
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**config)).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -107,6 +110,21 @@ def test_logits_and_greedy_match_transformers(ref, chunked) -> None:
     assert chunked.engine.kv.pool.num_free_blocks == chunked.engine.num_blocks
 
 
+@contextmanager
+def cpp_everywhere(llm: LLM) -> Iterator[None]:
+    """The C++ ops serve every part of the decode step, whatever the startup measurement chose."""
+    flags = [(m, name) for m in llm.engine.model.modules()
+             for name in ("fused", "fused_rope") if hasattr(m, name)]  # fmt: skip
+    chosen = [getattr(m, name) for m, name in flags]
+    try:
+        for m, name in flags:
+            setattr(m, name, True)
+        yield
+    finally:
+        for (m, name), was in zip(flags, chosen, strict=True):
+            setattr(m, name, was)
+
+
 def test_greedy_with_the_cpp_decode_step(ref, chunked, monkeypatch) -> None:
     """The startup measurement's line is in the kernel matrix; with the C++ ops serving every
     part of the decode step (whatever it chose), decode across window boundaries batched with a
@@ -128,16 +146,8 @@ def test_greedy_with_the_cpp_decode_step(ref, chunked, monkeypatch) -> None:
     for part in ("hyper-connections: ", "RMSNorm + rotary: ", "CSA decode at ", "HCA decode at ",
                  "window decode at "):  # fmt: skip
         assert part in line
-    flags = [(m, name) for m in chunked.engine.model.modules()
-             for name in ("fused", "fused_rope") if hasattr(m, name)]  # fmt: skip
-    chosen = [getattr(m, name) for m, name in flags]
-    try:
-        for m, name in flags:
-            setattr(m, name, True)
+    with cpp_everywhere(chunked):
         both = chunked.generate([PROMPT, PROMPT[:37]], GREEDY)
-    finally:
-        for (m, name), was in zip(flags, chosen, strict=True):
-            setattr(m, name, was)
     assert both[0].outputs[0].token_ids == greedy
     assert max(rows) == 2
 
@@ -203,11 +213,11 @@ def test_what_is_refused_says_why(ref, chunked) -> None:
     from engine.attention import DeviceFacts, select_backend
     from models.deepseek_v4 import deepseek_v4_spec
 
-    rope = {"main": {"rope_type": "default"}, "compress": {"rope_type": "yarn", "factor": 16}}
-    with pytest.raises(ValueError, match="compress rope 'yarn' is not supported"):
+    rope = {"main": {"rope_type": "default"}, "compress": {"rope_type": "dynamic", "factor": 4}}
+    with pytest.raises(ValueError, match="compress rope 'dynamic' is not supported"):
         deepseek_v4_spec({**CONFIG, "rope_parameters": rope}, ())
-    with pytest.raises(ValueError, match="fp8 quantized weights"):
-        deepseek_v4_spec({**CONFIG, "quantization_config": {"quant_method": "fp8"}}, ())
+    with pytest.raises(ValueError, match="gptq quantized weights are not supported"):
+        deepseek_v4_spec({**CONFIG, "quantization_config": {"quant_method": "gptq"}}, ())
     spec = chunked.engine.spec
     with pytest.raises(ValueError, match="compressed KV groups are stored in the serving dtype"):
         select_backend(spec, DeviceFacts("cpu"), torch.float32, 16, kv_dtype=torch.int8)

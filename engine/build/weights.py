@@ -15,6 +15,7 @@ import torch
 from engine.attention.matrix import dtype_name
 from engine.config import EngineConfig
 from engine.weights.quantization import WEIGHT_ONLY, serve_gguf_blocks
+from models.fp8_weights import dequantized_note
 from models.linear import gguf_linear, measure
 from models.linear.dense import onednn_pack_refusal
 from models.linear.layer import pack_linears
@@ -98,6 +99,8 @@ def load_weights(
         spec = replace(spec, vision=vision)
     shard = shard_of(spec) if shard_of is not None else None
     notes = f"{dtype_name(dtype)} (the serving dtype)"
+    if fp8_note := dequantized_note(model_path, model):  # no FP8 matmul: say what it costs
+        notes = f"{fp8_note}; {notes}"
     gguf_note, gguf_served = "", False
     if config.quantization == "auto":
         gguf_note, gguf_served = serve_gguf_blocks(model, model_path, spec, device, shard)
