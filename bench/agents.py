@@ -50,14 +50,16 @@ def tool_schemas() -> list[dict]:
                 "description": f"{name.replace('_', ' ')} for the trip",
                 "parameters": {
                     "type": "object",
-                    "properties": {k: {"type": t, "maxLength": 16} if t == "string" else
-                                   {"type": t} for k, t in params.items()},
+                    "properties": {
+                        k: {"type": t, "maxLength": 16} if t == "string" else {"type": t}
+                        for k, t in params.items()
+                    },
                     "required": list(params),
                 },
             },
         }
         for name, params in TOOLS
-    ]  # fmt: skip
+    ]
 
 
 @dataclass(slots=True)
@@ -89,8 +91,14 @@ async def chat_turn(client: httpx.AsyncClient, body: dict) -> Turn:
                 call["name"] = tc["function"].get("name") or call["name"]
                 call["arguments"] += tc["function"].get("arguments") or ""
     details = usage["prompt_tokens_details"]
-    return Turn(ttft or 0.0, details["cached_tokens"], usage["prompt_tokens"], call["id"],
-                call["name"], call["arguments"])  # fmt: skip
+    return Turn(
+        ttft or 0.0,
+        details["cached_tokens"],
+        usage["prompt_tokens"],
+        call["id"],
+        call["name"],
+        call["arguments"],
+    )
 
 
 async def responses_turn(client: httpx.AsyncClient, body: dict) -> Turn:
@@ -107,9 +115,15 @@ async def responses_turn(client: httpx.AsyncClient, body: dict) -> Turn:
                 call = event["item"]
             if kind in ("response.completed", "response.incomplete"):
                 usage = event["response"]["usage"]
-                turn = Turn(ttft or 0.0, usage["input_tokens_details"]["cached_tokens"],
-                            usage["input_tokens"], call.get("call_id", ""), call.get("name", ""),
-                            call.get("arguments", ""), event["response"]["id"])  # fmt: skip
+                turn = Turn(
+                    ttft or 0.0,
+                    usage["input_tokens_details"]["cached_tokens"],
+                    usage["input_tokens"],
+                    call.get("call_id", ""),
+                    call.get("name", ""),
+                    call.get("arguments", ""),
+                    event["response"]["id"],
+                )
     assert turn is not None, "the stream ended without its response"
     return turn
 
@@ -120,17 +134,29 @@ def result(rng: random.Random, name: str) -> str:
 
 async def chat_agent(client: httpx.AsyncClient, seed: int, args: argparse.Namespace) -> list[Turn]:
     rng = random.Random(seed)
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"Plan a trip for traveller {seed}."}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Plan a trip for traveller {seed}."},
+    ]
     turns = []
     for _ in range(args.turns):
-        body = {"messages": messages, "tools": tool_schemas(), "tool_choice": "required",
-                "parallel_tool_calls": False, "max_tokens": args.max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "messages": messages,
+            "tools": tool_schemas(),
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         t = await chat_turn(client, body)
         turns.append(t)
-        call = {"id": t.call_id, "type": "function",
-                "function": {"name": t.name, "arguments": t.arguments}}  # fmt: skip
+        call = {
+            "id": t.call_id,
+            "type": "function",
+            "function": {"name": t.name, "arguments": t.arguments},
+        }
         messages += [
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": t.call_id, "content": result(rng, t.name)},
@@ -146,14 +172,22 @@ async def responses_agent(
     turns: list[Turn] = []
     items: list[dict] | str = f"Plan a trip for traveller {seed}."
     for _ in range(args.turns):
-        body = {"instructions": SYSTEM, "input": items, "tools": tools, "tool_choice": "required",
-                "parallel_tool_calls": False, "max_output_tokens": args.max_tokens,
-                "temperature": 0, "stream": True,
-                "previous_response_id": turns[-1].response_id if turns else None}  # fmt: skip
+        body = {
+            "instructions": SYSTEM,
+            "input": items,
+            "tools": tools,
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "max_output_tokens": args.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "previous_response_id": turns[-1].response_id if turns else None,
+        }
         t = await responses_turn(client, body)
         turns.append(t)
-        items = [{"type": "function_call_output", "call_id": t.call_id,
-                  "output": result(rng, t.name)}]  # fmt: skip
+        items = [
+            {"type": "function_call_output", "call_id": t.call_id, "output": result(rng, t.name)}
+        ]
     return turns
 
 

@@ -22,11 +22,22 @@ def tok_s(flag: str, concurrency: int, requests: int) -> float:
     with Process(f"app-cache-{flag}", kvserve_cmd([flag])) as server:
         args = serve.parser().parse_args(
             [
-                "--base-url", server.base, "--workload", "shared-prefix",
-                "--concurrency", str(concurrency), "--num-requests", str(requests),
-                "--input-len", "512", "--output-len", "32", "--ignore-eos", "--quiet",
+                "--base-url",
+                server.base,
+                "--workload",
+                "shared-prefix",
+                "--concurrency",
+                str(concurrency),
+                "--num-requests",
+                str(requests),
+                "--input-len",
+                "512",
+                "--output-len",
+                "32",
+                "--ignore-eos",
+                "--quiet",
             ]
-        )  # fmt: skip
+        )
         summary = asyncio.run(serve.run(args, concurrency))
     if summary.get("errors"):
         raise RuntimeError(f"{flag}: {summary['errors']} failed requests")

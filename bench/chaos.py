@@ -42,8 +42,11 @@ def j(**extra) -> bytes:
 SURROGATE = json.dumps(CHAT).replace("hi there", "hi \\ud83d").encode()
 HOSTILE: list[tuple[str, str, bytes]] = [  # (what, path, raw body)
     ("grammar root ::= root", "chat", j(structured_outputs={"grammar": "root ::= root"})),
-    ("grammar: only the end, min_tokens 3", "chat",
-     j(structured_outputs={"grammar": 'root ::= ""'}, min_tokens=3)),
+    (
+        "grammar: only the end, min_tokens 3",
+        "chat",
+        j(structured_outputs={"grammar": 'root ::= ""'}, min_tokens=3),
+    ),
     ("logit_bias out of range", "chat", j(logit_bias={"5": 1e6})),
     ("logit_bias unknown token", "chat", j(logit_bias={"999999999": 1.0})),
     ("bad types", "chat", json.dumps({"messages": "hi", "max_tokens": "ten"}).encode()),
@@ -56,10 +59,13 @@ HOSTILE: list[tuple[str, str, bytes]] = [  # (what, path, raw body)
     ("n = 10000", "chat", j(n=10_000)),
     ("empty body", "chat", b""),
     ("not UTF-8", "chat", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}'),
-    ("out-of-vocab ids, echo", "completions", json.dumps(
-        {"prompt": [[10**9]], "echo": True, "max_tokens": 2}).encode()),
+    (
+        "out-of-vocab ids, echo",
+        "completions",
+        json.dumps({"prompt": [[10**9]], "echo": True, "max_tokens": 2}).encode(),
+    ),
     ("5 MB prompt", "completions", json.dumps({"prompt": "x " * 2_500_000}).encode()),
-]  # fmt: skip
+]
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 DECODE_METRICS = {
     "fetches": "kvserve:kv_transfer_received_tokens_count",
@@ -77,8 +83,14 @@ def instance(name: str, cores: str, args: list[str], key: str) -> Process:
     """kvserve pinned to `cores`, one thread (as bench/disagg.py), the store key in its env."""
     cmd = kvserve_cmd(args)
     env = {"OMP_NUM_THREADS": "1", "KVSERVE_KV_STORE_KEY": key}
-    return Process(name, lambda port: ["taskset", "-c", cores, *cmd(port)], env, timeout=300,
-                   stop_timeout=20, wait=False)  # fmt: skip
+    return Process(
+        name,
+        lambda port: ["taskset", "-c", cores, *cmd(port)],
+        env,
+        timeout=300,
+        stop_timeout=20,
+        wait=False,
+    )
 
 
 async def scrape(client: httpx.AsyncClient, base: str) -> dict[str, float]:
@@ -107,8 +119,12 @@ class Run:
         while time.monotonic() - self.t0 < self.args.duration:
             phase, k = self.phase(), k + 1
             prompt = f"{i}.{k} " + text_of(rng, 40)
-            body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0,
-                    "max_tokens": self.args.tokens, "ignore_eos": True}  # fmt: skip
+            body = {
+                "messages": [{"role": "user", "content": prompt}],
+                "temperature": 0,
+                "max_tokens": self.args.tokens,
+                "ignore_eos": True,
+            }
             s = await stream(client, "/v1/chat/completions", body)
             label = "ok" if s.ok else ("200+error" if s.status == 200 else str(s.status))
             self.streams[phase][label] += 1
@@ -122,14 +138,19 @@ class Run:
         phase = self.phase()
         for target, base in (("router", self.router), ("decode", self.decode)):
             try:
-                r = await client.post(base + PATHS[path], content=raw, timeout=30,
-                                      headers={"Content-Type": "application/json"})  # fmt: skip
+                r = await client.post(
+                    base + PATHS[path],
+                    content=raw,
+                    timeout=30,
+                    headers={"Content-Type": "application/json"},
+                )
                 label = str(r.status_code)
                 if r.status_code == 200 and '"error"' in r.text:
                     label = "200+error"
                 if r.status_code >= 500:
-                    self.five.append(f"{phase}: hostile {what!r} via {target}: {r.status_code} "
-                                     f"{r.text[:160]}")  # fmt: skip
+                    self.five.append(
+                        f"{phase}: hostile {what!r} via {target}: {r.status_code} {r.text[:160]}"
+                    )
             except httpx.HTTPError as e:
                 label = "0"
                 self.five.append(f"{phase}: hostile {what!r} via {target}: {e!r}")
@@ -164,8 +185,11 @@ class Run:
                 again = {"port": port, "log_name": "kvserve-bench-kvstore2", "maxmemory": "1gb"}
                 store.append(await asyncio.to_thread(lambda: KVStoreProcess(**again)))
                 self.restart_s = time.monotonic() - t
-                print(f"{time.monotonic() - self.t0:5.1f}s store back on port {port} (pid "
-                      f"{store[-1].proc.pid}, {self.restart_s:.2f}s)", flush=True)  # fmt: skip
+                print(
+                    f"{time.monotonic() - self.t0:5.1f}s store back on port {port} (pid "
+                    f"{store[-1].proc.pid}, {self.restart_s:.2f}s)",
+                    flush=True,
+                )
                 await self.snap(client)
 
             await asyncio.gather(hostile(), chaos())
@@ -235,9 +259,11 @@ def main() -> int:
             p.wait_ready(300)
         p, d = procs
         procs.append(RouterProcess.pd([p.base], d.base))
-        print(f"store pid {stores[0].proc.pid}, prefill pid {p.proc.pid}, decode pid "
-              f"{d.proc.pid}, router pid {procs[-1].proc.pid}; logs in {Path(p.log_path).parent}",
-              flush=True)  # fmt: skip
+        print(
+            f"store pid {stores[0].proc.pid}, prefill pid {p.proc.pid}, decode pid "
+            f"{d.proc.pid}, router pid {procs[-1].proc.pid}; logs in {Path(p.log_path).parent}",
+            flush=True,
+        )
         run = Run(args, procs[-1].base, d.base, p.base)
         asyncio.run(run.main(stores))
         out = run.report()

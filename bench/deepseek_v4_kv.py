@@ -26,13 +26,29 @@ from models.spec import ModelSpec
 CSA, HCA, S = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 # the tiny model: tests/test_deepseek_v4.py runs it against transformers (importing it from here)
 TINY = dict(
-    vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
-    num_experts_per_tok=2, n_routed_experts=4, layer_types=[CSA, HCA, S, CSA],
-    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], compress_rates={CSA: 4, HCA: 32},
-    sliding_window=16, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16,
-    index_topk=8, partial_rotary_factor=0.25, max_position_embeddings=1 << 21, hc_mult=4,
-)  # fmt: skip
+    vocab_size=512,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    q_lora_rank=32,
+    num_experts_per_tok=2,
+    n_routed_experts=4,
+    layer_types=[CSA, HCA, S, CSA],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    compress_rates={CSA: 4, HCA: 32},
+    sliding_window=16,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=8,
+    index_head_dim=16,
+    index_topk=8,
+    partial_rotary_factor=0.25,
+    max_position_embeddings=1 << 21,
+    hc_mult=4,
+)
 CONTEXTS = (1 << 10, 8 << 10, 32 << 10, 128 << 10, 1 << 20)
 
 
@@ -48,8 +64,12 @@ def request_bytes(spec: ModelSpec, context: int, block_size: int, size: float) -
     blocks = -(-context // block_size)
     assert spec.sliding_window is not None
     live = blocks - first_live_block(context, spec.sliding_window, block_size)
-    return round(sum(g.block_values(block_size) * size * (live if g.windowed else blocks)
-                     for g in spec.group_specs))  # fmt: skip
+    return round(
+        sum(
+            g.block_values(block_size) * size * (live if g.windowed else blocks)
+            for g in spec.group_specs
+        )
+    )
 
 
 def dense_bytes(spec: ModelSpec, context: int, size: float) -> int:
@@ -59,8 +79,14 @@ def dense_bytes(spec: ModelSpec, context: int, size: float) -> int:
 def by_group(spec: ModelSpec, context: int, block_size: int, size: float) -> str:
     out: dict[str, int] = {}
     for g in spec.group_specs:
-        one = ModelSpec(spec.architecture, spec.vocab_size, spec.hidden_size, spec.layers,
-                        sliding_window=spec.sliding_window, group_specs=(g,))  # fmt: skip
+        one = ModelSpec(
+            spec.architecture,
+            spec.vocab_size,
+            spec.hidden_size,
+            spec.layers,
+            sliding_window=spec.sliding_window,
+            group_specs=(g,),
+        )
         out[g.role] = out.get(g.role, 0) + request_bytes(one, context, block_size, size)
     return ", ".join(f"{role} {b / context:.1f}" for role, b in out.items())
 
@@ -69,22 +95,30 @@ def layout_report(name: str, cfg: dict, block_size: int, size: float, pool: int)
     spec = deepseek_v4_spec(cfg, ())
     types = spec.extra["layer_types"]
     rates = spec.extra["compress_rates"]
-    print(f"\n== {name}: {spec.num_layers} layers ({types.count(CSA)} CSA m={rates[CSA]}, "
-          f"{types.count(HCA)} HCA m'={rates[HCA]}, {types.count(S)} sliding), window "
-          f"{spec.sliding_window}, head_dim {spec.layers[0].head_dim}, block {block_size}, "
-          f"{size:g} bytes a value; {len(spec.group_specs)} KV groups, "
-          f"{spec.kv_block_bytes(block_size, size)} bytes a block across them")  # fmt: skip
-    print(f"{'context':>9} {'compressed B/tok':>17} {'uncompressed B/tok':>19} {'ratio':>7} "
-          f"{'saved':>7}   compressed by group (B/tok)")  # fmt: skip
+    print(
+        f"\n== {name}: {spec.num_layers} layers ({types.count(CSA)} CSA m={rates[CSA]}, "
+        f"{types.count(HCA)} HCA m'={rates[HCA]}, {types.count(S)} sliding), window "
+        f"{spec.sliding_window}, head_dim {spec.layers[0].head_dim}, block {block_size}, "
+        f"{size:g} bytes a value; {len(spec.group_specs)} KV groups, "
+        f"{spec.kv_block_bytes(block_size, size)} bytes a block across them"
+    )
+    print(
+        f"{'context':>9} {'compressed B/tok':>17} {'uncompressed B/tok':>19} {'ratio':>7} "
+        f"{'saved':>7}   compressed by group (B/tok)"
+    )
     for ctx in CONTEXTS:
         ours, dense = request_bytes(spec, ctx, block_size, size), dense_bytes(spec, ctx, size)
-        print(f"{ctx:>9} {ours / ctx:>17.1f} {dense / ctx:>19.1f} {ours / dense:>7.3f} "
-              f"{1 - ours / dense:>7.1%}   {by_group(spec, ctx, block_size, size)}")  # fmt: skip
+        print(
+            f"{ctx:>9} {ours / ctx:>17.1f} {dense / ctx:>19.1f} {ours / dense:>7.3f} "
+            f"{1 - ours / dense:>7.1%}   {by_group(spec, ctx, block_size, size)}"
+        )
     ctx = 32 << 10
     ours, dense = request_bytes(spec, ctx, block_size, size), dense_bytes(spec, ctx, size)
-    print(f"a {pool / 2**30:g} GiB pool admits {pool // ours} concurrent {ctx}-token requests "
-          f"compressed, {pool // dense} uncompressed ({ours / 2**20:.1f} vs "
-          f"{dense / 2**20:.1f} MiB a request)")  # fmt: skip
+    print(
+        f"a {pool / 2**30:g} GiB pool admits {pool // ours} concurrent {ctx}-token requests "
+        f"compressed, {pool // dense} uncompressed ({ours / 2**20:.1f} vs "
+        f"{dense / 2**20:.1f} MiB a request)"
+    )
 
 
 def main() -> None:

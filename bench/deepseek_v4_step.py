@@ -37,11 +37,15 @@ def write(out: Path, kind: str) -> str:
         model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**TINY))
     else:
         cfg = transformers.LlamaConfig(
-            vocab_size=TINY["vocab_size"], hidden_size=TINY["hidden_size"],
-            num_hidden_layers=TINY["num_hidden_layers"], head_dim=TINY["head_dim"],
-            num_attention_heads=TINY["num_attention_heads"], num_key_value_heads=1,
-            intermediate_size=TINY["moe_intermediate_size"] * 3, max_position_embeddings=1 << 16,
-        )  # fmt: skip
+            vocab_size=TINY["vocab_size"],
+            hidden_size=TINY["hidden_size"],
+            num_hidden_layers=TINY["num_hidden_layers"],
+            head_dim=TINY["head_dim"],
+            num_attention_heads=TINY["num_attention_heads"],
+            num_key_value_heads=1,
+            intermediate_size=TINY["moe_intermediate_size"] * 3,
+            max_position_embeddings=1 << 16,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -50,8 +54,9 @@ def write(out: Path, kind: str) -> str:
     return str(out)
 
 
-def step_ms(llm: LLM, batch: int, context: int, forms: dict[str, Callable[[], None]],
-            profiled: bool = False) -> tuple[dict[str, float], dict[str, str]]:  # fmt: skip
+def step_ms(
+    llm: LLM, batch: int, context: int, forms: dict[str, Callable[[], None]], profiled: bool = False
+) -> tuple[dict[str, float], dict[str, str]]:
     """Median time of STEPS engine steps of each form (a setter called before its steps, the
     forms in turn, twice) once `batch` requests of `context` prompt tokens all decode; with
     `profiled`, each form's top ops by self CPU time over its steps."""
@@ -86,9 +91,10 @@ def step_ms(llm: LLM, batch: int, context: int, forms: dict[str, Callable[[], No
             if round_ == 1:  # the op count: what a loaded machine cannot skew
                 events = prof.key_averages()
                 calls = sum(e.count for e in events) / (STEPS // 2)
-                tables[name] = (f"{calls:.0f} op calls a step (profiler events, nested ones "
-                                f"included)\n" + events.table(sort_by="self_cpu_time_total",
-                                                               row_limit=12))  # fmt: skip
+                tables[name] = (
+                    f"{calls:.0f} op calls a step (profiler events, nested ones "
+                    f"included)\n" + events.table(sort_by="self_cpu_time_total", row_limit=12)
+                )
     engine.abort_all()
     for name in forms:  # the process's CPU time: what time-slicing on a shared machine spares
         tables[f"{name} cpu"] = f"{1000 * statistics.median(cpu[name]):.2f}"
@@ -117,35 +123,53 @@ class _Nothing:
 def time_steps(context: int = CONTEXT, batches: tuple[int, ...] = (1, 16)) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engines = {
-            kind: LLM(write(Path(tmp) / kind, kind), dtype="float32", num_kv_blocks=2304,
-                      block_size=64, max_num_batched_tokens=1024, num_speculative_tokens=0,
-                      max_num_seqs=16, target_step_ms=-1, cpu_packed_weights=False)
+            kind: LLM(
+                write(Path(tmp) / kind, kind),
+                dtype="float32",
+                num_kv_blocks=2304,
+                block_size=64,
+                max_num_batched_tokens=1024,
+                num_speculative_tokens=0,
+                max_num_seqs=16,
+                target_step_ms=-1,
+                cpu_packed_weights=False,
+            )
             for kind in ("v4", "dense")
-        }  # fmt: skip
+        }
         model = engines["v4"].engine.model
         chosen = {(m, f): getattr(m, f) for m in model.modules() for f in FLAGS if hasattr(m, f)}
-        v4_forms = {"v4 PyTorch": lambda: set_fused(model, None),
-                    "v4 chosen": lambda: set_fused(model, chosen)}  # fmt: skip
+        v4_forms = {
+            "v4 PyTorch": lambda: set_fused(model, None),
+            "v4 chosen": lambda: set_fused(model, chosen),
+        }
         threads = torch.get_num_threads()
-        line = next(x for x in engines["v4"].engine.info.kernel_table.splitlines()
-                    if "decode step:" in x)  # fmt: skip
+        line = next(
+            x for x in engines["v4"].engine.info.kernel_table.splitlines() if "decode step:" in x
+        )
         print(f"\nv4 startup choice: {line.strip()}")
-        print(f"\ndecode step at {context} tokens of context, float32, {threads} threads "
-              f"(median of {STEPS} steps a form)")  # fmt: skip
+        print(
+            f"\ndecode step at {context} tokens of context, float32, {threads} threads "
+            f"(median of {STEPS} steps a form)"
+        )
         for batch in batches:
             v4, tables = step_ms(engines["v4"], batch, context, v4_forms, profiled=True)
-            dense, dense_tables = step_ms(engines["dense"], batch, context,
-                                          {"dense": lambda: None}, profiled=True)  # fmt: skip
+            dense, dense_tables = step_ms(
+                engines["dense"], batch, context, {"dense": lambda: None}, profiled=True
+            )
             d = dense["dense"]
-            print(f"batch {batch:2d}: dense {d:7.2f} ms; v4 PyTorch {v4['v4 PyTorch']:7.2f} ms "
-                  f"({v4['v4 PyTorch'] / d:.2f}x), v4 as chosen {v4['v4 chosen']:7.2f} ms "
-                  f"({v4['v4 chosen'] / d:.2f}x)")  # fmt: skip
+            print(
+                f"batch {batch:2d}: dense {d:7.2f} ms; v4 PyTorch {v4['v4 PyTorch']:7.2f} ms "
+                f"({v4['v4 PyTorch'] / d:.2f}x), v4 as chosen {v4['v4 chosen']:7.2f} ms "
+                f"({v4['v4 chosen'] / d:.2f}x)"
+            )
             print(f"dense: {dense_tables['dense'].splitlines()[0]}")
             cpu = {name: float(tables.pop(f"{name} cpu")) for name in v4_forms}
             dense_cpu = float(dense_tables.pop("dense cpu"))
             torch_ms, chosen_ms = cpu["v4 PyTorch"], cpu["v4 chosen"]
-            print(f"  CPU time a step: dense {dense_cpu:.2f} ms; v4 PyTorch {torch_ms:.2f} ms "
-                  f"({torch_ms / dense_cpu:.2f}x), v4 as chosen {chosen_ms:.2f} ms "
-                  f"({chosen_ms / dense_cpu:.2f}x)")  # fmt: skip
+            print(
+                f"  CPU time a step: dense {dense_cpu:.2f} ms; v4 PyTorch {torch_ms:.2f} ms "
+                f"({torch_ms / dense_cpu:.2f}x), v4 as chosen {chosen_ms:.2f} ms "
+                f"({chosen_ms / dense_cpu:.2f}x)"
+            )
             for name, table in tables.items():
                 print(f"\nwhere a {name} batch-{batch} decode step's time goes:\n{table}")

@@ -205,7 +205,7 @@ def main() -> None:
         "itl_p99_ratio": dis["itl_p99_ms"] / col["itl_p99_ms"],
         "output_tok_s_x": dis["output_tok_s"] / col["output_tok_s"],
         "ttft_long_p50_x": dis["ttft_long_p50_s"] / col["ttft_long_p50_s"],
-    }  # fmt: skip
+    }
     out = {"args": vars(args), "setups": summary, "ratios": ratios, "handover": cost}
     print(json.dumps(out, indent=2))
     if args.json:

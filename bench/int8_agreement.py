@@ -59,8 +59,13 @@ def main() -> None:
             for ids in prompts:
                 row = []
                 for i in range(len(ids)):
-                    body = {"prompt": ids[: i + 1], "n_predict": 1, "temperature": 0,
-                            "return_tokens": True, "cache_prompt": True}  # fmt: skip
+                    body = {
+                        "prompt": ids[: i + 1],
+                        "n_predict": 1,
+                        "temperature": 0,
+                        "return_tokens": True,
+                        "cache_prompt": True,
+                    }
                     row.append(client.post("/completion", json=body).json()["tokens"][0])
                 theirs.append(row)
     n = sum(map(len, reference))

@@ -52,8 +52,16 @@ def decode_steps(batch: int, context: int, steps: int) -> None:
     # the first rows decode while the last prefill (chunked): enough tokens to outlast that
     max_tokens = batch * context // 256 + 2 * steps + 8
     blocks = batch * -(-(context + max_tokens + 16) // 64) + 8  # every row at once, both caches
-    llms = {kv: LLM(kv_cache_dtype=kv, num_speculative_tokens=0, enable_prefix_caching=False,
-                    num_kv_blocks=blocks, block_size=64) for kv in ("auto", "int8")}  # fmt: skip
+    llms = {
+        kv: LLM(
+            kv_cache_dtype=kv,
+            num_speculative_tokens=0,
+            enable_prefix_caching=False,
+            num_kv_blocks=blocks,
+            block_size=64,
+        )
+        for kv in ("auto", "int8")
+    }
     times: dict[str, list[float]] = {kv: [] for kv in llms}
     for kv, llm in llms.items():
         work = chat_prompts(llm.tokenizer, batch, (context, context), (1, 1), seed=3)

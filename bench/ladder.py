@@ -37,17 +37,22 @@ from harness.workload import WORDS
 
 BASE = ["--dtype", "float32", "--kv-cache-memory", "160MiB", "--log-level", "warning"]
 RUNGS: list[tuple[str, list[str]]] = [
-    ("1 contiguous-style baseline", ["--no-enable-prefix-caching", "--num-speculative-tokens",
-                                     "0", "--max-num-seqs", "2"]),
-    ("2 paged + continuous batching", ["--no-enable-prefix-caching", "--num-speculative-tokens",
-                                       "0"]),
+    (
+        "1 contiguous-style baseline",
+        ["--no-enable-prefix-caching", "--num-speculative-tokens", "0", "--max-num-seqs", "2"],
+    ),
+    (
+        "2 paged + continuous batching",
+        ["--no-enable-prefix-caching", "--num-speculative-tokens", "0"],
+    ),
     ("3 + prefix cache", ["--num-speculative-tokens", "0"]),
-    ("4 + host tier for idle sessions", ["--num-speculative-tokens", "0", "--host-bytes",
-                                         "1GiB"]),
+    ("4 + host tier for idle sessions", ["--num-speculative-tokens", "0", "--host-bytes", "1GiB"]),
     ("5 + speculation", ["--num-speculative-tokens", "8", "--host-bytes", "1GiB"]),
-    ("6 + bfloat16 KV", ["--num-speculative-tokens", "8", "--host-bytes", "1GiB",
-                         "--kv-cache-dtype", "bfloat16"]),
-]  # fmt: skip
+    (
+        "6 + bfloat16 KV",
+        ["--num-speculative-tokens", "8", "--host-bytes", "1GiB", "--kv-cache-dtype", "bfloat16"],
+    ),
+]
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -60,8 +65,9 @@ def sessions(n: int, turns: int, seed: int = 0) -> tuple[str, list[list[str]]]:
     system = "You are a support assistant. Answer from the documents, briefly.\n" + (
         words(rng, 200) + "\n\n" + docs
     )
-    questions = [[f"Question {t}: what about {words(rng, 10)}?" for t in range(turns)]
-                 for _ in range(n)]  # fmt: skip
+    questions = [
+        [f"Question {t}: what about {words(rng, 10)}?" for t in range(turns)] for _ in range(n)
+    ]
     return system, questions
 
 
@@ -83,12 +89,14 @@ async def run_session(
         s = (await sse.stream(client, "/v1/chat/completions", body)).check()
         assert s.usage is not None
         messages.append({"role": "assistant", "content": s.text})
-        results.append({
-            "ttft": s.ttft if s.ttft is not None else s.e2e,
-            "prompt": s.usage["prompt_tokens"],
-            "cached": s.usage["prompt_tokens_details"]["cached_tokens"],
-            "completion": s.usage["completion_tokens"],
-        })  # fmt: skip
+        results.append(
+            {
+                "ttft": s.ttft if s.ttft is not None else s.e2e,
+                "prompt": s.usage["prompt_tokens"],
+                "cached": s.usage["prompt_tokens_details"]["cached_tokens"],
+                "completion": s.usage["completion_tokens"],
+            }
+        )
     return results
 
 
@@ -99,7 +107,7 @@ async def drive(base: str, system: str, questions, gap: float, max_tokens: int) 
             *(
                 run_session(client, f"user-{i}", system, q, gap, max_tokens)
                 for i, q in enumerate(questions)
-            )  # fmt: skip
+            )
         )
         wall = time.monotonic() - start
     results = [r for s in per_session for r in s]
@@ -153,26 +161,35 @@ def main() -> None:
         f"{args.sessions} sessions x {args.turns} turns, {args.idle_gap:g} s idle between turns, "
         f"{args.max_tokens} output tokens a turn; ${args.dollars_per_hour:.2f}/hour"
     )
-    print(f"{'rung':36s} {'out tok/s':>9s} {'TTFT p50':>9s} {'p99':>7s} {'hit rate':>8s} "
-          f"{'$/M out':>8s}")  # fmt: skip
+    print(
+        f"{'rung':36s} {'out tok/s':>9s} {'TTFT p50':>9s} {'p99':>7s} {'hit rate':>8s} "
+        f"{'$/M out':>8s}"
+    )
     for name, extra in RUNGS:
         if int(name.split()[0]) not in wanted:
             continue
         idle = ["--idle-seconds", str(args.idle_gap / 2)] if "--host-bytes" in extra else []
         with Server(BASE + extra + idle, timeout=300) as server:
-            row = asyncio.run(drive(server.base, system, questions, args.idle_gap,
-                                    args.max_tokens))  # fmt: skip
+            row = asyncio.run(drive(server.base, system, questions, args.idle_gap, args.max_tokens))
         row["rung"] = name
         row["dollars_per_m_output"] = args.dollars_per_hour / (row["output_tok_s"] * 3600) * 1e6
         rows.append(row)
-        print(f"{name:36s} {row['output_tok_s']:9.1f} {row['ttft_p50']:8.2f}s "
-              f"{row['ttft_p99']:6.2f}s {row['hit_rate']:8.1%} "
-              f"{row['dollars_per_m_output']:8.2f}", flush=True)  # fmt: skip
+        print(
+            f"{name:36s} {row['output_tok_s']:9.1f} {row['ttft_p50']:8.2f}s "
+            f"{row['ttft_p99']:6.2f}s {row['hit_rate']:8.1%} "
+            f"{row['dollars_per_m_output']:8.2f}",
+            flush=True,
+        )
     if rows and rows[0]["rung"].startswith("1"):
         first = rows[0]
-        print("against rung 1: " + ", ".join(
-            f"{r['rung'].split()[0]}: {r['output_tok_s'] / first['output_tok_s']:.2f}x tok/s, "
-            f"TTFT p50 {first['ttft_p50'] / r['ttft_p50']:.2f}x" for r in rows[1:]))  # fmt: skip
+        print(
+            "against rung 1: "
+            + ", ".join(
+                f"{r['rung'].split()[0]}: {r['output_tok_s'] / first['output_tok_s']:.2f}x tok/s, "
+                f"TTFT p50 {first['ttft_p50'] / r['ttft_p50']:.2f}x"
+                for r in rows[1:]
+            )
+        )
     if args.plot:
         plot(rows, args.plot)
     if args.json:

@@ -30,18 +30,31 @@ from harness.launch import Server
 from harness.workload import WORDS
 from models.loader import default_model_path, load_spec
 
-TARGETS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-           "mlp": ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+TARGETS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
 
 
 def write_adapter(out: Path, model: str, rank: int, seed: int) -> Path:
     """A random PEFT adapter of `model`'s shapes (std 0.01: outputs stay text-like)."""
     spec = load_spec(model)
     lay = spec.layers[0]
-    h, q, kv, ffn = (spec.hidden_size, lay.num_heads * lay.head_dim,
-                     lay.num_kv_heads * lay.head_dim, lay.intermediate_size)  # fmt: skip
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)}  # fmt: skip
+    h, q, kv, ffn = (
+        spec.hidden_size,
+        lay.num_heads * lay.head_dim,
+        lay.num_kv_heads * lay.head_dim,
+        lay.intermediate_size,
+    )
+    shapes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, ffn),
+        "up_proj": (h, ffn),
+        "down_proj": (ffn, h),
+    }
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for i in range(spec.num_layers):
@@ -53,8 +66,12 @@ def write_adapter(out: Path, model: str, rank: int, seed: int) -> Path:
                 tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.01
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-              "target_modules": [n for names in TARGETS.values() for n in names]}  # fmt: skip
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": [n for names in TARGETS.values() for n in names],
+    }
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
 
@@ -64,8 +81,13 @@ async def wave(base: str, models: list[str], prompts: list[str], max_tokens: int
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
 
         async def one(model: str, prompt: str) -> int:
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             r = await client.post("/v1/completions", json=body)
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
@@ -90,11 +112,20 @@ def main() -> None:
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"lora{i}" for i in range(args.adapters)]
-        modules = [f"{n}={write_adapter(Path(tmp) / n, model, args.rank, i)}"
-                   for i, n in enumerate(names)]  # fmt: skip
-        server_args = ["--model", model, "--served-model-name", "base",
-                       "--max-loras", str(args.adapters), "--lora-modules", *modules,
-                       *args.server_arg]  # fmt: skip
+        modules = [
+            f"{n}={write_adapter(Path(tmp) / n, model, args.rank, i)}" for i, n in enumerate(names)
+        ]
+        server_args = [
+            "--model",
+            model,
+            "--served-model-name",
+            "base",
+            "--max-loras",
+            str(args.adapters),
+            "--lora-modules",
+            *modules,
+            *args.server_arg,
+        ]
         with Server(server_args, log_level="info") as server:
             banner = [line for line in server.log().splitlines() if "lora:" in line]
             print("banner:", banner[-1].strip() if banner else "(no lora line)")
@@ -102,17 +133,25 @@ def main() -> None:
             c = args.concurrency
             for r in range(args.rounds + 1):  # round 0 warms up both
                 for kind in ("base", "mixed"):
-                    prompts = [f"{r} {kind} {i}: " + " ".join(rng.choice(WORDS) for _ in
-                               range(args.prompt_words)) for i in range(c)]  # fmt: skip
-                    models = ["base"] * c if kind == "base" else [names[i % len(names)]
-                                                                  for i in range(c)]  # fmt: skip
+                    prompts = [
+                        f"{r} {kind} {i}: "
+                        + " ".join(rng.choice(WORDS) for _ in range(args.prompt_words))
+                        for i in range(c)
+                    ]
+                    models = (
+                        ["base"] * c
+                        if kind == "base"
+                        else [names[i % len(names)] for i in range(c)]
+                    )
                     rate = asyncio.run(wave(server.base, models, prompts, args.max_tokens))
                     if r:
                         rates[kind].append(rate)
                         print(f"round {r} {kind:5s}: {rate:6.1f} output tok/s at c={c}")
     base, mixed = statistics.mean(rates["base"]), statistics.mean(rates["mixed"])
-    print(f"mixed over {args.adapters} adapters (rank {args.rank}) / base alone: "
-          f"{mixed / base:.2f}x ({mixed:.1f} vs {base:.1f} tok/s)")  # fmt: skip
+    print(
+        f"mixed over {args.adapters} adapters (rank {args.rank}) / base alone: "
+        f"{mixed / base:.2f}x ({mixed:.1f} vs {base:.1f} tok/s)"
+    )
 
 
 if __name__ == "__main__":

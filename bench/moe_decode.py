@@ -30,16 +30,27 @@ def write_model(out: Path, moe: bool, args: argparse.Namespace) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     common = dict(
-        vocab_size=4096, hidden_size=args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256),
-        head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=4096,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256),
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if moe:
         config = transformers.Qwen3MoeConfig(
-            **common, num_experts=args.experts, num_experts_per_tok=args.top_k,
-            moe_intermediate_size=args.hidden, intermediate_size=args.hidden, norm_topk_prob=True,
-        )  # fmt: skip
+            **common,
+            num_experts=args.experts,
+            num_experts_per_tok=args.top_k,
+            moe_intermediate_size=args.hidden,
+            intermediate_size=args.hidden,
+            norm_topk_prob=True,
+        )
         model = transformers.Qwen3MoeForCausalLM(config)
     else:
         config = transformers.Qwen3Config(**common, intermediate_size=args.top_k * args.hidden)
@@ -96,7 +107,7 @@ def main() -> None:
                 dtype="float32",
                 num_kv_blocks=64,
                 num_speculative_tokens=0,
-            )  # fmt: skip
+            )
             for kind in ("moe", "dense")
         }
         rates: dict[str, list[float]] = {k: [] for k in engines}
@@ -104,13 +115,17 @@ def main() -> None:
             for kind, llm in engines.items():
                 rates[kind].append(decode_tok_s(llm, args.tokens))
         gbps = read_gbps()
-        print(f"memory read {gbps:.1f} GB/s (bench/roofline.py); float32; CPU threads "
-              f"{torch.get_num_threads()}")  # fmt: skip
+        print(
+            f"memory read {gbps:.1f} GB/s (bench/roofline.py); float32; CPU threads "
+            f"{torch.get_num_threads()}"
+        )
         for kind, llm in engines.items():
             rate, size = statistics.median(rates[kind]), active_bytes(llm)
             bound = gbps * 1e9 / size
-            print(f"{kind:6s} {rate:7.1f} tok/s  active {size / 2**20:6.1f} MiB/token  "
-                  f"bound {bound:7.1f} tok/s  {rate / bound:5.1%} of it")  # fmt: skip
+            print(
+                f"{kind:6s} {rate:7.1f} tok/s  active {size / 2**20:6.1f} MiB/token  "
+                f"bound {bound:7.1f} tok/s  {rate / bound:5.1%} of it"
+            )
         ratio = statistics.median(rates["moe"]) / statistics.median(rates["dense"])
         print(f"moe / dense (same active size): {ratio:.2f}x")
 

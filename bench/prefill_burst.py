@@ -33,8 +33,10 @@ async def streamer(client: httpx.AsyncClient, rng: random.Random, until: float, 
     while time.monotonic() < until:
         body = {
             "messages": [{"role": "user", "content": words(rng, 45)}],
-            "max_tokens": 96, "ignore_eos": True, "temperature": 0,
-        }  # fmt: skip
+            "max_tokens": 96,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
         s = (await sse.stream(client, "/v1/chat/completions", body)).check()
         out["itl"].extend(s.itl)
         out["tokens"] += s.usage["completion_tokens"] if s.usage else 0
@@ -47,8 +49,10 @@ async def long_prompts(
         await asyncio.sleep(every)
         body = {
             "messages": [{"role": "user", "content": words(rng, 1100)}],
-            "max_tokens": 8, "ignore_eos": True, "temperature": 0,
-        }  # fmt: skip
+            "max_tokens": 8,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
         s = (await sse.stream(client, "/v1/chat/completions", body)).check()
         out["ttft"].append(s.ttft if s.ttft is not None else s.e2e)
         out["prompt"].append(s.usage["prompt_tokens"] if s.usage else 0)

@@ -64,8 +64,10 @@ def accuracy(llms: dict[str, LLM], new_tokens: int = 32) -> None:
             agree.append((got.argmax(-1) == r.argmax(-1)).float())
         outs = [r.outputs[0].token_ids for r in llm.generate(ids, greedy)]
         same = sum(o == r for o, r in zip(outs, ref_out, strict=True))
-        prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r))
-                  for o, r in zip(outs, ref_out, strict=True)]  # fmt: skip
+        prefix = [
+            next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r))
+            for o, r in zip(outs, ref_out, strict=True)
+        ]
         c, a = torch.cat(cos), torch.cat(agree)
         print(
             f"{name:<22}{c.mean():>9.4f}{c.min():>9.4f}{a.mean():>8.1%}"

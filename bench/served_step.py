@@ -57,9 +57,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=6, help="c=1 requests a round")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the servers")
     ap.add_argument(
-        "--server", action="append", default=[], metavar="ARGS",
+        "--server",
+        action="append",
+        default=[],
+        metavar="ARGS",
         help="one server's arguments, quoted; repeat to compare servers round by round",
-    )  # fmt: skip
+    )
     a = ap.parse_args()
     env = dict(kv.split("=", 1) for kv in a.env)
     configs = a.server or [""]
@@ -81,16 +84,22 @@ def main() -> None:
     for i, config in enumerate(configs):
         for r, (tpot, step) in enumerate(rows[i]):
             name = config or "default"
-            print(f"[{name}] round {r}: served TPOT {tpot * 1e3:.2f} ms, engine decode step "
-                  f"{step * 1e3:.2f} ms, serving adds {(tpot - step) * 1e3:.2f} ms")  # fmt: skip
+            print(
+                f"[{name}] round {r}: served TPOT {tpot * 1e3:.2f} ms, engine decode step "
+                f"{step * 1e3:.2f} ms, serving adds {(tpot - step) * 1e3:.2f} ms"
+            )
         tpot = statistics.mean(t for t, _ in rows[i])
         step = statistics.mean(st for _, st in rows[i])
         means[i] = tpot
-        print(f"[{config or 'default'}] mean: served TPOT {tpot * 1e3:.2f} ms, engine step "
-              f"{step * 1e3:.2f} ms, +{(tpot - step) * 1e3:.2f} ms")  # fmt: skip
+        print(
+            f"[{config or 'default'}] mean: served TPOT {tpot * 1e3:.2f} ms, engine step "
+            f"{step * 1e3:.2f} ms, +{(tpot - step) * 1e3:.2f} ms"
+        )
     for i in range(1, len(configs)):
-        print(f"TPOT [{configs[i] or 'default'}] / [{configs[0] or 'default'}]: "
-              f"{means[i] / means[0]:.2f}x (same run, rounds interleaved)")  # fmt: skip
+        print(
+            f"TPOT [{configs[i] or 'default'}] / [{configs[0] or 'default'}]: "
+            f"{means[i] / means[0]:.2f}x (same run, rounds interleaved)"
+        )
 
 
 if __name__ == "__main__":

@@ -39,18 +39,29 @@ SERVED_LINE = re.compile(r"prompt_tokens=(\d+) .*ttft=([\d.]+)s queue=([\d.]+)s 
 
 def server_side(log: str, prompt_tokens: int, last: int) -> dict[str, float]:
     """Medians (ms) of the server's own timings of its last `last` requests of `prompt_tokens`."""
-    rows = [tuple(map(float, m.groups()[1:])) for m in SERVED_LINE.finditer(log)
-            if int(m[1]) == prompt_tokens][-last:]  # fmt: skip
+    rows = [
+        tuple(map(float, m.groups()[1:]))
+        for m in SERVED_LINE.finditer(log)
+        if int(m[1]) == prompt_tokens
+    ][-last:]
     if not rows:
         return {}
-    return {k: 1e3 * statistics.median(r[i] for r in rows)
-            for i, k in enumerate(("route", "queue", "prefill"))}  # fmt: skip
+    return {
+        k: 1e3 * statistics.median(r[i] for r in rows)
+        for i, k in enumerate(("route", "queue", "prefill"))
+    }
 
 
 def served_ttft(base: str, model: str, ids: list[int]) -> float:
     """Seconds from sending a streamed completion of `ids` to its first token's chunk."""
-    body = {"model": model, "prompt": ids, "max_tokens": 4, "ignore_eos": True,
-            "temperature": 0, "stream": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     t = time.perf_counter()
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as response:
         response.raise_for_status()
@@ -111,22 +122,30 @@ def main() -> None:
             # the engine's prefill with no short prompt near (as if it had been long ago)
             llm.engine.scheduler.policy.last_short_arrival = float("-inf")
             alone.append(engine_prefill(llm, longs_ids.pop()))
-            print(f"round {rnd}: served TTFT {1e3 * served[-1]:.0f} ms, in-process after short "
-                  f"{1e3 * after_short[-1]:.0f} ms, alone {1e3 * alone[-1]:.0f} ms",
-                  flush=True)  # fmt: skip
+            print(
+                f"round {rnd}: served TTFT {1e3 * served[-1]:.0f} ms, in-process after short "
+                f"{1e3 * after_short[-1]:.0f} ms, alone {1e3 * alone[-1]:.0f} ms",
+                flush=True,
+            )
         side = server_side(server.log(), long_len, a.rounds)
-    med = {k: 1e3 * statistics.median(v) for k, v in
-           (("served", served), ("after", after_short), ("alone", alone))}  # fmt: skip
-    print(f"median: served {med['served']:.0f} ms, in-process after short {med['after']:.0f} ms, "
-          f"alone {med['alone']:.0f} ms; served - alone {med['served'] - med['alone']:+.0f} ms, "
-          f"served / alone {med['served'] / med['alone']:.2f}x")  # fmt: skip
+    med = {
+        k: 1e3 * statistics.median(v)
+        for k, v in (("served", served), ("after", after_short), ("alone", alone))
+    }
+    print(
+        f"median: served {med['served']:.0f} ms, in-process after short {med['after']:.0f} ms, "
+        f"alone {med['alone']:.0f} ms; served - alone {med['served'] - med['alone']:+.0f} ms, "
+        f"served / alone {med['served'] / med['alone']:.2f}x"
+    )
     if side:
         outside = side["route"] - side["queue"] - side["prefill"]
-        print(f"server side (medians): route TTFT {side['route']:.0f} ms = engine queue "
-              f"{side['queue']:.0f} + prefill {side['prefill']:.0f} + planning/delivery "
-              f"{outside:.0f}; client minus route {med['served'] - side['route']:+.0f} ms; "
-              f"engine prefill served minus in-process after short "
-              f"{side['prefill'] - med['after']:+.0f} ms")  # fmt: skip
+        print(
+            f"server side (medians): route TTFT {side['route']:.0f} ms = engine queue "
+            f"{side['queue']:.0f} + prefill {side['prefill']:.0f} + planning/delivery "
+            f"{outside:.0f}; client minus route {med['served'] - side['route']:+.0f} ms; "
+            f"engine prefill served minus in-process after short "
+            f"{side['prefill'] - med['after']:+.0f} ms"
+        )
     llm.shutdown()
 
 

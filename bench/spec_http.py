@@ -33,8 +33,12 @@ def run(base: str, items: list, max_tokens: int) -> tuple[int, float]:
     with httpx.Client(base_url=base, timeout=600) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
         for _, conversation, grammar in items:
-            body: dict = {"model": model, "messages": conversation, "temperature": 0,
-                          "max_tokens": max_tokens}  # fmt: skip
+            body: dict = {
+                "model": model,
+                "messages": conversation,
+                "temperature": 0,
+                "max_tokens": max_tokens,
+            }
             if grammar is not None:
                 schema = json.loads(grammar.source)
                 body["response_format"] = {

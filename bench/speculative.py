@@ -89,8 +89,10 @@ def workload(num_chat: int) -> list[tuple[str, list[dict], GrammarSpec | None]]:
     items: list[tuple[str, list[dict], GrammarSpec | None]] = []
     for p in heldout_prompts(num_chat):
         items.append(("chat", [{"role": "user", "content": p}], None))
-    for q in ("When is the observatory open, and what do night tours cost?",
-              "Who opened the observatory, when, and what telescope does it house?"):  # fmt: skip
+    for q in (
+        "When is the observatory open, and what do night tours cost?",
+        "Who opened the observatory, when, and what telescope does it house?",
+    ):
         doc = f"Document:\n{DOCUMENT}\n\nAnswer from the document, quoting it: {q}"
         items.append(("rag", [{"role": "user", "content": doc}], None))
     person = GrammarSpec("json_schema", json.dumps(PERSON))
@@ -106,10 +108,13 @@ def workload(num_chat: int) -> list[tuple[str, list[dict], GrammarSpec | None]]:
         items.append(("edit", [{"role": "user", "content": ask}], None))
     chat = [
         {"role": "user", "content": "Give me three tips for growing tomatoes on a balcony."},
-        {"role": "assistant", "content": "1. Use a large pot with drainage holes.\n2. Put it "
-         "where it gets at least six hours of sun.\n3. Water deeply at the base every morning."},
+        {
+            "role": "assistant",
+            "content": "1. Use a large pot with drainage holes.\n2. Put it "
+            "where it gets at least six hours of sun.\n3. Water deeply at the base every morning.",
+        },
         {"role": "user", "content": "Repeat the three tips, adding one sentence to each."},
-    ]  # fmt: skip
+    ]
     items.append(("multi-turn", chat, None))
     return items
 
@@ -123,8 +128,10 @@ def prompts_of(llm: LLM, items: list) -> list[list[int]]:
 def run(llm: LLM, prompts, params, batch: int) -> tuple[list[list[int]], float]:
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
-        outs += [r.outputs[0].token_ids for r in llm.generate(prompts[i : i + batch],
-                                                              params[i : i + batch])]  # fmt: skip
+        outs += [
+            r.outputs[0].token_ids
+            for r in llm.generate(prompts[i : i + batch], params[i : i + batch])
+        ]
     return outs, time.perf_counter() - start
 
 
@@ -191,22 +198,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--temperatures", default="0")
     ap.add_argument(
-        "--seeded", action="store_true",
+        "--seeded",
+        action="store_true",
         help="seed sampled requests (then not drafted for: a seeded request's tokens depend on "
         "its seed alone); default: unseeded, so sampled rows are drafted and verified",
-    )  # fmt: skip
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-verify-rows", type=int, default=16)
     ap.add_argument(
-        "--cost-model", action=argparse.BooleanOptionalAction, default=True,
+        "--cost-model",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="adaptive k by measured costs (else the row cap alone)",
-    )  # fmt: skip
+    )
     ap.add_argument("--pin-k", action="store_true", help="k drafts at every batch size")
     ap.add_argument(
-        "--base", choices=("off", "no-corpus", "shipped"), default="off",
+        "--base",
+        choices=("off", "no-corpus", "shipped"),
+        default="off",
         help="the engine compared against: speculation off, on without corpus drafts, or on "
         "with the shipped head and corpus (against --speculative-model's / -corpus's)",
-    )  # fmt: skip
+    )
     ap.add_argument("--speculative-model", default="", help="the EAGLE head of the 'on' engine")
     ap.add_argument("--speculative-corpus", default="", help="the answer corpus of the 'on' one")
     ap.add_argument("--categories", default="", help="comma list (default: all)")
@@ -227,8 +239,9 @@ def main() -> None:
         base = LLM(**on, speculative_corpus="off")
     else:
         base = LLM(**on)
-    spec = LLM(**on, speculative_model=args.speculative_model,
-               speculative_corpus=args.speculative_corpus)  # fmt: skip
+    spec = LLM(
+        **on, speculative_model=args.speculative_model, speculative_corpus=args.speculative_corpus
+    )
     # warm-up: the first constrained request builds the grammar compiler's tables
     warm = prompts_of(base, items)
     warm_params = [SamplingParams(max_tokens=4, grammar=g) for _, _, g in items]
@@ -250,9 +263,13 @@ def main() -> None:
             bt, btime, st, stime, rounds, accepted = (
                 sum(x) for x in zip(*(p["raw"] for p in parts))
             )
-            mix1 = {"base": bt / btime, "spec": st / stime, "kept": {},
-                    "accept_len": 1 + accepted / max(1, rounds),
-                    "identical": all(p["identical"] for p in parts)}  # fmt: skip
+            mix1 = {
+                "base": bt / btime,
+                "spec": st / stime,
+                "kept": {},
+                "accept_len": 1 + accepted / max(1, rounds),
+                "identical": all(p["identical"] for p in parts),
+            }
             print(line("b1 mix", mix1, temperature))
         for batch in (b for b in sizes if b > 1):
             mix = items * max(1, batch // len(items))

@@ -36,9 +36,15 @@ COMPILE_SCHEMAS = [
 ] + [
     SCHEMA,
     {"type": "array", "items": SCHEMA, "maxItems": 4},
-    {"type": "object", "properties": {"e": {"enum": ["a", "b", "c"]}, "n": {"type": "integer",
-     "minimum": 0, "maximum": 100}}, "required": ["e", "n"]},
-]  # fmt: skip
+    {
+        "type": "object",
+        "properties": {
+            "e": {"enum": ["a", "b", "c"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 100},
+        },
+        "required": ["e", "n"],
+    },
+]
 
 
 class MaskTimer:

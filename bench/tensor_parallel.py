@@ -73,10 +73,14 @@ def main() -> None:
         for name in list(settings)[:: 1 if r % 2 == 0 else -1]:
             tp, allreduce = settings[name]
             llm = LLM(
-                args.model, dtype=args.dtype, quantization=args.quantization,
-                tensor_parallel_size=tp, tensor_parallel_allreduce=allreduce,
-                speculative_method="off", max_model_len=2048,
-            )  # fmt: skip
+                args.model,
+                dtype=args.dtype,
+                quantization=args.quantization,
+                tensor_parallel_size=tp,
+                tensor_parallel_allreduce=allreduce,
+                speculative_method="off",
+                max_model_len=2048,
+            )
             results[name].append(measure(llm, tp))
             llm.engine.shutdown()
             print(f"round {r} {name}: {results[name][-1]}", flush=True)

@@ -27,11 +27,20 @@ def write_model(out: Path, args: argparse.Namespace) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     config = transformers.Gemma3TextConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=args.layers,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64,
-        sliding_window=args.window, max_position_embeddings=8192, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=args.window,
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
@@ -77,25 +86,32 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    prompts = [[(s * 31 + i * 7) % 1000 + 3 for i in range(args.prompt)]
-               for s in range(args.requests)]  # fmt: skip
+    prompts = [
+        [(s * 31 + i * 7) % 1000 + 3 for i in range(args.prompt)] for s in range(args.requests)
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_model(Path(tmp) / "gemma3", args))
         shape = f"{args.layers} layers (every sixth global), window {args.window}"
         print(f"Gemma 3-shaped: {shape}, blocks of {args.block_size}, float32; {args.budget}")
         for reclaim in (True, False):
-            options = dict(kv_cache_memory=args.budget, block_size=args.block_size,
-                           max_num_seqs=args.requests, num_speculative_tokens=0,
-                           reclaim_window_blocks=reclaim)  # fmt: skip
+            options = dict(
+                kv_cache_memory=args.budget,
+                block_size=args.block_size,
+                max_num_seqs=args.requests,
+                num_speculative_tokens=0,
+                reclaim_window_blocks=reclaim,
+            )
             llm = LLM(path, **options)
             one, _ = run(llm, prompts[:1], params)
             _, running = run(llm, prompts, params)
             kv = llm.engine.kv
             window = f", window pool {kv.window.pool.num_blocks} blocks" if kv.window else ""
-            print(f"reclaim {'on ' if reclaim else 'off'}: one {args.prompt}-token request holds "
-                  f"{one / 2**20:6.1f} MiB; full pool {kv.pool.num_blocks} blocks{window}; "
-                  f"{args.requests} requests: peak {running} running, "
-                  f"{llm.engine.scheduler.num_preemptions} preemptions")  # fmt: skip
+            print(
+                f"reclaim {'on ' if reclaim else 'off'}: one {args.prompt}-token request holds "
+                f"{one / 2**20:6.1f} MiB; full pool {kv.pool.num_blocks} blocks{window}; "
+                f"{args.requests} requests: peak {running} running, "
+                f"{llm.engine.scheduler.num_preemptions} preemptions"
+            )
 
 
 if __name__ == "__main__":

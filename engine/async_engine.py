@@ -319,8 +319,12 @@ class AsyncEngine:
             self._failed_puts += 1
             n = self._failed_puts
             if should_log(n):
-                log.warning("kv transfer: %s (%d failed puts so far); the decode instance will "
-                            "compute the prompt", e, n)  # fmt: skip
+                log.warning(
+                    "kv transfer: %s (%d failed puts so far); the decode instance will "
+                    "compute the prompt",
+                    e,
+                    n,
+                )
             return False
         return True
 

@@ -19,13 +19,19 @@ ROUTER_BIN = Path(sys.executable).with_name("vllm-router")
 # `--worker-startup-check-interval` (30 s by default); afterwards a worker failing one check
 # (1 s apart) stops getting traffic
 FAST_HEALTH = [
-    "--worker-startup-check-interval", "1",
-    "--worker-startup-timeout-secs", "120",
-    "--health-check-interval-secs", "1",
-    "--health-failure-threshold", "1",
-    "--health-success-threshold", "1",
-    "--health-check-timeout-secs", "1",
-]  # fmt: skip
+    "--worker-startup-check-interval",
+    "1",
+    "--worker-startup-timeout-secs",
+    "120",
+    "--health-check-interval-secs",
+    "1",
+    "--health-failure-threshold",
+    "1",
+    "--health-success-threshold",
+    "1",
+    "--health-check-timeout-secs",
+    "1",
+]
 
 
 def redis_server_bin() -> str | None:
@@ -64,7 +70,7 @@ class KVStoreProcess(Process):
                 maxmemory,
                 "--maxmemory-policy",
                 "allkeys-lru",
-            ],  # fmt: skip
+            ],
             timeout=timeout,
             stop_timeout=5.0,
             port=port,
@@ -106,12 +112,16 @@ class RouterProcess(Process):
             self.metrics_port = free_port()
             return [
                 str(ROUTER_BIN),
-                "--host", "127.0.0.1",
-                "--port", str(port),
-                "--prometheus-host", "127.0.0.1",
-                "--prometheus-port", str(self.metrics_port),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(self.metrics_port),
                 *args,
-            ]  # fmt: skip
+            ]
 
         super().__init__("router", cmd, health_path="/health", timeout=timeout, stop_timeout=5.0)
 
@@ -123,9 +133,16 @@ class RouterProcess(Process):
         its health check drops it, hence checks every second."""
         prefills = [a for url in prefill_urls for a in ("--prefill", url)]
         return cls(
-            ["--vllm-pd-disaggregation", *prefills, "--decode", decode_url,
-             "--policy", "round_robin", *FAST_HEALTH]
-        )  # fmt: skip
+            [
+                "--vllm-pd-disaggregation",
+                *prefills,
+                "--decode",
+                decode_url,
+                "--policy",
+                "round_robin",
+                *FAST_HEALTH,
+            ]
+        )
 
     @classmethod
     def replicas(cls, urls: list[str], policy: str = "consistent_hash") -> RouterProcess:

@@ -38,8 +38,9 @@ INT8_ROWS = _op("int8_rows", "int8_rows.cpp")
 CPU_DECODE = _op("cpu_decode", "cpu_decode.cpp", "kv_int8.h", "cpu_simd.h", "decode_attend.h")
 # engine/attention/cpu_prefill.py: paged prefill flash attention (`.paged_prefill`,
 # `.simd_width`: 0 without AVX2, `.bf16_dot`)
-CPU_PREFILL = _op("cpu_prefill", "cpu_prefill.cpp", "cpu_prefill_blocks.h", "cpu_simd.h",
-                  "kv_int8.h")
+CPU_PREFILL = _op(
+    "cpu_prefill", "cpu_prefill.cpp", "cpu_prefill_blocks.h", "cpu_simd.h", "kv_int8.h"
+)
 # engine/grammar/token_bitmask.py: a grammar's token bitmask applied to logits rows (`.apply_`)
 TOKEN_BITMASK = _op("token_bitmask", "token_bitmask.cpp")
 # models/linear/decode_stack.py: a decode step's whole decoder stack in one op (`.forward`). It
@@ -55,6 +56,15 @@ DECODE_STACK = _op("decode_stack", "decode_stack.cpp", needs=(CPU_FUSED, GGUF, G
 DEEPSEEK_V4 = _op("deepseek_v4", "deepseek_v4.cpp")
 
 # every op, each after the ops it needs (scripts/build_ops.py builds them all)
-ALL = (CPU_FUSED, GGUF, GGUF_Q8, INT8_ROWS, CPU_DECODE, CPU_PREFILL, TOKEN_BITMASK, DECODE_STACK,
-       DEEPSEEK_V4)
+ALL = (
+    CPU_FUSED,
+    GGUF,
+    GGUF_Q8,
+    INT8_ROWS,
+    CPU_DECODE,
+    CPU_PREFILL,
+    TOKEN_BITMASK,
+    DECODE_STACK,
+    DEEPSEEK_V4,
+)
 BY_NAME = {op.name: op for op in ALL}

@@ -74,12 +74,21 @@ def deepseek_v4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
             own.append(len(groups))
             groups.append(KVGroupSpec(1, 1, width, 1, reach <= window, "rows"))
             own.append(len(groups))
-            groups.append(KVGroupSpec(1, 1, hd + (idx_dim if csa else 0), m, False,
-                                      "csa" if csa else "hca"))  # fmt: skip
+            groups.append(
+                KVGroupSpec(1, 1, hd + (idx_dim if csa else 0), m, False, "csa" if csa else "hca")
+            )
         layer_groups.append(tuple(own))
-        layers.append(LayerSpec(heads, 1, hd, cfg.get("moe_intermediate_size", 2048), own[0],
-                                cfg.get("n_routed_experts", 256),
-                                cfg.get("num_experts_per_tok", 6)))  # fmt: skip
+        layers.append(
+            LayerSpec(
+                heads,
+                1,
+                hd,
+                cfg.get("moe_intermediate_size", 2048),
+                own[0],
+                cfg.get("n_routed_experts", 256),
+                cfg.get("num_experts_per_tok", 6),
+            )
+        )
     return hf_model_spec(
         ARCH,
         cfg,
@@ -112,7 +121,7 @@ def deepseek_v4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
             "routed_scaling": float(cfg.get("routed_scaling_factor", 1.5)),
             "shared_expert_intermediate_size": cfg.get("moe_intermediate_size", 2048),
         },
-    )  # fmt: skip
+    )
 
 
 # ---- the model ----------------------------------------------------------------------------------
@@ -256,8 +265,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"unexpected tensor {name}")
             if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {list(tensor.shape)}, "
-                                 f"model {list(param.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"{name}: checkpoint shape {list(tensor.shape)}, model {list(param.shape)}"
+                )
             param.data.copy_(tensor.round() if not param.dtype.is_floating_point else tensor)
             seen.add(name)
         if self.spec.tie_word_embeddings:

@@ -100,8 +100,9 @@ class V4Attention(nn.Module):
         self.kv = nn.Linear(d, hd, bias=False)
         self.kv_norm = nn.Parameter(torch.empty(hd))
         self.o_groups = x["o_groups"]
-        self.o_a = nn.Parameter(torch.empty(self.o_groups * x["o_lora_rank"],
-                                            heads * hd // self.o_groups))  # fmt: skip
+        self.o_a = nn.Parameter(
+            torch.empty(self.o_groups * x["o_lora_rank"], heads * hd // self.o_groups)
+        )
         self.o_b = nn.Linear(self.o_groups * x["o_lora_rank"], d, bias=False)
         self.sinks = nn.Parameter(torch.empty(heads))
         # kernels/deepseek_v4.cpp's forms, where the startup measurement found them faster: the
@@ -154,17 +155,31 @@ class V4Attention(nn.Module):
         grouped = torch.bmm(out.transpose(0, 1), weight)  # each head group its own projection
         return self.o_b(grouped.transpose(0, 1).reshape(t, -1))
 
-    def norm_rope(self, x: torch.Tensor, normalise: bool, weight: torch.Tensor | None,
-                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def norm_rope(
+        self,
+        x: torch.Tensor,
+        normalise: bool,
+        weight: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
         """rope(rms(x, weight)) (`normalise`) or rope(x), by the C++ op where it serves."""
         if self.fused_rope:
-            return DEEPSEEK_V4.load().norm_rope(x.contiguous(), normalise, weight, self.eps,
-                                                cos, sin)  # fmt: skip
+            return DEEPSEEK_V4.load().norm_rope(
+                x.contiguous(), normalise, weight, self.eps, cos, sin
+            )
         return rope(rms(x, weight, self.eps) if normalise else x, cos, sin)
 
-    def decode_fused(self, q: torch.Tensor, window: torch.Tensor, win: Keys,
-                     cache: torch.Tensor | None, ent: Keys | None, index_q: torch.Tensor | None,
-                     index_w: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    def decode_fused(
+        self,
+        q: torch.Tensor,
+        window: torch.Tensor,
+        win: Keys,
+        cache: torch.Tensor | None,
+        ent: Keys | None,
+        index_q: torch.Tensor | None,
+        index_w: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The decode rows' attention by kernels/deepseek_v4.cpp's `sparse_decode`: what the
         PyTorch views compute, reading only the window keys and the entries a row keeps."""
         has = ent is not None and cache is not None
@@ -173,16 +188,29 @@ class V4Attention(nn.Module):
         win_keys = torch.broadcast_tensors(win.block, win.slot, win.visible)
         ent_keys = torch.broadcast_tensors(ent.block, ent.slot, ent.visible) if has else (None,) * 3
         return DEEPSEEK_V4.load().sparse_decode(
-            q.contiguous(), window[0, 0], *win_keys, cache[0, 0] if has else None, *ent_keys,
+            q.contiguous(),
+            window[0, 0],
+            *win_keys,
+            cache[0, 0] if has else None,
+            *ent_keys,
             index_q.contiguous() if index_q is not None else None,
             index_w.contiguous() if index_w is not None else None,
-            self.top_k if self.indexer is not None else 0, self.sinks, self.hd**-0.5,
+            self.top_k if self.indexer is not None else 0,
+            self.sinks,
+            self.hd**-0.5,
             self.index_dim**-0.5 if self.indexer is not None else 1.0,
-        )  # fmt: skip
+        )
 
-    def attend(self, q: torch.Tensor, window: torch.Tensor, win: Keys, cache: torch.Tensor | None,
-               ent: Keys | None, index_q: torch.Tensor | None, index_w: torch.Tensor | None
-               ) -> torch.Tensor:  # fmt: skip
+    def attend(
+        self,
+        q: torch.Tensor,
+        window: torch.Tensor,
+        win: Keys,
+        cache: torch.Tensor | None,
+        ent: Keys | None,
+        index_q: torch.Tensor | None,
+        index_w: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Query rows q [n, H, D] over their window keys and (CSA, HCA) compressed entries,
         gathered whole and masked: the PyTorch reference (CSA: the indexer's top k of the
         entries, its queries and weights index_q [n, IH, ID], index_w [n, IH])."""
@@ -209,8 +237,9 @@ class V4Attention(nn.Module):
         probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1].to(keys.dtype)
         return torch.einsum("nhl,ld->nhd" if shared else "nhl,nld->nhd", probs, keys)
 
-    def _select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor
-                ) -> torch.Tensor:  # fmt: skip
+    def _select(
+        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor
+    ) -> torch.Tensor:
         """The lightning indexer: of the entries each query row may see, the top k by
         sum_h w_h relu(q_h . k) / sqrt(d). keys [1 or n, E, d], seen [n, E]."""
         form = "nhd,ld->nhl" if keys.shape[0] == 1 else "nhd,nld->nhl"

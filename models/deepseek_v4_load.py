@@ -80,9 +80,12 @@ def v4_ropes(cfg: dict, partial: float) -> dict[str, tuple[float, dict | None]]:
 # "model.layers.N." -> the model's under "layers.N."
 _LAYER_NAMES = {
     "attn.attn_sink": "attn.sinks",
-    "attn.wq_a.weight": "attn.q_a.weight", "attn.q_norm.weight": "attn.q_a_norm",
-    "attn.wq_b.weight": "attn.q_b.weight", "attn.wkv.weight": "attn.kv.weight",
-    "attn.norm.weight": "attn.kv_norm", "attn.wo_a.weight": "attn.o_a",
+    "attn.wq_a.weight": "attn.q_a.weight",
+    "attn.q_norm.weight": "attn.q_a_norm",
+    "attn.wq_b.weight": "attn.q_b.weight",
+    "attn.wkv.weight": "attn.kv.weight",
+    "attn.norm.weight": "attn.kv_norm",
+    "attn.wo_a.weight": "attn.o_a",
     "attn.wo_b.weight": "attn.o_b.weight",
     "attn.compressor.ape": "attn.compressor.position_bias",
     "attn.compressor.norm.weight": "attn.compressor.norm",
@@ -94,19 +97,33 @@ _LAYER_NAMES = {
     "attn.indexer.compressor.wgate.weight": "attn.indexer.gate.weight",
     "attn.indexer.weights_proj.weight": "attn.indexer.weights.weight",
     "attn.indexer.wq_b.weight": "attn.indexer.q_b.weight",
-    "attn_norm.weight": "attn_norm", "ffn_norm.weight": "ffn_norm",
-    "hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
-    "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale",
-    "ffn.gate.weight": "ffn.router.weight", "ffn.gate.bias": "ffn.router_bias",
+    "attn_norm.weight": "attn_norm",
+    "ffn_norm.weight": "ffn_norm",
+    "hc_attn_fn": "attn_hc.fn",
+    "hc_attn_base": "attn_hc.base",
+    "hc_attn_scale": "attn_hc.scale",
+    "hc_ffn_fn": "ffn_hc.fn",
+    "hc_ffn_base": "ffn_hc.base",
+    "hc_ffn_scale": "ffn_hc.scale",
+    "ffn.gate.weight": "ffn.router.weight",
+    "ffn.gate.bias": "ffn.router_bias",
     "ffn.gate.tid2eid": "ffn.tid2eid",
     "ffn.shared_experts.w2.weight": "ffn.shared_down.weight",
-}  # fmt: skip
-_TOP = {"model.embed_tokens.weight": "embed_tokens.weight", "embed.weight": "embed_tokens.weight",
-        "head.weight": "lm_head.weight", "lm_head.weight": "lm_head.weight",
-        "model.norm.weight": "norm", "norm.weight": "norm",
-        "model.hc_head.hc_fn": "hc_head.fn", "hc_head_fn": "hc_head.fn",
-        "model.hc_head.hc_base": "hc_head.base", "hc_head_base": "hc_head.base",
-        "model.hc_head.hc_scale": "hc_head.scale", "hc_head_scale": "hc_head.scale"}  # fmt: skip
+}
+_TOP = {
+    "model.embed_tokens.weight": "embed_tokens.weight",
+    "embed.weight": "embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "lm_head.weight": "lm_head.weight",
+    "model.norm.weight": "norm",
+    "norm.weight": "norm",
+    "model.hc_head.hc_fn": "hc_head.fn",
+    "hc_head_fn": "hc_head.fn",
+    "model.hc_head.hc_base": "hc_head.base",
+    "hc_head_base": "hc_head.base",
+    "model.hc_head.hc_scale": "hc_head.scale",
+    "hc_head_scale": "hc_head.scale",
+}
 _EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight")
 _SHARED = re.compile(r"ffn\.shared_experts\.(w1|w3)\.weight")
 

@@ -43,8 +43,12 @@ class HyperConnection(nn.Module):
     def __init__(self, spec: ModelSpec, outputs: int) -> None:
         super().__init__()
         n, x = spec.extra["hc_mult"], spec.extra
-        self.hc, self.iters, self.eps, self.norm_eps = n, x["hc_sinkhorn_iters"], x["hc_eps"], (
-            spec.rms_norm_eps)  # fmt: skip
+        self.hc, self.iters, self.eps, self.norm_eps = (
+            n,
+            x["hc_sinkhorn_iters"],
+            x["hc_eps"],
+            (spec.rms_norm_eps),
+        )
         self.fn = nn.Parameter(torch.empty(outputs, n * spec.hidden_size))
         self.base = nn.Parameter(torch.empty(outputs))
         self.scale = nn.Parameter(torch.empty(3 if outputs > n else 1))
@@ -57,8 +61,15 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(post [T, n], comb [T, n, n], collapsed [T, D]) of streams [T, n, D]."""
         if self.fused:
-            return fused_ops().hc_pre(streams.contiguous(), self.fn, self.base, self.scale,
-                                      self.iters, self.eps, self.norm_eps)  # fmt: skip
+            return fused_ops().hc_pre(
+                streams.contiguous(),
+                self.fn,
+                self.base,
+                self.scale,
+                self.iters,
+                self.eps,
+                self.norm_eps,
+            )
         hc, mixes = self.hc, self.mix(streams)
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([hc, hc, hc * hc])
@@ -73,8 +84,9 @@ class HyperConnection(nn.Module):
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
 
-    def expand(self, out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
-               comb: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def expand(
+        self, out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
         """The streams after the block: its output `out` [T, D] expanded by `post`, plus the
         streams mixed by `comb` (new_j = post_j out + sum_i comb_ij streams_i)."""
         if self.fused:

@@ -52,9 +52,13 @@ class V4Batch:
         pos = positions.float()[:, None]
         rotary = spec.rotary_dim(spec.layers[0].head_dim)
         # each rope's frequencies and its cos/sin magnitude (YaRN's attention factor)
-        self.inv_freq = {label: (rope_inv_freq(rotary, theta, scaling).to(device),
-                                 rope_attention_factor(scaling))
-                         for label, (theta, scaling) in spec.extra["ropes"].items()}  # fmt: skip
+        self.inv_freq = {
+            label: (
+                rope_inv_freq(rotary, theta, scaling).to(device),
+                rope_attention_factor(scaling),
+            )
+            for label, (theta, scaling) in spec.extra["ropes"].items()
+        }
         self.rope = {label: self.cos_sin(label, pos) for label in self.inv_freq}
         windowed = paged.window_block_tables or paged.block_tables
         self.tables = {False: padded(paged.block_tables, device), True: padded(windowed, device)}
@@ -65,17 +69,25 @@ class V4Batch:
         self.token_pos = positions.long()
         # one query row per sequence: attended as a batch; longer chunks one sequence at a time
         decode = [i for i, q in enumerate(paged.query_lens) if q == 1]
-        self.decode_rows = torch.tensor([paged.query_start[i] for i in decode], device=device,
-                                        dtype=torch.long)  # fmt: skip
+        self.decode_rows = torch.tensor(
+            [paged.query_start[i] for i in decode], device=device, dtype=torch.long
+        )
         self.decode_seqs = torch.tensor(decode, device=device, dtype=torch.long)
         spans = zip(paged.query_start, paged.query_lens)
         self.prefills = [(i, slice(s, s + q)) for i, (s, q) in enumerate(spans) if q > 1]
         self._slots: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.decode_window = self._window_keys(self.token_pos[self.decode_rows][:, None],
-                                               self.decode_seqs)  # fmt: skip
-        self.prefill_window = [self._window_keys(self.token_pos[rows][:, None], torch.tensor(i),
-                                                 self.ctx[i] - self.window + 1, self.end[i])
-                               for i, rows in self.prefills]  # fmt: skip
+        self.decode_window = self._window_keys(
+            self.token_pos[self.decode_rows][:, None], self.decode_seqs
+        )
+        self.prefill_window = [
+            self._window_keys(
+                self.token_pos[rows][:, None],
+                torch.tensor(i),
+                self.ctx[i] - self.window + 1,
+                self.end[i],
+            )
+            for i, rows in self.prefills
+        ]
         self.rate_plans = {m: RatePlan(self, m) for m in set(spec.extra["compress_rates"].values())}
 
     def cos_sin(self, label: str, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,8 +98,9 @@ class V4Batch:
             return freqs.cos(), freqs.sin()
         return freqs.cos() * scale, freqs.sin() * scale
 
-    def locate(self, windowed: bool, seq: torch.Tensor, pos: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def locate(
+        self, windowed: bool, seq: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) of positions `pos` of sequences `seq` (broadcast) in a per-token
         group; positions past a table read its last column (they are masked)."""
         table = self.tables[windowed]
@@ -100,8 +113,13 @@ class V4Batch:
             self._slots[windowed] = self.locate(windowed, self.token_seq, self.token_pos)
         return self._slots[windowed]
 
-    def _window_keys(self, t: torch.Tensor, seq: torch.Tensor, first: torch.Tensor | None = None,
-                     end: torch.Tensor | None = None) -> Keys:  # fmt: skip
+    def _window_keys(
+        self,
+        t: torch.Tensor,
+        seq: torch.Tensor,
+        first: torch.Tensor | None = None,
+        end: torch.Tensor | None = None,
+    ) -> Keys:
         """The window's keys for queries at positions t [rows, 1]: the same span for all rows
         (a chunk: first..end) or each row its own (decode: t - W + 1..t)."""
         if first is None:
@@ -154,6 +172,7 @@ class RatePlan:
         """(block, offset) [closing, 2m] of the closing windows' source rows (positions before
         the sequence's start are masked)."""
         if windowed not in self._sources:
-            self._sources[windowed] = self.batch.locate(windowed, self.seq[:, None],
-                                                        self.source_pos.clamp(min=0))  # fmt: skip
+            self._sources[windowed] = self.batch.locate(
+                windowed, self.seq[:, None], self.source_pos.clamp(min=0)
+            )
         return self._sources[windowed]

@@ -31,8 +31,9 @@ def gemma3_fields(cfg: dict) -> dict:
     types = cfg.get("layer_types")
     if types is None:  # configs before `layer_types`: every `sliding_window_pattern`-th is global
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                 for i in range(n)]  # fmt: skip
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
+        ]
     params = cfg.get("rope_parameters") or {}
     full = params.get("full_attention") or {}
     local = params.get("sliding_attention") or {}

@@ -52,8 +52,9 @@ class _Projector(nn.Module):
             torch.empty(tower.hidden_size, text_hidden), requires_grad=False
         )
         self.mm_soft_emb_norm = nn.Module()
-        self.mm_soft_emb_norm.weight = nn.Parameter(torch.empty(tower.hidden_size),
-                                                    requires_grad=False)  # fmt: skip
+        self.mm_soft_emb_norm.weight = nn.Parameter(
+            torch.empty(tower.hidden_size), requires_grad=False
+        )
         self.eps = tower.layer_norm_eps
         self.side = tower.patches_per_side
         per_side = int(tokens_per_image**0.5)
@@ -88,8 +89,9 @@ class Gemma3ImageEncoder(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.multi_modal_projector(self.vision_tower(pixels))
 
-    def encode(self, pixels: list[torch.Tensor], grids: list[tuple[int, int, int] | None]
-               ) -> list[torch.Tensor]:  # fmt: skip
+    def encode(
+        self, pixels: list[torch.Tensor], grids: list[tuple[int, int, int] | None]
+    ) -> list[torch.Tensor]:
         """Images of one size, in one batch; a fixed-size tower's have no grid."""
         return list(self(torch.stack(pixels)))
 

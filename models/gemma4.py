@@ -46,9 +46,12 @@ from models.spec import LayerSpec, ModelSpec, hf_model_spec
 ARCH = "Gemma4ForCausalLM"
 _DEFAULT_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                       "rope_theta": 1_000_000.0},
-}  # fmt: skip
+    "full_attention": {
+        "rope_type": "proportional",
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 1_000_000.0,
+    },
+}
 # the ungated activations of the per-layer input gate (the FFN's are GATED_ACTIVATIONS)
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -99,16 +102,19 @@ def gemma4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
     for i in range(n):
         reuse = owners[i] != i
         wide = 2 if cfg.get("use_double_wide_mlp") and reuse else 1
-        layers.append(LayerSpec(
-            num_heads=cfg["num_attention_heads"],
-            num_kv_heads=overrides[i].get("num_key_value_heads", cfg["num_key_value_heads"]),
-            head_dim=overrides[i].get("head_dim", cfg["head_dim"]),
-            intermediate_size=cfg["intermediate_size"] * wide,  # the dense MLP's, experts or not
-            kv_group=group_of[owners[i]],
-            num_experts=experts[0],
-            num_experts_per_tok=experts[1],
-            k_eq_v=bool(cfg.get("attention_k_eq_v")) and types[i] == "full_attention",
-        ))  # fmt: skip
+        layers.append(
+            LayerSpec(
+                num_heads=cfg["num_attention_heads"],
+                num_kv_heads=overrides[i].get("num_key_value_heads", cfg["num_key_value_heads"]),
+                head_dim=overrides[i].get("head_dim", cfg["head_dim"]),
+                intermediate_size=cfg["intermediate_size"]
+                * wide,  # the dense MLP's, experts or not
+                kv_group=group_of[owners[i]],
+                num_experts=experts[0],
+                num_experts_per_tok=experts[1],
+                k_eq_v=bool(cfg.get("attention_k_eq_v")) and types[i] == "full_attention",
+            )
+        )
     rope = {**_DEFAULT_ROPE, **(cfg.get("rope_parameters") or {})}
     full, local = rope["full_attention"], rope["sliding_attention"]
     if local.get("rope_type", "default") != "default":
@@ -182,11 +188,20 @@ _LAYER_NAMES: LayerNames = {
     "router.scale": ("moe.router_scale", None),
     "router.per_expert_scale": ("moe.per_expert_scale", None),
 }
-_TOP_NAMES = ("embed_tokens.weight", "embed_tokens_per_layer.weight", "norm.weight",
-              "per_layer_model_projection.weight", "per_layer_projection_norm.weight")  # fmt: skip
+_TOP_NAMES = (
+    "embed_tokens.weight",
+    "embed_tokens_per_layer.weight",
+    "norm.weight",
+    "per_layer_model_projection.weight",
+    "per_layer_projection_norm.weight",
+)
 # a ConditionalGeneration's towers and their projections into the text model: not served
-_OTHER_TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
-                 "model.embed_audio.")  # fmt: skip
+_OTHER_TOWERS = (
+    "model.vision_tower.",
+    "model.audio_tower.",
+    "model.embed_vision.",
+    "model.embed_audio.",
+)
 
 
 def gemma4_weights(weights: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec) -> Iterator[Part]:

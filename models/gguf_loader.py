@@ -132,7 +132,7 @@ def gguf_spec(path: str, context: int | None = None) -> ModelSpec:
             num_experts=experts,
             num_experts_per_tok=int(meta("expert_used_count", 0)),
             intermediate_size=ffn or lay.intermediate_size,
-        )  # fmt: skip
+        )
         for lay in uniform_layers(
             n_layers, heads, kv_heads, head_dim, int(meta("feed_forward_length", 0) or 0)
         )
@@ -228,8 +228,10 @@ def _model_names(t: ReaderTensor, arch: str) -> list[tuple[str, str | None, int 
         return [(f"layers.{idx}.{module}.{kind}", fused_part, None)]
     if part in _EXPERT_TENSORS:
         module, fused_part = _EXPERT_TENSORS[part]
-        return [(f"layers.{idx}.moe.experts.{e}.{module}.{kind}", fused_part, e)
-                for e in range(int(t.shape[-1]))]  # fmt: skip
+        return [
+            (f"layers.{idx}.moe.experts.{e}.{module}.{kind}", fused_part, e)
+            for e in range(int(t.shape[-1]))
+        ]
     return []
 
 
@@ -305,8 +307,9 @@ def gguf_lora_tensors(
     un-permuted where the file's architecture permutes them (A's rows are the rank's); no
     tensors unless the file says it is an adapter."""
     r = _Reader(path)  # not the cached `reader`: an adapter is read once
-    meta = {key: f.contents() for key, f in r.fields.items()
-            if key.startswith(("general.", "adapter."))}  # fmt: skip
+    meta = {
+        key: f.contents() for key, f in r.fields.items() if key.startswith(("general.", "adapter."))
+    }
     if meta.get("general.type") != "adapter":
         return meta, {}  # a model file, say: not dequantized only to be refused
     permuted = meta.get("general.architecture") in _PERMUTED

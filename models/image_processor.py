@@ -17,9 +17,14 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 # PIL's resampling filters by the numbers transformers' configs store (PILImageResampling)
-RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS,
-             2: Image.Resampling.BILINEAR, 3: Image.Resampling.BICUBIC,
-             4: Image.Resampling.BOX, 5: Image.Resampling.HAMMING}  # fmt: skip
+RESAMPLE = {
+    0: Image.Resampling.NEAREST,
+    1: Image.Resampling.LANCZOS,
+    2: Image.Resampling.BILINEAR,
+    3: Image.Resampling.BICUBIC,
+    4: Image.Resampling.BOX,
+    5: Image.Resampling.HAMMING,
+}
 # transformers' IMAGENET_STANDARD_MEAN / STD: Gemma 3's processor defaults
 _STANDARD = (0.5, 0.5, 0.5)
 # formats Pillow may open here: raster images only (no EPS: it runs Ghostscript)
@@ -48,8 +53,9 @@ def decode_image(data: bytes, max_pixels: int, min_side: int) -> Image.Image:
         raise ImageError(f"not a readable image: {e}") from None
     width, height = image.size
     if width * height > max_pixels:
-        raise ImageError(f"{width}x{height} is {width * height} pixels, over the limit of "
-                         f"{max_pixels}")  # fmt: skip
+        raise ImageError(
+            f"{width}x{height} is {width * height} pixels, over the limit of {max_pixels}"
+        )
     if min(width, height) < min_side:
         raise ImageError(f"{width}x{height} is smaller than {min_side} pixels on a side")
     try:
@@ -94,11 +100,15 @@ class ImageProcessor:
         if resample not in RESAMPLE:
             raise ValueError(f"preprocessor_config.json: unknown resample filter {resample}")
         return ImageProcessor(
-            height, width, RESAMPLE[resample],
-            bool(cfg.get("do_rescale", True)), float(cfg.get("rescale_factor", 1 / 255)),
+            height,
+            width,
+            RESAMPLE[resample],
+            bool(cfg.get("do_rescale", True)),
+            float(cfg.get("rescale_factor", 1 / 255)),
             bool(cfg.get("do_normalize", True)),
-            tuple(cfg.get("image_mean", _STANDARD)), tuple(cfg.get("image_std", _STANDARD)),
-        )  # fmt: skip
+            tuple(cfg.get("image_mean", _STANDARD)),
+            tuple(cfg.get("image_std", _STANDARD)),
+        )
 
     def __call__(self, image: Image.Image) -> np.ndarray:
         """[3, height, width] float32, as transformers' PIL processor computes it."""
@@ -109,8 +119,7 @@ class ImageProcessor:
         return self(image), None
 
 
-def resized_pixels(image: Image.Image, height: int, width: int, how: ImageProcessor
-                   ) -> np.ndarray:  # fmt: skip
+def resized_pixels(image: Image.Image, height: int, width: int, how: ImageProcessor) -> np.ndarray:
     """[3, height, width] float32: the image resized with `how`'s filter, rescaled and
     normalised as `how` says, as transformers' PIL processors compute it."""
     resized = image.convert("RGB").resize((width, height), resample=how.resample)

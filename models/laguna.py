@@ -56,8 +56,10 @@ def laguna_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
     if cfg.get("attention_bias"):
         raise ValueError("Laguna with attention biases is not supported (o_proj has none here)")
     if cfg.get("moe_apply_router_weight_on_input"):
-        raise ValueError("Laguna with router weights on the experts' input is not supported "
-                         "(transformers 5.24 refuses it too)")  # fmt: skip
+        raise ValueError(
+            "Laguna with router weights on the experts' input is not supported "
+            "(transformers 5.24 refuses it too)"
+        )
     kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     if any(h % kv for h in heads):
         raise ValueError(f"Laguna's per-layer head counts {heads} must be multiples of {kv}")
@@ -69,15 +71,19 @@ def laguna_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
     layers = []
     for i in range(n):
         sparse = mlp_types[i] == "sparse"
-        layers.append(LayerSpec(
-            num_heads=heads[i],
-            num_kv_heads=kv,
-            head_dim=head_dim,
-            intermediate_size=cfg["moe_intermediate_size"] if sparse else cfg["intermediate_size"],
-            kv_group=i,
-            num_experts=cfg["num_experts"] if sparse else 0,
-            num_experts_per_tok=cfg["num_experts_per_tok"] if sparse else 0,
-        ))  # fmt: skip
+        layers.append(
+            LayerSpec(
+                num_heads=heads[i],
+                num_kv_heads=kv,
+                head_dim=head_dim,
+                intermediate_size=cfg["moe_intermediate_size"]
+                if sparse
+                else cfg["intermediate_size"],
+                kv_group=i,
+                num_experts=cfg["num_experts"] if sparse else 0,
+                num_experts_per_tok=cfg["num_experts_per_tok"] if sparse else 0,
+            )
+        )
     gating = cfg.get("gating", True)
     if gating not in (True, "per-head", "per-element"):
         raise ValueError(f"Laguna gating {gating!r} is not one of true, per-head, per-element")
@@ -132,10 +138,16 @@ _ON_DISK = {
 }
 # one expert's tensor on disk: "mlp.experts.E.gate_proj.weight"
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_EXPERT_PARTS = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
-                 "down_proj": ("down_proj", None)}  # fmt: skip
-_TOP_NAMES = {"model.embed_tokens.weight": "embed_tokens.weight",
-              "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}  # fmt: skip
+_EXPERT_PARTS = {
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+    "down_proj": ("down_proj", None),
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "embed_tokens.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 
 
 def laguna_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Part]:

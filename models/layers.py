@@ -66,8 +66,9 @@ class PlainMLP(nn.Module):
     """second(act(first(x))), ungated: the vision towers' MLP. `names`: the checkpoint's names
     of the two linears (SigLIP's fc1 / fc2, Qwen3-VL's linear_fc1 / linear_fc2)."""
 
-    def __init__(self, hidden: int, inner: int, act: str, names: tuple[str, str] = ("fc1", "fc2")
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self, hidden: int, inner: int, act: str, names: tuple[str, str] = ("fc1", "fc2")
+    ) -> None:
         super().__init__()
         self.names = names
         setattr(self, names[0], nn.Linear(hidden, inner))

@@ -97,10 +97,13 @@ class DecoderLayer(nn.Module):
         # q and k plain rotary heads (no norms, no extra scale, whole-head rotary), as
         # `AttentionStep.attend_qkv` takes them
         self.plain_qkv = (
-            self.q_norm is None and self.writes_kv and self.q_scale == 1.0
+            self.q_norm is None
+            and self.writes_kv
+            and self.q_scale == 1.0
             and spec.rotary_dim(layer.head_dim) == layer.head_dim
-            and not layer.k_eq_v and not self.v_norm
-        )  # fmt: skip
+            and not layer.k_eq_v
+            and not self.v_norm
+        )
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
@@ -205,8 +208,11 @@ class LlamaForCausalLM(nn.Module):
         self.rope_keys = [rope_key(spec, i) for i in range(spec.num_layers)]
         with torch.device("cpu"):  # real values even when the model is built on "meta"
             self._inv_freq = {key: rope_table(spec, *key) for key in sorted(set(self.rope_keys))}
-            self.mrope_axes = (mrope_axes(spec.mrope_section, spec.mrope_interleaved)
-                               if spec.mrope_section else None)  # fmt: skip
+            self.mrope_axes = (
+                mrope_axes(spec.mrope_section, spec.mrope_interleaved)
+                if spec.mrope_section
+                else None
+            )
         self.rope_attention_factor = rope_attention_factor(spec.rope_scaling)
         # per device, moved once (not uploaded on every forward: a host->device copy each step)
         self._inv_freq_on: dict[torch.device, dict[int, torch.Tensor]] = {}
@@ -292,9 +298,11 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     def _decode_stack(
-        self, x: torch.Tensor, rope: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        self,
+        x: torch.Tensor,
+        rope: dict[int, tuple[torch.Tensor, torch.Tensor]],
         attn: AttentionStep,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(output, residual) of every layer at once where the step and the layers' weights
         allow (models/linear/decode_stack.py); None: the layers run one by one."""
         return self.decode_stack(self.layers, x, rope, attn, self.spec.rms_norm_eps)

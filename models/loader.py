@@ -294,7 +294,7 @@ def llama_layers(cfg: dict, head_dim: int) -> tuple[LayerSpec, ...]:
             group_of[owner[i]],
             experts[i][0],
             experts[i][1],
-        )  # fmt: skip
+        )
         for i in range(n)
     )
 
@@ -366,10 +366,13 @@ _HF_LAYER_NAMES: LayerNames = {
 # An expert's tensors: Qwen3-MoE's "mlp.experts.E.gate_proj", Mixtral's "...experts.E.w1"
 _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_PARTS = {
-    "gate_proj": ("gate_up_proj", "gate"), "w1": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"), "w3": ("gate_up_proj", "up"),
-    "down_proj": ("down_proj", None), "w2": ("down_proj", None),
-}  # fmt: skip
+    "gate_proj": ("gate_up_proj", "gate"),
+    "w1": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+    "w3": ("gate_up_proj", "up"),
+    "down_proj": ("down_proj", None),
+    "w2": ("down_proj", None),
+}
 
 
 def hf_llama_parts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Part]:

@@ -38,20 +38,27 @@ from models.spec import ModelSpec
 MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # PEFT's module names (the HF model's) -> (the model's projection, part of it or None: whole)
 PEFT_TARGETS: dict[str, tuple[str, str | None]] = {
-    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
     "qkv_proj": ("qkv_proj", None),  # Phi-3's fused projections
     "o_proj": ("o_proj", None),
-    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
     "gate_up_proj": ("gate_up_proj", None),
     "down_proj": ("down_proj", None),
-}  # fmt: skip
+}
 # llama.cpp's tensor names in a GGUF LoRA ("blk.N.attn_q.weight.lora_a")
 GGUF_TARGETS: dict[str, tuple[str, str | None]] = {
-    "attn_q": ("qkv_proj", "q"), "attn_k": ("qkv_proj", "k"), "attn_v": ("qkv_proj", "v"),
-    "attn_qkv": ("qkv_proj", None), "attn_output": ("o_proj", None),
-    "ffn_gate": ("gate_up_proj", "gate"), "ffn_up": ("gate_up_proj", "up"),
+    "attn_q": ("qkv_proj", "q"),
+    "attn_k": ("qkv_proj", "k"),
+    "attn_v": ("qkv_proj", "v"),
+    "attn_qkv": ("qkv_proj", None),
+    "attn_output": ("o_proj", None),
+    "ffn_gate": ("gate_up_proj", "gate"),
+    "ffn_up": ("gate_up_proj", "up"),
     "ffn_down": ("down_proj", None),
-}  # fmt: skip
+}
 _PEFT_KEY = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
     r"(?:\.[\w-]+)?\.weight"
@@ -114,8 +121,9 @@ class StepAdapters:
     @contextlib.contextmanager
     def serving(self, rows: LoRARows | None) -> Iterator[None]:
         if rows is not None and not self.enabled:
-            raise ValueError("LoRA rows for a model whose projections take no adapters "
-                             "(enable_lora at load)")  # fmt: skip
+            raise ValueError(
+                "LoRA rows for a model whose projections take no adapters (enable_lora at load)"
+            )
         self.rows = rows
         try:
             yield
@@ -171,8 +179,10 @@ def projection_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, list[
         "o_proj": (q, [("", h)]),
     }
     if not lay.num_experts:
-        shapes["gate_up_proj"] = (h, [("gate", lay.intermediate_size),
-                                      ("up", lay.intermediate_size)])  # fmt: skip
+        shapes["gate_up_proj"] = (
+            h,
+            [("gate", lay.intermediate_size), ("up", lay.intermediate_size)],
+        )
         shapes["down_proj"] = (lay.intermediate_size, [("", h)])
     return shapes
 
@@ -225,8 +235,10 @@ def _peft_parts(root: Path) -> list[Part]:
         scale = float(_pattern(alpha_pattern, module, alpha))
         scale /= math.sqrt(rank) if cfg.get("use_rslora") else rank
         if ab["A"].shape[0] != rank:
-            raise LoRAError(f"{root}: layer {layer} {name}: lora_A has rank "
-                            f"{ab['A'].shape[0]}, the config says {rank}")  # fmt: skip
+            raise LoRAError(
+                f"{root}: layer {layer} {name}: lora_A has rank "
+                f"{ab['A'].shape[0]}, the config says {rank}"
+            )
         own, part = PEFT_TARGETS[name]
         parts.append((layer, own, part, ab["A"].float(), ab["B"].float() * scale))
     return parts
@@ -245,8 +257,9 @@ def _paired(
         pairs.setdefault((int(m[1]), m[2]), {})[m[3].upper()] = tensor
     for (layer, module), ab in pairs.items():
         if set(ab) != {"A", "B"}:
-            raise LoRAError(f"{where}: layer {layer} {module} lacks lora_"
-                            f"{'B' if 'A' in ab else 'A'}")  # fmt: skip
+            raise LoRAError(
+                f"{where}: layer {layer} {module} lacks lora_{'B' if 'A' in ab else 'A'}"
+            )
     return dict(sorted(pairs.items()))
 
 
@@ -277,8 +290,9 @@ def _gguf_parts(path: Path, spec: ModelSpec) -> list[Part]:
 
     meta, tensors = gguf_lora_tensors(str(path), spec)
     if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
-        raise LoRAError(f"{path}: not a GGUF LoRA adapter (general.type "
-                        f"{meta.get('general.type')!r})")  # fmt: skip
+        raise LoRAError(
+            f"{path}: not a GGUF LoRA adapter (general.type {meta.get('general.type')!r})"
+        )
     alpha = meta.get("adapter.lora.alpha")
     parts = []
     for (layer, name), ab in _paired(tensors, _GGUF_KEY, GGUF_TARGETS, path).items():
@@ -301,12 +315,14 @@ def fuse(parts: list[Part], spec: ModelSpec, dtype: torch.dtype, max_rank: int) 
             raise LoRAError(f"layer {layer}: the model has {spec.num_layers} layers")
         shapes = projection_shapes(spec, layer)
         if module not in shapes:
-            raise LoRAError(f"layer {layer} {module}: a mixture-of-experts FFN (experts are not "
-                            "adapted)")  # fmt: skip
+            raise LoRAError(
+                f"layer {layer} {module}: a mixture-of-experts FFN (experts are not adapted)"
+            )
         rank = max(rank, a.shape[0])
         if a.shape[0] > max_rank:
-            raise LoRAError(f"layer {layer} {module}: rank {a.shape[0]} exceeds --max-lora-rank "
-                            f"{max_rank}")  # fmt: skip
+            raise LoRAError(
+                f"layer {layer} {module}: rank {a.shape[0]} exceeds --max-lora-rank {max_rank}"
+            )
         grouped.setdefault((layer, module), {})[part or ""] = (a, b)
     layers: list[dict[str, LoRAProjection]] = [{} for _ in range(spec.num_layers)]
     digest, nbytes, targets = hashlib.sha256(), 0, set()
@@ -344,8 +360,7 @@ def fuse(parts: list[Part], spec: ModelSpec, dtype: torch.dtype, max_rank: int) 
             nbytes += served.numel() * served.element_size()
         digest.update(f"{layer}.{module}".encode())
         layers[layer][module] = proj
-    return LoRAWeights(rank, tuple(layers), digest.hexdigest()[:32], nbytes,
-                       tuple(sorted(targets)))  # fmt: skip
+    return LoRAWeights(rank, tuple(layers), digest.hexdigest()[:32], nbytes, tuple(sorted(targets)))
 
 
 def _check_shapes(

@@ -40,8 +40,9 @@ _GEMMA3_SCALE = 4
 
 
 def _known_projectors() -> list[str]:
-    return sorted(str(getattr(VisionProjectorType, n)) for n in dir(VisionProjectorType)
-                  if n.isupper())  # fmt: skip
+    return sorted(
+        str(getattr(VisionProjectorType, n)) for n in dir(VisionProjectorType) if n.isupper()
+    )
 
 
 class Mmproj:
@@ -52,8 +53,9 @@ class Mmproj:
         self.reader = GGUFReader(path)
         arch = self.get("general.architecture")
         if arch != "clip":
-            raise ValueError(f"--mmproj {path}: general.architecture is {arch!r}, not an "
-                             "mmproj file ('clip')")  # fmt: skip
+            raise ValueError(
+                f"--mmproj {path}: general.architecture is {arch!r}, not an mmproj file ('clip')"
+            )
         if not self.get("clip.has_vision_encoder", False):
             raise ValueError(f"--mmproj {path}: the file holds no vision encoder")
         kind = self.get("clip.vision.projector_type") or self.get("clip.projector_type")
@@ -112,10 +114,16 @@ def _encoder_name(name: str) -> str:
         "v.post_ln": tower + "post_layernorm",
         "mm.soft_emb_norm": projector + "mm_soft_emb_norm",
     }
-    layer = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-             "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj",
-             "ln1": "layer_norm1", "ln2": "layer_norm2", "ffn_up": "mlp.fc1",
-             "ffn_down": "mlp.fc2"}  # fmt: skip
+    layer = {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_out": "self_attn.out_proj",
+        "ln1": "layer_norm1",
+        "ln2": "layer_norm2",
+        "ffn_up": "mlp.fc1",
+        "ffn_down": "mlp.fc2",
+    }
     if name == "mm.input_projection.weight":
         return projector + "mm_input_projection_weight"
     stem, kind = name.rsplit(".", 1)
@@ -145,8 +153,10 @@ def _placeholders(text_path: str, spec: ModelSpec) -> tuple[int, int, int, str]:
     ids = {tok: i for i, tok in enumerate(tokens[:rows])}
     missing = [t for t in (_BEGIN, _END) if t not in ids]
     if missing:
-        raise ValueError(f"{text_path}: the vocabulary lacks {missing}; Gemma 3's prompt "
-                         "marks an image with them")  # fmt: skip
+        raise ValueError(
+            f"{text_path}: the vocabulary lacks {missing}; Gemma 3's prompt "
+            "marks an image with them"
+        )
     if _SOFT in ids:
         return ids[_BEGIN], ids[_END], ids[_SOFT], f"{_SOFT} (id {ids[_SOFT]})"
     unused = next((i for i in range(rows) if types[i] == _UNUSED), None)
@@ -172,8 +182,10 @@ def mmproj_vision_spec(mmproj_path: str, text_path: str) -> VisionSpec:
     spec = gguf_spec(text_path)
     arch = spec.extra.get("gguf_arch")
     if arch != "gemma3":
-        raise ValueError(f"--mmproj projector {mmproj.projector!r} serves beside a gemma3 text "
-                         f"GGUF; {text_path} is {arch!r}")  # fmt: skip
+        raise ValueError(
+            f"--mmproj projector {mmproj.projector!r} serves beside a gemma3 text "
+            f"GGUF; {text_path} is {arch!r}"
+        )
     width = int(mmproj.vision("projection_dim"))
     proj = next((t for t in mmproj.reader.tensors if t.name == "mm.input_projection.weight"), None)
     if proj is None:

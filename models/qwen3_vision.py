@@ -54,20 +54,31 @@ class Qwen3VisionTower(nn.Module):
         self.spec = spec
         self.side = int(spec.num_position_embeddings**0.5)
         if self.side**2 != spec.num_position_embeddings:
-            raise ValueError(f"num_position_embeddings {spec.num_position_embeddings} is not "
-                             "a square grid")  # fmt: skip
+            raise ValueError(
+                f"num_position_embeddings {spec.num_position_embeddings} is not a square grid"
+            )
         self.patch_embed = PatchEmbed(spec, bias=True)
         self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.hidden_size)
         norm = partial(nn.LayerNorm, eps=1e-6)
         self.blocks = nn.ModuleList(
-            VisionBlock(spec, norm, PlainMLP(spec.hidden_size, spec.intermediate_size,
-                                             spec.hidden_act, ("linear_fc1", "linear_fc2")))
+            VisionBlock(
+                spec,
+                norm,
+                PlainMLP(
+                    spec.hidden_size,
+                    spec.intermediate_size,
+                    spec.hidden_act,
+                    ("linear_fc1", "linear_fc2"),
+                ),
+            )
             for _ in range(spec.depth)
-        )  # fmt: skip
+        )
         self.merger = _Merger(spec, postshuffle=False)
         if any(not 0 <= i < spec.depth for i in spec.deepstack_visual_indexes):
-            raise ValueError(f"deepstack_visual_indexes {list(spec.deepstack_visual_indexes)} "
-                             f"name blocks outside the tower's {spec.depth}")  # fmt: skip
+            raise ValueError(
+                f"deepstack_visual_indexes {list(spec.deepstack_visual_indexes)} "
+                f"name blocks outside the tower's {spec.depth}"
+            )
         self.deepstack_merger_list = nn.ModuleList(
             _Merger(spec, postshuffle=True) for _ in spec.deepstack_visual_indexes
         )
@@ -95,7 +106,8 @@ class Qwen3VisionTower(nn.Module):
         aligned, as transformers' taps and weights compute it), in merge-block-major order."""
         m, hidden = self.spec.spatial_merge_size, self.spec.hidden_size
         table = self.pos_embed.weight.float().view(self.side, self.side, hidden)
-        resized = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w), mode="bilinear",
-                                align_corners=True)[0]  # fmt: skip
+        resized = F.interpolate(
+            table.permute(2, 0, 1)[None], size=(h, w), mode="bilinear", align_corners=True
+        )[0]
         blocks = resized.view(hidden, h // m, m, w // m, m).permute(1, 3, 2, 4, 0)
         return blocks.reshape(h * w, hidden)

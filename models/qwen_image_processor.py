@@ -21,8 +21,9 @@ _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int
-                 ) -> tuple[int, int]:  # fmt: skip
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
     """Sides divisible by `factor`, their product within [min_pixels, max_pixels], the aspect
     kept as nearly as may be (transformers' `smart_resize`)."""
     if max(height, width) / min(height, width) > 200:
@@ -63,10 +64,15 @@ class QwenImageProcessor:
         if resample not in RESAMPLE:
             raise ValueError(f"preprocessor_config.json: unknown resample filter {resample}")
         normalise = ImageProcessor(
-            0, 0, RESAMPLE[resample], bool(cfg.get("do_rescale", True)),
-            float(cfg.get("rescale_factor", 1 / 255)), bool(cfg.get("do_normalize", True)),
-            tuple(cfg.get("image_mean", _CLIP_MEAN)), tuple(cfg.get("image_std", _CLIP_STD)),
-        )  # fmt: skip
+            0,
+            0,
+            RESAMPLE[resample],
+            bool(cfg.get("do_rescale", True)),
+            float(cfg.get("rescale_factor", 1 / 255)),
+            bool(cfg.get("do_normalize", True)),
+            tuple(cfg.get("image_mean", _CLIP_MEAN)),
+            tuple(cfg.get("image_std", _CLIP_STD)),
+        )
         out = QwenImageProcessor(
             normalise,
             int(size.get("shortest_edge", cfg.get("min_pixels", 56 * 56))),
@@ -76,11 +82,16 @@ class QwenImageProcessor:
             int(cfg.get("merge_size", tower.get("spatial_merge_size", 2))),
         )
         ours = (out.patch_size, out.temporal_patch_size, out.merge_size)
-        theirs = (tower.get("patch_size"), tower.get("temporal_patch_size", 2),
-                  tower.get("spatial_merge_size", 2))  # fmt: skip
+        theirs = (
+            tower.get("patch_size"),
+            tower.get("temporal_patch_size", 2),
+            tower.get("spatial_merge_size", 2),
+        )
         if ours != theirs:
-            raise ValueError(f"preprocessor_config.json cuts (patch, temporal, merge) {ours}; "
-                             f"the vision tower reads {theirs}")  # fmt: skip
+            raise ValueError(
+                f"preprocessor_config.json cuts (patch, temporal, merge) {ours}; "
+                f"the vision tower reads {theirs}"
+            )
         if cfg.get("do_resize") is False:
             raise ValueError("preprocessor_config.json: do_resize false is not supported")
         return out
@@ -88,8 +99,9 @@ class QwenImageProcessor:
     def process(self, image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int]]:
         """Patches [h * w, 3 * temporal * patch^2] float32 and the grid (1, h, w)."""
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        height, width = smart_resize(image.height, image.width, p * m, self.min_pixels,
-                                     self.max_pixels)  # fmt: skip
+        height, width = smart_resize(
+            image.height, image.width, p * m, self.min_pixels, self.max_pixels
+        )
         pixels = resized_pixels(image, height, width, self.normalise)
         c, gh, gw = pixels.shape[0], height // p, width // p
         blocks = pixels.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)

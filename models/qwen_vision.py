@@ -61,13 +61,22 @@ class QwenVisionSpec:
             raise ValueError(f"Qwen vision activation {act!r} is not supported")
         rope = cfg.get("rope_parameters") or {}
         return QwenVisionSpec(
-            cfg["depth"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_heads"],
-            cfg["out_hidden_size"], cfg["patch_size"], cfg.get("spatial_merge_size", 2),
-            cfg.get("temporal_patch_size", 2), cfg.get("window_size", 0),
-            tuple(cfg.get("fullatt_block_indexes") or ()), cfg.get("in_channels", 3),
-            float(rope.get("rope_theta", 10000.0)), act, cfg.get("num_position_embeddings", 0),
+            cfg["depth"],
+            cfg["hidden_size"],
+            cfg["intermediate_size"],
+            cfg["num_heads"],
+            cfg["out_hidden_size"],
+            cfg["patch_size"],
+            cfg.get("spatial_merge_size", 2),
+            cfg.get("temporal_patch_size", 2),
+            cfg.get("window_size", 0),
+            tuple(cfg.get("fullatt_block_indexes") or ()),
+            cfg.get("in_channels", 3),
+            float(rope.get("rope_theta", 10000.0)),
+            act,
+            cfg.get("num_position_embeddings", 0),
             tuple(cfg.get("deepstack_visual_indexes") or ()),
-        )  # fmt: skip
+        )
 
     @property
     def head_dim(self) -> int:
@@ -90,8 +99,9 @@ def window_order(grid: tuple[int, int, int], merge: int, window: int) -> tuple[n
     return np.concatenate(order), lengths
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]
-                      ) -> torch.Tensor:  # fmt: skip
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]
+) -> torch.Tensor:
     """Bidirectional attention within consecutive segments of the rows ([rows, heads, dim]),
     segments of one length batched into one SDPA call."""
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -117,8 +127,9 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size)
         self.proj = nn.Linear(spec.hidden_size, spec.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
-                ) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
         o = segment_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, lengths)
         return self.proj(o.reshape(x.shape))
@@ -140,15 +151,17 @@ class VisionBlock(nn.Module):
     """Pre-norm attention then MLP, each added to the residual; `norm` makes the two norms
     (RMSNorm in Qwen2.5-VL, LayerNorm in Qwen3-VL), `mlp` is the block's MLP."""
 
-    def __init__(self, spec: QwenVisionSpec, norm: Callable[[int], nn.Module], mlp: nn.Module
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self, spec: QwenVisionSpec, norm: Callable[[int], nn.Module], mlp: nn.Module
+    ) -> None:
         super().__init__()
         self.norm1, self.norm2 = norm(spec.hidden_size), norm(spec.hidden_size)
         self.attn = VisionAttention(spec)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
-                ) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, lengths)
         return x + self.mlp(self.norm2(x))
 
@@ -161,14 +174,16 @@ class PatchEmbed(nn.Module):
         super().__init__()
         p, t = spec.patch_size, spec.temporal_patch_size
         self.proj = nn.Module()
-        self.proj.weight = nn.Parameter(torch.empty(spec.hidden_size, spec.in_channels, t, p, p),
-                                        requires_grad=False)  # fmt: skip
+        self.proj.weight = nn.Parameter(
+            torch.empty(spec.hidden_size, spec.in_channels, t, p, p), requires_grad=False
+        )
         self.proj.bias = nn.Parameter(torch.zeros(spec.hidden_size), False) if bias else None
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return F.linear(patches.to(weight.dtype), weight.reshape(weight.shape[0], -1),
-                        self.proj.bias)  # fmt: skip
+        return F.linear(
+            patches.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias
+        )
 
 
 def rotary_inv_freq(spec: QwenVisionSpec) -> torch.Tensor:
@@ -179,8 +194,9 @@ def rotary_inv_freq(spec: QwenVisionSpec) -> torch.Tensor:
         return 1.0 / spec.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter)
 
 
-def patch_rotary(grid: tuple[int, int, int], merge: int, inv_freq: torch.Tensor,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def patch_rotary(
+    grid: tuple[int, int, int], merge: int, inv_freq: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [patches, 1, head_dim / 2]: each patch's height and width positions, each on a
     quarter of the head, in the processor's merge-block-major patch order."""
     t, h, w = grid
@@ -197,8 +213,9 @@ class _Merger(nn.Module):
         super().__init__()
         width = spec.hidden_size * spec.spatial_merge_size**2
         self.ln_q = RMSNorm(spec.hidden_size, 1e-6)
-        self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(),
-                                 nn.Linear(width, spec.out_hidden_size))  # fmt: skip
+        self.mlp = nn.Sequential(
+            nn.Linear(width, width), nn.GELU(), nn.Linear(width, spec.out_hidden_size)
+        )
         self.width = width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -244,19 +261,24 @@ class QwenImageEncoder(nn.Module):
     them, along the width, what its tower adds to decoder layers: Qwen3-VL's deepstack)."""
 
     def __init__(
-        self, vision: VisionSpec, text_hidden: int,
+        self,
+        vision: VisionSpec,
+        text_hidden: int,
         tower: Callable[[QwenVisionSpec], nn.Module] = QwenVisionTower,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         spec = QwenVisionSpec.of(vision.tower_config)
         if spec.out_hidden_size != text_hidden:
-            raise ValueError(f"the vision merger's width {spec.out_hidden_size} is not the text "
-                             f"model's {text_hidden}")  # fmt: skip
+            raise ValueError(
+                f"the vision merger's width {spec.out_hidden_size} is not the text "
+                f"model's {text_hidden}"
+            )
         self.visual = tower(spec)
 
     @torch.inference_mode()
-    def encode(self, pixels: list[torch.Tensor], grids: list[tuple[int, int, int] | None]
-               ) -> list[torch.Tensor]:  # fmt: skip
+    def encode(
+        self, pixels: list[torch.Tensor], grids: list[tuple[int, int, int] | None]
+    ) -> list[torch.Tensor]:
         """Images are independent in the tower (no attention across them): one at a time."""
         out = []
         for patches, grid in zip(pixels, grids, strict=True):

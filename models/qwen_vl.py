@@ -25,8 +25,12 @@ QWEN_VL_ARCHITECTURES = {
 QWEN_TOWERS = {tower for _, tower in QWEN_VL_ARCHITECTURES.values()}
 # transformers' `Qwen3VLVisionConfig` defaults where models/qwen_vision.py's spec would read
 # another (a config.json may leave a default out)
-QWEN3_TOWER_DEFAULTS = {"hidden_act": "gelu_pytorch_tanh", "patch_size": 16,
-                        "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]}
+QWEN3_TOWER_DEFAULTS = {
+    "hidden_act": "gelu_pytorch_tanh",
+    "patch_size": 16,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+}
 _NESTED = "model.language_model."  # transformers 5's spelling of the text model's tensors
 
 
@@ -52,8 +56,9 @@ def qwen_vl_config(arch: str, cfg: dict) -> tuple[str, dict, dict]:
     text["rope_scaling"] = None
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     if 2 * sum(section) != head_dim:
-        raise ValueError(f"{arch}: mrope_section {list(section)} does not cover half of a "
-                         f"{head_dim}-wide head")  # fmt: skip
+        raise ValueError(
+            f"{arch}: mrope_section {list(section)} does not cover half of a {head_dim}-wide head"
+        )
     merge = int(tower.get("spatial_merge_size", 2))
     vision = VisionSpec(
         architecture=tower_kind,
@@ -70,8 +75,9 @@ def qwen_vl_config(arch: str, cfg: dict) -> tuple[str, dict, dict]:
     return decoder, text, fields
 
 
-def qwen_vl_text_weights(weights: Iterable[tuple[str, torch.Tensor]]
-                         ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def qwen_vl_text_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The language model's tensors under Qwen2's HF names; the tower's are skipped (loaded by
     the image encoder)."""
     for name, tensor in weights:

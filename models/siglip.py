@@ -35,10 +35,16 @@ class SiglipSpec:
         if act not in ACTIVATIONS:
             raise ValueError(f"vision tower activation {act!r} is not supported")
         return SiglipSpec(
-            cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
-            cfg["num_attention_heads"], cfg["image_size"], cfg["patch_size"],
-            cfg.get("num_channels", 3), cfg.get("layer_norm_eps", 1e-6), act,
-        )  # fmt: skip
+            cfg["hidden_size"],
+            cfg["intermediate_size"],
+            cfg["num_hidden_layers"],
+            cfg["num_attention_heads"],
+            cfg["image_size"],
+            cfg["patch_size"],
+            cfg.get("num_channels", 3),
+            cfg.get("layer_norm_eps", 1e-6),
+            act,
+        )
 
     @property
     def patches_per_side(self) -> int:
@@ -72,8 +78,9 @@ class _Attention(nn.Module):
         def heads(proj: nn.Linear) -> torch.Tensor:
             return proj(x).view(n, t, self.num_heads, -1).transpose(1, 2)
 
-        o = F.scaled_dot_product_attention(heads(self.q_proj), heads(self.k_proj),
-                                           heads(self.v_proj))  # fmt: skip
+        o = F.scaled_dot_product_attention(
+            heads(self.q_proj), heads(self.k_proj), heads(self.v_proj)
+        )
         return self.out_proj(o.transpose(1, 2).reshape(n, t, h))
 
 

@@ -198,8 +198,9 @@ class ModelSpec:
         """Bytes of K and V one token occupies across all KV groups (`dtype_size`: bytes a
         value, 1.125 for int8 rows with their scales)."""
         if self.group_specs:  # amortised: an entry per `rate` tokens
-            return round(sum(g.planes * g.heads * g.width * dtype_size / g.rate
-                             for g in self.group_specs))  # fmt: skip
+            return round(
+                sum(g.planes * g.heads * g.width * dtype_size / g.rate for g in self.group_specs)
+            )
         return round(sum(2 * h * d * dtype_size for h, d in self.kv_groups))
 
     def kv_bytes_per_token_at(self, context: int, dtype_size: float) -> int:

@@ -123,10 +123,15 @@ class TPPlan:
             layers = " ".join(f"r{r}:{n}" for r, n in enumerate(held))
             # one layer's bytes by rank: the same for every layer of a group split over all
             # ranks; by turns ("384/0 or 0/384") where its layers move from rank to rank
-            a_layer = " or ".join(dict.fromkeys(
-                "/".join(str(self.layer_kv_bytes(layer, r, g.head_dim, dtype_size))
-                         for r in range(self.world))
-                for layer in range(g.first, g.last + 1)))  # fmt: skip
+            a_layer = " or ".join(
+                dict.fromkeys(
+                    "/".join(
+                        str(self.layer_kv_bytes(layer, r, g.head_dim, dtype_size))
+                        for r in range(self.world)
+                    )
+                    for layer in range(g.first, g.last + 1)
+                )
+            )
             lines.append(
                 f"    layers {g.first}-{g.last}: {g.num_heads}/{g.num_kv_heads} heads, {g.mode} "
                 f"({each} a rank; layers by rank {layers}); KV bytes/token by rank "
@@ -215,8 +220,11 @@ class RankShard:
         for i, lay in enumerate(self.full.layers):
             h = self.plan.heads(i, self.rank)
             f0, f1 = split(lay.intermediate_size, self.world, self.rank, FFN_ALIGN)
-            layers.append(replace(lay, num_heads=h.q1 - h.q0, num_kv_heads=h.k1 - h.k0,
-                                  intermediate_size=f1 - f0))  # fmt: skip
+            layers.append(
+                replace(
+                    lay, num_heads=h.q1 - h.q0, num_kv_heads=h.k1 - h.k0, intermediate_size=f1 - f0
+                )
+            )
         extra = dict(self.full.extra)
         shared = extra.get("shared_expert_intermediate_size")
         if shared:  # a shared expert's columns are cut like the experts'
@@ -259,8 +267,11 @@ class RankShard:
         h, d = self.plan.heads(i, self.rank), lay.head_dim
         if module == "qkv_proj":
             q, kv = lay.num_heads * d, lay.num_kv_heads * d
-            return [(h.q0 * d, h.q1 * d), (q + h.k0 * d, q + h.k1 * d),
-                    (q + kv + h.k0 * d, q + kv + h.k1 * d)]  # fmt: skip
+            return [
+                (h.q0 * d, h.q1 * d),
+                (q + h.k0 * d, q + h.k1 * d),
+                (q + kv + h.k0 * d, q + kv + h.k1 * d),
+            ]
         if module == "g_proj":  # an output gate (Laguna): one row per head, or per element
             unit = 1 if self.full.extra.get("output_gate") == "head" else d
             return [(h.q0 * unit, h.q1 * unit)]

@@ -31,8 +31,11 @@ from pathlib import Path
 MISSING = re.compile(r"fatal error: (\S+): No such file or directory")
 
 
-def module_specs(head_dims: tuple[int, ...], dtypes: tuple | None = None,
-                 prefill: tuple[str, ...] = ("fa2", "fa3")) -> list:  # fmt: skip
+def module_specs(
+    head_dims: tuple[int, ...],
+    dtypes: tuple | None = None,
+    prefill: tuple[str, ...] = ("fa2", "fa3"),
+) -> list:
     import torch
     from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
     from flashinfer.jit.page import gen_page_module
@@ -70,13 +73,17 @@ def time_one_unit(head_dim: int) -> int:
     spec.write_ninja()
     listed = subprocess.run(
         ["ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path), "-t", "commands"],
-        capture_output=True, text=True, check=True,
-    ).stdout.splitlines()  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     units = [line for line in listed if shlex.split(line)[0].endswith("nvcc")]
     start = time.time()
     done = subprocess.run(shlex.split(units[0]), capture_output=True, text=True)
-    print(f"fa3 prefill: {len(units)} nvcc units; the first took {time.time() - start:.0f} s "
-          f"on one core here (exit {done.returncode})")  # fmt: skip
+    print(
+        f"fa3 prefill: {len(units)} nvcc units; the first took {time.time() - start:.0f} s "
+        f"on one core here (exit {done.returncode})"
+    )
     if done.returncode:
         print(done.stderr[-2000:])
     return done.returncode

@@ -39,29 +39,53 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeout", type=float, default=40.0, help="seconds to /health 200")
     args = ap.parse_args()
-    server_args = ["--model", args.model, "--device", args.device, "--served-model-name", "m",
-                   "--num-kv-blocks", "256", "--num-speculative-tokens", "4"]  # fmt: skip
+    server_args = [
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--served-model-name",
+        "m",
+        "--num-kv-blocks",
+        "256",
+        "--num-speculative-tokens",
+        "4",
+    ]
     with Server(server_args, timeout=args.timeout, log_level="info") as server:
         base = server.base
         health = httpx.get(f"{base}/health", timeout=10).json()
         print("health:", json.dumps(health)[:300])
-        plain = chat(base, {"messages": [{"role": "user", "content": "Hello there"}],
-                            "max_tokens": 16, "temperature": 0})  # fmt: skip
+        plain = chat(
+            base,
+            {
+                "messages": [{"role": "user", "content": "Hello there"}],
+                "max_tokens": 16,
+                "temperature": 0,
+            },
+        )
         assert plain["choices"][0]["finish_reason"] in ("stop", "length"), plain
         assert plain["usage"]["completion_tokens"] >= 1, plain
         print("chat: ok,", plain["usage"])
         fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
         ask = [{"role": "user", "content": "A person as JSON"}]
-        shaped = chat(base, {"messages": ask, "max_tokens": 64, "temperature": 0,
-                             "response_format": fmt})  # fmt: skip
+        shaped = chat(
+            base, {"messages": ask, "max_tokens": 64, "temperature": 0, "response_format": fmt}
+        )
         text = shaped["choices"][0]["message"]["content"]
         if shaped["choices"][0]["finish_reason"] == "stop":
             value = json.loads(text)  # a grammar-constrained answer that finished parses
             assert set(value) == {"name", "age"} and isinstance(value["age"], int), value
         print("grammar: ok,", repr(text[:80]))
         prompt = " ".join(["one two three four five six seven eight"] * 12)
-        spec = chat(base, {"messages": [{"role": "user", "content": prompt}], "max_tokens": 48,
-                           "temperature": 0, "ignore_eos": True})  # fmt: skip
+        spec = chat(
+            base,
+            {
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 48,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         assert spec["usage"]["completion_tokens"] == 48, spec["usage"]
         stats = httpx.get(f"{base}/v1/stats", timeout=10).json()
         assert stats["speculation"] is not None, "speculation is off in the served engine"

@@ -33,20 +33,27 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gpu_step_costs_"))
     model = tmp / "model"
     python = [sys.executable]
-    timed("import server.app (a fresh interpreter)",
-          lambda: subprocess.run([*python, "-c", "import server.app"], check=True,
-                                 cwd=ROOT))  # fmt: skip
-    timed("model: the head-64 GQA-2 checkpoint",
-          lambda: build_model("llama", model, **HEAD64_GQA2))  # fmt: skip
-    timed("kernels: `server kernels` on the CPU (imports, load, matrix)",
-          lambda: subprocess.run([*python, "-m", "server", "kernels", "--model", str(model),
-                                  "--device", "cpu"], check=True, cwd=ROOT,
-                                 capture_output=True))  # fmt: skip
+    timed(
+        "import server.app (a fresh interpreter)",
+        lambda: subprocess.run([*python, "-c", "import server.app"], check=True, cwd=ROOT),
+    )
+    timed("model: the head-64 GQA-2 checkpoint", lambda: build_model("llama", model, **HEAD64_GQA2))
+    timed(
+        "kernels: `server kernels` on the CPU (imports, load, matrix)",
+        lambda: subprocess.run(
+            [*python, "-m", "server", "kernels", "--model", str(model), "--device", "cpu"],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+        ),
+    )
 
     from engine import LLM
 
-    build = timed("one engine build on the CPU (load, plan, warm-up)",
-                  lambda: LLM(str(model), num_kv_blocks=64, device="cpu"))  # fmt: skip
+    build = timed(
+        "one engine build on the CPU (load, plan, warm-up)",
+        lambda: LLM(str(model), num_kv_blocks=64, device="cpu"),
+    )
     source = (ROOT / "tests" / "test_gpu.py").read_text()
     engines = len(re.findall(r"\bLLM\(", source))
     print(f"{'  engine builds in tests/test_gpu.py':<58} {engines:6d}")
@@ -55,8 +62,9 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "scripts"))
     from gpu_sweep import smollm2_shaped
 
-    timed("sweep: the SmolLM2-shaped random checkpoint",
-          lambda: smollm2_shaped(str(tmp / "smollm2")))  # fmt: skip
+    timed(
+        "sweep: the SmolLM2-shaped random checkpoint", lambda: smollm2_shaped(str(tmp / "smollm2"))
+    )
     return 0
 
 

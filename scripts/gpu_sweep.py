@@ -105,8 +105,11 @@ def main() -> None:
             dt = time.perf_counter() - t
             n = sum(len(o.outputs[0].token_ids) for o in out)
             rows.append((c, "eager" if eager else "graphs", n / dt))
-            print(f"  c={c:3d} {'eager ' if eager else 'graphs'}  {n / dt:9.1f} output tok/s "
-                  f"({n} tokens in {dt:.2f}s)", flush=True)  # fmt: skip
+            print(
+                f"  c={c:3d} {'eager ' if eager else 'graphs'}  {n / dt:9.1f} output tok/s "
+                f"({n} tokens in {dt:.2f}s)",
+                flush=True,
+            )
         del llm
     print("\nconcurrency  graphs tok/s  eager tok/s  ratio")
     for c in levels:

@@ -33,8 +33,10 @@ def kv_line(info: EngineInfo) -> str:
     if unshared != ours:
         text += f", {unshared / ours:.2f}x fewer than unshared ({unshared} bytes)"
     if info.kv_bytes_per_token_full_context != ours:
-        text += (f"; {info.kv_bytes_per_token_full_context} bytes a token at the full "
-                 f"{info.max_model_len}-token context (windowed groups keep their window only)")
+        text += (
+            f"; {info.kv_bytes_per_token_full_context} bytes a token at the full "
+            f"{info.max_model_len}-token context (windowed groups keep their window only)"
+        )
     if info.draft_layout is not None:
         text += f", + {info.draft_kv_bytes_per_token} for the draft head"
     return text
@@ -132,9 +134,15 @@ def kernels(argv: list[str]) -> int:
     print(f"block size {block_size} tokens")
     try:
         choice = select_backend(
-            spec, facts, dtype, block_size, config.attention_backend,
-            config.allow_slow_dtype, config.require_fast_kernels, kv_dtype=kv_dtype,
-        )  # fmt: skip
+            spec,
+            facts,
+            dtype,
+            block_size,
+            config.attention_backend,
+            config.allow_slow_dtype,
+            config.require_fast_kernels,
+            kv_dtype=kv_dtype,
+        )
     except ValueError as e:
         print(e)
         return 1

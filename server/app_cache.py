@@ -125,8 +125,10 @@ def attribute_misses(
         out["divergence" if brk is not None else "partial_block"] = shared - full
         at = shared
     if brk is not None:  # at its position, unless a partial-block hit reached into it
-        for cause, end in (("first_seen", brk.position + brk.new_span),
-                           ("divergence", brk.position + brk.new_span + brk.rejoined)):  # fmt: skip
+        for cause, end in (
+            ("first_seen", brk.position + brk.new_span),
+            ("divergence", brk.position + brk.new_span + brk.rejoined),
+        ):
             end = min(n, end)
             out[cause] += max(0, end - at)
             at = max(at, end)
@@ -180,23 +182,30 @@ class AppCacheStats:
         self.decode = decode
         self.apps: dict[str, AppRecord] = {}
         self.prompt_tokens = Counter(
-            "kvserve:app_prompt_tokens", "Prompt tokens per application.", ["app"],
+            "kvserve:app_prompt_tokens",
+            "Prompt tokens per application.",
+            ["app"],
             registry=registry,
-        )  # fmt: skip
+        )
         self.cached_tokens = Counter(
-            "kvserve:app_cached_tokens", "Prompt tokens served from a cache tier, per application.",
-            ["app", "tier"], registry=registry,
-        )  # fmt: skip
+            "kvserve:app_cached_tokens",
+            "Prompt tokens served from a cache tier, per application.",
+            ["app", "tier"],
+            registry=registry,
+        )
         self.missed_tokens = Counter(
             "kvserve:app_missed_tokens",
             "Prompt tokens not served from a cache, per application and cause (first_seen, "
             "divergence, eviction, uncached, partial_block, salt; they sum to the misses).",
-            ["app", "cause"], registry=registry,
-        )  # fmt: skip
+            ["app", "cause"],
+            registry=registry,
+        )
         self.breaks = Counter(
-            "kvserve:cache_breaks", "Prompts whose cached prefix a small difference broke.",
-            ["app"], registry=registry,
-        )  # fmt: skip
+            "kvserve:cache_breaks",
+            "Prompts whose cached prefix a small difference broke.",
+            ["app"],
+            registry=registry,
+        )
 
     def label(self, name: str) -> str:
         if name in self.apps or len(self.apps) < MAX_APPS:
@@ -222,8 +231,11 @@ class AppCacheStats:
         shares = [
             (common_prefix(tokens, old), old, s == salt) for old, s in reversed(record.recent)
         ]
-        shared, best = max(((length, old) for length, old, same in shares if same),
-                           key=lambda share: share[0], default=(0, None))  # fmt: skip
+        shared, best = max(
+            ((length, old) for length, old, same in shares if same),
+            key=lambda share: share[0],
+            default=(0, None),
+        )
         brk = find_break(tokens, best, bs) if best is not None else None
         if brk is not None and hit.cached + hit.evicted > brk.position + bs:
             brk = None  # the hit reached past it: not what cost this prompt
@@ -265,8 +277,13 @@ class AppCacheStats:
                 "app %r: prompts differ at token %d (%r, before: %r) and then continue alike: "
                 "%d tokens of prefill lost (%d times so far); keep changing text out of the "
                 "prompt's shared beginning",
-                app, p, breaker.new_text, breaker.old_text, lost, breaker.count,
-            )  # fmt: skip
+                app,
+                p,
+                breaker.new_text,
+                breaker.old_text,
+                lost,
+                breaker.count,
+            )
 
     def snapshot(self) -> dict:
         out = {}

@@ -242,9 +242,11 @@ def _metadata() -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvserve", description="OpenAI-compatible LLM server")
     ap.add_argument(
-        "--config", default=None, help="TOML file of defaults (default: $KVSERVE_CONFIG, else "
-        "the checkout's config.toml, else ./config.toml)"
-    )  # fmt: skip
+        "--config",
+        default=None,
+        help="TOML file of defaults (default: $KVSERVE_CONFIG, else "
+        "the checkout's config.toml, else ./config.toml)",
+    )
     meta = _metadata()
     for name, default in _defaults().items():
         flag = "--" + name.replace("_", "-")

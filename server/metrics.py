@@ -54,10 +54,16 @@ class EngineCollector(Collector):
         yield counter(
             "num_preemptions", "Requests preempted for lack of KV blocks.", snap.num_preemptions
         )
-        yield gauge("kv_pinned_blocks", "Cached KV blocks pinned by cache_control breakpoints.",
-                    snap.num_pinned_blocks)  # fmt: skip
-        yield counter("kv_pins_broken", "Pinned KV blocks evicted early: nothing else was free.",
-                      snap.pins_broken)  # fmt: skip
+        yield gauge(
+            "kv_pinned_blocks",
+            "Cached KV blocks pinned by cache_control breakpoints.",
+            snap.num_pinned_blocks,
+        )
+        yield counter(
+            "kv_pins_broken",
+            "Pinned KV blocks evicted early: nothing else was free.",
+            snap.pins_broken,
+        )
         yield counter("prompt_tokens", "Prompt tokens computed.", snap.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", snap.generation_tokens)
         yield counter("engine_steps", "Engine steps run.", snap.steps)
@@ -79,16 +85,21 @@ class EngineCollector(Collector):
         if snap.spec is not None:
             yield from _spec_metrics(snap.spec, gauge, counter)
         if (enc := snap.encoder) is not None:  # a vision model's encoded images
-            yield counter("encoder_cache_hits", "Images whose encoding was found in the encoder "
-                          "cache (not encoded again).", enc.hits)  # fmt: skip
-            yield counter("encoder_cache_misses", "Images the vision encoder ran on.",
-                          enc.encoded)  # fmt: skip
-            yield counter("encoder_cache_evictions", "Encoded images evicted from the cache.",
-                          enc.evicted)  # fmt: skip
-            yield gauge("encoder_cache_used_bytes", "Bytes of encoded images held.",
-                        enc.used_bytes)  # fmt: skip
-            yield gauge("encoder_cache_capacity_bytes", "Encoder cache capacity in bytes.",
-                        enc.capacity_bytes)  # fmt: skip
+            yield counter(
+                "encoder_cache_hits",
+                "Images whose encoding was found in the encoder cache (not encoded again).",
+                enc.hits,
+            )
+            yield counter("encoder_cache_misses", "Images the vision encoder ran on.", enc.encoded)
+            yield counter(
+                "encoder_cache_evictions", "Encoded images evicted from the cache.", enc.evicted
+            )
+            yield gauge("encoder_cache_used_bytes", "Bytes of encoded images held.", enc.used_bytes)
+            yield gauge(
+                "encoder_cache_capacity_bytes",
+                "Encoder cache capacity in bytes.",
+                enc.capacity_bytes,
+            )
         host = snap.host
         # both tiers always, 0 included, so an alert on rate() works from the first scrape
         integrity = CounterMetricFamily(
@@ -162,14 +173,18 @@ class Metrics:
         self.queue = Histogram(
             "kvserve:request_queue_time_seconds",
             "Time from arrival to first step, by class (cached: a prefix hit; cold).",
-            ["class"], registry=self.registry, buckets=_LATENCY_BUCKETS,
-        )  # fmt: skip
+            ["class"],
+            registry=self.registry,
+            buckets=_LATENCY_BUCKETS,
+        )
         self.prefill = Histogram(
             "kvserve:request_prefill_time_seconds",
             "Time from first step to first token (the uncached prompt, in shared steps), by "
             "class (cached: a prefix hit; cold).",
-            ["class"], registry=self.registry, buckets=_LATENCY_BUCKETS,
-        )  # fmt: skip
+            ["class"],
+            registry=self.registry,
+            buckets=_LATENCY_BUCKETS,
+        )
 
         # prefill/decode disaggregation (server/kv_transfer.py), per request
         reg = self.registry

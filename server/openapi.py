@@ -119,8 +119,12 @@ def build_openapi(version: str) -> dict[str, Any]:
             }
         }
 
-    response_id = {"name": "response_id", "in": "path", "required": True,
-                   "schema": {"type": "string"}}  # fmt: skip
+    response_id = {
+        "name": "response_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string"},
+    }
     return {
         "openapi": "3.1.0",
         "info": {
@@ -150,7 +154,7 @@ def build_openapi(version: str) -> dict[str, Any]:
                     "responses": {
                         "200": {"description": "ok", **_json(pr.ResponseDeleted)},
                         **api_errors,
-                    },  # fmt: skip
+                    },
                 },
             },
             "/v1/responses/{response_id}/input_items": {

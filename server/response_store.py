@@ -75,8 +75,14 @@ class ResponseStore:
         body: dict[str, Any],
         input_items: list[dict[str, Any]],
     ) -> None:
-        row = (body["id"], owner, conversation, time.time(), json.dumps(body),
-               json.dumps(input_items))  # fmt: skip
+        row = (
+            body["id"],
+            owner,
+            conversation,
+            time.time(),
+            json.dumps(body),
+            json.dumps(input_items),
+        )
         with self._lock, self._db:  # the row and the pruning it triggers: one commit
             self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
             self._db.execute(

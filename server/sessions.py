@@ -63,9 +63,11 @@ class SessionTracker:
         if not session_id:
             return
         self.sessions[session_id] = Session(
-            list(token_ids), time.monotonic(), cache_salt,
+            list(token_ids),
+            time.monotonic(),
+            cache_salt,
             images=tuple(image.identity() for image in images),  # not their pixels
-        )  # fmt: skip
+        )
         self.sessions.move_to_end(session_id)
         while len(self.sessions) > self.max_sessions:
             self.sessions.popitem(last=False)

@@ -75,8 +75,11 @@ class ServerState:
 
     def check_model(self, name: str) -> None:
         """The base model's name (or none) or a served LoRA adapter's, else a 404."""
-        if name and name != self.model_name and (self.engine is None
-                                                 or name not in self.engine.loras):  # fmt: skip
+        if (
+            name
+            and name != self.model_name
+            and (self.engine is None or name not in self.engine.loras)
+        ):
             raise APIError(
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )

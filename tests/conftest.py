@@ -112,8 +112,9 @@ def build_tokenizer(out: Path) -> int:
 # The tiny Llama FlashInfer compiles for in scripts/gpu_check.sh and tests/test_gpu.py runs on:
 # head_dim 64 (FlashInfer's smallest) and GQA 2, so decode stays on the CUDA-core module (GQA 4
 # and up take the tensor-core one, a second multi-unit JIT build)
-HEAD64_GQA2 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                   num_key_value_heads=2)  # fmt: skip
+HEAD64_GQA2 = dict(
+    hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+)
 
 
 def build_model(arch: str, out: Path, vocab_size: int = 512, **extra) -> Path:

@@ -156,8 +156,11 @@ def root_writes_under_cache(path: Path) -> list[str]:
             continue
         commands = step.commands()
         envs = sorted(k for k, v in step.env.items() if under_cache(v))
-        touching = [c for c in commands if "/cache" in c and c != "mkdir -p /cache"
-                    and not chown_of_cache(c, all_steps)]  # fmt: skip
+        touching = [
+            c
+            for c in commands
+            if "/cache" in c and c != "mkdir -p /cache" and not chown_of_cache(c, all_steps)
+        ]
         if (envs or touching) and chown_of_cache(commands[-1], all_steps) != (uid, True):
             why = f"{', '.join(envs)} point into /cache" if envs else f"it runs {touching}"
             problems.append(f"{where}: a RUN as root where {why}, without a final chown -R")

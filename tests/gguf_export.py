@@ -92,9 +92,12 @@ def _tensors(cfg: dict, arch: str, hf: dict[str, torch.Tensor]) -> dict[str, np.
 
 
 def write_gguf(
-    hf_dir: Path, out: Path, matrix_type: str = "F32", arch: str | None = None,
+    hf_dir: Path,
+    out: Path,
+    matrix_type: str = "F32",
+    arch: str | None = None,
     unused_tokens: tuple[str, ...] = (),
-) -> Path:  # fmt: skip
+) -> Path:
     """`hf_dir`'s checkpoint and tokenizer as `out`; 2-D and 3-D weights in `matrix_type`
     ("F32", "Q8_0"), norms and routers in F32, as llama.cpp's converter writes them; `arch`
     overrides the file's architecture name (`mistral3` for a Mistral). A vision-language
@@ -178,8 +181,14 @@ def _text_name(name: str) -> str:
     for prefix in ("language_model.model.", "model.language_model."):
         if name.startswith(prefix):
             return "model." + name[len(prefix) :]
-    if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                        "model.multi_modal_projector.")):  # fmt: skip
+    if name.startswith(
+        (
+            "vision_tower.",
+            "multi_modal_projector.",
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+        )
+    ):
         return ""
     return name.replace("language_model.", "", 1) if name.startswith("language_model.") else name
 

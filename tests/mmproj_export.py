@@ -26,9 +26,12 @@ def _converter_name(name: str) -> str:
 
 
 def write_mmproj(
-    hf_dir: Path, out: Path, matrix_type: str = "F16", projector_type: str = "gemma3",
+    hf_dir: Path,
+    out: Path,
+    matrix_type: str = "F16",
+    projector_type: str = "gemma3",
     projection_dim: int | None = None,
-) -> Path:  # fmt: skip
+) -> Path:
     """`hf_dir`'s tower and projector as `out`. `projector_type` and `projection_dim` (the text
     width the projector claims) may be set otherwise, to write the files kvserve refuses."""
     import gguf
@@ -38,8 +41,11 @@ def write_mmproj(
     pre = json.loads((hf_dir / "preprocessor_config.json").read_text())
     w = gguf.GGUFWriter(str(out), "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if matrix_type == "F32"
-                    else gguf.LlamaFileType[f"MOSTLY_{matrix_type}"])  # fmt: skip
+    w.add_file_type(
+        gguf.LlamaFileType.ALL_F32
+        if matrix_type == "F32"
+        else gguf.LlamaFileType[f"MOSTLY_{matrix_type}"]
+    )
     w.add_clip_has_vision_encoder(True)
     w.add_vision_projection_dim(projection_dim or cfg["text_config"]["hidden_size"])
     w.add_vision_image_size(vision["image_size"])

@@ -15,41 +15,75 @@ import torch
 
 from tests.vision_model import train_tokenizer
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
-            "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # fmt: skip
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 3, 4, 5, 6
 PATCH, MERGE = 4, 2
 # Qwen2.5-VL's template, system prompt and tools left out: an image item is the block the
 # processor widens (one <|image_pad|> per merged patch)
-TEMPLATE = "".join([
-    "{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\n' }}",
-    "{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}",
-    "{%- for item in message['content'] -%}{%- if item['type'] == 'image' -%}",
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}",
-    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}{%- endfor -%}",
-    "{%- endif -%}{{ '<|im_end|>\n' }}{%- endfor -%}",
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}",
-])  # fmt: skip
+TEMPLATE = "".join(
+    [
+        "{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\n' }}",
+        "{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}",
+        "{%- for item in message['content'] -%}{%- if item['type'] == 'image' -%}",
+        "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}",
+        "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}{%- endfor -%}",
+        "{%- endif -%}{{ '<|im_end|>\n' }}{%- endfor -%}",
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}",
+    ]
+)
 
 
-TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-            rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2, pad_token_id=0)  # fmt: skip
-TOKEN_IDS = dict(image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
-                 vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)  # fmt: skip
+TEXT = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+TOKEN_IDS = dict(
+    image_token_id=IMAGE_PAD,
+    video_token_id=VIDEO_PAD,
+    vision_start_token_id=VISION_START,
+    vision_end_token_id=VISION_END,
+)
 
 
 def build_qwen25_vl(out: Path) -> Path:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    text = TEXT | dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                        "mrope_section": [2, 3, 3]})  # fmt: skip
-    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2,
-                  window_size=16, fullatt_block_indexes=[1])  # fmt: skip
+    text = TEXT | dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    )
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=2,
+        window_size=16,
+        fullatt_block_indexes=[1],
+    )
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **TOKEN_IDS)
-    return _save(Qwen2_5_VLForConditionalGeneration, config, out, b"qwen2.5-vl",
-                 "Qwen2_5_VLProcessor")  # fmt: skip
+    return _save(
+        Qwen2_5_VLForConditionalGeneration, config, out, b"qwen2.5-vl", "Qwen2_5_VLProcessor"
+    )
 
 
 def build_qwen3_vl(out: Path) -> Path:
@@ -59,13 +93,28 @@ def build_qwen3_vl(out: Path) -> Path:
     deepstack mergers after blocks 0 and 2, added after decoder layers 0 and 1."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    text = TEXT | dict(head_dim=16, rope_parameters={
-        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-        "mrope_interleaved": True})  # fmt: skip
-    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2,
-                  num_position_embeddings=16, deepstack_visual_indexes=[0, 2],
-                  hidden_act="gelu_pytorch_tanh")  # fmt: skip
+    text = TEXT | dict(
+        head_dim=16,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 2],
+        hidden_act="gelu_pytorch_tanh",
+    )
     config = Qwen3VLConfig(text_config=text, vision_config=vision, **TOKEN_IDS)
     return _save(Qwen3VLForConditionalGeneration, config, out, b"qwen3-vl", "Qwen3VLProcessor")
 
@@ -81,20 +130,42 @@ def _save(model_class, config, out: Path, seed: bytes, processor_class: str) -> 
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if is_norm else 0.2 * torch.randn_like(p))
     model.save_pretrained(out, safe_serialization=True)
     train_tokenizer(out, SPECIALS)
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast", "processor_class": processor_class,
-        "extra_special_tokens": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-                                 "vision_bos_token": "<|vision_start|>",
-                                 "vision_eos_token": "<|vision_end|>"},
-    }))  # fmt: skip
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": TEMPLATE,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "processor_class": processor_class,
+                "extra_special_tokens": {
+                    "image_token": "<|image_pad|>",
+                    "video_token": "<|video_pad|>",
+                    "vision_bos_token": "<|vision_start|>",
+                    "vision_eos_token": "<|vision_end|>",
+                },
+            }
+        )
+    )
     (out / "chat_template.jinja").write_text(TEMPLATE)
-    (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor_class,
-        "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
-        "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True,
-        "size": {"shortest_edge": 8 * 8, "longest_edge": 48 * 48}, "patch_size": PATCH,
-        "temporal_patch_size": 2, "merge_size": MERGE,
-    }))  # fmt: skip
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": processor_class,
+                "do_resize": True,
+                "resample": 3,
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+                "do_convert_rgb": True,
+                "size": {"shortest_edge": 8 * 8, "longest_edge": 48 * 48},
+                "patch_size": PATCH,
+                "temporal_patch_size": 2,
+                "merge_size": MERGE,
+            }
+        )
+    )
     return out

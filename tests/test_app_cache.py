@@ -70,8 +70,14 @@ def test_every_missed_token_has_one_cause() -> None:
     brk = find_break(new, tokens(list(range(100, 140)) + [1, 2] + list(range(200, 260))), 16)
     hit = PrefixSummary(device=32)
     causes = attribute_misses(110, hit, 40, brk, 0, 16)
-    assert causes == {"first_seen": 3 + 7, "divergence": 8 + 60, "eviction": 0, "uncached": 0,
-                      "partial_block": 0, "salt": 0}  # fmt: skip
+    assert causes == {
+        "first_seen": 3 + 7,
+        "divergence": 8 + 60,
+        "eviction": 0,
+        "uncached": 0,
+        "partial_block": 0,
+        "salt": 0,
+    }
     # the same prompt again, fully cached but its last block (the last token is computed)
     assert attribute_misses(100, PrefixSummary(device=96), 100, None, 0, 8) == {
         **dict.fromkeys(CAUSES, 0),
@@ -196,8 +202,14 @@ def test_misses_by_cause_sum_to_the_misses_wherever_the_stamp_is(stamps_server) 
         for where in ("start", "middle", "end"):
             app = stats[f"{where}-{length}"]
             missed = app["missed_tokens"]
-            assert set(missed) == {"first_seen", "divergence", "eviction", "uncached",
-                                   "partial_block", "salt"}  # fmt: skip
+            assert set(missed) == {
+                "first_seen",
+                "divergence",
+                "eviction",
+                "uncached",
+                "partial_block",
+                "salt",
+            }
             assert sum(missed.values()) == app["prompt_tokens"] - app["cached_tokens"], app
         middle = stats[f"middle-{length}"]
         assert middle["breakers"] and middle["missed_tokens"]["divergence"] > 0, middle

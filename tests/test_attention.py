@@ -44,9 +44,15 @@ def reference(q, tables, seq_lens, cache, bs, window):
 
 F32, BF16, INT8 = torch.float32, torch.bfloat16, torch.int8
 STRATEGIES = [  # (strategy, query dtype, cache dtype)
-    ("cpp", F32, F32), ("range", F32, F32), ("gather", F32, F32), ("cpp", BF16, BF16),
-    ("range", BF16, BF16), ("cpp", F32, INT8), ("cpp", BF16, INT8), ("gather", F32, INT8),
-]  # fmt: skip
+    ("cpp", F32, F32),
+    ("range", F32, F32),
+    ("gather", F32, F32),
+    ("cpp", BF16, BF16),
+    ("range", BF16, BF16),
+    ("cpp", F32, INT8),
+    ("cpp", BF16, INT8),
+    ("gather", F32, INT8),
+]
 
 
 @pytest.mark.parametrize("window", [None, 20])

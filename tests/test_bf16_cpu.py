@@ -106,9 +106,11 @@ def test_auto_engine_follows_probe_and_checkpoint(llama_dir, monkeypatch) -> Non
     # and the prefill op (bf16 dot products where the build has AVX512-BF16) where it measured
     # faster than torch's SDPA at startup (an AMX CPU's SDPA is faster): the banner says which
     bf16_dot = "avx512_bf16" in open("/proc/cpuinfo").read() and target_arch() == "native"
-    line = re.search(r"prefill attention: (.*?) \(measured: C\+\+ op ([\d.]+) ms, torch SDPA "
-                     r"([\d.]+) ms(?:, C\+\+ op on tile GEMMs ([\d.]+) ms)?",
-                     info.kernel_table)  # fmt: skip
+    line = re.search(
+        r"prefill attention: (.*?) \(measured: C\+\+ op ([\d.]+) ms, torch SDPA "
+        r"([\d.]+) ms(?:, C\+\+ op on tile GEMMs ([\d.]+) ms)?",
+        info.kernel_table,
+    )
     assert line is not None, info.kernel_table
     dot_ms, sdpa_ms = float(line.group(2)), float(line.group(3))
     tiles_ms = float(line.group(4)) if line.group(4) else None

@@ -114,9 +114,14 @@ def test_window_pool_blocks_all_free_after_everything_ends(windowed_dir, ops, ca
     the end, prefix hits included, and nothing leaks or is freed twice."""
     key = f"{windowed_dir}:{caching}"
     if key not in _LLM:
-        _LLM[key] = LLM(str(windowed_dir), num_kv_blocks=24, block_size=4,
-                        max_num_batched_tokens=32, max_num_seqs=4,
-                        enable_prefix_caching=caching)  # fmt: skip
+        _LLM[key] = LLM(
+            str(windowed_dir),
+            num_kv_blocks=24,
+            block_size=4,
+            max_num_batched_tokens=32,
+            max_num_seqs=4,
+            enable_prefix_caching=caching,
+        )
     engine = _LLM[key].engine
     assert engine.kv.window is not None
     drive(engine, ops, "w", repeat=3)  # prompts three times as long: past the window

@@ -24,8 +24,14 @@ pytestmark = pytest.mark.slow  # servers and a CLI
 ROOT = Path(__file__).resolve().parent.parent
 CODEX = ROOT / ".agents" / "node_modules" / ".bin" / "codex"
 # the native binary of Claude Code's platform package (its wrapper's install script is skipped)
-CLAUDE = next(iter(sorted((ROOT / ".agents" / "node_modules" / "@anthropic-ai").glob(
-    "claude-code-linux-*/claude"))), None)  # fmt: skip
+CLAUDE = next(
+    iter(
+        sorted(
+            (ROOT / ".agents" / "node_modules" / "@anthropic-ai").glob("claude-code-linux-*/claude")
+        )
+    ),
+    None,
+)
 
 
 def codex(base: str, model: str, prompt: str, home: Path, cwd: Path) -> subprocess.CompletedProcess:
@@ -39,8 +45,13 @@ def codex(base: str, model: str, prompt: str, home: Path, cwd: Path) -> subproce
     env = {**os.environ, "CODEX_HOME": str(home), "KVSERVE_KEY": "unused"}
     return subprocess.run(
         [str(CODEX), "exec", "--skip-git-repo-check", prompt],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +67,9 @@ def run_against(
     """A CLI's one prompt against `model` served with `context` tokens; its result and the
     server's log."""
     blocks = context // 64 + 64  # the CPU's 64-token blocks: one full context and some
-    with kvserve_server(model, served_model_name="kv-model", max_model_len=context,
-                        num_kv_blocks=blocks) as server:  # fmt: skip
+    with kvserve_server(
+        model, served_model_name="kv-model", max_model_len=context, num_kv_blocks=blocks
+    ) as server:
         done = cli(server.base, "kv-model", "Say hello.", tmp_path / "home", tmp_path / "w")
         return done, server.log()
 
@@ -86,16 +98,27 @@ def claude(
     home.mkdir(parents=True, exist_ok=True)
     cwd.mkdir(parents=True, exist_ok=True)
     env = {
-        **os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": base, "ANTHROPIC_AUTH_TOKEN": "x",
-        "ANTHROPIC_SMALL_FAST_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64", "DISABLE_TELEMETRY": "1",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
-    }  # fmt: skip
+        **os.environ,
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": base,
+        "ANTHROPIC_AUTH_TOKEN": "x",
+        "ANTHROPIC_SMALL_FAST_MODEL": model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64",
+        "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
     assert CLAUDE is not None
     return subprocess.run(
         [str(CLAUDE), "-p", prompt, "--model", model],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture(scope="module")

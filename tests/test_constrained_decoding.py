@@ -45,18 +45,27 @@ def _object(children: st.SearchStrategy) -> st.SearchStrategy:
 
     return st.dictionaries(
         st.from_regex(r"[a-z]{1,4}", fullmatch=True), children, min_size=1, max_size=3
-    ).flatmap(lambda p: st.lists(st.booleans(), min_size=len(p), max_size=len(p)).map(
-        lambda mask, p=p: build(p, mask)
-    ))  # fmt: skip
+    ).flatmap(
+        lambda p: st.lists(st.booleans(), min_size=len(p), max_size=len(p)).map(
+            lambda mask, p=p: build(p, mask)
+        )
+    )
 
 
 SCHEMAS = st.recursive(
     LEAF,
-    lambda inner: _object(inner)
-    | st.builds(lambda items: {"type": "array", "items": items, "maxItems": 2}, inner),
+    lambda inner: (
+        _object(inner)
+        | st.builds(lambda items: {"type": "array", "items": items, "maxItems": 2}, inner)
+    ),
     max_leaves=5,
-).map(lambda s: s if s.get("type") == "object" else {"type": "object", "properties": {"v": s},
-                                                       "required": ["v"]})  # fmt: skip
+).map(
+    lambda s: (
+        s
+        if s.get("type") == "object"
+        else {"type": "object", "properties": {"v": s}, "required": ["v"]}
+    )
+)
 
 
 @pytest.fixture(scope="module")

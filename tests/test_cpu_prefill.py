@@ -64,9 +64,13 @@ def reference(q, cache, pages, ctx, window, scale):
     if window:
         mask &= k_pos > q_pos - window
     o = F.scaled_dot_product_attention(
-        q.double().transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale,
+        q.double().transpose(0, 1)[None],
+        k[None],
+        v[None],
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=True,
-    )  # fmt: skip
+    )
     return o[0].transpose(0, 1)
 
 
@@ -106,9 +110,13 @@ def test_op_matches_reference(ctx, n, heads, kv_heads, dim, bs, window, dtype, c
 
 @pytest.mark.parametrize(
     "ctx, n, heads, kv_heads, dim, bs, window, cdtype",
-    [(*c, cd) for c in CASES for cd in (torch.bfloat16, torch.int8)
-     if cd != torch.int8 or c[4] % 32 == 0],  # int8 rows hold a scale per 32 values
-)  # fmt: skip
+    [
+        (*c, cd)
+        for c in CASES
+        for cd in (torch.bfloat16, torch.int8)
+        if cd != torch.int8 or c[4] % 32 == 0
+    ],  # int8 rows hold a scale per 32 values
+)
 def test_tile_gemm_op_matches_reference(ctx, n, heads, kv_heads, dim, bs, window, cdtype) -> None:
     """paged_prefill_tiles: bf16 queries with Q K^T and P V as brgemm tile GEMMs (AMX where the
     CPU has it; this machine's AVX-512 ukernel or fallback otherwise: only its correctness is
@@ -147,9 +155,12 @@ def test_backend_prefill_op_matches_sdpa(window, dtype, cdtype) -> None:
     the cache's rounded ones (as decode and a prefix hit do); an int8 cache the same way."""
     bs, heads, kv_heads, dim = 4, 6, 2, 32 if cdtype == torch.int8 else 16
     spec = ModelSpec(
-        "LlamaForCausalLM", 100, 96, uniform_layers(1, heads, kv_heads, dim, 32),
+        "LlamaForCausalLM",
+        100,
+        96,
+        uniform_layers(1, heads, kv_heads, dim, 32),
         sliding_window=window,
-    )  # fmt: skip
+    )
     g = torch.Generator().manual_seed(1)
     cache = torch.randn(*TorchBackend.kv_cache_shape(64, bs, kv_heads, dim), generator=g)
     cache = cast(cache, cdtype)
@@ -165,9 +176,13 @@ def test_backend_prefill_op_matches_sdpa(window, dtype, cdtype) -> None:
         slots += [table[p // bs] * bs + p % bs for p in range(ctx, ctx + n)]
         start += n
     meta = StepMetadata(
-        [0, 29, 69, 70], [n for _, n in plan], [c for c, _ in plan], [c + n for c, n in plan],
-        tables, torch.tensor(slots),
-    )  # fmt: skip
+        [0, 29, 69, 70],
+        [n for _, n in plan],
+        [c for c, _ in plan],
+        [c + n for c, n in plan],
+        tables,
+        torch.tensor(slots),
+    )
     rows = sum(n for _, n in plan)
     q = torch.randn(rows, heads, dim, generator=g).to(dtype)
     k = torch.randn(rows, kv_heads, dim, generator=g).to(dtype)
@@ -199,8 +214,9 @@ def test_rope_write_matches_rotary_then_write(dtype, cdtype) -> None:
     g = torch.Generator().manual_seed(2)
     cache = cast(torch.zeros(*TorchBackend.kv_cache_shape(16, bs, kv_heads, dim)), cdtype)
     table = torch.randperm(16, generator=g)[:6].tolist()
-    meta = StepMetadata([0], [n], [0], [n], [table], torch.tensor([table[p // bs] * bs + p % bs
-                                                                   for p in range(n)]))  # fmt: skip
+    meta = StepMetadata(
+        [0], [n], [0], [n], [table], torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+    )
     qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     angles = torch.rand(n, dim // 2, generator=g) * 6
     cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # as the model passes them

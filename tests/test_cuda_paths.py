@@ -108,9 +108,13 @@ def test_sampling_failure_fails_only_its_request(llama_dir, monkeypatch) -> None
 
 @pytest.mark.parametrize(
     "capability,want",
-    [((7, 0), torch.float16), ((7, 5), torch.float16), ((8, 0), torch.bfloat16),
-     ((9, 0), torch.bfloat16)],
-)  # fmt: skip
+    [
+        ((7, 0), torch.float16),
+        ((7, 5), torch.float16),
+        ((8, 0), torch.bfloat16),
+        ((9, 0), torch.bfloat16),
+    ],
+)
 def test_cuda_auto_dtype_is_fp16_below_sm80(monkeypatch, capability, want) -> None:
     from engine.config import EngineConfig
 

@@ -46,9 +46,14 @@ def test_stack_op_is_the_per_layer_path(smollm2_path, monkeypatch, dtype, activa
         pytest.skip("the int8-activation kernel needs AVX2")
     # (bf16 where it is slow too, as under the AVX2 restriction: the paths are compared, not timed)
     llm = LLM(
-        smollm2_path, num_kv_blocks=16, dtype=dtype, gguf_int8_activations=activations,
-        num_speculative_tokens=0, enable_prefix_caching=False, allow_slow_dtype=True,
-    )  # fmt: skip
+        smollm2_path,
+        num_kv_blocks=16,
+        dtype=dtype,
+        gguf_int8_activations=activations,
+        num_speculative_tokens=0,
+        enable_prefix_caching=False,
+        allow_slow_dtype=True,
+    )
     stacked, served = generate(llm, monkeypatch, True)
     layered, none = generate(llm, monkeypatch, False)
     assert served >= 11 and none == 0  # every decode step of the batch took the op

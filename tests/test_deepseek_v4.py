@@ -28,11 +28,21 @@ if TYPE_CHECKING:
 
 # bench/deepseek_v4_kv.py's tiny model (its KV layout report and step bench run the same one),
 # with special tokens and a shorter context
-CONFIG = {**TINY, "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2,
-          "pad_token_id": 0}  # fmt: skip
+CONFIG = {
+    **TINY,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 # no startup measurements (step budget, oneDNN packing): these checks of numbers need none
-FAST = dict(target_step_ms=-1, cpu_packed_weights=False, spec_cost_model=False, dtype="float32",
-            block_size=16)  # fmt: skip
+FAST = dict(
+    target_step_ms=-1,
+    cpu_packed_weights=False,
+    spec_cost_model=False,
+    dtype="float32",
+    block_size=16,
+)
 NEW = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 PROMPT = [(i * 37 + 11) % 509 + 3 for i in range(300)]
@@ -84,11 +94,17 @@ def test_groups_and_the_kernel_matrix(ref, chunked) -> None:
     spec = chunked.engine.spec
     roles = [(g.role, g.width, g.rate, g.windowed) for g in spec.group_specs]
     assert roles == [
-        ("window", 32, 1, True), ("rows", 4 * 32 + 4 * 16, 1, True), ("csa", 32 + 16, 4, False),
-        ("window", 32, 1, True), ("rows", 2 * 32, 1, False), ("hca", 32, 32, False),
         ("window", 32, 1, True),
-        ("window", 32, 1, True), ("rows", 192, 1, True), ("csa", 48, 4, False),
-    ]  # fmt: skip
+        ("rows", 4 * 32 + 4 * 16, 1, True),
+        ("csa", 32 + 16, 4, False),
+        ("window", 32, 1, True),
+        ("rows", 2 * 32, 1, False),
+        ("hca", 32, 32, False),
+        ("window", 32, 1, True),
+        ("window", 32, 1, True),
+        ("rows", 192, 1, True),
+        ("csa", 48, 4, False),
+    ]
     caches = chunked.engine.runner.backend.kv_caches
     assert caches[2].shape[3:] == (16 // 4, 48) and caches[5].shape[3:] == (1, 32)
     table = chunked.engine.info.kernel_table
@@ -113,8 +129,12 @@ def test_logits_and_greedy_match_transformers(ref, chunked) -> None:
 @contextmanager
 def cpp_everywhere(llm: LLM) -> Iterator[None]:
     """The C++ ops serve every part of the decode step, whatever the startup measurement chose."""
-    flags = [(m, name) for m in llm.engine.model.modules()
-             for name in ("fused", "fused_rope") if hasattr(m, name)]  # fmt: skip
+    flags = [
+        (m, name)
+        for m in llm.engine.model.modules()
+        for name in ("fused", "fused_rope")
+        if hasattr(m, name)
+    ]
     chosen = [getattr(m, name) for m, name in flags]
     try:
         for m, name in flags:
@@ -143,8 +163,13 @@ def test_greedy_with_the_cpp_decode_step(ref, chunked, monkeypatch) -> None:
 
     monkeypatch.setattr(V4Attention, "decode_fused", counted)
     line = next(x for x in chunked.engine.info.kernel_table.splitlines() if "decode step:" in x)
-    for part in ("hyper-connections: ", "RMSNorm + rotary: ", "CSA decode at ", "HCA decode at ",
-                 "window decode at "):  # fmt: skip
+    for part in (
+        "hyper-connections: ",
+        "RMSNorm + rotary: ",
+        "CSA decode at ",
+        "HCA decode at ",
+        "window decode at ",
+    ):
         assert part in line
     with cpp_everywhere(chunked):
         both = chunked.generate([PROMPT, PROMPT[:37]], GREEDY)
@@ -161,8 +186,9 @@ LONGER = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 @pytest.fixture(scope="module")
 def plain(ref) -> list[list[int]]:
     """PROMPTS' greedy tokens without prefix caching, speculation or preemption."""
-    llm = LLM(str(ref[0]), num_kv_blocks=96, enable_prefix_caching=False,
-              num_speculative_tokens=0, **FAST)  # fmt: skip
+    llm = LLM(
+        str(ref[0]), num_kv_blocks=96, enable_prefix_caching=False, num_speculative_tokens=0, **FAST
+    )
     return [r.outputs[0].token_ids for r in llm.generate(PROMPTS, LONGER)]
 
 
@@ -183,8 +209,14 @@ def test_disk_tier_transfer_and_preemption(ref, plain, tmp_path) -> None:
     a prefill instance publishes (P/D: exported to bytes, the store's payloads) are a decode
     instance's prefix hit; in a pool too small for the batch, preempted requests swap their
     blocks to the host tier and back while speculating. The text is the plain run's throughout."""
-    kw = dict(num_kv_blocks=40, host_bytes="1MiB", disk_path=str(tmp_path / "kv"),
-              num_speculative_tokens=0, kv_hash_seed="dsv4", **FAST)  # fmt: skip
+    kw = dict(
+        num_kv_blocks=40,
+        host_bytes="1MiB",
+        disk_path=str(tmp_path / "kv"),
+        num_speculative_tokens=0,
+        kv_hash_seed="dsv4",
+        **FAST,
+    )
     first = LLM(str(ref[0]), **kw)
     assert first.generate([PROMPT], LONGER)[0].outputs[0].token_ids == plain[3]
     first.engine.shutdown()  # flushes the host tier to disk
@@ -197,9 +229,16 @@ def test_disk_tier_transfer_and_preemption(ref, plain, tmp_path) -> None:
     want = second.generate([other], LONGER)[0].outputs[0].token_ids
     blocks = second.engine.kv.export_prompt(Request("pd", other, LONGER, frozenset(), 4096))
     assert len(blocks) == len(other) // 16
-    tight = LLM(str(ref[0]), num_kv_blocks=22, max_num_batched_tokens=70, host_bytes="16MiB",
-                preemption_mode="swap", num_speculative_tokens=4, kv_hash_seed="dsv4",
-                **FAST)  # fmt: skip
+    tight = LLM(
+        str(ref[0]),
+        num_kv_blocks=22,
+        max_num_batched_tokens=70,
+        host_bytes="16MiB",
+        preemption_mode="swap",
+        num_speculative_tokens=4,
+        kv_hash_seed="dsv4",
+        **FAST,
+    )
     assert [r.outputs[0].token_ids for r in tight.generate(PROMPTS, LONGER)] == plain
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.kv.import_blocks(blocks) == len(blocks)

@@ -81,8 +81,11 @@ def test_norm_rope_equals_pytorch(model) -> None:
     freqs = torch.arange(5).float()[:, None] * 997 * torch.rand(1, a.rotary_pairs)
     cos, sin = freqs.cos(), freqs.sin()
     q, kv = torch.randn(5, a.heads, a.hd), torch.randn(5, a.hd)
-    for x, normalise, weight, s in ((q, True, None, sin), (kv, True, a.kv_norm, sin),
-                                    (q, False, None, -sin)):  # fmt: skip
+    for x, normalise, weight, s in (
+        (q, True, None, sin),
+        (kv, True, a.kv_norm, sin),
+        (q, False, None, -sin),
+    ):
         a.fused_rope = False
         ref = a.norm_rope(x, normalise, weight, cos, s)
         a.fused_rope = True
@@ -93,8 +96,13 @@ def test_norm_rope_equals_pytorch(model) -> None:
 def test_the_choice_is_measured_and_set(model) -> None:
     line = choose_v4_kernels(model, torch.float32, torch.device("cpu"), 4, 16, 300)
     parts = dict(part.split(": ", 1) for part in line.split("; "))
-    assert set(parts) == {"hyper-connections", "RMSNorm + rotary", "CSA decode at 300 tokens",
-                          "HCA decode at 300 tokens", "window decode at 300 tokens"}  # fmt: skip
+    assert set(parts) == {
+        "hyper-connections",
+        "RMSNorm + rotary",
+        "CSA decode at 300 tokens",
+        "HCA decode at 300 tokens",
+        "window decode at 300 tokens",
+    }
     assert all("1 row PyTorch" in p and "4 rows PyTorch" in p for p in parts.values())
     served = parts["hyper-connections"].startswith("the C++ op")
     assert all(layer.attn_hc.fused == served for layer in model.layers)

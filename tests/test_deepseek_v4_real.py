@@ -28,11 +28,22 @@ from models.layers import rope_attention_factor, rope_inv_freq
 from tests.test_deepseek_v4 import CONFIG, FAST, build, cpp_everywhere
 
 ROPES = {
-    "main": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-             "beta_fast": 8, "beta_slow": 1},
-    "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 8.0,
-                 "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.5},
-}  # fmt: skip
+    "main": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 8,
+        "beta_slow": 1,
+    },
+    "compress": {
+        "rope_type": "yarn",
+        "rope_theta": 160000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+    },
+}
 YARN = {**CONFIG, "rope_parameters": ROPES}
 BLOCK = [24, 40]  # divides none of the tiny model's dims: every weight has partial edge blocks
 PROMPT = [(i * 29 + 7) % 509 + 3 for i in range(80)]  # 80 tokens: past the original 32
@@ -45,8 +56,11 @@ def blocks(grid: tuple[int, ...], block: list[int]) -> Iterator[tuple[int, int, 
     """(i, j, the weight's slices) of each block of a grid of `block`-sized blocks."""
     for i in range(grid[0]):
         for j in range(grid[1]):
-            yield i, j, (slice(i * block[0], (i + 1) * block[0]),
-                         slice(j * block[1], (j + 1) * block[1]))  # fmt: skip
+            yield (
+                i,
+                j,
+                (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])),
+            )
 
 
 def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,15 +125,21 @@ def quantize_checkpoint(plain: Path, fp8: Path) -> None:
     for f in plain.iterdir():
         if f.suffix != ".safetensors":
             (fp8 / f.name).write_bytes(f.read_bytes())
-    files = {"model-00001-of-00002.safetensors": weights,
-             "model-00002-of-00002.safetensors": scales}  # fmt: skip
+    files = {
+        "model-00001-of-00002.safetensors": weights,
+        "model-00002-of-00002.safetensors": scales,
+    }
     for fname, part in files.items():
         save_file(part, fp8 / fname, metadata={"format": "pt"})
     index = {"weight_map": {n: f for f, part in files.items() for n in part}}
     (fp8 / "model.safetensors.index.json").write_text(json.dumps(index))
     cfg = json.loads((fp8 / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": BLOCK, "expert_dtype": "fp4"}  # fmt: skip
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": BLOCK,
+        "expert_dtype": "fp4",
+    }
     (fp8 / "config.json").write_text(json.dumps(cfg))
 
 
@@ -147,14 +167,26 @@ def test_ropes_resolve_as_transformers_does() -> None:
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
-    release = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
-               "beta_fast": 32, "beta_slow": 1}  # fmt: skip
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
-    forms = [{"rope_scaling": release}, {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
-             {"rope_parameters": ROPES},
-             {"rope_parameters": {"main": {"rope_type": "linear", "factor": 2.0},
-                                  "compress": llama3}}]  # fmt: skip
+    release = {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    forms = [
+        {"rope_scaling": release},
+        {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+        {"rope_parameters": ROPES},
+        {"rope_parameters": {"main": {"rope_type": "linear", "factor": 2.0}, "compress": llama3}},
+    ]
     for form in forms:
         cfg = {**CONFIG, "compress_rope_theta": 40000.0, **json.loads(json.dumps(form))}
         theirs = DeepseekV4RotaryEmbedding(DeepseekV4Config(**json.loads(json.dumps(cfg))))
@@ -215,9 +247,13 @@ def test_other_quantization_is_refused(ref, tmp_path) -> None:
     """Another quantization method, or FP8 with static activation scales: startup errors
     with the reason."""
     root = ref[0]
-    for q, why in [({"quant_method": "awq", "bits": 4}, "awq quantized weights are not supported"),
-                   ({"quant_method": "fp8", "activation_scheme": "static",
-                     "weight_block_size": BLOCK}, "static activation scales")]:  # fmt: skip
+    for q, why in [
+        ({"quant_method": "awq", "bits": 4}, "awq quantized weights are not supported"),
+        (
+            {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": BLOCK},
+            "static activation scales",
+        ),
+    ]:
         other = tmp_path / q["quant_method"] / q.get("activation_scheme", "")
         other.mkdir(parents=True)
         for f in (root / "fp8").iterdir():
@@ -236,8 +272,12 @@ def test_yarn_on_the_shared_decoder(tmp_path) -> None:
 
     from tests.conftest import build_model
 
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-            "original_max_position_embeddings": 32}  # fmt: skip
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     path = build_model("qwen2", tmp_path / "qwen2", rope_parameters=yarn)
     llm = LLM(str(path), num_kv_blocks=48, **FAST)
     assert llm.engine.spec.rope_scaling["rope_type"] == "yarn"

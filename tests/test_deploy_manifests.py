@@ -239,8 +239,10 @@ def test_disagg_compose_is_store_router_prefill_decode() -> None:
     store_cmd = _tokens(services["store"]["command"])
     assert _image(services["store"]["image"]) in ("redis", "valkey")
     for flag, value in [
-        ("--save", ""), ("--appendonly", "no"), ("--maxmemory-policy", "allkeys-lru"),
-    ]:  # fmt: skip
+        ("--save", ""),
+        ("--appendonly", "no"),
+        ("--maxmemory-policy", "allkeys-lru"),
+    ]:
         assert store_cmd[store_cmd.index(flag) + 1] == value, flag
     assert "--maxmemory" in store_cmd
     store_port = int(_values(store_cmd, "--port")[0]) if "--port" in store_cmd else 6379
@@ -264,8 +266,10 @@ def test_disagg_compose_is_store_router_prefill_decode() -> None:
 def test_disagg_compose_gives_prefill_and_decode_their_own_gpus() -> None:
     services = _compose("compose.disagg.yaml")
     ids = {}
-    for name, var, default in [("prefill", "KVSERVE_PREFILL_GPU", "0"),
-                               ("decode", "KVSERVE_DECODE_GPU", "1")]:  # fmt: skip
+    for name, var, default in [
+        ("prefill", "KVSERVE_PREFILL_GPU", "0"),
+        ("decode", "KVSERVE_DECODE_GPU", "1"),
+    ]:
         (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
         assert device["device_ids"] == [f"${{{var}:-{default}}}"], device
@@ -422,8 +426,10 @@ def test_k8s_kvserve_containers_probe_health_and_take_one_gpu() -> None:
         assert str(res["limits"]["nvidia.com/gpu"]) == "1", name
         assert res["requests"]["cpu"] and res["requests"]["memory"], name
         assert _kvserve_setting(_k8s_env(c), c.get("args", []), "role") in (
-            "prefill", "decode", "both",
-        ), name  # fmt: skip
+            "prefill",
+            "decode",
+            "both",
+        ), name
 
 
 def test_k8s_kvserve_settings_are_ones_kvserve_accepts() -> None:

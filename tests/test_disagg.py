@@ -31,8 +31,13 @@ SEED = "test-seed"
 BS = 16
 # host_bytes: the tier a store brings is 1 GiB by default, zeroed at startup (seconds on a VM
 # for every instance); the tiny model's blocks need far less
-COMMON = {"num_kv_blocks": 96, "block_size": BS, "kv_hash_seed": SEED, "log_level": "info",
-          "host_bytes": "64MiB"}  # fmt: skip
+COMMON = {
+    "num_kv_blocks": 96,
+    "block_size": BS,
+    "kv_hash_seed": SEED,
+    "log_level": "info",
+    "host_bytes": "64MiB",
+}
 
 
 def metric(base: str, name: str, labels: str = "") -> float:

@@ -87,8 +87,15 @@ def test_greedy_identical_with_suffix_drafts(llama_dir, plain, method) -> None:
     ps = [p + p[: len(p) // 2] for p in prompts(8)]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = [r.outputs[0].token_ids for r in plain.generate(ps, greedy)]
-    llm = LLM(str(llama_dir), num_kv_blocks=256, block_size=4, num_speculative_tokens=5,
-              speculative_method=method, max_num_batched_tokens=24, **PIN_K)  # fmt: skip
+    llm = LLM(
+        str(llama_dir),
+        num_kv_blocks=256,
+        block_size=4,
+        num_speculative_tokens=5,
+        speculative_method=method,
+        max_num_batched_tokens=24,
+        **PIN_K,
+    )
     for _ in range(2):
         got = [r.outputs[0].token_ids for r in llm.generate(ps, greedy)]
         assert got == want
@@ -104,8 +111,14 @@ def test_grammar_drafts_are_lossless_and_taken(llama_dir, plain) -> None:
         temperature=0.0, max_tokens=80, grammar=GrammarSpec("json_schema", json.dumps(SCHEMA))
     )
     want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS, [greedy] * 3)]
-    llm = LLM(str(llama_dir), num_kv_blocks=256, block_size=4, num_speculative_tokens=6,
-              speculative_method="grammar", **PIN_K)  # fmt: skip
+    llm = LLM(
+        str(llama_dir),
+        num_kv_blocks=256,
+        block_size=4,
+        num_speculative_tokens=6,
+        speculative_method="grammar",
+        **PIN_K,
+    )
     got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, [greedy] * 3)]
     assert got == want
     stats = llm.engine.drafter.stats["grammar"]

@@ -24,20 +24,44 @@ from tests.test_model_coverage import GREEDY, PROMPTS, assert_matches, reference
 
 S, F = "sliding_attention", "full_attention"
 BASE = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-    sliding_window=8, layer_types=[S, F, S, F], max_position_embeddings=4096, rms_norm_eps=1e-6,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size_per_layer_input=0,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    sliding_window=8,
+    layer_types=[S, F, S, F],
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    hidden_size_per_layer_input=0,
     vocab_size_per_layer_input=512,
-)  # fmt: skip
+)
 # (a): layers 3 (sliding) and 4 (global) read the last earlier layer of their type: 1 and 2
 CONFIGS = {
-    "shared": dict(num_hidden_layers=5, layer_types=[S, S, F, S, F], num_kv_shared_layers=2,
-                   hidden_size_per_layer_input=8, final_logit_softcapping=30.0),
+    "shared": dict(
+        num_hidden_layers=5,
+        layer_types=[S, S, F, S, F],
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+        final_logit_softcapping=30.0,
+    ),
     "k_eq_v": dict(attention_k_eq_v=True, num_global_key_value_heads=1),
-    "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
-                use_double_wide_mlp=True, num_kv_shared_layers=2, hidden_size_per_layer_input=8),
-}  # fmt: skip
+    "moe": dict(
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        use_double_wide_mlp=True,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+    ),
+}
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -89,7 +113,9 @@ def test_shared_kv_is_one_group_and_counted_once(dirs) -> None:
     assert [lay.kv_group for lay in moe.layers] == [0, 1, 0, 1]
     k_eq_v = load_spec(str(dirs["k_eq_v"]))
     assert [(lay.num_kv_heads, lay.head_dim, lay.k_eq_v) for lay in k_eq_v.layers[:2]] == [
-        (2, 16, False), (1, 32, True)]  # fmt: skip
+        (2, 16, False),
+        (1, 32, True),
+    ]
 
 
 @pytest.mark.slow
@@ -100,8 +126,13 @@ def test_matches_transformers(name: str, dirs) -> None:
     verified); the banner's two KV figures and the windowed groups' own pool for (a)."""
     ref = reference(dirs[name])
     for chunk in (1024, 7):
-        llm = LLM(str(dirs[name]), num_kv_blocks=96, block_size=4, max_num_batched_tokens=chunk,
-                  spec_cost_model=False)  # fmt: skip
+        llm = LLM(
+            str(dirs[name]),
+            num_kv_blocks=96,
+            block_size=4,
+            max_num_batched_tokens=chunk,
+            spec_cost_model=False,
+        )
         assert llm.engine.spec.architecture == "Gemma4ForCausalLM"
         if name == "shared":
             info = llm.engine.info
@@ -130,9 +161,16 @@ def test_prefix_hit_preemption_and_speculation_keep_outputs(dirs) -> None:
         again = plain.generate(prompts[:2], GREEDY)
         assert [r.outputs[0].token_ids for r in again] == want[:2], name
         assert all(r.num_cached_tokens > 0 for r in again), name
-        tight = LLM(str(path), num_kv_blocks=36, block_size=4, host_bytes="16MiB",
-                    preemption_mode="swap", num_speculative_tokens=4, spec_cost_model=False,
-                    spec_max_verify_rows=1 << 16)  # fmt: skip
+        tight = LLM(
+            str(path),
+            num_kv_blocks=36,
+            block_size=4,
+            host_bytes="16MiB",
+            preemption_mode="swap",
+            num_speculative_tokens=4,
+            spec_cost_model=False,
+            spec_max_verify_rows=1 << 16,
+        )
         got = [r.outputs[0].token_ids for r in tight.generate(prompts, GREEDY)]
         assert tight.engine.scheduler.num_preemptions > 0, name
         assert tight.engine.drafter.total_stats().num_accepted_tokens > 0, name
@@ -146,8 +184,7 @@ def test_conditional_generation_serves_its_language_model(dirs, tmp_path) -> Non
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     text = reference(dirs["shared"])
-    config = Gemma4Config(text_config=text.config.to_dict(), vision_config=None,
-                          audio_config=None)  # fmt: skip
+    config = Gemma4Config(text_config=text.config.to_dict(), vision_config=None, audio_config=None)
     model = Gemma4ForConditionalGeneration(config).float().eval()
     model.model.language_model.load_state_dict(text.model.state_dict())
     save_model(model, tmp_path)

@@ -113,8 +113,10 @@ def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], cfg: dict) -> 
 
 def write_openelm(out: Path) -> tuple[list[dict], dict]:
     out.mkdir(parents=True, exist_ok=True)
-    layers = [{"heads": h, "kv_heads": kv, "owner": i, "qk_norm": True}
-              for i, (h, kv) in enumerate(OPENELM_HEADS)]  # fmt: skip
+    layers = [
+        {"heads": h, "kv_heads": kv, "owner": i, "qk_norm": True}
+        for i, (h, kv) in enumerate(OPENELM_HEADS)
+    ]
     inters = [make_divisible(m * DIM, 16) for m in OPENELM_FFN]
     w = random_weights(layers, inters, seed=1)
     t = {"transformer.token_embeddings.weight": w["embed"], "transformer.norm.weight": w["norm"]}
@@ -169,8 +171,9 @@ def write_shared_llama(
         owner = [i // sharing["cla_group_size"] * sharing["cla_group_size"] for i in range(n)]
     else:
         owner = list(range(n))
-    layers = [{"heads": heads[i], "kv_heads": 2, "owner": owner[i], "qk_norm": False}
-              for i in range(n)]  # fmt: skip
+    layers = [
+        {"heads": heads[i], "kv_heads": 2, "owner": owner[i], "qk_norm": False} for i in range(n)
+    ]
     w = random_weights(layers, [96] * n, seed=2)
     t = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["norm"]}
     for i in range(n):

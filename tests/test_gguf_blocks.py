@@ -206,9 +206,12 @@ def smol_pair(smollm2_path):
     """The shipped Q4_1 file served as stored (on float activations: the exact kernel) and
     dequantized, both float32."""
     native = LLM(
-        smollm2_path, num_kv_blocks=16, dtype="float32", quantization="auto",
+        smollm2_path,
+        num_kv_blocks=16,
+        dtype="float32",
+        quantization="auto",
         gguf_int8_activations="off",
-    )  # fmt: skip
+    )
     dense = LLM(smollm2_path, num_kv_blocks=16, dtype="float32", quantization="none")
     return native, dense
 
@@ -374,9 +377,12 @@ def test_int8_activations_serve_only_where_the_judge_accepts_them(llama_dir, mon
     judged = {"quantization": "int8wo", "gguf_int8_activations": "auto"}
     llm = LLM(str(llama_dir), num_kv_blocks=32, dtype="float32", **judged)
     table = llm.engine.info.kernel_table
-    verdict = re.search(r"int8 activations (serve where faster|refused by the accuracy judge) "
-                        r"\(vs float activations on \d+ held-out positions: top-1 agreement "
-                        r"([0-9.]+), logit cosine ([0-9.]+)", table)  # fmt: skip
+    verdict = re.search(
+        r"int8 activations (serve where faster|refused by the accuracy judge) "
+        r"\(vs float activations on \d+ held-out positions: top-1 agreement "
+        r"([0-9.]+), logit cosine ([0-9.]+)",
+        table,
+    )
     if verdict is None:  # the probe found the int8 kernel slower everywhere: nothing to judge
         assert all(w.q8_max_rows == 0 for w in served(llm))
     else:

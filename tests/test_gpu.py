@@ -49,16 +49,23 @@ def test_cuda_matches_cpu(llama_dir, cpu) -> None:
 def test_torch_backend_low_precision_decode_on_cuda(llama_dir, cpu, dtype, tol) -> None:
     """The GPU fallback path in bf16/fp16: prefill and batched decode (range and gather paths)
     finish, and scores stay within `tol` of float32 on the CPU."""
-    gpu = LLM(str(llama_dir), num_kv_blocks=64, device="cuda", dtype=dtype,
-              attention_backend="torch")  # fmt: skip
+    gpu = LLM(
+        str(llama_dir), num_kv_blocks=64, device="cuda", dtype=dtype, attention_backend="torch"
+    )
     assert gpu.engine.info.dtype == dtype
     for p in PROMPTS:
         a, b = score_prompt(cpu.engine, p), score_prompt(gpu.engine, p).float().cpu()
         assert (a - b).abs().max() < tol * a.abs().max()
     out = gpu.generate(PROMPTS * 4, GREEDY)
     assert all(o.outputs[0].finish_reason == "length" for o in out)
-    gpu_host = LLM(str(llama_dir), num_kv_blocks=16, device="cuda", dtype=dtype,
-                   attention_backend="torch", host_bytes="64MiB")  # fmt: skip
+    gpu_host = LLM(
+        str(llama_dir),
+        num_kv_blocks=16,
+        device="cuda",
+        dtype=dtype,
+        attention_backend="torch",
+        host_bytes="64MiB",
+    )
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first = gpu_host.generate(PROMPTS * 4, params)
     again = gpu_host.generate([PROMPTS[1]], params)[0]  # from the host tier
@@ -75,8 +82,9 @@ def test_seeded_sampling_on_cuda(llama_dir) -> None:
     """Seeded requests draw from generators on the device (a CPU generator raised here and
     killed the engine thread): reproducible, and the engine keeps serving."""
     llm = LLM(str(llama_dir), num_kv_blocks=64, device="cuda")
-    seeded = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=16,
-                            ignore_eos=True)  # fmt: skip
+    seeded = SamplingParams(
+        temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=16, ignore_eos=True
+    )
     alone = tokens(llm, [PROMPTS[0]], seeded)
     mixed = llm.generate(PROMPTS + [PROMPTS[0]], [GREEDY, GREEDY, seeded])
     assert [o.outputs[0].finish_reason for o in mixed] == ["length"] * 3
@@ -91,8 +99,14 @@ def test_eagle_head_is_lossless_on_cuda(llama_dir, tmp_path) -> None:
     head = write_eagle1(tmp_path / "head", identity=False)
     kw = dict(num_kv_blocks=64, device="cuda", dtype="float32")
     want = tokens(LLM(str(llama_dir), num_speculative_tokens=0, **kw), PROMPTS)
-    spec = LLM(str(llama_dir), speculative_model=str(head), speculative_method="eagle",
-               num_speculative_tokens=3, **PIN_K, **kw)  # fmt: skip
+    spec = LLM(
+        str(llama_dir),
+        speculative_model=str(head),
+        speculative_method="eagle",
+        num_speculative_tokens=3,
+        **PIN_K,
+        **kw,
+    )
     assert tokens(spec, PROMPTS) == want
     assert spec.engine.drafter.stats["eagle"].num_draft_tokens > 0
 
@@ -112,8 +126,9 @@ def test_flashinfer_matches_torch_backend(head64_dir) -> None:
     """Chosen automatically on a GPU for a supported geometry (its warm-up passed); same greedy
     tokens and close logits as the reference backend, with decode-only and mixed steps."""
     fast = LLM(head64_dir, num_kv_blocks=64, device="cuda", dtype="bfloat16", enforce_eager=True)
-    ref = LLM(head64_dir, num_kv_blocks=64, device="cuda", dtype="bfloat16",
-              attention_backend="torch")  # fmt: skip
+    ref = LLM(
+        head64_dir, num_kv_blocks=64, device="cuda", dtype="bfloat16", attention_backend="torch"
+    )
     info = fast.engine.info
     assert info.attention_backend == "flashinfer", info.kernel_table
     assert "warm-up failed" not in info.kernel_table
@@ -157,8 +172,10 @@ def test_cuda_graphs_track_eager_steps(head64_dir) -> None:
     for batch in (prompts[:1], prompts[:3], prompts):  # buckets 1, 4 (padded), 8 (padded)
         for a, b in zip(eager.generate(batch, params), graphs.generate(batch, params)):
             x, y = a.outputs[0], b.outputs[0]
-            same = next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t),
-                        len(x.token_ids))  # fmt: skip
+            same = next(
+                (i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t),
+                len(x.token_ids),
+            )
             agreed, total = agreed + same, total + len(x.token_ids)
             for lx, ly in zip(x.logprobs[:same], y.logprobs[:same]):
                 assert abs(lx.logprob - ly.logprob) < 0.05 + 0.02 * abs(lx.logprob)

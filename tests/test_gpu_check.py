@@ -17,15 +17,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ["facts", "unpack", "model", "kernels", "torch", "flashinfer-compile", "flashinfer",
-         "graphs", "http", "sweep"]  # fmt: skip
+STEPS = [
+    "facts",
+    "unpack",
+    "model",
+    "kernels",
+    "torch",
+    "flashinfer-compile",
+    "flashinfer",
+    "graphs",
+    "http",
+    "sweep",
+]
 
 
 def gpu_check(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", "scripts/gpu_check.sh", *args], cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, **env}, timeout=300,
-    )  # fmt: skip
+        ["bash", "scripts/gpu_check.sh", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
 
 
 def test_the_plan_bounds_every_step_within_eight_minutes() -> None:
@@ -81,8 +95,9 @@ def test_the_rehearsal_imports_only_what_the_gpu_host_has() -> None:
     the host's image lacks and the call does not carry (redis) is absent, to `import` and to
     `find_spec` alike, while the server and the engine import. `import server.app` died on the
     host at the unpack step while the server imported redis with its remote store (#65)."""
-    carried = re.search(r"^PACKAGES=\((.*?)\)", (ROOT / "scripts" / "gpu_check.sh").read_text(),
-                        re.S | re.M)  # fmt: skip
+    carried = re.search(
+        r"^PACKAGES=\((.*?)\)", (ROOT / "scripts" / "gpu_check.sh").read_text(), re.S | re.M
+    )
     assert carried is not None
     names = " ".join(re.findall(r'"([A-Za-z0-9_.-]+)==', carried[1]))
     assert "xgrammar" in names and "starlette" in names
@@ -95,9 +110,18 @@ def test_the_rehearsal_imports_only_what_the_gpu_host_has() -> None:
         "from engine import LLM\n"
         "print('fenced ok')\n"
     )
-    env = {**os.environ, "KVSERVE_HOST_PACKAGES": str(ROOT / "scripts/gpu_host/packages.txt"),
-           "KVSERVE_CARRIED_PACKAGES": names,
-           "PYTHONPATH": str(ROOT / "scripts" / "gpu_host")}  # fmt: skip
-    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    env = {
+        **os.environ,
+        "KVSERVE_HOST_PACKAGES": str(ROOT / "scripts/gpu_host/packages.txt"),
+        "KVSERVE_CARRIED_PACKAGES": names,
+        "PYTHONPATH": str(ROOT / "scripts" / "gpu_host"),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0 and "fenced ok" in run.stdout, run.stderr[-3000:]

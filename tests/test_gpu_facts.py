@@ -19,9 +19,14 @@ from engine.parallel.tensor_parallel import refusal
 
 @pytest.mark.parametrize(
     ("device", "ranks", "gpus", "refused"),
-    [("cuda", 2, 1, True), ("cuda", 2, 2, False), ("cuda:1", 2, 2, True), ("cuda:1", 2, 3, False),
-     ("cpu", 2, 0, False)],
-)  # fmt: skip
+    [
+        ("cuda", 2, 1, True),
+        ("cuda", 2, 2, False),
+        ("cuda:1", 2, 2, True),
+        ("cuda:1", 2, 3, False),
+        ("cpu", 2, 0, False),
+    ],
+)
 def test_tensor_parallel_needs_a_gpu_per_rank(device, ranks, gpus, refused) -> None:
     config = EngineConfig(device=device, tensor_parallel_size=ranks)
     why = refusal(config, cuda_devices=lambda: gpus)
@@ -48,10 +53,11 @@ def test_ranks_meet_with_a_collective(monkeypatch) -> None:
     monkeypatch.setattr(torch.distributed, "ProcessGroupGloo", Counting)
     groups: list[object] = [None, None]
     threads = [
-        threading.Thread(target=lambda r=r: groups.__setitem__(
-            r, meet(r, 2, port, torch.device("cpu"), 30.0)))
+        threading.Thread(
+            target=lambda r=r: groups.__setitem__(r, meet(r, 2, port, torch.device("cpu"), 30.0))
+        )
         for r in range(2)
-    ]  # fmt: skip
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -147,7 +147,7 @@ LIMITS = {
     "levels of nesting": nested(11),
     "enum values": wide(
         2, properties={"a": {"enum": list(range(600))}, "b": {"enum": list(range(600))}}
-    ),  # fmt: skip
+    ),
     "characters": {"type": "string", "enum": ["x" * 60] * 251},
     "characters in all": {"enum": ["y" * 1_000] * 121},
 }
@@ -248,7 +248,7 @@ SCHEMAS = [
             **{f"k{i}": {"type": "string"} for i in range(6)},
             "k3": wide(3, tag="n", required=["n1"]),
         }
-    },  # fmt: skip
+    },
 ]
 
 
@@ -290,8 +290,10 @@ def test_balanced_objects_accept_exactly_what_xgrammar_does(index, monkeypatch) 
 def depth(ebnf: str) -> int:
     """How deep rule references nest below `root`."""
     rules = dict(line.split(" ::= ", 1) for line in ebnf.splitlines() if " ::= " in line)
-    refs = {name: set(re.findall(r"\b\w+\b", re.sub(r'"(?:[^"\\]|\\.)*"', "", body))) & rules.keys()
-            for name, body in rules.items()}  # fmt: skip
+    refs = {
+        name: set(re.findall(r"\b\w+\b", re.sub(r'"(?:[^"\\]|\\.)*"', "", body))) & rules.keys()
+        for name, body in rules.items()
+    }
     memo: dict[str, int] = {}
 
     def walk(name: str) -> int:
@@ -321,8 +323,13 @@ def test_a_wide_object_is_a_shallow_tree_of_few_rules() -> None:
 
 def open_stream(server, max_tokens: int) -> socket.socket:
     """A streamed chat request whose client sends it and then does not read."""
-    body = chat(None, max_tokens=max_tokens, stream=True, ignore_eos=True,
-                stream_options={"include_usage": True})  # fmt: skip
+    body = chat(
+        None,
+        max_tokens=max_tokens,
+        stream=True,
+        ignore_eos=True,
+        stream_options={"include_usage": True},
+    )
     body = json.dumps(body).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window

@@ -52,8 +52,18 @@ def wheel(tmp_path_factory) -> Path:
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "results", ".peers")
     for package in _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]:
         shutil.copytree(ROOT / package.rstrip("*"), src / package.rstrip("*"), ignore=skip)
-    cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
-           "-q", "-w", str(tmp / "out")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        str(src),
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        str(tmp / "out"),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     (built,) = (tmp / "out").glob("kvserve-*.whl")
     return built
@@ -143,8 +153,15 @@ def test_prebuilt_ops_load_from_an_install_without_a_compiler(wheel, tmp_path) -
     subprocess.run([*install, str(wheel)], check=True, capture_output=True, timeout=300)
     env = {**os.environ, "PYTHONPATH": str(site), "KVSERVE_PREBUILT_OPS": str(prebuilt)}
     env.pop("KVSERVE_CPP_MARCH", None)
-    cmd = [sys.executable, str(ROOT / "scripts" / "build_ops.py"), "--prebuilt", "--strict",
-           "--only", "kvserve_cpu_fused", "x86-64-v3"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "build_ops.py"),
+        "--prebuilt",
+        "--strict",
+        "--only",
+        "kvserve_cpu_fused",
+        "x86-64-v3",
+    ]
     r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     (built,) = prebuilt.glob("kvserve_cpu_fused-x86-64-v3-*")
@@ -165,10 +182,21 @@ def test_prebuilt_ops_load_from_an_install_without_a_compiler(wheel, tmp_path) -
         "ref = torch.nn.functional.silu(x[:, :32]) * x[:, 32:]\n"
         "torch.testing.assert_close(ops.silu_mul(x), ref, rtol=1e-4, atol=1e-5)\n"
     )
-    env = {"PATH": str(bare), "HOME": str(tmp_path), "PYTHONPATH": str(site),
-           "KVSERVE_PREBUILT_OPS": str(prebuilt), "TORCH_EXTENSIONS_DIR": str(empty)}  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", code, str(site), str(built)], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    env = {
+        "PATH": str(bare),
+        "HOME": str(tmp_path),
+        "PYTHONPATH": str(site),
+        "KVSERVE_PREBUILT_OPS": str(prebuilt),
+        "TORCH_EXTENSIONS_DIR": str(empty),
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(site), str(built)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert not list(empty.iterdir())  # nothing was built at start
 
@@ -180,8 +208,10 @@ def test_portable_levels_follow_the_cpus_flags(monkeypatch) -> None:
     for line, want in (
         (v3, ["x86-64-v3"]),
         (v3 + " avx512f avx512bw avx512cd avx512dq avx512vl", ["x86-64-v4", "x86-64-v3"]),
-        (v3 + " avx512f avx512bw avx512cd avx512dq avx512vl avx512_bf16 avx512_vnni",  # Zen 4
-         ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3"]),
+        (
+            v3 + " avx512f avx512bw avx512cd avx512dq avx512vl avx512_bf16 avx512_vnni",  # Zen 4
+            ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3"],
+        ),
         ("flags\t: fpu sse2 avx", []),  # Sandy Bridge: no prebuilt level, PyTorch ops
         ("Features\t: fp asimd sve", []),  # aarch64
     ):
@@ -363,10 +393,27 @@ def test_cpu_image_package_set_resolves_for_its_python_and_platform(tmp_path) ->
 
     def resolve(name: str, *extra: str, offline: bool = False) -> dict[str, str]:
         out = tmp_path / (name + ".txt")
-        cmd = [sys.executable, "-m", "uv", "pip", "compile", str(tmp_path / name), "-o", str(out),
-               "--python-version", _cpu_python(), "--python-platform", "x86_64-manylinux_2_36",
-               "--only-binary", ":all:", "--no-header", "--no-annotate", "--quiet",
-               *extra, *(["--offline"] if offline else [])]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "uv",
+            "pip",
+            "compile",
+            str(tmp_path / name),
+            "-o",
+            str(out),
+            "--python-version",
+            _cpu_python(),
+            "--python-platform",
+            "x86_64-manylinux_2_36",
+            "--only-binary",
+            ":all:",
+            "--no-header",
+            "--no-annotate",
+            "--quiet",
+            *extra,
+            *(["--offline"] if offline else []),
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if r.returncode != 0 and offline:  # not all in uv's cache after all: ask PyPI
             return resolve(name, *extra)
@@ -396,6 +443,9 @@ def test_cpu_image_package_set_resolves_for_its_python_and_platform(tmp_path) ->
 
     torch_dist = md.distribution("torch")
     if torch_dist.version.endswith("+cpu"):  # this venv's torch is the CPU wheel: its needs
-        needs = {re.split(r"[ ;<>=!~\[]", r)[0].lower() for r in torch_dist.requires or []
-                 if "extra ==" not in r}  # fmt: skip
+        needs = {
+            re.split(r"[ ;<>=!~\[]", r)[0].lower()
+            for r in torch_dist.requires or []
+            if "extra ==" not in r
+        }
         assert needs <= set(got), sorted(needs - set(got))

@@ -31,9 +31,12 @@ def live(llama_dir):
 
 def _stream(client: OpenAI, prompt: str) -> str:
     chunks = client.chat.completions.create(
-        model=client.models.list().data[0].id, messages=[{"role": "user", "content": prompt}],
-        max_tokens=12, temperature=0, stream=True,
-    )  # fmt: skip
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+    )
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 

@@ -168,9 +168,16 @@ def test_flashinfer_workspace_is_zeroed_and_allocated_before_the_pool(monkeypatc
     with pytest.raises(ValueError, match="forced"):
         kv_phase.choose_and_warm_up(
             kv_phase.EngineConfig(attention_backend="flashinfer", num_kv_blocks=8),
-            None, two_geometry_spec(), SM90, torch.bfloat16, torch.device("cpu"), 16, 1024, 64,
+            None,
+            two_geometry_spec(),
+            SM90,
             torch.bfloat16,
-        )  # fmt: skip
+            torch.device("cpu"),
+            16,
+            1024,
+            64,
+            torch.bfloat16,
+        )
     assert order == ["ws", "pool"]
 
 
@@ -375,9 +382,12 @@ def test_xformers_backend_against_the_real_paged_mask_and_operator(monkeypatch) 
         op = a["op"]
         assert op is real_fmha.triton_splitk.FwOp
         inputs = real_fmha.common.Inputs(
-            query=a["query"], key=a["key"], value=a["value"], attn_bias=a["attn_bias"],
+            query=a["query"],
+            key=a["key"],
+            value=a["value"],
+            attn_bias=a["attn_bias"],
             scale=a["scale"],
-        )  # fmt: skip
+        )
         reasons = op.not_supported_reasons(inputs)
         calls.append(reasons)
         assert all("device=cpu" in r or "A100" in r for r in reasons), reasons
@@ -449,8 +459,11 @@ def _simulated_capture(self) -> None:
         step = self.backend.graph_step(size, size * self.max_pages_per_seq)
         ids = torch.zeros(size, dtype=torch.long)
         pos = torch.zeros(size, dtype=torch.long)
-        step.update(pad_metadata(StepMetadata([], [], [], [], [], pos[:0]), size,
-                                 self.scratch_block, self.block_size))  # fmt: skip
+        step.update(
+            pad_metadata(
+                StepMetadata([], [], [], [], [], pos[:0]), size, self.scratch_block, self.block_size
+            )
+        )
         with torch.inference_mode():
             out = self.model(ids, pos, step, self.aux_layers)
 

@@ -44,8 +44,13 @@ def test_logits_and_decoding_close_to_a_float32_cache(llama_dir) -> None:
         # greedy on a tiny random model can flip between near-ties; until it does, the chosen
         # tokens' logprobs agree closely
         same = next(
-            (i for i, (s, t) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids))
-             if s != t), 12)  # fmt: skip
+            (
+                i
+                for i, (s, t) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids))
+                if s != t
+            ),
+            12,
+        )
         assert same >= 4 and all(abs(s - t) < 0.1 for s, t in zip(lx[:same], ly[:same]))
     # the PyTorch decode paths read the same cache into the same float32 arithmetic
     backend = bf16.engine.runner.backend

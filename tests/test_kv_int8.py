@@ -96,8 +96,13 @@ def test_prefix_hits_and_the_host_tier_carry_int8_rows(head32) -> None:
 
 def test_the_disk_tier_is_keyed_by_the_kv_dtype(head32, tmp_path: Path) -> None:
     prompt = sessions(1, 100, seed=9)[0]
-    kw = {"dtype": "float32", "num_kv_blocks": 64, "block_size": 8, "host_bytes": "1MiB",
-          "disk_path": str(tmp_path / "kv")}  # fmt: skip
+    kw = {
+        "dtype": "float32",
+        "num_kv_blocks": 64,
+        "block_size": 8,
+        "host_bytes": "1MiB",
+        "disk_path": str(tmp_path / "kv"),
+    }
     first = LLM(head32, **kw)  # a float32 cache's blocks on disk
     first.generate([prompt], GREEDY)
     first.engine.shutdown()

@@ -315,8 +315,13 @@ def test_remote_flipped_byte_or_moved_value_is_refused(store_url: str) -> None:
 def test_a_refused_remote_block_is_a_counted_fallback(llama_dir, store_url: str) -> None:
     """Through the door: the decode side's fetch (server/kv_transfer.py -> AsyncEngine.prefetch)
     stops at the refused block, says why, and /metrics counts it."""
-    config = EngineConfig(model=str(llama_dir), num_kv_blocks=64, block_size=8,
-                          host_bytes="8MiB", kv_hash_seed="integrity")  # fmt: skip
+    config = EngineConfig(
+        model=str(llama_dir),
+        num_kv_blocks=64,
+        block_size=8,
+        host_bytes="8MiB",
+        kv_hash_seed="integrity",
+    )
     core = LLMEngine(config)
     engine = AsyncEngine(core)
     metrics = Metrics()

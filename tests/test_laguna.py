@@ -23,27 +23,47 @@ from tests.test_model_coverage import GREEDY, assert_matches, reference, referen
 
 S, F = "sliding_attention", "full_attention"
 BASE = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16,
-    sliding_window=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-    shared_expert_intermediate_size=48, max_position_embeddings=4096, rms_norm_eps=1e-6,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)  # fmt: skip
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    head_dim=16,
+    sliding_window=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 CONFIGS = {
     "per_head": dict(
-        num_hidden_layers=4, num_key_value_heads=2, num_attention_heads_per_layer=[4, 8, 6, 4],
-        layer_types=[S, F, S, F], mlp_layer_types=["dense", "sparse", "sparse", "dense"],
-        gating="per-head", moe_router_logit_softcapping=3.0, moe_routed_scaling_factor=2.5,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        num_attention_heads_per_layer=[4, 8, 6, 4],
+        layer_types=[S, F, S, F],
+        mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+        gating="per-head",
+        moe_router_logit_softcapping=3.0,
+        moe_routed_scaling_factor=2.5,
     ),
     "per_element": dict(
-        num_hidden_layers=5, num_key_value_heads=1, num_attention_heads_per_layer=[2, 3, 2, 4, 3],
-        layer_types=[F, S, S, F, S], gating="per-element", tie_word_embeddings=True,
+        num_hidden_layers=5,
+        num_key_value_heads=1,
+        num_attention_heads_per_layer=[2, 3, 2, 4, 3],
+        layer_types=[F, S, S, F, S],
+        gating="per-element",
+        tie_word_embeddings=True,
         mlp_layer_types=["sparse", "dense", "sparse", "sparse", "dense"],
         rope_parameters={
             F: {"rope_type": "default", "rope_theta": 100_000.0, "partial_rotary_factor": 0.25},
             S: {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 1.0},
         },
     ),
-}  # fmt: skip
+}
 # no startup measurements (step budget, oneDNN packing): ~4 s of CPU an engine, which these
 # checks of numbers and tokens do not need
 FAST = dict(target_step_ms=-1, cpu_packed_weights=False)
@@ -89,9 +109,13 @@ def test_geometry_and_the_tensor_parallel_plan(dirs) -> None:
     assert "KV bytes/token by rank, all layers: 512/512" in table
     # (b): 2/1 and 4/1 replicate the one KV head; 3/1 cannot split, its layers take turns
     plan = plan_tensor_parallel(b, 2)
-    assert [g.mode for g in plan.groups] == ["kv replicated", "whole, layer by layer over the "
-                                             "ranks", "kv replicated", "kv replicated",
-                                             "whole, layer by layer over the ranks"]  # fmt: skip
+    assert [g.mode for g in plan.groups] == [
+        "kv replicated",
+        "whole, layer by layer over the ranks",
+        "kv replicated",
+        "kv replicated",
+        "whole, layer by layer over the ranks",
+    ]
     table = plan.table(b, 4)
     assert "layers 1-1: 3/1 heads" in table and "(a layer: 128/0)" in table
     assert "(a layer: 0/128)" in table and "all layers: 512/512" in table
@@ -122,9 +146,16 @@ def test_matches_transformers(name: str, dirs) -> None:
     ref = reference(dirs[name])
     greedy = reference_greedy(ref)
     for chunk, drafts in ((1024, 0), (7, 4)):
-        llm = LLM(str(dirs[name]), dtype="float32", num_kv_blocks=96, block_size=4,
-                  max_num_batched_tokens=chunk, num_speculative_tokens=drafts,
-                  spec_cost_model=False, **FAST)  # fmt: skip
+        llm = LLM(
+            str(dirs[name]),
+            dtype="float32",
+            num_kv_blocks=96,
+            block_size=4,
+            max_num_batched_tokens=chunk,
+            num_speculative_tokens=drafts,
+            spec_cost_model=False,
+            **FAST,
+        )
         assert llm.engine.spec.architecture == "LagunaForCausalLM"
         assert_matches(llm, ref, greedy=greedy)
 
@@ -144,14 +175,29 @@ def test_prefix_hit_preemption_speculation_and_two_ranks(name: str, dirs) -> Non
     again = plain.generate(prompts[:2], GREEDY)
     assert [r.outputs[0].token_ids for r in again] == want[:2]
     assert all(r.num_cached_tokens > 0 for r in again)
-    tight = LLM(path, num_kv_blocks=36, block_size=4, host_bytes="16MiB",
-                preemption_mode="swap", num_speculative_tokens=4, spec_cost_model=False,
-                spec_max_verify_rows=1 << 16, **FAST)  # fmt: skip
+    tight = LLM(
+        path,
+        num_kv_blocks=36,
+        block_size=4,
+        host_bytes="16MiB",
+        preemption_mode="swap",
+        num_speculative_tokens=4,
+        spec_cost_model=False,
+        spec_max_verify_rows=1 << 16,
+        **FAST,
+    )
     assert [r.outputs[0].token_ids for r in tight.generate(prompts, GREEDY)] == want
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.drafter.total_stats().num_accepted_tokens > 0
-    two = LLM(path, dtype="float32", num_kv_blocks=96, block_size=4, tensor_parallel_size=2,
-              num_speculative_tokens=0, **FAST)  # fmt: skip
+    two = LLM(
+        path,
+        dtype="float32",
+        num_kv_blocks=96,
+        block_size=4,
+        tensor_parallel_size=2,
+        num_speculative_tokens=0,
+        **FAST,
+    )
     try:
         assert [r.outputs[0].token_ids for r in two.generate(prompts, GREEDY)] == want
         assert [r.outputs[0].token_ids for r in two.generate(prompts[:2], GREEDY)] == want[:2]

@@ -33,15 +33,21 @@ def adapters(llama_dir, tmp_path_factory) -> dict[str, object]:
             alpha=4,
             targets=["q_proj", "v_proj", "o_proj"],
             use_rslora=True,
-        ),  # fmt: skip
+        ),
     }
 
 
 @pytest.fixture(scope="module")
 def llm(llama_dir, adapters) -> LLM:
     modules = [f"{name}={path}" for name, path in adapters.items()]
-    return LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, block_size=4,
-               max_num_batched_tokens=32, lora_modules=modules)  # fmt: skip
+    return LLM(
+        str(llama_dir),
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=32,
+        lora_modules=modules,
+    )
 
 
 def greedy(llm: LLM, lora: str | None, n: int = 8, **extra) -> SamplingParams:
@@ -62,16 +68,20 @@ def test_each_adapter_equals_peft_merged(llm, llama_dir, adapters, name) -> None
 
 
 def test_adapters_change_the_output(llm) -> None:
-    outs = {name: llm.generate([PROMPTS[1]], greedy(llm, name, 12))[0].outputs[0].token_ids
-            for name in (None, "a", "b")}  # fmt: skip
+    outs = {
+        name: llm.generate([PROMPTS[1]], greedy(llm, name, 12))[0].outputs[0].token_ids
+        for name in (None, "a", "b")
+    }
     assert len({tuple(v) for v in outs.values()}) == 3, outs
 
 
 def test_a_mixed_batch_equals_each_alone(llm) -> None:
     names = [None, "a", "b", "a", None, "b"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
-    alone = [llm.generate([p], greedy(llm, n))[0].outputs[0].token_ids
-             for p, n in zip(prompts, names, strict=True)]  # fmt: skip
+    alone = [
+        llm.generate([p], greedy(llm, n))[0].outputs[0].token_ids
+        for p, n in zip(prompts, names, strict=True)
+    ]
     llm.engine.reset_prefix_cache()
     mixed = llm.generate(prompts, [greedy(llm, n) for n in names])
     assert [o.outputs[0].token_ids for o in mixed] == alone
@@ -92,8 +102,14 @@ def test_prefix_hits_within_an_adapter_and_none_across(llm) -> None:
 
 def test_at_most_max_loras_adapters_run_at_once(llama_dir, adapters) -> None:
     modules = [f"{name}={path}" for name, path in adapters.items()]
-    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, block_size=4,
-              lora_modules=modules, max_loras=1)  # fmt: skip
+    llm = LLM(
+        str(llama_dir),
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=4,
+        lora_modules=modules,
+        max_loras=1,
+    )
     engine = llm.engine
     for i, name in enumerate(["a", "b", "a", "b"]):
         engine.add_request(str(i), PROMPTS[0], greedy(llm, name, 4))
@@ -148,8 +164,12 @@ def test_bad_adapter_files_are_clear_errors(llama_dir, adapters, tmp_path, model
         save_file(fn(load_file(str(f))), str(f))
 
     def drop_b(d) -> None:
-        rewrite(d, lambda t: {k: v for k, v in t.items() if not ("layers.1.mlp.up" in k
-                                                                 and "lora_B" in k)})  # fmt: skip
+        rewrite(
+            d,
+            lambda t: {
+                k: v for k, v in t.items() if not ("layers.1.mlp.up" in k and "lora_B" in k)
+            },
+        )
 
     def wrong_rank(d) -> None:
         cfg = json.loads((d / "adapter_config.json").read_text())
@@ -160,9 +180,10 @@ def test_bad_adapter_files_are_clear_errors(llama_dir, adapters, tmp_path, model
         "lacks lora_B": drop_b,
         "the config says 16": wrong_rank,
         "no adapter_model": lambda d: (d / "adapter_model.safetensors").unlink(),
-        "DoRA": lambda d: (d / "adapter_config.json").write_text(json.dumps(
-            {**json.loads((d / "adapter_config.json").read_text()), "use_dora": True})),
-    }  # fmt: skip
+        "DoRA": lambda d: (d / "adapter_config.json").write_text(
+            json.dumps({**json.loads((d / "adapter_config.json").read_text()), "use_dora": True})
+        ),
+    }
     for i, (message, edit) in enumerate(cases.items()):
         with pytest.raises(LoRAError, match=message):
             read(_broken(adapters["a"], tmp_path / str(i), edit))
@@ -186,8 +207,13 @@ def test_a_gguf_lora_file_is_the_same_adapter(llama_dir, adapters, tmp_path) -> 
 
     cfg = json.loads((llama_dir / "config.json").read_text())
     gguf_file = write_gguf_lora(adapters["a"], cfg, tmp_path / "a.gguf")
-    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=32, block_size=4,
-              lora_modules=[f"a={adapters['a']}", f"g={gguf_file}"])  # fmt: skip
+    llm = LLM(
+        str(llama_dir),
+        dtype="float32",
+        num_kv_blocks=32,
+        block_size=4,
+        lora_modules=[f"a={adapters['a']}", f"g={gguf_file}"],
+    )
     refs = llm.engine.loras.refs
     assert refs["g"].key == refs["a"].key
     a, g = (llm.generate(PROMPTS, greedy(llm, n))[0].outputs[0].token_ids for n in ("a", "g"))
@@ -200,11 +226,24 @@ def test_speculation_and_grammars_are_unchanged_with_an_adapter(llama_dir, adapt
     from engine.core.sampling_params import GrammarSpec
 
     modules = [f"a={adapters['a']}"]
-    plain = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, block_size=4,
-                lora_modules=modules, num_speculative_tokens=0)  # fmt: skip
-    spec = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, block_size=4,
-               lora_modules=modules, num_speculative_tokens=4, speculative_method="suffix",
-               **PIN_K)  # fmt: skip
+    plain = LLM(
+        str(llama_dir),
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=4,
+        lora_modules=modules,
+        num_speculative_tokens=0,
+    )
+    spec = LLM(
+        str(llama_dir),
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=4,
+        lora_modules=modules,
+        num_speculative_tokens=4,
+        speculative_method="suffix",
+        **PIN_K,
+    )
     for prompt in PROMPTS[:2]:
         want = plain.generate([prompt], greedy(plain, "a", 24))[0].outputs[0].token_ids
         for _ in range(2):  # the second time, drafts from the first answer (recent outputs)
@@ -247,9 +286,15 @@ def test_an_adapter_on_gguf_blocks_served_as_stored(smollm2_path, tmp_path) -> N
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
     peft_model.save_pretrained(tmp_path / "smol-lora")
     merged = peft_model.merge_and_unload()
-    llm = LLM(smollm2_path, num_kv_blocks=32, dtype="float32", gguf_int8_activations="off",
-              num_speculative_tokens=0, target_step_ms=-1,
-              lora_modules=[f"s={tmp_path / 'smol-lora'}"])  # fmt: skip
+    llm = LLM(
+        smollm2_path,
+        num_kv_blocks=32,
+        dtype="float32",
+        gguf_int8_activations="off",
+        num_speculative_tokens=0,
+        target_step_ms=-1,
+        lora_modules=[f"s={tmp_path / 'smol-lora'}"],
+    )
     assert "GGUF blocks as stored (Q4_1 " in llm.engine.info.kernel_table
     assert "s (rank 8," in llm.engine.info.kernel_table  # the banner's adapter line
     tok = llm.tokenizer
@@ -269,7 +314,9 @@ def test_lora_modules_settings(llama_dir, adapters) -> None:
 
     path = str(adapters["a"])
     assert lora_modules([f"a={path}", json.dumps({"name": "b", "path": path})]) == {
-        "a": path, "b": path}  # fmt: skip
+        "a": path,
+        "b": path,
+    }
     for bad in (["a"], [f"a={path}", f"a={path}"], ['{"name": "x"}'], ["=p"]):
         with pytest.raises(ValueError, match="lora_modules entry"):
             lora_modules(bad)

@@ -35,9 +35,15 @@ def adapters(llama_dir, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def server(llama_dir, adapters):
     with kvserve_server(
-        llama_dir, dtype="float32", num_kv_blocks=128, block_size=16, api_key=KEY,
-        served_model_name="base", lora_modules=[f"a={adapters['a']}"], max_loras=2,
-    ) as s:  # fmt: skip
+        llama_dir,
+        dtype="float32",
+        num_kv_blocks=128,
+        block_size=16,
+        api_key=KEY,
+        served_model_name="base",
+        lora_modules=[f"a={adapters['a']}"],
+        max_loras=2,
+    ) as s:
         yield s
 
 
@@ -52,8 +58,9 @@ def post(server, path: str, body: dict) -> httpx.Response:
 
 
 def completion(client, model: str, n: int = 8, prompt=PROMPT) -> str:
-    out = client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model=model, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True}
+    )
     return out.choices[0].text
 
 
@@ -95,8 +102,9 @@ def test_load_and_unload_at_run_time_under_traffic(server, client, adapters) -> 
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         workers = [pool.submit(traffic) for _ in range(2)]
-        r = post(server, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path":
-                                                   str(adapters["b"])})  # fmt: skip
+        r = post(
+            server, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(adapters["b"])}
+        )
         assert r.status_code == 200 and "added successfully" in r.text
         b_text = completion(client, "b", 16)
         stop.set()
@@ -108,8 +116,14 @@ def test_load_and_unload_at_run_time_under_traffic(server, client, adapters) -> 
     again = post(server, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "/x"})
     assert again.status_code == 400 and again.json()["error"]["code"] == "lora_exists"
     # in use: a 409 until its request ends
-    stream = client.completions.create(model="b", prompt=PROMPT, max_tokens=64, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.completions.create(
+        model="b",
+        prompt=PROMPT,
+        max_tokens=64,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     next(iter(stream))
     busy = post(server, "/v1/unload_lora_adapter", {"lora_name": "b"})
     assert busy.status_code == 409 and busy.json()["error"]["code"] == "lora_in_use"
@@ -143,8 +157,11 @@ def test_bad_adapter_files_are_400s_and_the_server_serves_on(server, client, tmp
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_lora", r.text
     r = post(server, "/v1/load_lora_adapter", {"lora_name": "bad"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
-    unauthorised = httpx.post(server.base + "/v1/load_lora_adapter", timeout=10,
-                              json={"lora_name": "x", "lora_path": "/x"})  # fmt: skip
+    unauthorised = httpx.post(
+        server.base + "/v1/load_lora_adapter",
+        timeout=10,
+        json={"lora_name": "x", "lora_path": "/x"},
+    )
     assert unauthorised.status_code == 401
     assert completion(client, "a")
 
@@ -153,8 +170,9 @@ def test_cache_statistics_per_adapter(client, server) -> None:
     prompt = list(range(100, 180))
     for name in ("a", "a", "base"):
         completion(client, name, 2, prompt)
-    stats = httpx.get(server.base + "/v1/stats", headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=30).json()  # fmt: skip
+    stats = httpx.get(
+        server.base + "/v1/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+    ).json()
     apps = stats["apps"]
     (name,) = [k for k in apps if k.endswith("@a")]
     assert apps[name]["cached_tokens"] > 0  # its second request hit its first's blocks
@@ -192,19 +210,19 @@ def test_every_generation_route_serves_the_adapter(server, client) -> None:
 
     msgs = [{"role": "user", "content": "hello there"}]
     chat = {
-        m: client.chat.completions.create(
-            model=m, messages=msgs, max_tokens=8, temperature=0
-        )  # fmt: skip
+        m: client.chat.completions.create(model=m, messages=msgs, max_tokens=8, temperature=0)
         for m in ("base", "a")
     }
     assert chat["a"].model == "a" and chat["base"].model == "base"
     text = chat["a"].choices[0].message.content
-    resp = client.responses.create(model="a", input="hello there", max_output_tokens=8,
-                                   temperature=0)  # fmt: skip
+    resp = client.responses.create(
+        model="a", input="hello there", max_output_tokens=8, temperature=0
+    )
     assert resp.model == "a" and resp.output_text == text
     claude = anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0)
-    msg = claude.messages.create(model="a", max_tokens=8, messages=msgs,
-                                 extra_body={"temperature": 0.0})  # fmt: skip
+    msg = claude.messages.create(
+        model="a", max_tokens=8, messages=msgs, extra_body={"temperature": 0.0}
+    )
     assert msg.model == "a" and "".join(b.text for b in msg.content if b.type == "text") == text
     forced = {m: completion(client, m, 8, "hello there") for m in ("base", "a")}
     assert forced["a"] != forced["base"]

@@ -61,9 +61,11 @@ def test_a_message_is_what_chat_completions_says_for_the_same_prompt(served, cli
     msg = client.messages.create(model="", max_tokens=12, system=system, messages=HELLO, **GREEDY)
     chat = openai.OpenAI(base_url=served.base + "/v1", api_key="secret", max_retries=0)
     want = chat.chat.completions.create(
-        model="", max_tokens=12, temperature=0,
+        model="",
+        max_tokens=12,
+        temperature=0,
         messages=[{"role": "system", "content": system}, *HELLO],
-    )  # fmt: skip
+    )
     assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
     assert [b.type for b in msg.content] == ["text"]
     assert msg.content[0].text == want.choices[0].message.content
@@ -78,8 +80,11 @@ def test_a_stop_sequence_ends_the_turn_and_is_named(client) -> None:
     whole = client.messages.create(model="", max_tokens=16, messages=HELLO, **GREEDY)
     text = whole.content[0].text
     # two characters from the middle whose first occurrence is not at the start
-    stop = next(text[i : i + 2] for i in range(len(text) // 2, len(text) - 1)
-                if text[i : i + 2].strip() and text.index(text[i : i + 2]) > 0)  # fmt: skip
+    stop = next(
+        text[i : i + 2]
+        for i in range(len(text) // 2, len(text) - 1)
+        if text[i : i + 2].strip() and text.index(text[i : i + 2]) > 0
+    )
     cut = client.messages.create(
         model="", max_tokens=16, messages=HELLO, stop_sequences=[stop], **GREEDY
     )
@@ -92,8 +97,9 @@ def test_a_stop_sequence_ends_the_turn_and_is_named(client) -> None:
     [{"type": "any", "disable_parallel_tool_use": True}, {"type": "tool", "name": "get_weather"}],
 )
 def test_a_forced_call_is_a_tool_use_block_whole_and_streamed(served, client, choice) -> None:
-    kw = dict(model="", max_tokens=120, messages=HELLO, tools=[WEATHER], tool_choice=choice,
-              **GREEDY)  # fmt: skip
+    kw = dict(
+        model="", max_tokens=120, messages=HELLO, tools=[WEATHER], tool_choice=choice, **GREEDY
+    )
     msg = client.messages.create(**kw)
     assert msg.stop_reason == "tool_use", msg
     (call,) = [b for b in msg.content if b.type == "tool_use"]
@@ -116,16 +122,26 @@ def test_a_forced_call_is_a_tool_use_block_whole_and_streamed(served, client, ch
 def test_tool_results_and_the_call_before_them_reach_the_prompt(client) -> None:
     turn = [
         *HELLO,
-        {"role": "assistant", "content": [
-            {"type": "text", "text": "Let me look."},
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-             "input": {"unit": "celsius"}},
-        ]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 degrees, sunny"},
-            {"type": "text", "text": "Thanks"},
-        ]},
-    ]  # fmt: skip
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Let me look."},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "get_weather",
+                    "input": {"unit": "celsius"},
+                },
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 degrees, sunny"},
+                {"type": "text", "text": "Thanks"},
+            ],
+        },
+    ]
     with_result = client.messages.count_tokens(model="", messages=turn, tools=[WEATHER])
     turn[2]["content"][0]["content"] = [{"type": "text", "text": "21 degrees, sunny, no wind"}]
     longer = client.messages.count_tokens(model="", messages=turn, tools=[WEATHER])
@@ -141,26 +157,41 @@ def test_system_turns_and_replayed_thinking_are_accepted(client) -> None:
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
         {"role": "system", "content": [{"type": "text", "text": "Be terse."}]},
-        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
-                                          {"type": "text", "text": "Hello"}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "hm", "signature": "s"},
+                {"type": "text", "text": "Hello"},
+            ],
+        },
         {"role": "user", "content": "Again"},
-    ]  # fmt: skip
+    ]
     for thinking in ({"type": "enabled", "budget_tokens": 64}, {"type": "adaptive"}):
         msg = client.messages.create(
-            model="", max_tokens=3, messages=messages, thinking=thinking,
-            output_config={"effort": "high"}, cache_control={"type": "ephemeral"},
-        )  # fmt: skip
+            model="",
+            max_tokens=3,
+            messages=messages,
+            thinking=thinking,
+            output_config={"effort": "high"},
+            cache_control={"type": "ephemeral"},
+        )
         assert [b.type for b in msg.content] == ["text"] and msg.usage.output_tokens == 3
         assert msg.usage.cache_creation_input_tokens + msg.usage.cache_read_input_tokens > 0
 
 
 def test_an_output_format_is_followed(client) -> None:
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     msg = client.messages.create(
-        model="", max_tokens=30, messages=HELLO,
+        model="",
+        max_tokens=30,
+        messages=HELLO,
         output_config={"format": {"type": "json_schema", "schema": schema}},
-    )  # fmt: skip
+    )
     assert msg.stop_reason == "end_turn", msg
     assert isinstance(json.loads(msg.content[0].text)["ok"], bool)
 
@@ -183,21 +214,29 @@ def test_errors_come_in_anthropic_shape(served) -> None:
     )
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "A"}}
     said = anthropic_error(
-        httpx.post(url, json={**ok, "messages": [{"role": "user", "content": [image]}]},
-                   headers=key), 400, "invalid_request_error",
-    )  # fmt: skip
+        httpx.post(
+            url, json={**ok, "messages": [{"role": "user", "content": [image]}]}, headers=key
+        ),
+        400,
+        "invalid_request_error",
+    )
     assert said.startswith("messages.0.content.0: this model takes text only")
-    anthropic_error(httpx.post(url, json={**ok, "model": "claude-x"}, headers=key), 404,
-                    "not_found_error")  # fmt: skip
+    anthropic_error(
+        httpx.post(url, json={**ok, "model": "claude-x"}, headers=key), 404, "not_found_error"
+    )
     long = {**ok, "messages": [{"role": "user", "content": "word " * 2500}]}
     said = anthropic_error(httpx.post(url, json=long, headers=key), 400, "invalid_request_error")
     assert "2048" in said  # the context limit, named
     server_tool = {**ok, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}
-    said = anthropic_error(httpx.post(url, json=server_tool, headers=key), 400,
-                           "invalid_request_error")  # fmt: skip
+    said = anthropic_error(
+        httpx.post(url, json=server_tool, headers=key), 400, "invalid_request_error"
+    )
     assert said.startswith("tools.0.type")
-    said = anthropic_error(httpx.post(url, json={**ok, "service_tier": "priority"}, headers=key),
-                           400, "invalid_request_error")  # fmt: skip
+    said = anthropic_error(
+        httpx.post(url, json={**ok, "service_tier": "priority"}, headers=key),
+        400,
+        "invalid_request_error",
+    )
     assert said.startswith("service_tier")
     assert httpx.post(url, json={**ok, "service_tier": "auto"}, headers=key).status_code == 200
     # other routes keep OpenAI's shape
@@ -209,43 +248,54 @@ BLOCK = st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "tool_use", "tool_result", "image", "thinking", "x"])},
     optional={
         "text": st.one_of(st.text(max_size=8), st.integers()),
-        "id": st.text(max_size=4), "name": st.text(max_size=4), "input": st.dictionaries(
-            st.text(max_size=3), st.integers(), max_size=2),
-        "tool_use_id": st.text(max_size=4), "content": st.one_of(st.text(max_size=5), st.none()),
+        "id": st.text(max_size=4),
+        "name": st.text(max_size=4),
+        "input": st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+        "tool_use_id": st.text(max_size=4),
+        "content": st.one_of(st.text(max_size=5), st.none()),
         "thinking": st.text(max_size=4),
     },
-)  # fmt: skip
+)
 BODY = st.fixed_dictionaries(
     {},
     optional={
         "model": st.sampled_from(["", "other"]),
         "max_tokens": st.one_of(st.integers(-2, 4), st.text(max_size=2)),
-        "messages": st.lists(st.fixed_dictionaries({
-            "role": st.sampled_from(["user", "assistant", "system", "tool"]),
-            "content": st.one_of(st.text(max_size=12), st.lists(BLOCK, max_size=3)),
-        }), max_size=3),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["user", "assistant", "system", "tool"]),
+                    "content": st.one_of(st.text(max_size=12), st.lists(BLOCK, max_size=3)),
+                }
+            ),
+            max_size=3,
+        ),
         "system": st.one_of(st.text(max_size=8), st.lists(BLOCK, max_size=2)),
         "stop_sequences": st.lists(st.text(max_size=3), max_size=2),
         "temperature": st.one_of(st.floats(-1, 2), st.none()),
         "top_k": st.integers(-1, 5),
-        "tools": st.lists(st.fixed_dictionaries(
-            {"name": st.sampled_from(["f", "bad name", ""])},
-            optional={"input_schema": st.just({"type": "object"}), "type": st.just("x")},
-        ), max_size=2),
+        "tools": st.lists(
+            st.fixed_dictionaries(
+                {"name": st.sampled_from(["f", "bad name", ""])},
+                optional={"input_schema": st.just({"type": "object"}), "type": st.just("x")},
+            ),
+            max_size=2,
+        ),
         "tool_choice": st.fixed_dictionaries(
             {"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
             optional={"name": st.sampled_from(["f", "g"])},
         ),
         "stream": st.booleans(),
     },
-)  # fmt: skip
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=BODY)
 def test_fuzzed_bodies_get_an_answer_or_an_anthropic_error(served, body) -> None:
-    r = httpx.post(served.base + "/v1/messages", json=body, headers={"x-api-key": "secret"},
-                   timeout=60)  # fmt: skip
+    r = httpx.post(
+        served.base + "/v1/messages", json=body, headers={"x-api-key": "secret"}, timeout=60
+    )
     assert r.status_code < 500, r.text
     if r.status_code != 200:
         assert r.json()["type"] == "error"
@@ -270,8 +320,12 @@ def test_a_cache_control_breakpoint_keeps_its_prefix_through_eviction(served, cl
         return " ".join(f"{tag}{w}{i}" for i in range(20) for w in words[:5])
 
     def ask(system_prompt, text: str = "Hi"):
-        return client.messages.create(model="", max_tokens=1, system=system_prompt,
-                                      messages=[{"role": "user", "content": text}])  # fmt: skip
+        return client.messages.create(
+            model="",
+            max_tokens=1,
+            system=system_prompt,
+            messages=[{"role": "user", "content": text}],
+        )
 
     marked = [{"type": "text", "text": system("m"), "cache_control": {"type": "ephemeral"}}]
     first = ask(marked)

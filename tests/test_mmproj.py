@@ -30,8 +30,14 @@ TEXT = (
     "<bos><start_of_turn>user\n<start_of_image>What is this?<end_of_turn>\n<start_of_turn>model\n"
 )
 # no startup measurements (step budget, packed weights, speculation costs): seconds each here
-ENGINE = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=64, target_step_ms=-1,
-              cpu_packed_weights=False, spec_cost_model=False)  # fmt: skip
+ENGINE = dict(
+    num_kv_blocks=64,
+    block_size=4,
+    max_num_batched_tokens=64,
+    target_step_ms=-1,
+    cpu_packed_weights=False,
+    spec_cost_model=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +50,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
         # llama.cpp's converter drops Gemma 3's soft token from the vocabulary (#12876)
         "text_no_soft": write_gguf(
             vlm, root / "text-no-soft.gguf", unused_tokens=("<image_soft_token>",)
-        ),  # fmt: skip
+        ),
         "mmproj": write_mmproj(vlm, root / "mmproj-f32.gguf", "F32"),
     }
 
@@ -84,8 +90,11 @@ def test_text_gguf_and_mmproj_answer_as_transformers(files, reference) -> None:
     expanded = TEXT.replace("<start_of_image>", f"\n\n<start_of_image>{soft}<end_of_image>\n\n")
     theirs_ids = HFTokenizer.from_file(str(files["vlm"] / "tokenizer.json")).encode(expanded).ids
     assert ids == [IMAGE if t == vision.image_token_id else t for t in theirs_ids]
-    kw = dict(input_ids=torch.tensor([theirs_ids]), pixel_values=images[0].pixels[None],
-              token_type_ids=torch.tensor([[int(t == IMAGE) for t in theirs_ids]]))  # fmt: skip
+    kw = dict(
+        input_ids=torch.tensor([theirs_ids]),
+        pixel_values=images[0].pixels[None],
+        token_type_ids=torch.tensor([[int(t == IMAGE) for t in theirs_ids]]),
+    )
     with torch.no_grad():
         ref = reference(**kw).logits[0]
         wanted = reference.generate(**kw, max_new_tokens=GREEDY.max_tokens, do_sample=False)
@@ -117,8 +126,9 @@ def test_chat_over_http_with_the_openai_sdk(files, reference) -> None:
 
     processor = AutoProcessor.from_pretrained(files["vlm"])
     content = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
-    text = processor.apply_chat_template([{"role": "user", "content": content}],
-                                         add_generation_prompt=True, tokenize=False)  # fmt: skip
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     inputs = processor(text=text, images=[Image.open(io.BytesIO(png(5)))], return_tensors="pt")
     with torch.no_grad():
         out = reference.generate(**inputs, max_new_tokens=6, do_sample=False)
@@ -133,11 +143,19 @@ def test_chat_over_http_with_the_openai_sdk(files, reference) -> None:
     try:
         client = OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
         reply = client.chat.completions.create(
-            model="gemma3", max_tokens=6, temperature=0,
-            messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_url(png(5))}},
-                {"type": "text", "text": "What is this?"}]}],
-        )  # fmt: skip
+            model="gemma3",
+            max_tokens=6,
+            temperature=0,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_url(png(5))}},
+                        {"type": "text", "text": "What is this?"},
+                    ],
+                }
+            ],
+        )
         assert reply.choices[0].message.content == wanted
         assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
         assert reply.usage.completion_tokens == len(new)

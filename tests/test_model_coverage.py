@@ -21,35 +21,81 @@ from tests.gguf_export import write_gguf
 pytestmark = pytest.mark.isa  # the C++ attention and block kernels again as an AVX2 CPU runs them
 
 BASE = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-    pad_token_id=0, tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=2,
-)  # fmt: skip
-ROPE_FACTORS = dict(short_factor=[1.0 + 0.1 * i for i in range(6)],
-                    long_factor=[2.0 + 0.3 * i for i in range(6)])  # fmt: skip
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+ROPE_FACTORS = dict(
+    short_factor=[1.0 + 0.1 * i for i in range(6)], long_factor=[2.0 + 0.3 * i for i in range(6)]
+)
 NEW_ARCHS = {
     # six layers: llama.cpp's fixed Gemma 3 pattern (five windowed, then a global one); a
     # window of 8 far inside every prompt below
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               dict(num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
-                    tie_word_embeddings=True)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=6,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            tie_word_embeddings=True,
+        ),
+    ),
     # a softmax scale that is not head_dim's (Gemma 3 27B's); GGUF has no field for it
     # (llama.cpp knows the 27B by its layer count), so HF only
-    "gemma3-scaled": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-                      dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
-                           layer_types=["sliding_attention", "full_attention"])),
+    "gemma3-scaled": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
     # Phi-4-mini's shape of rotary (three quarters of each head) under LongRoPE
-    "phi3": ("Phi3Config", "Phi3ForCausalLM",
-             dict(original_max_position_embeddings=128, max_position_embeddings=512,
-                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                                   "partial_rotary_factor": 0.75, **ROPE_FACTORS})),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            original_max_position_embeddings=128,
+            max_position_embeddings=512,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                **ROPE_FACTORS,
+            },
+        ),
+    ),
     # six experts, two a token, renormalised (Qwen3-30B-A3B's routing)
-    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                 dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                      norm_topk_prob=True, head_dim=16)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(num_local_experts=4, num_experts_per_tok=2)),
-}  # fmt: skip
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            head_dim=16,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
+}
 PROMPTS = [[5, 17, 99, 3, 250, 44, 8], list(range(10, 60)), [7, 8, 9] * 9]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -83,8 +129,12 @@ def reference(path: Path, **kw):
 def reference_greedy(ref, prompts=PROMPTS) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (16 tokens, as GREEDY)."""
     with torch.no_grad():
-        return [ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :]
-                .tolist() for p in prompts]  # fmt: skip
+        return [
+            ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
 
 
 def assert_matches(llm: LLM, ref, prompts=PROMPTS, greedy: list[list[int]] | None = None) -> None:
@@ -107,8 +157,13 @@ def test_hf_checkpoint_matches_transformers(arch: str, new_dirs) -> None:
     ref = reference(new_dirs[arch])
     context = {"max_model_len": 128} if arch == "phi3" else {}  # LongRoPE's short factors
     for chunk in (1024, 7):
-        llm = LLM(str(new_dirs[arch]), num_kv_blocks=96, block_size=4,
-                  max_num_batched_tokens=chunk, **context)  # fmt: skip
+        llm = LLM(
+            str(new_dirs[arch]),
+            num_kv_blocks=96,
+            block_size=4,
+            max_num_batched_tokens=chunk,
+            **context,
+        )
         assert llm.engine.spec.architecture == NEW_ARCHS[arch][1]
         assert_matches(llm, ref)
 
@@ -140,8 +195,14 @@ def test_speculation_stays_lossless(new_dirs) -> None:
         want = [r.outputs[0].token_ids for r in plain.generate(prompts, GREEDY)]
         # k pinned (no cost model): the measured verify costs of a loaded host can make drafting
         # not pay, and the check below is that drafts were verified at all
-        spec = LLM(str(new_dirs[arch]), num_kv_blocks=96, block_size=4, num_speculative_tokens=4,
-                   spec_cost_model=False, spec_max_verify_rows=1 << 16)  # fmt: skip
+        spec = LLM(
+            str(new_dirs[arch]),
+            num_kv_blocks=96,
+            block_size=4,
+            num_speculative_tokens=4,
+            spec_cost_model=False,
+            spec_max_verify_rows=1 << 16,
+        )
         assert [r.outputs[0].token_ids for r in spec.generate(prompts, GREEDY)] == want, arch
         accepted[arch] = spec.engine.drafter.total_stats().num_accepted_tokens
     # drafts come from repeats in the output: the random Phi-3's never repeats, the others do
@@ -196,8 +257,9 @@ def test_prefix_hit_and_preemption_by_swap_keep_outputs(new_dirs, tmp_path) -> N
         want = [r.outputs[0].token_ids for r in roomy.generate(prompts, GREEDY)]
         again = [r.outputs[0].token_ids for r in roomy.generate(prompts[:2], GREEDY)]
         assert again == want[:2] and roomy.engine.kv.hits_by_source["device"] > 0
-        tight = LLM(path, num_kv_blocks=40, block_size=4, host_bytes="16MiB",
-                    preemption_mode="swap")  # fmt: skip
+        tight = LLM(
+            path, num_kv_blocks=40, block_size=4, host_bytes="16MiB", preemption_mode="swap"
+        )
         got = [r.outputs[0].token_ids for r in tight.generate(prompts, GREEDY)]
         assert tight.engine.scheduler.num_preemptions > 0
         assert got == want, path
@@ -266,9 +328,16 @@ def test_qwen3_moe_dense_layers_by_config() -> None:
     has no such layers, so this shape is HF only)."""
     from models.loader import llama_layers
 
-    cfg = dict(num_hidden_layers=6, num_attention_heads=4, intermediate_size=128,
-               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-               decoder_sparse_step=2, mlp_only_layers=[3])  # fmt: skip
+    cfg = dict(
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+    )
     layers = llama_layers(cfg, 16)
     assert [lay.num_experts for lay in layers] == [0, 8, 0, 0, 0, 8]
     assert [lay.intermediate_size for lay in layers] == [128, 32, 128, 128, 128, 32]
@@ -332,12 +401,15 @@ def test_parallel_tool_results_render_under_a_template_that_wants_alternation(tm
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Time in Paris and Tokyo?"},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{**call, "id": "a"}, {**call, "id": "b"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{**call, "id": "a"}, {**call, "id": "b"}],
+        },
         {"role": "tool", "tool_call_id": "a", "content": "10:00"},
         {"role": "tool", "tool_call_id": "b", "content": "17:00"},
         {"role": "user", "content": "And which is later?"},
-    ]  # fmt: skip
+    ]
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
     turns = chat_turns([ChatMessage.model_validate(m) for m in messages])
     tools = chat_tools([ChatTool.model_validate(tool)], None)
@@ -354,8 +426,13 @@ def test_gemma3_windowed_blocks_go_back_while_the_request_runs(new_dirs) -> None
     returned mid-request (counted), the output is still transformers', and both pools are
     whole again afterwards."""
     ref = reference(new_dirs["gemma3"])
-    llm = LLM(str(new_dirs["gemma3"]), num_kv_blocks=96, block_size=4, max_num_batched_tokens=16,
-              max_num_seqs=4)  # fmt: skip
+    llm = LLM(
+        str(new_dirs["gemma3"]),
+        num_kv_blocks=96,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+    )
     kv = llm.engine.kv
     assert kv.window is not None and "a pool of their own" in llm.engine.info.window_kv
     caches = llm.engine.runner.backend.kv_caches
@@ -385,8 +462,13 @@ def test_gemma3_windowed_blocks_go_back_while_the_request_runs(new_dirs) -> None
 def test_a_fixed_budget_admits_more_gemma3_requests_with_reclamation(new_dirs) -> None:
     """The same KV memory, with and without the windowed layers' own pool: the full-context
     pool gets the memory the windowed layers no longer hold, so more long requests fit."""
-    budget = dict(kv_cache_memory="1MiB", block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                  target_step_ms=-1)  # fmt: skip
+    budget = dict(
+        kv_cache_memory="1MiB",
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        target_step_ms=-1,
+    )
     on = LLM(str(new_dirs["gemma3"]), **budget)
     off = LLM(str(new_dirs["gemma3"]), reclaim_window_blocks=False, **budget)
     assert off.engine.kv.window is None and "--no-reclaim" in off.engine.info.window_kv

@@ -123,9 +123,15 @@ def test_image_runs_as_non_root_with_dependencies_before_source() -> None:
     lines = [line.strip() for line in DOCKERFILE.splitlines()]
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users and users[-1].split(":")[0] not in ("root", "0")
-    first = {key: next(i for i, line in enumerate(lines) if line.startswith(key)) for key in (
-        "COPY pyproject.toml", "RUN python -c \"import tomllib", "COPY engine", "COPY server",
-    )}  # fmt: skip
+    first = {
+        key: next(i for i, line in enumerate(lines) if line.startswith(key))
+        for key in (
+            "COPY pyproject.toml",
+            'RUN python -c "import tomllib',
+            "COPY engine",
+            "COPY server",
+        )
+    }
     assert (
         first["COPY pyproject.toml"]
         < first['RUN python -c "import tomllib']
@@ -158,10 +164,24 @@ def test_image_package_set_resolves_for_its_python_and_platform(tmp_path) -> Non
     reqs.write_text("\n".join(project["dependencies"] + project["optional-dependencies"]["gpu"]))
     pinned = tmp_path / "requirements.txt"
     cmd = [
-        sys.executable, "-m", "uv", "pip", "compile", str(reqs), "--output-file", str(pinned),
-        "--python-version", UBUNTU_PYTHON[ubuntu], "--python-platform", "x86_64-manylinux_2_39",
-        "--only-binary", ":all:", "--no-header", "--no-annotate", "--quiet",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "uv",
+        "pip",
+        "compile",
+        str(reqs),
+        "--output-file",
+        str(pinned),
+        "--python-version",
+        UBUNTU_PYTHON[ubuntu],
+        "--python-platform",
+        "x86_64-manylinux_2_39",
+        "--only-binary",
+        ":all:",
+        "--no-header",
+        "--no-annotate",
+        "--quiet",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0 and ("Failed to fetch" in r.stderr or "timed out" in r.stderr):
         pytest.skip("PyPI unreachable during resolution")
@@ -203,21 +223,43 @@ def test_flashinfer_imports_from_the_image_set_alone(tmp_path) -> None:
     python = str(venv / "bin" / "python")
     without = toml["tool"]["kvserve"]["gpu-without-deps"]
     for args in (["--no-deps", *without], [*gpu, *imported]):
-        r = subprocess.run([*uv, "pip", "install", "-q", "--python", python, *args],
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+        r = subprocess.run(
+            [*uv, "pip", "install", "-q", "--python", python, *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if r.returncode != 0 and ("Failed to fetch" in r.stderr or "timed out" in r.stderr):
             pytest.skip("PyPI unreachable during the install")
         assert r.returncode == 0, r.stderr[-2000:]
     base = tmp_path / "torch_layer"  # torch and its Requires-Dist, nothing else of this venv
     base.mkdir()
     here = Path(torch.__file__).parent.parent
-    for name in ("torch", "torchgen", "functorch", "filelock", "typing_extensions.py", "sympy",
-                 "mpmath", "networkx", "jinja2", "markupsafe", "fsspec"):  # fmt: skip
+    for name in (
+        "torch",
+        "torchgen",
+        "functorch",
+        "filelock",
+        "typing_extensions.py",
+        "sympy",
+        "mpmath",
+        "networkx",
+        "jinja2",
+        "markupsafe",
+        "fsspec",
+    ):
         (base / name).symlink_to(here / name)
-    code = ("import flashinfer, flashinfer.decode, flashinfer.prefill, flashinfer.page; "
-            "print(flashinfer.__version__, flashinfer.__file__)")  # fmt: skip
-    r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={"PYTHONPATH": str(base), "PATH": os.environ["PATH"]})  # fmt: skip
+    code = (
+        "import flashinfer, flashinfer.decode, flashinfer.prefill, flashinfer.page; "
+        "print(flashinfer.__version__, flashinfer.__file__)"
+    )
+    r = subprocess.run(
+        [python, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(base), "PATH": os.environ["PATH"]},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[0] == without[0].split("==")[1]
     assert str(venv) in r.stdout  # FlashInfer from the new venv, not this one
@@ -261,7 +303,8 @@ def test_image_says_which_xformers_path_it_ships() -> None:
     another torch): the build prints what it ships and the image's label names it, at the
     version pinned."""
     gpu = dict(d.split("==") for d in _gpu_pins())
-    label = next(line for line in DOCKERFILE.splitlines()
-                 if line.startswith("LABEL org.kvserve.xformers="))
+    label = next(
+        line for line in DOCKERFILE.splitlines() if line.startswith("LABEL org.kvserve.xformers=")
+    )
     assert gpu["xformers"] in label and "Triton split-K" in label
     assert "from xformers.ops.fmha import triton_splitk" in DOCKERFILE

@@ -69,8 +69,11 @@ def prompt(llm: LLM, qvl: str, seeds: list[int], question: str = "What is this?"
     images, at = [], 0
     for (pixels, grid), n in zip(loaded, counts):
         at = ids.index(IMAGE_PAD, at)
-        images.append(PromptImage(at, n, content_hash(pixels, grid), torch.from_numpy(pixels),
-                                  grid, two_way=False))  # fmt: skip
+        images.append(
+            PromptImage(
+                at, n, content_hash(pixels, grid), torch.from_numpy(pixels), grid, two_way=False
+            )
+        )
         at += n
     return ids, tuple(images)
 
@@ -120,8 +123,9 @@ def test_one_and_two_images_match_transformers(qvl, reference) -> None:
     that end inside images (causal soft tokens: the rest of the image comes in the next chunk,
     its embeddings from the encoder cache), then decoded at positions past the prompt's
     largest M-RoPE position."""
-    llm = LLM(qvl, num_kv_blocks=64, block_size=4, max_num_batched_tokens=5,
-              enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(
+        qvl, num_kv_blocks=64, block_size=4, max_num_batched_tokens=5, enable_prefix_caching=False
+    )
     for seeds in ([1], [1, 2], []):  # and text alone, on one-axis positions
         ids, images = prompt(llm, qvl, seeds)
         assert_like_reference(llm, ids, images, partial(theirs, reference), GREEDY)
@@ -162,7 +166,7 @@ def test_an_image_the_tower_cannot_read_is_refused(cached_llm, qvl) -> None:
             image.pixels[:-1],
             image.grid,
             two_way=False,
-        ),  # fmt: skip
+        ),
         PromptImage(
             image.offset,
             image.num_tokens,
@@ -170,7 +174,7 @@ def test_an_image_the_tower_cannot_read_is_refused(cached_llm, qvl) -> None:
             image.pixels,
             image.grid,
             two_way=True,
-        ),  # fmt: skip
+        ),
     ]
     for bad in wrong:
         with pytest.raises(ParamError):
@@ -189,8 +193,11 @@ def test_mrope_tables_match_transformers(interleaved: bool) -> None:
 
     section = [4, 6, 6]
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
-    kind = (Qwen3VLTextConfig, Qwen3VLTextRotaryEmbedding) if interleaved else (
-        Qwen2_5_VLTextConfig, Qwen2_5_VLRotaryEmbedding)  # fmt: skip
+    kind = (
+        (Qwen3VLTextConfig, Qwen3VLTextRotaryEmbedding)
+        if interleaved
+        else (Qwen2_5_VLTextConfig, Qwen2_5_VLRotaryEmbedding)
+    )
     config = kind[0](hidden_size=128, num_attention_heads=4, head_dim=32, rope_parameters=rope)
     table = kind[1](config)
     positions = torch.tensor([[6, 6, 6, 11, 40], [6, 7, 9, 11, 3], [10, 6, 8, 11, 17]])
@@ -205,8 +212,9 @@ def test_mrope_tables_match_transformers(interleaved: bool) -> None:
 def test_preempted_image_request_resumes_on_its_positions(qvl, reference) -> None:
     """Two image requests in a pool too small for both: the newer is preempted (recomputed from
     its first token, outputs included) and still answers as transformers does."""
-    llm = LLM(qvl, num_kv_blocks=23, block_size=4, max_num_batched_tokens=64,
-              enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(
+        qvl, num_kv_blocks=23, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False
+    )
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     engine, want = llm.engine, {}
     for rid, seeds in (("a", [1]), ("b", [2])):

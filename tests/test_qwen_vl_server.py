@@ -64,8 +64,9 @@ def expected(reference, seeds: list[int]) -> tuple[str, int, int]:
 
     tokenizer, images, model = reference
     content = [{"type": "image"} for _ in seeds] + [{"type": "text", "text": QUESTION}]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                         add_generation_prompt=True, tokenize=False)  # fmt: skip
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     pictures = [Image.open(io.BytesIO(png(s, SIZES[s]))) for s in seeds]
     pixels = images(images=pictures, return_tensors="pt")
     pieces = text.split("<|image_pad|>")
@@ -73,8 +74,13 @@ def expected(reference, seeds: list[int]) -> tuple[str, int, int]:
     text = pieces[0] + "".join("<|image_pad|>" * n + p for n, p in zip(counts, pieces[1:]))
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        out = model.generate(input_ids=ids, **pixels, max_new_tokens=MAX_TOKENS, do_sample=False,
-                             mm_token_type_ids=(ids == IMAGE_PAD).int())  # fmt: skip
+        out = model.generate(
+            input_ids=ids,
+            **pixels,
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            mm_token_type_ids=(ids == IMAGE_PAD).int(),
+        )
     new = out[0, ids.shape[1] :].tolist()
     eos = model.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos or [])
@@ -87,13 +93,16 @@ def expected(reference, seeds: list[int]) -> tuple[str, int, int]:
 
 
 def chat(server, *seeds: int):
-    content = [{"type": "image_url", "image_url": {"url": data_url(png(s, SIZES[s]))}}
-               for s in seeds]  # fmt: skip
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(png(s, SIZES[s]))}} for s in seeds
+    ]
     content.append({"type": "text", "text": QUESTION})
     return openai_client(server).chat.completions.create(
-        model="vlm", messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
+        model="vlm",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=MAX_TOKENS,
         temperature=0,
-    )  # fmt: skip
+    )
 
 
 def test_chat_and_responses_answer_images_as_transformers(server, reference) -> None:
@@ -105,21 +114,43 @@ def test_chat_and_responses_answer_images_as_transformers(server, reference) -> 
         assert r.usage.prompt_tokens_details.image_tokens == image_tokens
     answer, prompt_len, _ = expected(reference, [2])
     resp = openai_client(server).responses.create(
-        model="vlm", max_output_tokens=MAX_TOKENS, temperature=0,
-        input=[{"role": "user", "content": [
-            {"type": "input_image", "image_url": data_url(png(2, SIZES[2]))},
-            {"type": "input_text", "text": QUESTION}]}],
-    )  # fmt: skip
+        model="vlm",
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(png(2, SIZES[2]))},
+                    {"type": "input_text", "text": QUESTION},
+                ],
+            }
+        ],
+    )
     assert resp.output_text == answer and resp.usage.input_tokens == prompt_len
     from anthropic import Anthropic
 
     msg = Anthropic(base_url=server.base, api_key="x", max_retries=0).messages.create(
-        model="vlm", max_tokens=MAX_TOKENS, extra_body={"temperature": 0.0},
-        messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                         "data": base64.b64encode(png(2, SIZES[2])).decode()}},
-            {"type": "text", "text": QUESTION}]}],
-    )  # fmt: skip
+        model="vlm",
+        max_tokens=MAX_TOKENS,
+        extra_body={"temperature": 0.0},
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "source": {
+                            "type": "base64",
+                            "media_type": "image/png",
+                            "data": base64.b64encode(png(2, SIZES[2])).decode(),
+                        },
+                    },
+                    {"type": "text", "text": QUESTION},
+                ],
+            }
+        ],
+    )
     assert "".join(b.text for b in msg.content if b.type == "text") == answer
     usage = msg.usage
     assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == prompt_len
@@ -140,8 +171,11 @@ def test_same_picture_is_a_prefix_hit_encoded_once(server, reference) -> None:
 def test_an_image_the_processor_cannot_resize_is_a_400(server) -> None:
     thin = data_url(png(5, (500, 2)))  # aspect ratio 250: Qwen's processor refuses it
     parts = [{"type": "image_url", "image_url": {"url": thin}}, {"type": "text", "text": "hi"}]
-    r = httpx.post(server.base + "/v1/chat/completions", timeout=30, json={
-        "model": "vlm", "max_tokens": 4, "messages": [{"role": "user", "content": parts}]})
+    r = httpx.post(
+        server.base + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "vlm", "max_tokens": 4, "messages": [{"role": "user", "content": parts}]},
+    )
     assert r.status_code == 400, r.text
     assert "aspect ratio" in r.json()["error"]["message"]
     snap = server.core.snapshot()

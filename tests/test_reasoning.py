@@ -75,8 +75,9 @@ def test_a_thought_and_its_answer() -> None:
 
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
-    model = scripted_model(tmp_path_factory.mktemp("thinks") / "m", THINKS,
-                           ["<think>", *THOUGHT, "</think>", ANSWER])  # fmt: skip
+    model = scripted_model(
+        tmp_path_factory.mktemp("thinks") / "m", THINKS, ["<think>", *THOUGHT, "</think>", ANSWER]
+    )
     server = InProcessServer(model, max_model_len=1024)
     yield server
     server.stop()
@@ -84,8 +85,9 @@ def thinker(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def opener(tmp_path_factory):
-    model = scripted_model(tmp_path_factory.mktemp("opens") / "m", OPENS,
-                           [*THOUGHT, "</think>", ANSWER])  # fmt: skip
+    model = scripted_model(
+        tmp_path_factory.mktemp("opens") / "m", OPENS, [*THOUGHT, "</think>", ANSWER]
+    )
     server = InProcessServer(model, max_model_len=1024)
     yield server
     server.stop()
@@ -119,18 +121,26 @@ def test_thinking_off_is_an_answer_alone(thinker) -> None:
     """`enable_thinking: false` renders an empty thought, closed: the script goes on from its
     `</think>`, so the model answers at once, and nothing is read as a thought."""
     r = chat_client(thinker).chat.completions.create(
-        model="", messages=ASK, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        model="",
+        messages=ASK,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
         **GREEDY,
-    )  # fmt: skip
+    )
     msg = r.choices[0].message
     assert getattr(msg, "reasoning_content", None) is None and msg.content == ANSWER
 
 
 def test_responses_give_a_reasoning_item_and_replay_it_exactly(thinker) -> None:
     client = chat_client(thinker)
-    kw = dict(model="", input="Hello there", max_output_tokens=8, temperature=0, store=False,
-              reasoning={"effort": "medium", "summary": "auto"},
-              include=["reasoning.encrypted_content"])  # fmt: skip
+    kw = dict(
+        model="",
+        input="Hello there",
+        max_output_tokens=8,
+        temperature=0,
+        store=False,
+        reasoning={"effort": "medium", "summary": "auto"},
+        include=["reasoning.encrypted_content"],
+    )
     r = client.responses.create(**kw)
     reasoning, message = r.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == THOUGHT
@@ -143,8 +153,12 @@ def test_responses_give_a_reasoning_item_and_replay_it_exactly(thinker) -> None:
     # replayed with only its sealed content, the thought renders into the next prompt as the
     # model wrote it (this template keeps an assistant turn's thought): the prompt grows by
     # exactly <think>, the thought and </think>
-    sealed = {"type": "reasoning", "id": reasoning.id, "summary": [],
-              "encrypted_content": reasoning.encrypted_content}  # fmt: skip
+    sealed = {
+        "type": "reasoning",
+        "id": reasoning.id,
+        "summary": [],
+        "encrypted_content": reasoning.encrypted_content,
+    }
     user = {"role": "user", "content": "Hello there"}
     rest = [{"role": "assistant", "content": ANSWER}, {"role": "user", "content": "More"}]
     bare = client.responses.create(model="", input=[user, *rest], max_output_tokens=1)
@@ -164,23 +178,36 @@ def test_a_spent_budget_ends_the_thought(which, request) -> None:
     msg = r.choices[0].message
     assert (msg.reasoning_content, msg.content) == (THOUGHT[0], ANSWER), msg
     client = anthropic.Anthropic(base_url=server.base, api_key="x", max_retries=0)
-    m = client.messages.create(model="", max_tokens=8, messages=ASK, extra_body={"temperature": 0},
-                               thinking={"type": "enabled", "budget_tokens": 2})  # fmt: skip
+    m = client.messages.create(
+        model="",
+        max_tokens=8,
+        messages=ASK,
+        extra_body={"temperature": 0},
+        thinking={"type": "enabled", "budget_tokens": 2},
+    )
     assert m.content[0].thinking == THOUGHT[:2] and m.content[1].text == ANSWER
 
 
 def test_effort_none_turns_the_thought_off(thinker) -> None:
     r = chat_client(thinker).responses.create(
-        model="", input="Hello there", max_output_tokens=8, temperature=0,
+        model="",
+        input="Hello there",
+        max_output_tokens=8,
+        temperature=0,
         reasoning={"effort": "none"},
-    )  # fmt: skip
+    )
     assert [item.type for item in r.output] == ["message"]
 
 
 def test_messages_give_a_thinking_block_whole_and_streamed(thinker) -> None:
     client = anthropic.Anthropic(base_url=thinker.base, api_key="x", max_retries=0)
-    kw = dict(model="", max_tokens=8, messages=ASK, thinking={"type": "adaptive"},
-              extra_body={"temperature": 0})  # fmt: skip
+    kw = dict(
+        model="",
+        max_tokens=8,
+        messages=ASK,
+        thinking={"type": "adaptive"},
+        extra_body={"temperature": 0},
+    )
     msg = client.messages.create(**kw)
     thinking, text = msg.content
     assert (thinking.type, thinking.thinking, text.text) == ("thinking", THOUGHT, ANSWER)
@@ -222,8 +249,12 @@ def qwen3_tokenizer(tmp_path_factory) -> Path:
 
 def test_qwen3s_own_template_thinks_and_stops_thinking(qwen3_tokenizer, tmp_path) -> None:
     template = json.loads((qwen3_tokenizer / "tokenizer_config.json").read_text())["chat_template"]
-    model = scripted_model(tmp_path / "qwen3", template, ["<think>", "Hmm", "</think>", "Hello"],
-                           tokenizer_from=qwen3_tokenizer)  # fmt: skip
+    model = scripted_model(
+        tmp_path / "qwen3",
+        template,
+        ["<think>", "Hmm", "</think>", "Hello"],
+        tokenizer_from=qwen3_tokenizer,
+    )
     server = InProcessServer(model, max_model_len=1024)
     try:
         client = chat_client(server)

@@ -88,8 +88,13 @@ def test_reference_backend_serves_an_int8_kv_cache(windowed: Path, hf) -> None:
 
 def test_reference_backend_refuses_soft_capping_and_is_never_the_auto_choice() -> None:
     spec = ModelSpec("LlamaForCausalLM", 100, 64, uniform_layers(2, 4, 2, 16, 32))
-    capped = ModelSpec("Gemma2ForCausalLM", 100, 64, uniform_layers(2, 4, 2, 16, 32),
-                       extra={"attn_logit_softcapping": 50.0})  # fmt: skip
+    capped = ModelSpec(
+        "Gemma2ForCausalLM",
+        100,
+        64,
+        uniform_layers(2, 4, 2, 16, 32),
+        extra={"attn_logit_softcapping": 50.0},
+    )
     cpu, gpu = DeviceFacts("cpu", native_bf16=True), DeviceFacts("cuda", "gpu", (8, 0), True)
     for facts in (cpu, gpu):  # any device, dtype and block size
         for dtype in (torch.float32, torch.bfloat16):

@@ -325,10 +325,14 @@ def test_reasoning_and_empty_includes_are_honoured_for_a_model_that_does_not_rea
     included, not stored. Nothing to reason or summarise: no reasoning item, no reasoning
     tokens, the settings echoed; whole and streamed."""
     body = {
-        "model": MODEL, "input": "Hi", "max_output_tokens": 4, "temperature": 0, "store": False,
+        "model": MODEL,
+        "input": "Hi",
+        "max_output_tokens": 4,
+        "temperature": 0,
+        "store": False,
         "reasoning": {"effort": "medium", "summary": "auto"},
         "include": ["reasoning.encrypted_content", "web_search_call.action.sources"],
-    }  # fmt: skip
+    }
     with http(server) as c:
         whole = created(c, body)
         assert [item["type"] for item in whole["output"]] == ["message"]
@@ -352,15 +356,21 @@ def test_namespace_tools_are_flattened_and_calls_mapped_back_hosted_tools_not_of
     same way), and a hosted `web_search` this server cannot run (accepted, echoed, never
     offered: a `required` call lands on the namespace's function, the only one there is)."""
     namespace = {
-        "type": "namespace", "name": "weather_v1", "description": "Weather tools",
+        "type": "namespace",
+        "name": "weather_v1",
+        "description": "Weather tools",
         "tools": [WEATHER],
-    }  # fmt: skip
+    }
     web = {"type": "web_search", "external_web_access": False}
     body = {
-        "model": MODEL, "input": "What is the weather in Paris?", "tools": [web, namespace],
-        "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0,
+        "model": MODEL,
+        "input": "What is the weather in Paris?",
+        "tools": [web, namespace],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
         "max_output_tokens": 80,
-    }  # fmt: skip
+    }
     with http(server) as c:
         first = created(c, body)
         (call,) = [o for o in first["output"] if o["type"] == "function_call"]
@@ -369,19 +379,27 @@ def test_namespace_tools_are_flattened_and_calls_mapped_back_hosted_tools_not_of
         assert first["tools"][0] == web and first["tools"][1]["tools"][0]["name"] == "get_weather"
         # the client replays the call itself (store: false, as Codex does) ...
         replay = {
-            **body, "tool_choice": "auto", "store": False, "max_output_tokens": 8,
+            **body,
+            "tool_choice": "auto",
+            "store": False,
+            "max_output_tokens": 8,
             "input": [
                 {"role": "user", "content": "What is the weather in Paris?"},
                 {k: call[k] for k in ("type", "call_id", "namespace", "name", "arguments")},
                 {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"},
             ],
-        }  # fmt: skip
+        }
         r = c.post("/v1/responses", json=replay)
         assert r.status_code == 200, r.text
         # ... and a stored continuation renders it the same way: the same prompt tokens
-        follow = c.post("/v1/responses", json={
-            **replay, "input": replay["input"][2:], "previous_response_id": first["id"],
-        })  # fmt: skip
+        follow = c.post(
+            "/v1/responses",
+            json={
+                **replay,
+                "input": replay["input"][2:],
+                "previous_response_id": first["id"],
+            },
+        )
         assert follow.status_code == 200, follow.text
         assert follow.json()["usage"]["input_tokens"] == r.json()["usage"]["input_tokens"]
         bad = {**body, "tools": [{"type": "namespace", "name": "ns", "tools": [web]}]}

@@ -86,8 +86,9 @@ params_strategy = st.builds(
     frequency_penalty=st.sampled_from([0.0, -1.0]),
     repetition_penalty=st.sampled_from([1.0, 1.3]),
     min_tokens=st.sampled_from([0, 0, 3]),
-    logit_bias=st.dictionaries(st.integers(0, VOCAB - 1), st.sampled_from([-100.0, -5.0, 7.0]),
-                               max_size=6),  # fmt: skip
+    logit_bias=st.dictionaries(
+        st.integers(0, VOCAB - 1), st.sampled_from([-100.0, -5.0, 7.0]), max_size=6
+    ),
     seed=st.sampled_from([None, 7]),
 )
 

@@ -38,8 +38,9 @@ def make(
 
 
 # a step of n tokens costs 2 + n ms: held to 12 tokens, streamed decode rows to 2x their step
-CAPPED = StepBudget(16, StepCosts((1, 16), (0.003, 0.018)), target_rows=12, max_itl_factor=2.0,
-                    min_prefill_tokens=2)  # fmt: skip
+CAPPED = StepBudget(
+    16, StepCosts((1, 16), (0.003, 0.018)), target_rows=12, max_itl_factor=2.0, min_prefill_tokens=2
+)
 
 
 def request(

@@ -111,9 +111,12 @@ def streamed_with_usage(server, path: str, body: dict) -> list[dict]:
     is checked to be server-sent events ending in [DONE]."""
     stream = {"stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream(
-        "POST", server.base + path, timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+        "POST",
+        server.base + path,
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}"},
         json={**body, **stream},
-    ) as r:  # fmt: skip
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         chunks = list(sse.data(r))
     assert chunks[-1] == "[DONE]"

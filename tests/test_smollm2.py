@@ -91,9 +91,14 @@ def test_shipped_eagle_head_is_lossless_and_accepts(smol: LLM, smollm2_path) -> 
     # the default model + shipped head, in `smol`'s float32 (`auto` may pick bf16 on this CPU)
     # k pinned: this is about the head (adaptive k may switch drafting off on a loaded machine)
     spec = LLM(
-        smollm2_path, num_kv_blocks=256, num_speculative_tokens=4, dtype="float32",
-        speculative_method="eagle", spec_cost_model=False, spec_max_verify_rows=1 << 16,
-    )  # fmt: skip
+        smollm2_path,
+        num_kv_blocks=256,
+        num_speculative_tokens=4,
+        dtype="float32",
+        speculative_method="eagle",
+        spec_cost_model=False,
+        spec_max_verify_rows=1 << 16,
+    )
     head = spec.engine.draft
     assert head is not None and head.token_map is not None
     assert "shipped; matched by weights" in spec.engine.info.draft_source

@@ -430,9 +430,14 @@ def test_noisy_startup_costs_do_not_make_drafting_look_free() -> None:
 
 def test_step_costs_are_measured_at_startup(llama_dir, heads) -> None:
     llm = LLM(
-        str(llama_dir), speculative_model=str(heads["identity"]), num_speculative_tokens=3,
-        num_kv_blocks=256, block_size=16, spec_cost_model=True, speculative_method="eagle",
-    )  # fmt: skip
+        str(llama_dir),
+        speculative_model=str(heads["identity"]),
+        num_speculative_tokens=3,
+        num_kv_blocks=256,
+        block_size=16,
+        spec_cost_model=True,
+        speculative_method="eagle",
+    )
     cost = llm.engine.drafter.cost
     assert cost is not None and cost.rows[0] == 1 and len(cost.rows) >= 4
     assert all(t > 0 for t in cost.target_s + cost.draft_s)

@@ -226,8 +226,14 @@ def test_shorts_arriving_every_step_do_not_starve_a_long_prompt() -> None:
     ms after it) from step 29 on, and its 10 chunks follow."""
     rng = random.Random(1)
     budget = StepBudget(8, COSTS, target_rows=8)
-    sched = make(num_blocks=256, block_size=4, max_num_seqs=64, budget=budget, by_deadline=True,
-                 caching=False)  # fmt: skip
+    sched = make(
+        num_blocks=256,
+        block_size=4,
+        max_num_seqs=64,
+        budget=budget,
+        by_deadline=True,
+        caching=False,
+    )
     long = request("long", list(range(1, 81)), 1)
     sched.add(long)
     first: dict[str, int] = {}

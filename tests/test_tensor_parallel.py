@@ -47,16 +47,21 @@ def test_plan_per_layer_group() -> None:
     for n in (2, 4, 8):
         plan = plan_tensor_parallel(laguna, n)
         assert [(g.first, g.last, g.mode) for g in plan.groups] == [
-            (0, 1, "sharded"), (2, 4, "sharded"), (5, 6, "sharded"),
-        ]  # fmt: skip
+            (0, 1, "sharded"),
+            (2, 4, "sharded"),
+            (5, 6, "sharded"),
+        ]
     # 16 ranks: 8 KV heads are replicated on pairs of ranks
     assert {g.mode for g in plan_tensor_parallel(laguna, 16).groups} == {"kv replicated"}
     # OpenELM-style: 4/1 replicates its one KV head, 8/2 shards, 6/3 cannot split over 2
     plan = plan_tensor_parallel(spec_of([(4, 1), (8, 2), (6, 3), (6, 3), (10, 5)]), 2)
     whole = "whole, layer by layer over the ranks"
     assert [(g.first, g.last, g.mode) for g in plan.groups] == [
-        (0, 0, "kv replicated"), (1, 1, "sharded"), (2, 3, whole), (4, 4, whole),
-    ]  # fmt: skip
+        (0, 0, "kv replicated"),
+        (1, 1, "sharded"),
+        (2, 3, whole),
+        (4, 4, whole),
+    ]
     # the layers no split fits move from rank to rank, across groups too
     assert [plan.group_of(i).ranks_of(i) for i in range(5)] == [(0, 1), (0, 1), (0,), (1,), (0,)]
     # SmolLM2's 9/3 heads over 2 ranks: 15 layers each, the KV evenly
@@ -149,9 +154,14 @@ def test_uneven_heads_and_host_tier_under_tp(tmp_path: Path) -> None:
     ps = prompts()
     want = [reference_greedy(layers, w, p, 12, 10000.0) for p in ps]
     llm = LLM(
-        str(tmp_path / "openelm"), dtype="float32", num_kv_blocks=12, block_size=4,
-        host_bytes="1MiB", tensor_parallel_size=2, max_num_seqs=1,
-    )  # fmt: skip
+        str(tmp_path / "openelm"),
+        dtype="float32",
+        num_kv_blocks=12,
+        block_size=4,
+        host_bytes="1MiB",
+        tensor_parallel_size=2,
+        max_num_seqs=1,
+    )
     try:
         table = llm.engine.info.kernel_table
         assert "whole, layer by layer" in table and "kv replicated" in table
@@ -180,13 +190,15 @@ def test_http_and_a_killed_rank(tmp_path: Path) -> None:
         client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
         name = client.models.list().data[0].id
         for p, text in zip(ps, want, strict=True):
-            r = client.completions.create(model=name, prompt=p, max_tokens=12, temperature=0,
-                                          extra_body={"ignore_eos": True})  # fmt: skip
+            r = client.completions.create(
+                model=name, prompt=p, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+            )
             assert r.choices[0].text == text
         workers = [
-            c for c in psutil.Process(server.proc.pid).children()
+            c
+            for c in psutil.Process(server.proc.pid).children()
             if "engine.parallel.worker" in " ".join(c.cmdline())
-        ]  # fmt: skip
+        ]
         assert len(workers) == 1
         # one poll before the loss, so the set below is never empty (a 5xx there fails too)
         statuses = {httpx.get(server.base + "/health", timeout=10).status_code}
@@ -244,9 +256,11 @@ def test_ggml_blocks_are_cut_like_their_dense_weight() -> None:
     for rank in range(2):
         shard = RankShard(spec, plan_tensor_parallel(spec, 2), rank)
         for name, shape in (
-            ("layers.0.qkv_proj.weight", (128, 64)), ("layers.1.down_proj.weight", (64, 128)),
-            ("layers.0.o_proj.weight", (64, 64)), ("lm_head.weight", (100, 64)),
-        ):  # fmt: skip
+            ("layers.0.qkv_proj.weight", (128, 64)),
+            ("layers.1.down_proj.weight", (64, 128)),
+            ("layers.0.o_proj.weight", (64, 64)),
+            ("lm_head.weight", (100, 64)),
+        ):
             dense = torch.randn(shape).numpy()
             blocks = torch.from_numpy(quantize(dense, kind))
             cut = shard.cut_blocks(name, blocks, BLOCK_BYTES["Q8_0"])
@@ -264,9 +278,14 @@ def test_an_eagle3_head_drafts_on_rank_0(model_dirs: dict[str, Path], tmp_path: 
     identical to one rank's with the same head."""
     head = write_eagle3(tmp_path / "eagle3")
     options = dict(
-        dtype="float32", num_kv_blocks=128, block_size=4, speculative_model=str(head),
-        speculative_method="eagle", num_speculative_tokens=3, spec_cost_model=False,
-    )  # fmt: skip
+        dtype="float32",
+        num_kv_blocks=128,
+        block_size=4,
+        speculative_model=str(head),
+        speculative_method="eagle",
+        num_speculative_tokens=3,
+        spec_cost_model=False,
+    )
     ps = prompts()
     want = generate(LLM(str(model_dirs["llama"]), **options), ps)
     two = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **options)

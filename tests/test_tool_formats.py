@@ -76,9 +76,13 @@ GEMMA4_OUT = (
     '<|tool_call>call:get_time{zone:<|"|>UTC<|"|>}<tool_call|>'
 )
 GEMMA4_ARGS = {
-    "city": 'Paris, "FR" {x}: 1', "days": -150.0, "ok": True, "none": None,
-    "nest": {"a": [1, "b,]", {"c": False}], "d": {}}, "e": [],
-}  # fmt: skip
+    "city": 'Paris, "FR" {x}: 1',
+    "days": -150.0,
+    "ok": True,
+    "none": None,
+    "nest": {"a": [1, "b,]", {"c": False}], "d": {}},
+    "e": [],
+}
 
 
 def test_gemma4_is_declared_and_read_whole_and_streamed() -> None:
@@ -147,9 +151,14 @@ def test_forced_calls_in_the_format(client, choice) -> None:
         else {"type": "function", "function": {"name": "get_time"}}
     )
     kw = dict(
-        model="", messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice,
-        parallel_tool_calls=False, temperature=0, max_tokens=200,
-    )  # fmt: skip
+        model="",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=200,
+    )
     r = client.chat.completions.create(**kw)
     choice_out = r.choices[0]
     assert choice_out.finish_reason == "tool_calls", choice_out
@@ -181,9 +190,15 @@ def test_strict_tools_shape_the_calls_the_model_chooses(served, client) -> None:
     assert len(ids) == 1, ids
     strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
     r = client.chat.completions.create(
-        model="", messages=ASK, tools=[strict], tool_choice="auto", temperature=0,
-        max_tokens=120, parallel_tool_calls=False, logit_bias={str(i): 100 for i in ids},
-    )  # fmt: skip
+        model="",
+        messages=ASK,
+        tools=[strict],
+        tool_choice="auto",
+        temperature=0,
+        max_tokens=120,
+        parallel_tool_calls=False,
+        logit_bias={str(i): 100 for i in ids},
+    )
     calls = r.choices[0].message.tool_calls
     assert calls, r.choices[0]
     assert r.choices[0].finish_reason == "tool_calls"

@@ -126,8 +126,11 @@ def test_non_streaming_named_call_and_parallel_off(client) -> None:
 
 def weather_call_history(arguments: str, result: str) -> list[dict]:
     """ASK, an assistant turn calling get_weather with `arguments`, and the tool's `result`."""
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": arguments}}  # fmt: skip
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
     return [
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -211,11 +214,21 @@ def test_structured_outputs_extensions_on_both_routes(server) -> None:
         ({"guided_choice": ["red", "blue"]}, lambda t: t in ("red", "blue")),
         ({"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}, lambda t: len(t) == 8),
         ({"guided_regex": "(ab)+"}, lambda t: set(t) <= {"a", "b"}),
-        ({"guided_json": {"type": "object", "properties": {"a": {"type": "boolean"}},
-                          "required": ["a"]}}, lambda t: isinstance(json.loads(t)["a"], bool)),
-        ({"structured_outputs": {"grammar": 'root ::= "x" ("y" | "z")'}},
-         lambda t: t in ("xy", "xz")),
-    ]  # fmt: skip
+        (
+            {
+                "guided_json": {
+                    "type": "object",
+                    "properties": {"a": {"type": "boolean"}},
+                    "required": ["a"],
+                }
+            },
+            lambda t: isinstance(json.loads(t)["a"], bool),
+        ),
+        (
+            {"structured_outputs": {"grammar": 'root ::= "x" ("y" | "z")'}},
+            lambda t: t in ("xy", "xz"),
+        ),
+    ]
     for extra, ok in cases:
         chat = httpx.post(
             url + "/v1/chat/completions",
@@ -239,18 +252,29 @@ def test_what_cannot_be_honoured_is_a_400(server) -> None:
         return httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60)
 
     cases = [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
-          "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
-         "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                    },
+                }
+            },
+            "response_format",
+        ),
         ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
         ({"guided_grammar": "root ::= ("}, "guided_grammar"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a+"}, "tool_choice"),
         ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
         ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0.type"),
-    ]  # fmt: skip
+    ]
     for extra, param in cases:
         r = chat(**extra)
         assert r.status_code == 400, (extra, r.text)
@@ -278,14 +302,42 @@ def test_what_cannot_be_honoured_is_a_400(server) -> None:
 
 
 NULLABLE_CHAT = [
-    "n", "stream", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-    "temperature", "top_p", "seed", "max_tokens", "max_completion_tokens", "logit_bias", "stop",
-    "stream_options", "tools", "tool_choice", "parallel_tool_calls", "response_format", "user",
-]  # fmt: skip
+    "n",
+    "stream",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_p",
+    "seed",
+    "max_tokens",
+    "max_completion_tokens",
+    "logit_bias",
+    "stop",
+    "stream_options",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "user",
+]
 NULLABLE_COMPLETION = [
-    "n", "stream", "logprobs", "echo", "presence_penalty", "frequency_penalty", "temperature",
-    "top_p", "seed", "max_tokens", "logit_bias", "stop", "suffix", "stream_options",
-]  # fmt: skip
+    "n",
+    "stream",
+    "logprobs",
+    "echo",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_p",
+    "seed",
+    "max_tokens",
+    "logit_bias",
+    "stop",
+    "suffix",
+    "stream_options",
+]
 
 
 def test_nulls_in_every_nullable_field(server) -> None:
@@ -340,9 +392,13 @@ def test_a_call_cut_by_the_token_cap_is_a_call_never_markup(client) -> None:
     cut_inside_arguments = 0
     for max_tokens in (6, 14, 20, 24):
         kw = dict(
-            model="SmolLM2-135M-Instruct", messages=ASK, tools=[WEATHER],
-            tool_choice="required", temperature=0, max_tokens=max_tokens,
-        )  # fmt: skip
+            model="SmolLM2-135M-Instruct",
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice="required",
+            temperature=0,
+            max_tokens=max_tokens,
+        )
         r = client.chat.completions.create(**kw)
         choice = r.choices[0]
         assert choice.finish_reason == "length"
@@ -363,9 +419,13 @@ def test_a_call_cut_by_the_token_cap_is_a_call_never_markup(client) -> None:
     tool = {"type": "function", **WEATHER["function"]}
     for cap in (6, 20):
         r = client.responses.create(
-            model="SmolLM2-135M-Instruct", input=ASK[0]["content"], tools=[tool],
-            tool_choice="required", temperature=0, max_output_tokens=cap,
-        )  # fmt: skip
+            model="SmolLM2-135M-Instruct",
+            input=ASK[0]["content"],
+            tools=[tool],
+            tool_choice="required",
+            temperature=0,
+            max_output_tokens=cap,
+        )
         assert r.status == "incomplete"
         texts = [p.text for item in r.output if item.type == "message" for p in item.content]
         assert not "".join(texts).strip(), texts
@@ -385,16 +445,18 @@ def test_history_with_unfinished_arguments_is_taken_back(server, client) -> None
     assert r.usage.prompt_tokens == len(ids)
     items = [
         {"role": "user", "content": ASK[0]["content"]},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
-         "arguments": partial},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": partial},
         {"type": "function_call_output", "call_id": "call_1", "output": "cut off"},
-    ]  # fmt: skip
+    ]
     resp = httpx.post(
         server.base + "/v1/responses",
-        json={"input": items, "tools": [{"type": "function", **WEATHER["function"]}],
-              "max_output_tokens": 4},
+        json={
+            "input": items,
+            "tools": [{"type": "function", **WEATHER["function"]}],
+            "max_output_tokens": 4,
+        },
         timeout=60,
-    )  # fmt: skip
+    )
     assert resp.status_code == 200, resp.text
 
 
@@ -407,9 +469,14 @@ def test_forced_calls_are_compact_and_end_the_turn(client) -> None:
     for parallel in (False, None):
         extra = {} if parallel is None else {"parallel_tool_calls": parallel}
         r = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=ASK, tools=[WEATHER], tool_choice="required",
-            temperature=0, max_tokens=60, **extra,
-        )  # fmt: skip
+            model="SmolLM2-135M-Instruct",
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice="required",
+            temperature=0,
+            max_tokens=60,
+            **extra,
+        )
         choice = r.choices[0]
         assert choice.message.content is None, choice.message.content
         calls = choice.message.tool_calls
@@ -441,9 +508,15 @@ def test_response_format_beside_required_tools_is_a_call_or_an_answer(server, cl
             else [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]
         )
         r = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=ASK, tools=tools, tool_choice=choice,
-            response_format=city, temperature=0.7, seed=seed, max_tokens=120,
-        )  # fmt: skip
+            model="SmolLM2-135M-Instruct",
+            messages=ASK,
+            tools=tools,
+            tool_choice=choice,
+            response_format=city,
+            temperature=0.7,
+            seed=seed,
+            max_tokens=120,
+        )
         msg = r.choices[0].message
         if msg.tool_calls:
             check_weather_args(msg.tool_calls[0].function.arguments)
@@ -453,13 +526,21 @@ def test_response_format_beside_required_tools_is_a_call_or_an_answer(server, cl
     resp = httpx.post(
         server.base + "/v1/responses",
         json={
-            "input": ASK[0]["content"], "tools": [{"type": "function", **WEATHER["function"]}],
-            "tool_choice": "required", "max_output_tokens": 120, "temperature": 0,
-            "text": {"format": {"type": "json_schema", "name": "City",
-                                "schema": City.model_json_schema()}},
+            "input": ASK[0]["content"],
+            "tools": [{"type": "function", **WEATHER["function"]}],
+            "tool_choice": "required",
+            "max_output_tokens": 120,
+            "temperature": 0,
+            "text": {
+                "format": {
+                    "type": "json_schema",
+                    "name": "City",
+                    "schema": City.model_json_schema(),
+                }
+            },
         },
         timeout=60,
-    )  # fmt: skip
+    )
     assert resp.status_code == 200, resp.text
     items = resp.json()["output"]
     calls = [i for i in items if i["type"] == "function_call"]
@@ -478,10 +559,13 @@ def test_a_forced_call_cut_before_its_name_is_still_that_call(server, client, fo
     Responses (an Agents SDK otherwise takes `None` as the final output)."""
     named = {"type": "function", "function": {"name": "get_weather"}}
     kw = dict(
-        model="SmolLM2-135M-Instruct", messages=ASK, temperature=0, max_tokens=max_tokens,
+        model="SmolLM2-135M-Instruct",
+        messages=ASK,
+        temperature=0,
+        max_tokens=max_tokens,
         tools=[WEATHER] if forced == "required" else [WEATHER, TIME],
         tool_choice="required" if forced == "required" else named,
-    )  # fmt: skip
+    )
     r = client.chat.completions.create(**kw)
     c = r.choices[0]
     assert c.finish_reason == "length" and c.message.content is None, c
@@ -495,12 +579,15 @@ def test_a_forced_call_cut_before_its_name_is_still_that_call(server, client, fo
         assert not chunk.choices[0].delta.content
     assert streamed == {"name": "get_weather", "arguments": call.function.arguments}
     body = {
-        "model": "SmolLM2-135M-Instruct", "input": ASK[0]["content"],
-        "tools": [{"type": "function", **WEATHER["function"]}], "temperature": 0,
-        "tool_choice": "required" if forced == "required" else {
-            "type": "function", "name": "get_weather"},
+        "model": "SmolLM2-135M-Instruct",
+        "input": ASK[0]["content"],
+        "tools": [{"type": "function", **WEATHER["function"]}],
+        "temperature": 0,
+        "tool_choice": "required"
+        if forced == "required"
+        else {"type": "function", "name": "get_weather"},
         "max_output_tokens": max_tokens,
-    }  # fmt: skip
+    }
     out = httpx.post(server.base + "/v1/responses", json=body, timeout=60).json()
     assert out["status"] == "incomplete", out
     assert [(i["type"], i.get("name")) for i in out["output"]] == [("function_call", "get_weather")]

@@ -52,8 +52,9 @@ def prompt(llm: LLM, vlm: str, seeds: list[int], question: str = "What is this?"
     for seed in seeds:
         pixels = processor(decode_image(png(seed), 10**7, 2))
         at = ids.index(IMAGE, at)
-        images.append(PromptImage(at, TOKENS_PER_IMAGE, content_hash(pixels),
-                                  torch.from_numpy(pixels)))  # fmt: skip
+        images.append(
+            PromptImage(at, TOKENS_PER_IMAGE, content_hash(pixels), torch.from_numpy(pixels))
+        )
         at += TOKENS_PER_IMAGE
     return ids, tuple(images)
 
@@ -85,8 +86,13 @@ def test_pixels_match_transformers_pil_processor(vlm) -> None:
 def test_one_and_two_images_match_transformers(vlm, reference, chunk: int) -> None:
     """Whole prefills, and chunks of 5 tokens: a chunk that would end inside an image stops
     before it or takes the image whole, so the image's two-way attention is the same."""
-    llm = LLM(vlm, num_kv_blocks=64, block_size=4, max_num_batched_tokens=chunk,
-              enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(
+        vlm,
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=chunk,
+        enable_prefix_caching=False,
+    )
     for seeds in ([1], [1, 2]):
         ids, images = prompt(llm, vlm, seeds)
         ref = assert_like_reference(llm, ids, images, partial(theirs, reference), GREEDY)

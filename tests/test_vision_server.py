@@ -61,9 +61,13 @@ def picture_host():
 
 @pytest.fixture(scope="module")
 def server(vlm, picture_host):
-    s = InProcessServer(vlm, engine={"block_size": 4, "max_num_batched_tokens": 64},
-                        allowed_media_domains=["127.0.0.1"], max_images_per_request=3,
-                        max_image_bytes=200_000)  # fmt: skip
+    s = InProcessServer(
+        vlm,
+        engine={"block_size": 4, "max_num_batched_tokens": 64},
+        allowed_media_domains=["127.0.0.1"],
+        max_images_per_request=3,
+        max_image_bytes=200_000,
+    )
     yield s
     s.stop()
 
@@ -86,8 +90,9 @@ def expected(reference, seeds: list[int]) -> tuple[str, int, int]:
 
     processor, model = reference
     content = [{"type": "image"} for _ in seeds] + [{"type": "text", "text": QUESTION}]
-    text = processor.apply_chat_template([{"role": "user", "content": content}],
-                                         add_generation_prompt=True, tokenize=False)  # fmt: skip
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     images = [Image.open(io.BytesIO(png(s))) for s in seeds]
     inputs = processor(text=text, images=images, return_tensors="pt")
     with torch.no_grad():
@@ -111,15 +116,20 @@ def chat(server, *urls: str):
     content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
     content.append({"type": "text", "text": QUESTION})
     return openai_client(server).chat.completions.create(
-        model="vlm", messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
+        model="vlm",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=MAX_TOKENS,
         temperature=0,
-    )  # fmt: skip
+    )
 
 
 def metric(server, name: str) -> float:
     text = httpx.get(server.base + "/metrics", timeout=10).text
-    line = next(ln for ln in text.splitlines()
-                if ln.split(" ")[0] in (f"kvserve:{name}", f"kvserve:{name}_total"))  # fmt: skip
+    line = next(
+        ln
+        for ln in text.splitlines()
+        if ln.split(" ")[0] in (f"kvserve:{name}", f"kvserve:{name}_total")
+    )
     return float(line.split()[-1])
 
 
@@ -137,19 +147,41 @@ def test_every_route_answers_images_as_transformers(server, reference) -> None:
     assert r.usage.prompt_tokens_details.image_tokens == 2 * TOKENS_PER_IMAGE
     validate("CreateChatCompletionResponse", r.model_dump(exclude_unset=True))
     resp = openai_client(server).responses.create(
-        model="vlm", max_output_tokens=MAX_TOKENS, temperature=0,
-        input=[{"role": "user", "content": [
-            {"type": "input_image", "image_url": data_url(png(1))},
-            {"type": "input_text", "text": QUESTION}]}],
-    )  # fmt: skip
+        model="vlm",
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(png(1))},
+                    {"type": "input_text", "text": QUESTION},
+                ],
+            }
+        ],
+    )
     assert resp.output_text == answer and resp.usage.input_tokens == prompt_len
     msg = Anthropic(base_url=server.base, api_key="x", max_retries=0).messages.create(
-        model="vlm", max_tokens=MAX_TOKENS, extra_body={"temperature": 0.0},
-        messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                         "data": base64.b64encode(png(1)).decode()}},
-            {"type": "text", "text": QUESTION}]}],
-    )  # fmt: skip
+        model="vlm",
+        max_tokens=MAX_TOKENS,
+        extra_body={"temperature": 0.0},
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "source": {
+                            "type": "base64",
+                            "media_type": "image/png",
+                            "data": base64.b64encode(png(1)).decode(),
+                        },
+                    },
+                    {"type": "text", "text": QUESTION},
+                ],
+            }
+        ],
+    )
     text = "".join(b.text for b in msg.content if b.type == "text")
     assert text == answer
     usage = msg.usage
@@ -223,8 +255,10 @@ def test_hostile_images_are_400s_on_every_route(server, picture_host) -> None:
                 {"type": "text", "text": "hi"},
                 {"type": "image_url", "image_url": {"url": url}},
             ]
-            r = c.post("/v1/chat/completions",
-                       json={**body, "messages": [{"role": "user", "content": parts}]})  # fmt: skip
+            r = c.post(
+                "/v1/chat/completions",
+                json={**body, "messages": [{"role": "user", "content": parts}]},
+            )
             assert r.status_code == 400, (why, r.text)
             err = r.json()["error"]
             assert err["param"] == "messages.0.content.1" and why in err["message"], err
@@ -249,13 +283,15 @@ def test_hostile_images_are_400s_on_every_route(server, picture_host) -> None:
         assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
         assert err["error"]["message"].startswith("messages.0.content.0: the PNG data is damaged")
         many = [{"type": "image_url", "image_url": {"url": data_url(png(k))}} for k in range(4)]
-        r = c.post("/v1/chat/completions",
-                   json={**body, "messages": [{"role": "user", "content": many}]})  # fmt: skip
+        r = c.post(
+            "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": many}]}
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.3"
         assert "at most 3 images" in r.json()["error"]["message"]
         typed = [{"type": "text", "text": "<image_soft_token> is a token"}]  # a forged placeholder
-        r = c.post("/v1/chat/completions",
-                   json={**body, "messages": [{"role": "user", "content": typed}]})  # fmt: skip
+        r = c.post(
+            "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": typed}]}
+        )
         assert r.status_code == 400, r.text
     snap = server.core.snapshot()
     assert snap.num_running == snap.num_waiting == 0 and "2" not in snap.block_map

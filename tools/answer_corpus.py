@@ -44,10 +44,17 @@ def main() -> None:
     )
     seconds = time.monotonic() - start
     answers = [r.outputs[0].token_ids for r in results]
-    manifest = write_corpus(out, answers, {
-        "prompts": len(prompts), "max_tokens": a.max_tokens, "greedy": True,
-        "seconds": round(seconds, 1), "model": a.model or "the default model",
-    })  # fmt: skip
+    manifest = write_corpus(
+        out,
+        answers,
+        {
+            "prompts": len(prompts),
+            "max_tokens": a.max_tokens,
+            "greedy": True,
+            "seconds": round(seconds, 1),
+            "model": a.model or "the default model",
+        },
+    )
     if not Path(out, "target_probe.json").is_file():
         write_probe(out, embed)
     print(f"{manifest['answers']} answers, {manifest['tokens']} tokens in {seconds:.0f} s -> {out}")

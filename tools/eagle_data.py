@@ -100,8 +100,9 @@ def answer_in_shards(
         if not shard.exists():
             # which rows sample is seeded by the shard's index; the sampled tokens come from the
             # engine's generator, so only greedy rows repeat exactly in a restarted run
-            part = generate_data(llm, questions[first : first + shard_size], max_tokens,
-                                 sampled_share, seed + n)  # fmt: skip
+            part = generate_data(
+                llm, questions[first : first + shard_size], max_tokens, sampled_share, seed + n
+            )
             torch.save(part, shard.with_suffix(".partial"))
             shard.with_suffix(".partial").rename(shard)
             took = time.monotonic() - start

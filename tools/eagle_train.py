@@ -340,9 +340,15 @@ def main() -> None:
         token_map = torch.tensor(draft_vocabulary(seqs, args.draft_vocab, specials))
         head = new_head(model, token_map)
     train_head(
-        head, seqs, feats, args.epochs, args.lr, args.pack_tokens, args.seed,
+        head,
+        seqs,
+        feats,
+        args.epochs,
+        args.lr,
+        args.pack_tokens,
+        args.seed,
         ce_weight=args.ce_weight,
-    )  # fmt: skip
+    )
     save_head(head, model, args.out)
     print(f"saved {args.out}")
 

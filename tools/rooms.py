@@ -13,24 +13,36 @@ argued, so a new dependency is a reviewed line, not a drift found later.
 from __future__ import annotations
 
 # value types every engine and server room may import; each imports only leaves (checked)
-LEAVES = frozenset({
-    "engine.core.request",  # a request's state
-    "engine.core.images",  # a prompt's images (placement, content hash, pixels)
-    "engine.core.positions",  # a request's own rotary positions (M-RoPE)
-    "engine.core.sampling_params",  # what a request asks for
-    "engine.core.sampled",  # what sampling yields (token logprobs, picks)
-    "engine.core.batch",  # a step's grant and result, the grammar mask that goes with it
-    "engine.core.outputs",  # what a step hands back per request
-    "engine.core.snapshot",  # plain data the server reads
-    "engine.core.engine_info",  # the engine's facts, and the prompt checks on them
-    "engine.core.step_budget",  # step costs and the budget's arithmetic (pure: no clock)
-    "engine.spec.draft_state",  # a request's drafting state
-    "engine.spec.suffix_index",  # the suffix index that state holds
-})  # fmt: skip
+LEAVES = frozenset(
+    {
+        "engine.core.request",  # a request's state
+        "engine.core.images",  # a prompt's images (placement, content hash, pixels)
+        "engine.core.positions",  # a request's own rotary positions (M-RoPE)
+        "engine.core.sampling_params",  # what a request asks for
+        "engine.core.sampled",  # what sampling yields (token logprobs, picks)
+        "engine.core.batch",  # a step's grant and result, the grammar mask that goes with it
+        "engine.core.outputs",  # what a step hands back per request
+        "engine.core.snapshot",  # plain data the server reads
+        "engine.core.engine_info",  # the engine's facts, and the prompt checks on them
+        "engine.core.step_budget",  # step costs and the budget's arithmetic (pure: no clock)
+        "engine.spec.draft_state",  # a request's drafting state
+        "engine.spec.suffix_index",  # the suffix index that state holds
+    }
+)
 
-ENGINE_ROOMS = ("engine", "engine.attention", "engine.build", "engine.core", "engine.grammar",
-                "engine.kv", "engine.lora", "engine.parallel", "engine.runner", "engine.spec",
-                "engine.weights")  # fmt: skip
+ENGINE_ROOMS = (
+    "engine",
+    "engine.attention",
+    "engine.build",
+    "engine.core",
+    "engine.grammar",
+    "engine.kv",
+    "engine.lora",
+    "engine.parallel",
+    "engine.runner",
+    "engine.spec",
+    "engine.weights",
+)
 
 ALLOWED: dict[str, frozenset[str]] = {
     "kernels": frozenset(),  # the bottom: C++ sources, their loader and build helper
@@ -41,32 +53,70 @@ ALLOWED: dict[str, frozenset[str]] = {
     "engine.grammar": frozenset({"models", "kernels"}),
     # the step: backends, tables, the model; the grammar's bitmask op, the verifier every
     # draft source shares, and the tensor-parallel group the forward joins
-    "engine.runner": frozenset({"engine.attention", "engine.kv", "models", "kernels",
-                                "engine.grammar", "engine.spec", "engine.parallel"}),  # fmt: skip
+    "engine.runner": frozenset(
+        {
+            "engine.attention",
+            "engine.kv",
+            "models",
+            "kernels",
+            "engine.grammar",
+            "engine.spec",
+            "engine.parallel",
+        }
+    ),
     # drafts read the runner's step inputs and sampling, the backends (the head's own layer)
     # and the grammar (forced tokens)
-    "engine.spec": frozenset({"engine.runner", "engine.attention", "engine.grammar", "engine.kv",
-                              "models", "kernels"}),  # fmt: skip
+    "engine.spec": frozenset(
+        {"engine.runner", "engine.attention", "engine.grammar", "engine.kv", "models", "kernels"}
+    ),
     "engine.weights": frozenset({"engine.runner", "engine.attention", "models", "kernels"}),
     # a worker rank builds its own engine half (one builder for every rank) from the config
-    "engine.parallel": frozenset({"engine", "engine.build", "engine.runner", "engine.attention",
-                                  "engine.kv", "models", "kernels"}),  # fmt: skip
+    "engine.parallel": frozenset(
+        {
+            "engine",
+            "engine.build",
+            "engine.runner",
+            "engine.attention",
+            "engine.kv",
+            "models",
+            "kernels",
+        }
+    ),
     # the builder imports every engine room once, to build them whole
     "engine.build": frozenset(ENGINE_ROOMS) | {"models", "kernels"},
     # LLMEngine: built by the builder, it steps scheduler, runner, drafter and outputs
-    "engine.core": frozenset({"engine", "engine.build", "engine.kv", "engine.lora",
-                              "engine.runner", "engine.spec", "engine.grammar",
-                              "models"}),  # fmt: skip
+    "engine.core": frozenset(
+        {
+            "engine",
+            "engine.build",
+            "engine.kv",
+            "engine.lora",
+            "engine.runner",
+            "engine.spec",
+            "engine.grammar",
+            "models",
+        }
+    ),
     # the door (AsyncEngine), the config and the offline LLM over the core
     "engine": frozenset(ENGINE_ROOMS) | {"models"},
     "server.protocol": frozenset({"server"}),
     "server.flow": frozenset({"server", "server.protocol", "engine", "engine.grammar", "models"}),
-    "server.routes": frozenset({"server", "server.flow", "server.protocol", "engine",
-                                "engine.lora", "models"}),  # fmt: skip
+    "server.routes": frozenset(
+        {"server", "server.flow", "server.protocol", "engine", "engine.lora", "models"}
+    ),
     # the app over the door; `kvserve kernels` prints the kernel matrix (build, attention)
-    "server": frozenset({"server.flow", "server.protocol", "server.routes", "engine",
-                         "engine.build", "engine.attention", "engine.grammar",
-                         "models"}),  # fmt: skip
+    "server": frozenset(
+        {
+            "server.flow",
+            "server.protocol",
+            "server.routes",
+            "engine",
+            "engine.build",
+            "engine.attention",
+            "engine.grammar",
+            "models",
+        }
+    ),
 }
 
 

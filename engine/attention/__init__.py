@@ -17,8 +17,11 @@ from models.spec import ModelSpec
 
 # the reference (gather + SDPA, any device) last: it serves only where forced or nothing else can
 BACKENDS: list[type[AttentionBackend]] = [
-    FlashInferBackend, XFormersBackend, TorchBackend, ReferenceBackend,
-]  # fmt: skip
+    FlashInferBackend,
+    XFormersBackend,
+    TorchBackend,
+    ReferenceBackend,
+]
 SLOW_ONLY = ("dtype",)  # requirements that cost speed, not correctness (waivable)
 
 __all__ = [

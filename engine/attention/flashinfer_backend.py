@@ -103,14 +103,28 @@ class FlashInferStep(AttentionStep):
         kw = plan_kwargs(backend.spec, backend.dtype)
         if self.decode_only:
             wrapper.plan(
-                self.kv_indptr, self.kv_indices, self.last_len, heads, kv_heads, head_dim,
-                backend.block_size, **kw,
-            )  # fmt: skip
+                self.kv_indptr,
+                self.kv_indices,
+                self.last_len,
+                heads,
+                kv_heads,
+                head_dim,
+                backend.block_size,
+                **kw,
+            )
         else:
             wrapper.plan(
-                self.qo_indptr, self.kv_indptr, self.kv_indices, self.last_len, heads,
-                kv_heads, head_dim, backend.block_size, causal=True, **kw,
-            )  # fmt: skip
+                self.qo_indptr,
+                self.kv_indptr,
+                self.kv_indices,
+                self.last_len,
+                heads,
+                kv_heads,
+                head_dim,
+                backend.block_size,
+                causal=True,
+                **kw,
+            )
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None

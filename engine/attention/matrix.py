@@ -297,10 +297,15 @@ def model_refusals(
     if needs.uneven_gqa:
         verdict["GQA group size"] = "query heads not a multiple of KV heads"
     supports = {
-        "sliding_window": sliding_window, "mixed_windows": mixed_windows, "soft_cap": soft_cap,
-        "tree_masks": tree_masks, "int8_kv": int8_kv, "compressed": compressed,
-        "sparse": compressed, "image_spans": image_spans,
-    }  # fmt: skip
+        "sliding_window": sliding_window,
+        "mixed_windows": mixed_windows,
+        "soft_cap": soft_cap,
+        "tree_masks": tree_masks,
+        "int8_kv": int8_kv,
+        "compressed": compressed,
+        "sparse": compressed,
+        "image_spans": image_spans,
+    }
     for need, (row, why) in _UNSUPPORTED.items():
         if getattr(needs, need) and not supports[need]:
             verdict[row] = why

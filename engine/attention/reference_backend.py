@@ -51,8 +51,9 @@ class ReferenceStep(AttentionStep):
         for i in range(meta.num_seqs):
             start, seq = meta.query_start[i], meta.seq_lens[i]
             pages = torch.tensor(meta.block_tables[i][: -(-seq // bs)], device=device)
-            self.seqs.append((slice(start, start + meta.query_lens[i]), meta.context_lens[i],
-                              seq, pages))  # fmt: skip
+            self.seqs.append(
+                (slice(start, start + meta.query_lens[i]), meta.context_lens[i], seq, pages)
+            )
         self.masks: dict[tuple[int, int | None], torch.Tensor] = {}
 
     def forward(

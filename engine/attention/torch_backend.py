@@ -6,32 +6,37 @@ head_dim]. Heads outermost means gathering a sequence's pages with one `index_se
 block dimension yields [kv_heads, pages * block_size, head_dim] directly, contiguous per head:
 one copy of the KV per step instead of gather-then-reshape (decode is bound by reading the KV).
 
-Decode rows (one query token) are attended in buckets of similar length (padding is bounded by
-the bucket), with two batched matmuls that handle GQA without repeating K/V. Prefill chunks are
-attended one sequence at a time: on CPU by the C++ prefill op reading the pages in place
-(kernels/cpu_prefill.cpp); otherwise with SDPA, a chunk with no earlier context attending its own
-fresh K/V directly and one with context gathering its pages under a mask.
+Decode rows (one query token) go to the C++ decode op, or through pool views (range decode), or
+in buckets of similar length (gather_paths.py). Prefill chunks are attended one sequence at a
+time: on CPU by the C++ prefill op reading the pages in place (kernels/cpu_prefill.cpp);
+otherwise with SDPA (gather_paths.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 import engine.attention.cpu_prefill as cpu_prefill
 from engine.attention import kv_quant
-from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata, sdpa_rows
-from engine.attention.masks import decode_mask, padded_tables, prefill_mask
+from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
+from engine.attention.gather_paths import (
+    DecodeBucket,
+    PrefillChunk,
+    decode_buckets,
+    gather_decode,
+    gather_prefill,
+)
+from engine.attention.masks import padded_tables
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, model_refusals, slow_cpu_dtype
 from engine.attention.range_decode import RangeDecodePlan
 from kernels.ops import CPU_DECODE
 from models.attention_step import DecodeStackArgs, PagedBatch
 from models.spec import ModelSpec
 
-DECODE_BUCKET = 16  # sequences per decode bucket (sorted by length)
 RANGE_MIN_SEQS = 4  # decode batches at least this large read KV through pool views
 CPP_DECODE_DTYPES = (torch.float32, torch.bfloat16)  # query dtypes the C++ ops take
 CPP_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # KV dtypes they read
@@ -43,26 +48,6 @@ ROWS_AS_DECODE = 12
 def cpp_reads(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether the C++ ops take activations of `dtype` on a cache of `cache_dtype`."""
     return dtype in CPP_DECODE_DTYPES and cache_dtype in (dtype, torch.bfloat16, torch.int8)
-
-
-@dataclass(slots=True)
-class _DecodeBucket:
-    rows: torch.Tensor  # query rows of these sequences in the flat batch
-    pages: torch.Tensor  # [seqs * max_pages] block ids, padded with block 0
-    num_seqs: int
-    masks: dict[int | None, torch.Tensor]  # per window: [1, seqs, 1, max_pages * bs] additive
-
-
-@dataclass(slots=True)
-class _Prefill:
-    rows: slice
-    seq_len: int
-    pages: torch.Tensor  # the sequence's blocks, int32
-    context: int  # tokens before the chunk
-    # per window, [q, seq_len] bool, True = attend; None = plain causal. Built when SDPA
-    # first serves the chunk in a layer of that window, then kept for the step's other layers
-    masks: dict[int | None, torch.Tensor | None]
-    image_spans: tuple[tuple[int, int], ...] = ()  # positions attending both ways
 
 
 class TorchAttentionStep(AttentionStep):
@@ -84,10 +69,14 @@ class TorchAttentionStep(AttentionStep):
         # causally, and the step keeps the fused decode path instead of gather + SDPA.
         cpp = backend.decode_op is not None
         if cpp:
-            decode_seqs = [i for i, q in enumerate(meta.query_lens) if q <= ROWS_AS_DECODE
-                           and not spans[i]]  # fmt: skip
-        rows = [(meta.query_start[i] + j, i, meta.context_lens[i] + j + 1)
-                for i in decode_seqs for j in range(meta.query_lens[i])]  # fmt: skip
+            decode_seqs = [
+                i for i, q in enumerate(meta.query_lens) if q <= ROWS_AS_DECODE and not spans[i]
+            ]
+        rows = [
+            (meta.query_start[i] + j, i, meta.context_lens[i] + j + 1)
+            for i in decode_seqs
+            for j in range(meta.query_lens[i])
+        ]
         self.all_decode = len(decode_seqs) == meta.num_seqs
         self.decode_rows = (  # only a mixed step picks its decode rows out (an upload)
             None
@@ -95,7 +84,7 @@ class TorchAttentionStep(AttentionStep):
             else torch.tensor([row for row, _, _ in rows], device=device)
         )
         self.range_plan: RangeDecodePlan | None = None
-        self.decode: list[_DecodeBucket] = []
+        self.decode: list[DecodeBucket] = []
         self.cpp_decode: tuple[torch.Tensor, torch.Tensor] | None = None  # tables, lengths
         if rows and cpp:
             tables = padded_tables([meta.block_tables[i] for _, i, _ in rows], np.int32)
@@ -111,10 +100,11 @@ class TorchAttentionStep(AttentionStep):
                 device,
             )
         if decode_seqs and self.range_plan is None and self.cpp_decode is None:
-            self._plan_buckets(meta, sorted(decode_seqs, key=lambda i: meta.seq_lens[i]), device)
+            by_length = sorted(decode_seqs, key=lambda i: meta.seq_lens[i])
+            self.decode = decode_buckets(meta, by_length, bs, backend.windows, device)
 
         self.meta = meta
-        self.prefills: list[_Prefill] = []
+        self.prefills: list[PrefillChunk] = []
         attended = set(decode_seqs)
         for i, q_len in enumerate(meta.query_lens):
             if i in attended:
@@ -123,7 +113,7 @@ class TorchAttentionStep(AttentionStep):
             pages = torch.tensor(  # int32: the C++ op's and index_select's
                 meta.block_tables[i][: -(-seq // bs)], dtype=torch.int32, device=device
             )
-            chunk = _Prefill(slice(start, start + q_len), seq, pages, ctx, {}, tuple(spans[i]))
+            chunk = PrefillChunk(slice(start, start + q_len), seq, pages, ctx, {}, tuple(spans[i]))
             self.prefills.append(chunk)
         # the sliding-window layers' own pool (engine/kv/window.py): the same plan over its
         # tables, for those layers
@@ -134,9 +124,13 @@ class TorchAttentionStep(AttentionStep):
             if top >= backend.smallest_cache:
                 raise ValueError(f"block {top} is past the window pool's {backend.smallest_cache}")
         if meta.window_block_tables is not None:
-            window_meta = replace(meta, block_tables=meta.window_block_tables,
-                                  slot_mapping=meta.window_slot_mapping,
-                                  window_block_tables=None, window_slot_mapping=None)  # fmt: skip
+            window_meta = replace(
+                meta,
+                block_tables=meta.window_block_tables,
+                slot_mapping=meta.window_slot_mapping,
+                window_block_tables=None,
+                window_slot_mapping=None,
+            )
             self.window_step = TorchAttentionStep(backend, window_meta)
 
     def _step_of(self, layer_idx: int) -> TorchAttentionStep:
@@ -145,26 +139,15 @@ class TorchAttentionStep(AttentionStep):
             return self.window_step
         return self
 
-    def _plan_buckets(self, meta: StepMetadata, decode: list[int], device: torch.device) -> None:
-        bs = self.backend.block_size
-        for b in range(0, len(decode), DECODE_BUCKET):
-            seqs = decode[b : b + DECODE_BUCKET]
-            table = torch.from_numpy(padded_tables([meta.block_tables[i] for i in seqs], np.int64))
-            keys = table.shape[1] * bs
-            seq_lens = torch.tensor([meta.seq_lens[i] for i in seqs])
-            self.decode.append(
-                _DecodeBucket(
-                    torch.tensor([meta.query_start[i] for i in seqs], device=device),
-                    table.flatten().to(device),
-                    len(seqs),
-                    {w: decode_mask(seq_lens, keys, w).to(device) for w in self.backend.windows},
-                )
-            )
-
     def attend_qkv(
-        self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        num_heads: int, decode_only: bool = False,
-    ) -> torch.Tensor | None:  # fmt: skip
+        self,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        decode_only: bool = False,
+    ) -> torch.Tensor | None:
         o = self.rope_decode(layer_idx, qkv, cos, sin, num_heads)
         if o is not None or decode_only:
             return o
@@ -172,9 +155,13 @@ class TorchAttentionStep(AttentionStep):
         return None if q is None else self.forward(layer_idx, q, None, None)
 
     def rope_decode(
-        self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         num_heads: int,
-    ) -> torch.Tensor | None:  # fmt: skip
+    ) -> torch.Tensor | None:
         if (step := self._step_of(layer_idx)) is not self:
             return step.rope_decode(layer_idx, qkv, cos, sin, num_heads)
         backend = self.backend
@@ -198,9 +185,13 @@ class TorchAttentionStep(AttentionStep):
         )
 
     def rope_write(
-        self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         num_heads: int,
-    ) -> torch.Tensor | None:  # fmt: skip
+    ) -> torch.Tensor | None:
         if (step := self._step_of(layer_idx)) is not self:
             return step.rope_write(layer_idx, qkv, cos, sin, num_heads)
         backend = self.backend
@@ -216,9 +207,14 @@ class TorchAttentionStep(AttentionStep):
     def paged_batch(self) -> PagedBatch:
         m = self.meta
         return PagedBatch(
-            self.backend.kv_caches, self.backend.block_size, m.query_start, m.query_lens,
-            m.context_lens, m.block_tables, m.window_block_tables,
-        )  # fmt: skip
+            self.backend.kv_caches,
+            self.backend.block_size,
+            m.query_start,
+            m.query_lens,
+            m.context_lens,
+            m.block_tables,
+            m.window_block_tables,
+        )
 
     def decode_stack_args(self, cos: torch.Tensor, num_layers: int) -> DecodeStackArgs | None:
         if self.window_step is not None:  # one set of tables for the op: every layer windowed
@@ -234,9 +230,13 @@ class TorchAttentionStep(AttentionStep):
         tables, lens = self.cpp_decode
         return DecodeStackArgs(
             [backend.kv_caches[backend.layer_group[i]] for i in range(num_layers)],
-            self.slot_block, self.slot_offset, tables, lens,
-            1.0 / math.sqrt(cos.shape[-1] * 2), backend.layer_window[0] or 0,
-        )  # fmt: skip
+            self.slot_block,
+            self.slot_offset,
+            tables,
+            lens,
+            1.0 / math.sqrt(cos.shape[-1] * 2),
+            backend.layer_window[0] or 0,
+        )
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
@@ -267,61 +267,19 @@ class TorchAttentionStep(AttentionStep):
         else:
             out = q.new_empty(q.shape)
         for bucket in self.decode:
-            o = self._decode(bucket, q.index_select(0, bucket.rows), cache, scale, window)
+            o = gather_decode(bucket, q.index_select(0, bucket.rows), cache, scale, window)
             out.index_copy_(0, bucket.rows, o)
         op_takes = self.backend.prefill_op is not None and cpp_reads(q.dtype, cache.dtype)
         for p in self.prefills:
             if op_takes and not p.image_spans:  # reads the chunk's pages (causal only)
                 o = out[p.rows]
-                self.backend.prefill_op(q[p.rows], o, cache[0], cache[1], p.pages, p.context,
-                                        scale, window or 0)  # fmt: skip
+                self.backend.prefill_op(
+                    q[p.rows], o, cache[0], cache[1], p.pages, p.context, scale, window or 0
+                )
                 continue
             fresh = (k[p.rows], v[p.rows]) if k is not None and v is not None else None
-            out[p.rows] = self._prefill(p, q[p.rows], fresh, cache, scale, window)
+            out[p.rows] = gather_prefill(p, q[p.rows], fresh, cache, scale, window)
         return out
-
-    def _decode(
-        self,
-        bucket: _DecodeBucket,
-        q: torch.Tensor,
-        cache: torch.Tensor,
-        scale: float,
-        window: int | None,
-    ) -> torch.Tensor:
-        n, heads, dim = q.shape
-        kv_heads, width = cache.shape[1], cache.shape[-1]
-        keys = cache[0].index_select(1, bucket.pages).view(kv_heads, n, -1, width)  # [h, n, L, w]
-        values = cache[1].index_select(1, bucket.pages).view(kv_heads, n, -1, width)
-        # a bf16 cache under float32, an int8 one under either
-        keys, values = kv_quant.read(keys, q.dtype), kv_quant.read(values, q.dtype)
-        qg = q.view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [h, n, g, d]
-        scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [h, n, g, L]
-        # softmax in float32 against the float32 mask, probabilities back in the KV dtype (a
-        # bf16/fp16 cache must not meet float32 probabilities in the matmul below)
-        probs = torch.softmax(scores.float() + bucket.masks[window], dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).transpose(0, 1).reshape(n, heads, dim)
-
-    def _prefill(
-        self,
-        p: _Prefill,
-        q: torch.Tensor,
-        fresh: tuple[torch.Tensor, torch.Tensor] | None,
-        cache: torch.Tensor,
-        scale: float,
-        window: int | None,
-    ) -> torch.Tensor:
-        if window not in p.masks:
-            mask = prefill_mask(p.context, p.seq_len, window, p.image_spans)
-            p.masks[window] = mask.to(q.device) if mask is not None else None
-        mask = p.masks[window]
-        if p.context > 0 or fresh is None:
-            kv_heads, width = cache.shape[1], cache.shape[-1]
-            keys = cache[0].index_select(1, p.pages).view(kv_heads, -1, width)[:, : p.seq_len]
-            values = cache[1].index_select(1, p.pages).view(kv_heads, -1, width)[:, : p.seq_len]
-            keys, values = kv_quant.read(keys, q.dtype), kv_quant.read(values, q.dtype)
-        else:
-            keys, values = fresh[0].transpose(0, 1), fresh[1].transpose(0, 1)
-        return sdpa_rows(q, keys, values, mask, scale)
 
 
 class TorchBackend(AttentionBackend):

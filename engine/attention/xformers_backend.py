@@ -181,8 +181,9 @@ class XFormersBackend(AttentionBackend):
                 f"page size {block_size} is not a multiple of the Triton split-K BLOCK_N "
                 f"({BLOCK_N}); use --block-size 64 or 128"
             )
-        return verdict | model_refusals(needs, head_dims=HEAD_DIMS, sliding_window=False,
-                                        soft_cap=False)  # fmt: skip
+        return verdict | model_refusals(
+            needs, head_dims=HEAD_DIMS, sliding_window=False, soft_cap=False
+        )
 
     def plan(self, meta: StepMetadata) -> XFormersStep:
         return XFormersStep(self, meta)

@@ -114,11 +114,20 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
                 pool.scratch_blocks,
                 pool.block_size,
                 device,
-            )  # fmt: skip
+            )
         )
-    host = kv_phase.host_tier(config, model_path, weights.spec, dtype, pool.block_size,
-                              type(pool.backend), pool.backend.kv_caches, draft,
-                              pool.sizing_bytes, tp.mirror_kv if tp else None)  # fmt: skip
+    host = kv_phase.host_tier(
+        config,
+        model_path,
+        weights.spec,
+        dtype,
+        pool.block_size,
+        type(pool.backend),
+        pool.backend.kv_caches,
+        draft,
+        pool.sizing_bytes,
+        tp.mirror_kv if tp else None,
+    )
     kv = _kv_manager(config, pool, host, tp)
     kernel_table = (
         f"{pool.choice.table}\n  dtype {dtype_name(dtype)}: {dtype_reason}\n  weights: {notes}"
@@ -127,8 +136,9 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     if pool.prefill_attention:
         kernel_table += f"\n  prefill attention: {pool.prefill_attention}"
     if weights.spec.group_specs:  # DeepSeek V4: its decode-step kernels, measured
-        v4 = choose_v4_kernels(weights.model, dtype, device, config.max_num_seqs,
-                               pool.block_size, pool.max_model_len)  # fmt: skip
+        v4 = choose_v4_kernels(
+            weights.model, dtype, device, config.max_num_seqs, pool.block_size, pool.max_model_len
+        )
         kernel_table += f"\n  decode step: {v4}" if v4 else ""
     if host is not None:
         kernel_table += kv_phase.host_tier_lines(config, host)
@@ -143,8 +153,9 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     if loras.limits.max_loras:  # the weights' methods are final (measured and judged above)
         weights.model.enable_lora()
     kernel_table += f"\n  step budget: {budget.describe()}\n  lora: {loras.describe()}"
-    vision = build_image_encoder(config, model_path, spec, dtype, device, draft is not None,
-                                 tokenizer)  # fmt: skip
+    vision = build_image_encoder(
+        config, model_path, spec, dtype, device, draft is not None, tokenizer
+    )
     image_cost = encoder_cost(*vision, budget) if vision else 0.0
     if vision:
         kernel_table += f"\n  images: {image_cost:.2f} prefill tokens of a step a soft token"
@@ -161,23 +172,52 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         image_cost=image_cost,
     )
     aux = draft.cfg.aux_layers if draft else ()
-    runner = ModelRunner(weights.model, pool.backend, kv, device, aux, tp,
-                         vision[0] if vision else None)  # fmt: skip
+    runner = ModelRunner(
+        weights.model, pool.backend, kv, device, aux, tp, vision[0] if vision else None
+    )
     if pool.graphs:
         runner.capture_cuda_graphs(config.max_num_seqs, pool.max_model_len, pool.num_blocks)
-    drafter = build_drafter(config, key, weights.model,
-                            draft, pool.backend, kv, grammars, tokenizer, device)  # fmt: skip
+    drafter = build_drafter(
+        config, key, weights.model, draft, pool.backend, kv, grammars, tokenizer, device
+    )
     # the ranks build their pools and warm up; from then on each forward is shared (the step
     # costs above are measured before: rank 0 alone, the others not yet listening)
     if tp is not None:
         kernel_table += _start_serving(config, tp, weights, pool, host)
-    info = engine_info(config, model_path, weights, pool, draft, drafter, host, dtype,
-                        dtype_reason, facts, packed, kernel_table, runner)  # fmt: skip
+    info = engine_info(
+        config,
+        model_path,
+        weights,
+        pool,
+        draft,
+        drafter,
+        host,
+        dtype,
+        dtype_reason,
+        facts,
+        packed,
+        kernel_table,
+        runner,
+    )
     return EngineParts(
-        info, weights.model, spec, draft, tokenizer, frozenset(eos), pool.backend.kv_caches,
-        host, kv, scheduler, runner, outputs, drafter, grammars, loras, tp,
+        info,
+        weights.model,
+        spec,
+        draft,
+        tokenizer,
+        frozenset(eos),
+        pool.backend.kv_caches,
+        host,
+        kv,
+        scheduler,
+        runner,
+        outputs,
+        drafter,
+        grammars,
+        loras,
+        tp,
         vision[1] if vision else None,
-    )  # fmt: skip
+    )
 
 
 def _pool(
@@ -201,8 +241,10 @@ def _pool(
     )
     block_size = kv_phase.block_size_for(config, pool_spec, facts, dtype, device)
     kv_block_bytes = pool_spec.kv_block_bytes(block_size, dtype_size)
-    sizing_bytes = max(kv_block_bytes, tp.largest_block_bytes(spec, dtype_size, block_size)
-                       if tp is not None else 0)  # fmt: skip
+    sizing_bytes = max(
+        kv_block_bytes,
+        tp.largest_block_bytes(spec, dtype_size, block_size) if tp is not None else 0,
+    )
 
     def reclaim_refusal(backend_cls: type[AttentionBackend]) -> str | None:
         return window_phase.reclaim_refusal(
@@ -210,16 +252,38 @@ def _pool(
         )
 
     choice, backend, num_blocks, graphs, window_blocks, refusal = kv_phase.choose_and_warm_up(
-        config, weights.model, pool_spec, facts, dtype, device, block_size, sizing_bytes,
-        max_model_len, kv_dtype, reclaim_refusal,
-    )  # fmt: skip
+        config,
+        weights.model,
+        pool_spec,
+        facts,
+        dtype,
+        device,
+        block_size,
+        sizing_bytes,
+        max_model_len,
+        kv_dtype,
+        reclaim_refusal,
+    )
     prefill = ""
     if isinstance(backend, TorchBackend) and device.type == "cpu":
         scratch = window_phase.scratch_blocks(num_blocks, window_blocks)
         prefill = choose_prefill_attention(backend, pool_spec, dtype, scratch)
-    return Pool(pool_spec, kv_dtype, kv_reason, block_size, kv_block_bytes, sizing_bytes,
-                max_model_len, choice, backend, num_blocks, graphs, window_blocks,
-                refusal, prefill)  # fmt: skip
+    return Pool(
+        pool_spec,
+        kv_dtype,
+        kv_reason,
+        block_size,
+        kv_block_bytes,
+        sizing_bytes,
+        max_model_len,
+        choice,
+        backend,
+        num_blocks,
+        graphs,
+        window_blocks,
+        refusal,
+        prefill,
+    )
 
 
 def _quantize(
@@ -234,24 +298,28 @@ def _quantize(
     (engine/weights/); returns the banner's weights line."""
     model = weights.model
     if config.quantization not in ("auto", "none") and weights.spec.group_specs:
-        raise ValueError(f"--quantization {config.quantization} with {weights.spec.architecture}: "
-                         "its layers keep their weights in the serving dtype")  # fmt: skip
+        raise ValueError(
+            f"--quantization {config.quantization} with {weights.spec.architecture}: "
+            "its layers keep their weights in the serving dtype"
+        )
     held = HeldOut(model, pool.backend, tokenizer, pool.scratch_blocks, pool.block_size, device)
     if config.quantization == "int8":
         return quantize_model(held)
     notes = weights.notes
     if config.quantization in WEIGHT_ONLY:
         notes = quantize_weight_only(
-            held, config.quantization, config.cpu_packed_weights, int8_activations(config),
-            config.spec_max_verify_rows, key,
-        )  # fmt: skip
+            held,
+            config.quantization,
+            config.cpu_packed_weights,
+            int8_activations(config),
+            config.spec_max_verify_rows,
+            key,
+        )
     judged = judge_int8_activations(held, config.gguf_int8_activations == "auto", key)
     if int8_prefill(config) and (int8 := measure.measure_int8_dense(model, key)):
         log.info("GGUF dense path: %s", int8)
         notes += f"; {int8}"
-    prefill = judge_int8_prefill(
-        held, config.gguf_int8_prefill == "auto", (*key, "int8 prefill")
-    )  # fmt: skip
+    prefill = judge_int8_prefill(held, config.gguf_int8_prefill == "auto", (*key, "int8 prefill"))
     return "; ".join(part for part in (notes, judged, prefill) if part)
 
 
@@ -266,8 +334,12 @@ def _kv_manager(
     window = None
     if pool.window_blocks:
         assert pool.spec.sliding_window is not None and host is None
-        window = WindowTables(pool.window_blocks, pool.block_size, pool.spec.sliding_window,
-                              config.enable_prefix_caching)  # fmt: skip
+        window = WindowTables(
+            pool.window_blocks,
+            pool.block_size,
+            pool.spec.sliding_window,
+            config.enable_prefix_caching,
+        )
         copier = None  # a partial block's copy moves one block id across every group
     return KVCacheManager(
         pool.num_blocks,
@@ -287,10 +359,15 @@ def _start_serving(
     """Hand the workers rank 0's pool decisions; once each has built and warmed its shard, the
     model reduces across ranks. Returns the banner's tensor-parallel lines."""
     ranks = tp.start_serving(
-        WorkerBuild(type(pool.backend).name, pool.block_size, pool.num_blocks, pool.kv_dtype,
-                    host.num_blocks if host is not None else 0),
+        WorkerBuild(
+            type(pool.backend).name,
+            pool.block_size,
+            pool.num_blocks,
+            pool.kv_dtype,
+            host.num_blocks if host is not None else 0,
+        ),
         config.tensor_parallel_timeout_s,
-    )  # fmt: skip
+    )
     weights.model.set_reduce(tp.reduce)
     tp.share_logits(weights.model.lm_head, weights.spec.vocab_size)
     dtype_size = kv_quant.bytes_per_value(pool.kv_dtype)

@@ -31,8 +31,9 @@ REPEATS = 4  # interleaved, the first a warm-up; each form keeps its best
 _CHOSEN: dict[tuple, tuple[bool, str]] = {}
 
 
-def decode_inputs(attn: V4Attention, rows: int, context: int, block_size: int,
-                  seed: int = 0) -> tuple:  # fmt: skip
+def decode_inputs(
+    attn: V4Attention, rows: int, context: int, block_size: int, seed: int = 0
+) -> tuple:
     """Synthetic decode inputs for `attn.attend` / `attn.decode_fused`: `rows` queries at
     lengths from `context` down to about half of it, each over its window and (CSA, HCA) its
     compressed entries in planes shaped as the pool's ([1, 1, blocks, slots, width]). Every row
@@ -54,8 +55,9 @@ def decode_inputs(attn: V4Attention, rows: int, context: int, block_size: int,
     ws = torch.arange(int(counts.max()))[None, :]
     last = (ws + 1) * m - 1
     # as the step's plan: an entry's slot [1, E] is every row's, its block [rows, E] per row
-    ent = Keys((last // block_size).expand(rows, -1), (last % block_size) // m,
-               ws < counts[:, None])  # fmt: skip
+    ent = Keys(
+        (last // block_size).expand(rows, -1), (last % block_size) // m, ws < counts[:, None]
+    )
     if attn.kind != CSA:
         return q, window, win, cache, ent, None, None
     iq = torch.randn(rows, attn.index_heads, attn.index_dim, generator=g)
@@ -73,21 +75,33 @@ def _best_ms(forms: dict[str, Callable[[], object]]) -> dict[str, float]:
     return {name: min(ts[1:]) * 1e3 for name, ts in times.items()}
 
 
-def _judge(label: str, key: tuple, forms_at: Callable[[int], dict[str, Callable[[], object]]],
-           rows: tuple[int, ...]) -> tuple[bool, str]:  # fmt: skip
+def _judge(
+    label: str,
+    key: tuple,
+    forms_at: Callable[[int], dict[str, Callable[[], object]]],
+    rows: tuple[int, ...],
+) -> tuple[bool, str]:
     """The C++ op serves where it is at least as fast as PyTorch at every row count."""
     if key not in _CHOSEN:
         ms = {r: _best_ms(forms_at(r)) for r in rows}
         fused = all(t["C++"] <= t["PyTorch"] for t in ms.values())
-        timed = ", ".join(f"{r} row{'s' * (r > 1)} PyTorch {t['PyTorch']:.3f} / C++ "
-                          f"{t['C++']:.3f} ms" for r, t in ms.items())  # fmt: skip
+        timed = ", ".join(
+            f"{r} row{'s' * (r > 1)} PyTorch {t['PyTorch']:.3f} / C++ {t['C++']:.3f} ms"
+            for r, t in ms.items()
+        )
         _CHOSEN[key] = fused, f"{label}: {'the C++ op' if fused else 'PyTorch'} ({timed})"
     return _CHOSEN[key]
 
 
 @torch.inference_mode()
-def choose_v4_kernels(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                      max_rows: int, block_size: int, max_len: int) -> str:  # fmt: skip
+def choose_v4_kernels(
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_rows: int,
+    block_size: int,
+    max_len: int,
+) -> str:
     """Time both forms of each part on this model's geometry and set each module's `fused`;
     returns the kernel matrix's line ("" for a model without V4's layers)."""
     mixers = [m for m in model.modules() if isinstance(m, HyperConnection) and m.scale.numel() == 3]
@@ -149,9 +163,17 @@ def choose_v4_kernels(model: torch.nn.Module, dtype: torch.dtype, device: torch.
             args = decode_inputs(a, r, context, block_size)
             return {"PyTorch": lambda: a.attend(*args), "C++": lambda: a.decode_fused(*args)}
 
-        geometry = (kind, layer.heads, layer.hd, getattr(layer, "m", 0),
-                    getattr(layer, "top_k", 0), getattr(layer, "index_heads", 0), context,
-                    block_size, rows)  # fmt: skip
+        geometry = (
+            kind,
+            layer.heads,
+            layer.hd,
+            getattr(layer, "m", 0),
+            getattr(layer, "top_k", 0),
+            getattr(layer, "index_heads", 0),
+            context,
+            block_size,
+            rows,
+        )
         fused, line = _judge(f"{name} at {context} tokens", geometry, attention_at, rows)
         for a in attns:
             if a.kind == kind:

@@ -44,9 +44,10 @@ def judge_int8_kv(
     limit = min(HELD_OUT_TOKENS, scratch_blocks * block_size)
     blocks = -(-limit // block_size)
     reference = TorchBackend(
-        spec, allocate_kv_caches(TorchBackend, spec.kv_groups, blocks, block_size, dtype, device),
+        spec,
+        allocate_kv_caches(TorchBackend, spec.kv_groups, blocks, block_size, dtype, device),
         block_size,
-    )  # fmt: skip
+    )
     ref, got = (
         held_out_logits(model, forward_fn(model, b, block_size, device), tokenizer, limit)()
         for b in (reference, backend)

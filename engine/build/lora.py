@@ -19,13 +19,16 @@ def build_loras(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> Lo
     max_loras = config.max_loras
     if config.tensor_parallel_size > 1:
         if modules:
-            raise ValueError("lora_modules with tensor_parallel_size > 1: LoRA adapters are "
-                             "served by one rank (they are not split across ranks)")  # fmt: skip
+            raise ValueError(
+                "lora_modules with tensor_parallel_size > 1: LoRA adapters are "
+                "served by one rank (they are not split across ranks)"
+            )
         max_loras = 0
     if spec.group_specs:  # DeepSeek V4: its own layers, whose projections take no adapter rows
         if modules:
-            raise ValueError(f"lora_modules with {spec.architecture}: its layers do not take "
-                             "LoRA adapters")  # fmt: skip
+            raise ValueError(
+                f"lora_modules with {spec.architecture}: its layers do not take LoRA adapters"
+            )
         max_loras = 0
     if modules and max_loras == 0:
         raise ValueError("lora_modules with max_loras 0: nothing could serve them")

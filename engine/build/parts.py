@@ -84,8 +84,10 @@ class Pool:
 def window_kv(pool: Pool) -> str:
     """The banner's words for the sliding-window layers' KV."""
     if pool.window_blocks:
-        return (f"windowed layers: a pool of their own, {pool.window_blocks} blocks, holding "
-                "each request's window (blocks behind it go back as it advances)")  # fmt: skip
+        return (
+            f"windowed layers: a pool of their own, {pool.window_blocks} blocks, holding "
+            "each request's window (blocks behind it go back as it advances)"
+        )
     if pool.window_refusal and pool.window_refusal != "no sliding-window layers":
         return f"windowed layers keep KV for every token: {pool.window_refusal}"
     return ""
@@ -132,8 +134,9 @@ def engine_info(
         kv_bytes_per_token_unshared=spec.kv_bytes_per_token_unshared(dtype_size),
         kv_bytes_per_token_full_context=(
             spec.kv_bytes_per_token_at(max_model_len, dtype_size)
-            if pool.window_blocks else spec.kv_bytes_per_token(dtype_size)
-        ),  # fmt: skip
+            if pool.window_blocks
+            else spec.kv_bytes_per_token(dtype_size)
+        ),
         num_kv_groups=len(spec.kv_groups),
         draft_kv_bytes_per_token=pool_spec.kv_bytes_per_token(dtype_size)
         - spec.kv_bytes_per_token(dtype_size),
@@ -180,5 +183,3 @@ def engine_info(
         encoder_cache_bytes=runner.images.cache.capacity_bytes if runner.images else 0,
         vision=spec.vision if runner.images is not None else None,
     )
-
-

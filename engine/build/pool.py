@@ -65,8 +65,10 @@ def kv_cache_dtype(
         )
     if requested == "int8":
         if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"--kv-cache-dtype int8 under {dtype_name(dtype)}: the attention "
-                             "ops take float32 or bfloat16 queries")  # fmt: skip
+            raise ValueError(
+                f"--kv-cache-dtype int8 under {dtype_name(dtype)}: the attention "
+                "ops take float32 or bfloat16 queries"
+            )
         if why := kv_quant.refusal(tuple(lay.head_dim for lay in spec.layers)):
             raise ValueError(f"--kv-cache-dtype int8: {why}")
         return torch.int8, (
@@ -134,13 +136,21 @@ def choose_and_warm_up(
             window_blocks = window_phase.window_blocks_for(config, pool_spec, block_size, cap)
             windowed = window_phase.windowed_groups(pool_spec) or set()
             reserved = window_blocks * window_bytes
-        num_blocks = num_blocks_for(config, device, block_bytes, max_model_len, block_size,
-                                    reserved)  # fmt: skip
-        counts = [window_blocks if g in windowed else num_blocks + int(graphs)
-                  for g in range(len(pool_spec.kv_groups))]  # fmt: skip
-        caches = allocate_kv_caches(backend_cls, pool_spec.group_specs or pool_spec.kv_groups,
-                                    counts, block_size,
-                                    kv_dtype, device)  # fmt: skip
+        num_blocks = num_blocks_for(
+            config, device, block_bytes, max_model_len, block_size, reserved
+        )
+        counts = [
+            window_blocks if g in windowed else num_blocks + int(graphs)
+            for g in range(len(pool_spec.kv_groups))
+        ]
+        caches = allocate_kv_caches(
+            backend_cls,
+            pool_spec.group_specs or pool_spec.kv_groups,
+            counts,
+            block_size,
+            kv_dtype,
+            device,
+        )
         backend = backend_cls(pool_spec, caches, block_size, workspace)
         del caches  # the backend holds the pool: a failed warm-up's frees with it
         warm = functools.partial(warm_up, model, backend, pool_spec, num_blocks, block_size, device)
@@ -175,9 +185,9 @@ def pool_for(
     """A backend rank 0 chose, over a pool of the blocks rank 0 sized, warmed up: a
     tensor-parallel worker's KV phase (its shard's geometry, rank 0's decisions)."""
     workspace = backend_cls.allocate_workspace(device)
-    caches = allocate_kv_caches(backend_cls, spec.group_specs or spec.kv_groups, num_blocks,
-                                block_size, kv_dtype,
-                                device)  # fmt: skip
+    caches = allocate_kv_caches(
+        backend_cls, spec.group_specs or spec.kv_groups, num_blocks, block_size, kv_dtype, device
+    )
     backend = backend_cls(spec, caches, block_size, workspace)
     warm_up(model, backend, spec, num_blocks, block_size, device)
     return backend
@@ -198,8 +208,9 @@ def block_size_for(
         return size
     for candidate in (size, 64):
         try:
-            choice = select_backend(spec, facts, dtype, candidate, config.attention_backend,
-                                    config.allow_slow_dtype)  # fmt: skip
+            choice = select_backend(
+                spec, facts, dtype, candidate, config.attention_backend, config.allow_slow_dtype
+            )
         except ValueError:
             continue  # nothing serves at this size; the real selection says why
         if choice.backend.name != "torch":
@@ -295,8 +306,9 @@ def host_tier(
         )
         disk = DiskTier(config.disk_path, fingerprint, layout, parse_bytes(config.disk_bytes))
     # as many slots on every tensor-parallel rank, sized by the largest rank's blocks
-    return HostTier(kv_caches, backend_cls.block_dim, host_bytes, disk, host_bytes // sizing_bytes,
-                    mirror)  # fmt: skip
+    return HostTier(
+        kv_caches, backend_cls.block_dim, host_bytes, disk, host_bytes // sizing_bytes, mirror
+    )
 
 
 def host_tier_lines(config: EngineConfig, host: HostTier) -> str:

@@ -44,8 +44,10 @@ def choose_prefill_attention(
         return ""
     if spec.group_specs:  # a model attending over its KV groups itself (DeepSeek V4)
         backend.prefill_op = None
-        return (f"{spec.architecture}'s own PyTorch attention over its compressed KV groups "
-                "(its decode rows: the decode step's line)")
+        return (
+            f"{spec.architecture}'s own PyTorch attention over its compressed KV groups "
+            "(its decode rows: the decode step's line)"
+        )
     bs = backend.block_size
     n = min(CHUNK, scratch_blocks * bs // 2)
     if n < bs:
@@ -70,9 +72,18 @@ def _forms(op, dtype: torch.dtype) -> dict[str, object]:
 
 
 # oneDNN ISA ceilings under which its bf16 brgemm ukernel runs (ONEDNN_MAX_CPU_ISA's values)
-BF16_BRGEMM_ISAS = ("ALL", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
-                    "AVX512_CORE_AMX_FP16", "AVX10_1_512", "AVX10_1_512_AMX",
-                    "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")  # fmt: skip
+BF16_BRGEMM_ISAS = (
+    "ALL",
+    "AVX512_CORE_BF16",
+    "AVX512_CORE_FP16",
+    "AVX512_CORE_AMX",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512",
+    "AVX10_1_512_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX10_2_512",
+    "AVX10_2_512_AMX_2",
+)
 
 
 def tile_gemm_refusal() -> str | None:

@@ -144,10 +144,14 @@ def _step_costs(
     # steps of more rows than a step may verify never enter a choice of k
     rows = tuple(r for r in MEASURED_ROWS if r <= max(2, config.spec_max_verify_rows))
     key = (
-        weights_key, str(backend.kv_caches[0].dtype), type(backend).__name__, str(device),
-        block_size, getattr(head, "source", None),
+        weights_key,
+        str(backend.kv_caches[0].dtype),
+        type(backend).__name__,
+        str(device),
+        block_size,
+        getattr(head, "source", None),
         measured_shape(rows, head is not None, num_blocks, block_size),
-    )  # fmt: skip
+    )
     cost = _MEASURED_COSTS.get(key)
     if cost is None:
         plausible = plausible_step_s(weight_bytes(model))
@@ -159,8 +163,10 @@ def _step_costs(
             log.warning(
                 "speculation step costs not plausible (one row %.0f ms, over this model's "
                 "roofline floor of %.0f ms: the CPU was busy while they were timed): drafts "
-                "sized by spec_max_verify_rows alone", 1e3 * cost.target_s[0], 1e3 * plausible,
-            )  # fmt: skip
+                "sized by spec_max_verify_rows alone",
+                1e3 * cost.target_s[0],
+                1e3 * plausible,
+            )
             return None
         _MEASURED_COSTS[key] = cost
     log.info("speculation step costs (rows: target/draft): %s", cost.table())

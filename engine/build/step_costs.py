@@ -48,8 +48,15 @@ def step_budget(
     block_size = backend.block_size
     rows = tuple(sorted({r for r in STEP_ROWS if r < full} | {full}))
     context, rows = measured_shape(rows, False, num_blocks, block_size, context=64)
-    key = (weights_key, str(backend.kv_caches[0].dtype), type(backend).__name__, str(device),
-           block_size, context, rows)  # fmt: skip
+    key = (
+        weights_key,
+        str(backend.kv_caches[0].dtype),
+        type(backend).__name__,
+        str(device),
+        block_size,
+        context,
+        rows,
+    )
     costs = _MEASURED.get(key)
     if costs is None:
         costs = _measure(model, backend, rows, context, block_size, device)
@@ -60,25 +67,41 @@ def step_budget(
             log.warning(
                 "step costs not plausible (one row %.0f ms, over this model's roofline floor "
                 "of %.0f ms: the CPU was busy while they were timed): every step may take %d "
-                "tokens", 1e3 * costs.seconds[0], 1e3 * plausible, full,
-            )  # fmt: skip
+                "tokens",
+                1e3 * costs.seconds[0],
+                1e3 * plausible,
+                full,
+            )
             return StepBudget(full)
         _MEASURED[key] = costs
     factor = config.max_itl_factor
-    budget = StepBudget.measured(full, costs, config.target_step_ms, max(factor, 0.0),
-                                 block_size, config.short_prefill_tokens,
-                                 stream_bound=factor != -1)  # fmt: skip
+    budget = StepBudget.measured(
+        full,
+        costs,
+        config.target_step_ms,
+        max(factor, 0.0),
+        block_size,
+        config.short_prefill_tokens,
+        stream_bound=factor != -1,
+    )
     log.info(
         "step budget: %d tokens (%.0f ms) of %d; step costs %s",
-        budget.target_rows, 1000 * (budget.target_s or 0), full, costs.table(),
-    )  # fmt: skip
+        budget.target_rows,
+        1000 * (budget.target_s or 0),
+        full,
+        costs.table(),
+    )
     return budget
 
 
 def _measure(
-    model: LlamaForCausalLM, backend: AttentionBackend, rows: tuple[int, ...], context: int,
-    block_size: int, device: torch.device,
-) -> StepCosts:  # fmt: skip
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    rows: tuple[int, ...],
+    context: int,
+    block_size: int,
+    device: torch.device,
+) -> StepCosts:
     """The row counts up to the first from ALWAYS_MEASURED whose first step (its warm-up:
     allocations, lazy packing) takes over MEASURE_UP_TO_S, then their timed rounds,
     interleaved, and settled within the roofline (more rows never cheaper, never dearer than
@@ -87,8 +110,9 @@ def _measure(
     steps = []
     with torch.inference_mode():
         for r in rows:
-            steps.append(chunk_step(model, backend, r, context, block_size, device,
-                                    every_logit=False))  # fmt: skip
+            steps.append(
+                chunk_step(model, backend, r, context, block_size, device, every_logit=False)
+            )
             if time_step(steps[-1], device) > MEASURE_UP_TO_S and r >= ALWAYS_MEASURED:
                 break
         kept = rows[: len(steps)]

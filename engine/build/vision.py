@@ -22,9 +22,14 @@ log = logging.getLogger("kvserve.engine")
 
 
 def build_image_encoder(
-    config: EngineConfig, model_path: str, spec: ModelSpec, dtype: torch.dtype,
-    device: torch.device, draft_head: bool = False, tokenizer: Tokenizer | None = None,
-) -> tuple[ImageEncoder, AnyImageProcessor] | None:  # fmt: skip
+    config: EngineConfig,
+    model_path: str,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    draft_head: bool = False,
+    tokenizer: Tokenizer | None = None,
+) -> tuple[ImageEncoder, AnyImageProcessor] | None:
     """The encoder with its cache, and the checkpoint's image processor (an HF directory's, or
     an mmproj file's beside a GGUF: models/mmproj.py); None for a text model. `draft_head`: an
     EAGLE head drafts for the model; `tokenizer`: the one the server places images with."""
@@ -47,16 +52,23 @@ def build_image_encoder(
         placeholder = spec.vision.image_token_id
         if tokenizer is not None and placeholder not in tokenizer.special_ids:
             tokenizer.mark_special(placeholder)  # an unused entry holds the image's positions
-        log.info("mmproj %s: image placeholder %s", config.mmproj,
-                 spec.vision.tower_config.get("placeholder"))  # fmt: skip
+        log.info(
+            "mmproj %s: image placeholder %s",
+            config.mmproj,
+            spec.vision.tower_config.get("placeholder"),
+        )
     else:
         encoder = load_image_encoder(model_path, spec, dtype, device)
         processor = read_image_processor(model_path, spec.vision)
     assert encoder is not None
     capacity = parse_bytes(config.encoder_cache_bytes)
     tokens = spec.vision.tokens_per_image or "an image's own number of"
-    log.info("image encoder: %s, %s soft tokens an image; encoder cache %d bytes",
-             spec.vision.architecture, tokens, capacity)  # fmt: skip
+    log.info(
+        "image encoder: %s, %s soft tokens an image; encoder cache %d bytes",
+        spec.vision.architecture,
+        tokens,
+        capacity,
+    )
     return ImageEncoder(encoder, capacity, device), processor
 
 
@@ -65,8 +77,7 @@ def build_image_encoder(
 PROBE_SIDE = 448
 
 
-def encoder_cost(encoder: ImageEncoder, processor: AnyImageProcessor, budget: StepBudget
-                 ) -> float:  # fmt: skip
+def encoder_cost(encoder: ImageEncoder, processor: AnyImageProcessor, budget: StepBudget) -> float:
     """The prefill tokens one soft token's encoding is worth in a step (the scheduler's
     `image_cost`): one image encoded, timed as the step costs are, per soft token, over a
     token's share of the step the budget holds prefills to. 0 when the steps are not timed
@@ -81,6 +92,11 @@ def encoder_cost(encoder: ImageEncoder, processor: AnyImageProcessor, budget: St
     rows = budget.target_rows or budget.max_tokens
     per_token = budget.costs.cost(rows) / rows
     cost = min(times) / soft_tokens / per_token
-    log.info("image encoder: %.1f ms an image (%d soft tokens): %.2f prefill tokens a soft "
-             "token in the step budget", 1e3 * min(times), soft_tokens, cost)  # fmt: skip
+    log.info(
+        "image encoder: %.1f ms an image (%d soft tokens): %.2f prefill tokens a soft "
+        "token in the step budget",
+        1e3 * min(times),
+        soft_tokens,
+        cost,
+    )
     return cost

@@ -33,11 +33,17 @@ def weights_key(config: EngineConfig, model_path: str, dtype: torch.dtype) -> tu
     engine built again in this process on the same file and settings (tests, notebooks, a
     second engine beside the first) reuses what the first measured."""
     return (
-        os.path.abspath(model_path), os.path.getmtime(model_path), str(dtype),
-        config.quantization, config.gguf_int8_activations, config.gguf_int8_prefill,
+        os.path.abspath(model_path),
+        os.path.getmtime(model_path),
+        str(dtype),
+        config.quantization,
+        config.gguf_int8_activations,
+        config.gguf_int8_prefill,
         config.cpu_packed_weights,
-        torch.get_num_threads(), config.tensor_parallel_size, config.spec_max_verify_rows,
-    )  # fmt: skip
+        torch.get_num_threads(),
+        config.tensor_parallel_size,
+        config.spec_max_verify_rows,
+    )
 
 
 def int8_activations(config: EngineConfig) -> bool:

@@ -122,8 +122,11 @@ class EngineInfo:
             self._validate_geometry(k, image)
             # a two-way image is computed in one step (a causal one may be split)
             if image.two_way and image.num_tokens > self.max_num_batched_tokens:
-                raise ParamError("prompt", f"image {k} takes {image.num_tokens} tokens, more "
-                                 f"than a step's {self.max_num_batched_tokens}")  # fmt: skip
+                raise ParamError(
+                    "prompt",
+                    f"image {k} takes {image.num_tokens} tokens, more "
+                    f"than a step's {self.max_num_batched_tokens}",
+                )
             at = image.end
         if image_id is not None and prompt.count(image_id) != sum(i.num_tokens for i in images):
             raise ParamError(
@@ -145,15 +148,20 @@ class EngineInfo:
             t, h, w = image.grid
             m = vision.spatial_merge
             if min(t, h, w) <= 0 or h % m or w % m or image.pixels.shape[0] != t * h * w:
-                raise ParamError("prompt", f"image {k}'s patches do not fill its grid "
-                                 f"{image.grid}")  # fmt: skip
+                raise ParamError("prompt", f"image {k}'s patches do not fill its grid {image.grid}")
         made = vision.image_tokens(image.grid)
         if image.num_tokens != made:
-            raise ParamError("prompt", f"image {k} takes {image.num_tokens} positions; this "
-                             f"model makes {made} soft tokens of it")  # fmt: skip
+            raise ParamError(
+                "prompt",
+                f"image {k} takes {image.num_tokens} positions; this "
+                f"model makes {made} soft tokens of it",
+            )
         if image.two_way != vision.two_way:
-            raise ParamError("prompt", f"image {k}'s attention is not this model's "
-                             f"({'two-way' if vision.two_way else 'causal'})")  # fmt: skip
+            raise ParamError(
+                "prompt",
+                f"image {k}'s attention is not this model's "
+                f"({'two-way' if vision.two_way else 'causal'})",
+            )
 
     def _validate_length(self, n: int) -> None:
         if n > self.max_model_len:

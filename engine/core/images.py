@@ -33,8 +33,9 @@ class PromptImage:
     def identity(self) -> PromptImage:
         """The image as the block hashes know it, without its pixels (what is kept beyond the
         request: an idle session's offload rebuilds its hashes from it)."""
-        return PromptImage(self.offset, self.num_tokens, self.content_hash, torch.empty(0),
-                           self.grid, self.two_way)  # fmt: skip
+        return PromptImage(
+            self.offset, self.num_tokens, self.content_hash, torch.empty(0), self.grid, self.two_way
+        )
 
 
 def image_keys(images: Sequence[PromptImage], start: int, end: int) -> bytes:
@@ -44,8 +45,11 @@ def image_keys(images: Sequence[PromptImage], start: int, end: int) -> bytes:
     keys = b""
     for image in images:
         if image.offset < end and image.end > start:
-            keys += b"img:" + image.content_hash + (image.offset - start).to_bytes(8, "little",
-                                                                                   signed=True)
+            keys += (
+                b"img:"
+                + image.content_hash
+                + (image.offset - start).to_bytes(8, "little", signed=True)
+            )
     return keys
 
 
@@ -62,8 +66,9 @@ def cut_at_image(images: Sequence[PromptImage], start: int, n: int) -> int:
     return n
 
 
-def encoder_charge(images: Sequence[PromptImage], start: int, n: int, cost: float,
-                   admitted: bool = False) -> int:  # fmt: skip
+def encoder_charge(
+    images: Sequence[PromptImage], start: int, n: int, cost: float, admitted: bool = False
+) -> int:
     """Step-budget tokens the image encoder's work in a chunk of `n` tokens from `start` is
     worth, at `cost` prefill tokens per soft token (measured at startup,
     engine/build/vision.py): an image is encoded whole in the step whose chunk first reaches

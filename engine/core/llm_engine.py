@@ -77,16 +77,18 @@ class LLMEngine:
     ) -> None:
         self.info.validate(prompt_token_ids, params, images)
 
-    def rope_positions(self, prompt_len: int, images: tuple[PromptImage, ...]
-                       ) -> RopePositions | None:  # fmt: skip
+    def rope_positions(
+        self, prompt_len: int, images: tuple[PromptImage, ...]
+    ) -> RopePositions | None:
         """A prompt's own rotary positions: M-RoPE's, where the model has it and the prompt
         has images (without images every axis is the token index: None)."""
         if not images or not self.spec.mrope_section or self.spec.vision is None:
             return None
         positions, delta = mrope_positions(
-            prompt_len, [(i.offset, i.num_tokens, i.grid) for i in images],
+            prompt_len,
+            [(i.offset, i.num_tokens, i.grid) for i in images],
             self.spec.vision.spatial_merge,
-        )  # fmt: skip
+        )
         return RopePositions(positions, delta)
 
     def add_request(
@@ -105,10 +107,14 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id}")
         request = Request(
-            request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len,
+            request_id,
+            list(prompt_token_ids),
+            params,
+            self.eos_token_ids,
+            self.max_model_len,
             device=self.runner.device,  # seeded generators draw on the engine's device
             images=tuple(images),
-        )  # fmt: skip
+        )
         request.rope_positions = self.rope_positions(len(prompt_token_ids), images)
         if arrival_time is not None:
             request.arrival_time = arrival_time
@@ -143,8 +149,11 @@ class LLMEngine:
 
     def remove_lora(self, name: str) -> None:
         """Stop serving adapter `name`; LoRAInUse while requests are served with it."""
-        in_use = sum(1 for r in self.scheduler.requests.values()
-                     if r.sampling_params.lora and r.sampling_params.lora.name == name)  # fmt: skip
+        in_use = sum(
+            1
+            for r in self.scheduler.requests.values()
+            if r.sampling_params.lora and r.sampling_params.lora.name == name
+        )
         self.loras.remove(name, in_use)
 
     def has_unfinished(self) -> bool:
@@ -176,10 +185,18 @@ class LLMEngine:
             h.settle_latencies()  # swap-ins whose copies completed since (only counts them)
             disk = h.disk
             host = HostTierSnapshot(
-                h.used_bytes, h.capacity_bytes, h.block_bytes, h.saved_blocks, h.loaded_blocks,
-                h.evicted_blocks, SWAP_IN_BUCKETS, tuple(h.load_latency_counts), h.load_seconds,
-                disk.integrity_failures if disk else 0, disk.save_failures if disk else 0,
-            )  # fmt: skip
+                h.used_bytes,
+                h.capacity_bytes,
+                h.block_bytes,
+                h.saved_blocks,
+                h.loaded_blocks,
+                h.evicted_blocks,
+                SWAP_IN_BUCKETS,
+                tuple(h.load_latency_counts),
+                h.load_seconds,
+                disk.integrity_failures if disk else 0,
+                disk.save_failures if disk else 0,
+            )
         spec = None
         if self.drafter is not None:
             s = self.drafter.total_stats()
@@ -188,10 +205,15 @@ class LLMEngine:
                 for name, st in self.drafter.stats.items()
             }
             spec = SpecSnapshot(
-                s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                s.mean_acceptance_length, self.drafter.current_k, list(s.accepted_per_position),
-                by_source, tuple(self.drafter.recent_picks),
-            )  # fmt: skip
+                s.num_drafts,
+                s.num_draft_tokens,
+                s.num_accepted_tokens,
+                s.mean_acceptance_length,
+                self.drafter.current_k,
+                list(s.accepted_per_position),
+                by_source,
+                tuple(self.drafter.recent_picks),
+            )
         return EngineSnapshot(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
@@ -216,8 +238,11 @@ class LLMEngine:
             decode_step_seconds=self.stats.decode_step_seconds,
             host=host,
             spec=spec,
-            encoder=(EncoderSnapshot(*astuple(self.runner.images.cache.stats()))
-                     if self.runner.images is not None else None),  # fmt: skip
+            encoder=(
+                EncoderSnapshot(*astuple(self.runner.images.cache.stats()))
+                if self.runner.images is not None
+                else None
+            ),
         )
 
     def shutdown(self) -> None:
@@ -256,10 +281,15 @@ class LLMEngine:
     def _count(self, update: StepUpdate) -> None:
         self.stats.steps += 1
         self.stats.prompt_tokens += sum(
-            max(0, min(s.request.num_prompt_tokens - update.first[s.request.request_id],
-                       s.num_new_tokens))
+            max(
+                0,
+                min(
+                    s.request.num_prompt_tokens - update.first[s.request.request_id],
+                    s.num_new_tokens,
+                ),
+            )
             for s in update.scheduled.scheduled
-        )  # fmt: skip
+        )
         self.stats.generation_tokens += sum(len(e.token_ids) for e in update.emitted)
 
     def _time(self, update: StepUpdate, seconds: float) -> None:

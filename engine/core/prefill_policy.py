@@ -85,12 +85,14 @@ class PrefillPolicy:
         # a short prefill's one step is not cut for the streams: what stalls them is a long
         # prompt's chunks, and a prefix hit's suffix in stream chunks waits steps
         short_room = budget.prefill_tokens(decode, 0, shorts_near=False)
-        unheld = budget.prefill_tokens(decode, streamed, now=now, prefills=due,
-                                       shorts_near=False, cost_scale=scale)  # fmt: skip
+        unheld = budget.prefill_tokens(
+            decode, streamed, now=now, prefills=due, shorts_near=False, cost_scale=scale
+        )
         held = unheld
         if self._shorts_near(now, waiting, decoding=bool(out.scheduled)):
-            held = budget.prefill_tokens(decode, streamed, now=now, prefills=due,
-                                         shorts_near=True, cost_scale=scale)  # fmt: skip
+            held = budget.prefill_tokens(
+                decode, streamed, now=now, prefills=due, shorts_near=True, cost_scale=scale
+            )
         return StepCaps(min(left, held), min(left, short_room), min(left, unheld))
 
     def _shorts_near(self, now: float, waiting: list[Request], decoding: bool) -> bool:
@@ -113,8 +115,10 @@ class PrefillPolicy:
             s.request.sampling_params.streamed for s in out.scheduled
         ):
             return None
-        return [(self.budget.yield_deadline(r.arrival_time, r.deadline), prefill_left(r))
-                for r in sorted(pending, key=by_deadline)]  # fmt: skip
+        return [
+            (self.budget.yield_deadline(r.arrival_time, r.deadline), prefill_left(r))
+            for r in sorted(pending, key=by_deadline)
+        ]
 
 
 class DeadlinePolicy(PrefillPolicy):

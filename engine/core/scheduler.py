@@ -197,8 +197,10 @@ class Scheduler:
             elif request.status == RequestStatus.WAITING and admitting:
                 if not self._lora_admissible(request):
                     continue
-                joins = (request.request_id not in preempted_now
-                         and len(self.running) < self.max_num_seqs)  # fmt: skip
+                joins = (
+                    request.request_id not in preempted_now
+                    and len(self.running) < self.max_num_seqs
+                )
                 admitted = self._admit_one(out, request, cap) if joins else None
                 if admitted is None:
                     admitting = False
@@ -282,8 +284,9 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(request, n))
         return budget - n - self._image_charge(out, request, num_hit, n, admitted=True)
 
-    def _image_charge(self, out: SchedulerOutput, request: Request, start: int, n: int,
-                      admitted: bool = False) -> int:  # fmt: skip
+    def _image_charge(
+        self, out: SchedulerOutput, request: Request, start: int, n: int, admitted: bool = False
+    ) -> int:
         """What the encoder's work on the images in this chunk takes of the step's budget."""
         if not request.images:
             return 0
@@ -388,6 +391,10 @@ class Scheduler:
         if cut is None:
             return tokens
         kept, matched = cut
-        self.finish(request.request_id, FinishReason.STOP, matched,
-                    num_tokens=request.num_tokens - (len(tokens) - kept))  # fmt: skip
+        self.finish(
+            request.request_id,
+            FinishReason.STOP,
+            matched,
+            num_tokens=request.num_tokens - (len(tokens) - kept),
+        )
         return tokens[:kept]

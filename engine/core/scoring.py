@@ -29,8 +29,15 @@ def score_prompt(
     params = SamplingParams(max_tokens=1, lora=lora)
     engine.validate_prompt(token_ids, params, images)
     rope = engine.rope_positions(len(token_ids), tuple(images))
-    request = Request("__score__", list(token_ids), params, frozenset(), engine.max_model_len,
-                      images=tuple(images), rope_positions=rope)  # fmt: skip
+    request = Request(
+        "__score__",
+        list(token_ids),
+        params,
+        frozenset(),
+        engine.max_model_len,
+        images=tuple(images),
+        rope_positions=rope,
+    )
     if lora is not None:
         request.lora = engine.loras.weights(lora)
     if not engine.kv.allocate_slots(request, len(token_ids)):

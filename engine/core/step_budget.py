@@ -118,8 +118,10 @@ class StepCosts:
         # past the measured range, at least half the last step's cost a token: a flat last
         # segment (two steps within noise) must not make a long prefill look as cheap as the
         # last measured chunk
-        slope = max((piecewise_linear(self.rows, self.seconds, rows) - last_s) / (rows - last),
-                    0.5 * last_s / last)  # fmt: skip
+        slope = max(
+            (piecewise_linear(self.rows, self.seconds, rows) - last_s) / (rows - last),
+            0.5 * last_s / last,
+        )
         return last_s + slope * (rows - last)
 
     def rows_within(self, seconds: float) -> int:
@@ -146,8 +148,9 @@ class StepCosts:
         return next(r for r, s in measured if s / r <= (1 + tolerance) * cheapest)
 
     def table(self) -> str:
-        return ", ".join(f"{r}: {1000 * s:.1f} ms" for r, s in zip(self.rows, self.seconds,
-                                                                  strict=True))  # fmt: skip
+        return ", ".join(
+            f"{r}: {1000 * s:.1f} ms" for r, s in zip(self.rows, self.seconds, strict=True)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +170,15 @@ class StepBudget:
 
     @classmethod
     def measured(
-        cls, max_tokens: int, costs: StepCosts, target_step_ms: float, max_itl_factor: float,
-        min_prefill_tokens: int, short_tokens: int, stream_bound: bool = True,
-    ) -> StepBudget:  # fmt: skip
+        cls,
+        max_tokens: int,
+        costs: StepCosts,
+        target_step_ms: float,
+        max_itl_factor: float,
+        min_prefill_tokens: int,
+        short_tokens: int,
+        stream_bound: bool = True,
+    ) -> StepBudget:
         """target_step_ms 0: the efficient chunk's cost (`StepCosts.efficient_rows`).
         `stream_bound` False: streamed decode rows do not bound a step."""
         if target_step_ms > 0:
@@ -180,9 +189,16 @@ class StepBudget:
         # never a chunk below what a step with prefills waiting gives them anyway
         target, stream = max(target, min_prefill_tokens), stream and max(stream, min_prefill_tokens)
         hold = min(HOLD_FULL_STEPS * costs.cost(max_tokens), MAX_HOLD_S)
-        return cls(max_tokens, costs, min(target, max_tokens), min(stream, max_tokens),
-                   max_itl_factor if stream_bound else 0.0, min_prefill_tokens, short_tokens,
-                   hold)  # fmt: skip
+        return cls(
+            max_tokens,
+            costs,
+            min(target, max_tokens),
+            min(stream, max_tokens),
+            max_itl_factor if stream_bound else 0.0,
+            min_prefill_tokens,
+            short_tokens,
+            hold,
+        )
 
     @property
     def bounds_streams(self) -> bool:
@@ -207,8 +223,12 @@ class StepBudget:
             itl = f"; beside streamed decode rows {self.stream_rows} prefill tokens a step"
         else:
             itl = ""
-        held = (f"while a prefill of at most {self.short_tokens} tokens waits or came in the "
-                f"last {self.hold_s:.1f} s, " if self.short_tokens else "")  # fmt: skip
+        held = (
+            f"while a prefill of at most {self.short_tokens} tokens waits or came in the "
+            f"last {self.hold_s:.1f} s, "
+            if self.short_tokens
+            else ""
+        )
         return (
             f"{held}{self.target_rows} of {self.max_tokens} tokens a step "
             f"({1000 * (self.target_s or 0):.0f} ms){itl}; measured {self.costs.table()}"
@@ -240,8 +260,9 @@ class StepBudget:
             if self.max_itl_factor > 0:
                 # factor x the decode step alone, on served times, as a mixed step's cost
                 itl = self.max_itl_factor * self.costs.cost(decode_tokens) / cost_scale
-                bounded = max(min(rows, self.costs.rows_within(itl)) - decode_tokens,
-                              self.min_prefill_tokens)  # fmt: skip
+                bounded = max(
+                    min(rows, self.costs.rows_within(itl)) - decode_tokens, self.min_prefill_tokens
+                )
             else:
                 bounded = max(self.stream_rows, self.min_prefill_tokens)
             per_token = cost_scale * self.costs.cost(decode_tokens + bounded) / bounded

@@ -183,8 +183,9 @@ class GrammarBudget:
             return worker, error
         self.structured.compile(spec, param)
         self._remember(spec, None)
-        log.debug("%s grammar compiled in %.3f s (trial and compile)", spec.kind,
-                  time.perf_counter() - t0)  # fmt: skip
+        log.debug(
+            "%s grammar compiled in %.3f s (trial and compile)", spec.kind, time.perf_counter() - t0
+        )
         return worker, None
 
     def close(self) -> None:

@@ -149,8 +149,9 @@ def _tree(name: str, props: list[_Prop]) -> list[str]:
             return f'{p.key} ": " {p.value}', p.optional, True
         mid = (lo + hi) // 2
         (left, left_empty, left_flat), (right, right_empty, right_flat) = (
-            seg(lo, mid), seg(mid + 1, hi)
-        )  # fmt: skip
+            seg(lo, mid),
+            seg(mid + 1, hi),
+        )
         both = f'{left} ", " {right}'
         if not (left_empty or right_empty) and left_flat and right_flat and hi - lo < INLINE_RUN:
             return both, False, True

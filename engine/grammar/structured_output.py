@@ -119,8 +119,13 @@ def _tool_calls_tag(source: str) -> dict[str, Any]:
 
     if free:
         tags = [tag(t, wrap=True) for t in spec["tools"]]
-        calls = {"type": "triggered_tags", "triggers": [fmt.trigger], "at_least_one": False,
-                 "tags": tags, "stop_after_first": not spec["parallel"]}  # fmt: skip
+        calls = {
+            "type": "triggered_tags",
+            "triggers": [fmt.trigger],
+            "at_least_one": False,
+            "tags": tags,
+            "stop_after_first": not spec["parallel"],
+        }
         return {"type": "structural_tag", "format": calls}
     calls = {
         "type": "tags_with_separator",
@@ -130,10 +135,14 @@ def _tool_calls_tag(source: str) -> dict[str, Any]:
         "stop_after_first": not spec["parallel"],
     }
     if fmt.opening or fmt.closing:
-        calls = {"type": "sequence", "elements": [
-            {"type": "const_string", "value": fmt.opening}, calls,
-            {"type": "const_string", "value": fmt.closing},
-        ]}  # fmt: skip
+        calls = {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": fmt.opening},
+                calls,
+                {"type": "const_string", "value": fmt.closing},
+            ],
+        }
     if answer is not None:
         calls = {"type": "or", "elements": [calls, _compact_json(answer)]}
     return {"type": "structural_tag", "format": calls}
@@ -228,9 +237,7 @@ class StructuredOutputs:
         self._refuse_empty(compiled, spec, param)
         return compiled
 
-    def _refuse_empty(
-        self, compiled: xgr.CompiledGrammar, spec: GrammarSpec, param: str
-    ) -> None:
+    def _refuse_empty(self, compiled: xgr.CompiledGrammar, spec: GrammarSpec, param: str) -> None:
         """A grammar that allows no first token (`root ::= root`, or text no token spells) has
         nothing to generate: refused here, where the client gets a 400, rather than at its first
         step. (An empty language that only shows later ends its request at that step.)"""
@@ -239,9 +246,10 @@ class StructuredOutputs:
         matcher.fill_next_token_bitmask(bitmask)
         if not bool(bitmask.any()):
             raise ParamError(
-                param, f"{param}: this {spec.kind} admits no token: its language is empty "
+                param,
+                f"{param}: this {spec.kind} admits no token: its language is empty "
                 "(or spelled by no token of this model's vocabulary)",
-            )  # fmt: skip
+            )
 
     def matcher(self, spec: GrammarSpec) -> xgr.GrammarMatcher:
         return self.xgr.GrammarMatcher(self.compile(spec))

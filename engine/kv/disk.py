@@ -125,8 +125,10 @@ class DiskTier:
                 log.warning(
                     "disk KV tier: saving a block to %s failed (%s); %d saves failed so far, "
                     "those blocks will be recomputed",
-                    self.root, e, self.save_failures,
-                )  # fmt: skip
+                    self.root,
+                    e,
+                    self.save_failures,
+                )
             _remove(tmp)
             return False
         self.files[block_hash] = path
@@ -139,8 +141,10 @@ class DiskTier:
         self.integrity_failures += 1
         log.warning(
             "disk KV block %s is %s; skipped and removed (%d such blocks so far)",
-            path.name, why, self.integrity_failures,
-        )  # fmt: skip
+            path.name,
+            why,
+            self.integrity_failures,
+        )
         _remove(path)
 
     def load(self, block_hash: bytes) -> list[torch.Tensor] | None:

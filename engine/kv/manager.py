@@ -113,9 +113,11 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         """Extend `request.block_hashes` to cover every full block of its tokens."""
         self.hasher.extend(
-            request.block_hashes, request.all_token_ids, request.sampling_params.cache_namespace,
+            request.block_hashes,
+            request.all_token_ids,
+            request.sampling_params.cache_namespace,
             request.images,
-        )  # fmt: skip
+        )
 
     def _cache_block(self, request: Request, block: KVBlock, index: int) -> BlockKey:
         key = self.hasher.key(
@@ -184,9 +186,10 @@ class KVCacheManager:
         parent = self.hasher.parent(request.block_hashes, j)
         tokens = request.all_token_ids[j * bs : j * bs + limit]
         block, n = self.pool.best_partial(
-            parent, tokens,
+            parent,
+            tokens,
             extra_keys(request.sampling_params.cache_namespace, j, request.images, bs),
-        )  # fmt: skip
+        )
         if block is not None and n > 0:
             hit.partial, hit.partial_len = block, n
 

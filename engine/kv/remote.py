@@ -147,11 +147,14 @@ class RedisBlockStore:
         if should_log(n):
             log.warning(
                 "KV store %s: block %s refused (%s; %d values refused so far): %s",
-                redacted(self.url), block_hash.hex()[:16],
-                "wrong length" if len(value) != self.value_bytes else "tag mismatch", n,
+                redacted(self.url),
+                block_hash.hex()[:16],
+                "wrong length" if len(value) != self.value_bytes else "tag mismatch",
+                n,
                 "written without this server's kv_store_key, or corrupted"
-                if self.authenticated else "corrupted",
-            )  # fmt: skip
+                if self.authenticated
+                else "corrupted",
+            )
 
     def put(self, blocks: Sequence[tuple[bytes, bytes]]) -> None:
         """Store (hash, payload) pairs, one pipelined round trip. Raises KVStoreError."""

@@ -54,8 +54,11 @@ class LoRARegistry:
         if not self.limits.enabled:
             raise LoRAError("LoRA is off on this server (--max-loras 0)")
         if not name or name in self.adapters:
-            raise LoRAError(f"an adapter named {name!r} is already loaded" if name else
-                            "an adapter needs a name")  # fmt: skip
+            raise LoRAError(
+                f"an adapter named {name!r} is already loaded"
+                if name
+                else "an adapter needs a name"
+            )
         ref = LoRARef(name, adapter.weights.fingerprint)
         self.adapters[name] = adapter
         self.refs, self.paths = {**self.refs, name: ref}, {**self.paths, name: adapter.path}

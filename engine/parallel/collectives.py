@@ -51,8 +51,9 @@ def meet(
     probe = torch.ones(1, device=device)
     group.allreduce([probe]).wait()
     if int(probe.item()) != world:
-        raise RuntimeError(f"tensor-parallel ranks' first all-reduce summed {probe.item()}, "
-                           f"not {world}")  # fmt: skip
+        raise RuntimeError(
+            f"tensor-parallel ranks' first all-reduce summed {probe.item()}, not {world}"
+        )
     return group
 
 

@@ -97,7 +97,7 @@ class TPGroup:
                     str(rank),
                 ],
                 env=env,
-            )  # fmt: skip
+            )
             for rank in range(1, self.world)
         ]
         self.conns: list[mpc.Connection] = []
@@ -126,8 +126,10 @@ class TPGroup:
             server.close()
         log.info(
             "tensor parallel: %d ranks (pids %s), %d threads each",
-            self.world, [os.getpid(), *(p.pid for p in self.procs)], threads,
-        )  # fmt: skip
+            self.world,
+            [os.getpid(), *(p.pid for p in self.procs)],
+            threads,
+        )
 
     def _accept(self, server: socket.socket, key: bytes, timeout_s: float) -> list[mpc.Connection]:
         """Each worker's control connection, in rank order."""
@@ -240,9 +242,11 @@ class TPGroup:
         replies = self._await("ready", timeout_s)
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(
-                target=_watch, args=(weakref.ref(self), rank, proc), name=f"kvserve-tp{rank}-watch",
+                target=_watch,
+                args=(weakref.ref(self), rank, proc),
+                name=f"kvserve-tp{rank}-watch",
                 daemon=True,
-            ).start()  # fmt: skip
+            ).start()
         return replies
 
     def send(self, msg: ToWorker) -> None:

@@ -122,8 +122,9 @@ class Worker:
     ) -> None:
         backend_cls = next(b for b in BACKENDS if b.name == build.backend)
         self.model, self.device, self.build = model, device, build
-        self.backend = pool_for(model, backend_cls, spec, build.num_blocks, build.block_size,
-                                build.kv_dtype, device)  # fmt: skip
+        self.backend = pool_for(
+            model, backend_cls, spec, build.num_blocks, build.block_size, build.kv_dtype, device
+        )
         caches = self.backend.kv_caches
         self.host = None
         if build.host_blocks:
@@ -156,17 +157,21 @@ class Worker:
                 case _:
                     raise ValueError(f"unexpected message {msg!r}")
 
-    def step(self, seqs: list[tuple[list[int], int, int]], token_ids: list[int],
-             rows: list[int]) -> None:  # fmt: skip
+    def step(
+        self, seqs: list[tuple[list[int], int, int]], token_ids: list[int], rows: list[int]
+    ) -> None:
         ids, positions, meta, index = step_inputs(
             seqs, self.build.block_size, self.device, token_ids, rows
         )
         hidden = self.model(ids, positions, self.backend.plan(meta))
         if rows:  # this rank's part of the sampling rows' logits
             join_vocab_parts(
-                self.model.compute_logits, hidden.index_select(0, index),
-                self.model.vocab_rows, self.model.spec.vocab_size, self.reduce,
-            )  # fmt: skip
+                self.model.compute_logits,
+                hidden.index_select(0, index),
+                self.model.vocab_rows,
+                self.model.spec.vocab_size,
+                self.reduce,
+            )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,14 @@ class EncoderCache:
         self.used_bytes += size
 
     def stats(self) -> EncoderStats:
-        return EncoderStats(self.hits, self.encoded, self.evicted, self.used_bytes,
-                            self.capacity_bytes, len(self.entries))  # fmt: skip
+        return EncoderStats(
+            self.hits,
+            self.encoded,
+            self.evicted,
+            self.used_bytes,
+            self.capacity_bytes,
+            len(self.entries),
+        )
 
 
 @dataclass(slots=True)
@@ -123,8 +129,10 @@ class ImageEncoder:
             encoded = self.model.encode(pixels, [image.grid for image in missing.values()])
             for (key, image), soft in zip(missing.items(), encoded, strict=True):
                 if soft.shape[0] != image.num_tokens:
-                    raise ValueError(f"the encoder made {soft.shape[0]} soft tokens of an image "
-                                     f"given {image.num_tokens} positions")  # fmt: skip
+                    raise ValueError(
+                        f"the encoder made {soft.shape[0]} soft tokens of an image "
+                        f"given {image.num_tokens} positions"
+                    )
                 soft = soft.clone()  # not a view of the batch: the cache keeps it alone
                 self.cache.put(key, soft)
                 found[key] = soft

@@ -85,9 +85,15 @@ class ModelRunner:
         """Capture decode steps as CUDA graphs (engine/runner/cuda_graphs.py); a failure leaves the
         runner eager, loudly."""
         graphs = CudaGraphs(
-            self.model, self.backend, self.block_size, max_num_seqs, max_model_len,
-            scratch_block, self.aux_layers, self.device,
-        )  # fmt: skip
+            self.model,
+            self.backend,
+            self.block_size,
+            max_num_seqs,
+            max_model_len,
+            scratch_block,
+            self.aux_layers,
+            self.device,
+        )
         try:
             graphs.capture()
         except Exception:  # noqa: BLE001 - eager still serves
@@ -109,8 +115,9 @@ class ModelRunner:
 
     def _prepare(
         self, out: SchedulerOutput, shared_logits: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int], torch.Tensor | None,
-               StepImages | None]:  # fmt: skip
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, StepMetadata, list[int], torch.Tensor | None, StepImages | None
+    ]:
         """`prepare`, plus the rows as a device index (None when every token samples, as in
         a decode step: no gather needed), all uploaded in one copy, and the step's images
         (their spans are in the metadata too). Under tensor parallelism
@@ -136,9 +143,13 @@ class ModelRunner:
         if self.tp is not None:  # both callers run the forward next, which the ranks join
             self.tp.send(Step(seqs, token_ids, logits_rows if shared_logits else []))
         input_ids, positions, meta, index = step_inputs(
-            seqs, self.block_size, self.device, token_ids, None if every_row else logits_rows,
+            seqs,
+            self.block_size,
+            self.device,
+            token_ids,
+            None if every_row else logits_rows,
             windows,
-        )  # fmt: skip
+        )
         assert input_ids is not None
         images = self.images.step_images(out) if self.images is not None else None
         if images is not None and any(images.spans):
@@ -158,16 +169,23 @@ class ModelRunner:
         for item, rope in zip(out.scheduled, own):
             start = item.request.num_computed_tokens
             end = start + item.num_new_tokens
-            windows.append(plain_window(axes, start, end) if rope is None
-                           else rope.window(start, end))  # fmt: skip
+            windows.append(
+                plain_window(axes, start, end) if rope is None else rope.window(start, end)
+            )
         return torch.from_numpy(np.concatenate(windows, axis=1)).to(self.device)
 
     @torch.inference_mode()
     def all_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Float32 logits for every scheduled token (prompt scoring), without sampling."""
         input_ids, positions, meta, _, _, images = self._prepare(out, shared_logits=False)
-        hidden = self.model(input_ids, positions, self.backend.plan(meta), (), self._lora(out),
-                            self._image_rows(images))  # fmt: skip
+        hidden = self.model(
+            input_ids,
+            positions,
+            self.backend.plan(meta),
+            (),
+            self._lora(out),
+            self._image_rows(images),
+        )
         return self.model.compute_logits(hidden)
 
     @staticmethod
@@ -217,8 +235,9 @@ class ModelRunner:
         else:
             attn = self.backend.plan(meta)
             plan = (positions, attn)
-            hidden = self.model(input_ids, positions, attn, self.aux_layers, lora,
-                                self._image_rows(images))  # fmt: skip
+            hidden = self.model(
+                input_ids, positions, attn, self.aux_layers, lora, self._image_rows(images)
+            )
         if not rows:
             empty = hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32)
             return empty, hidden, plan

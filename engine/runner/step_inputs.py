@@ -60,6 +60,7 @@ def step_inputs(
     ids = flat[at : at + row] if token_ids is not None else None
     rows_t = flat[flat.numel() - len(rows) :] if rows is not None else None
     window_slots = flat[2 * row : 3 * row] if window_tables is not None else None
-    meta = StepMetadata(query_start, query_lens, context_lens, seq_lens, tables, slots,
-                        window_tables, window_slots)  # fmt: skip
+    meta = StepMetadata(
+        query_start, query_lens, context_lens, seq_lens, tables, slots, window_tables, window_slots
+    )
     return ids, positions, meta, rows_t

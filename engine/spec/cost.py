@@ -86,10 +86,14 @@ ROUNDS, MAX_ROUNDS, SETTLE_SPREAD = 2, 5, 1.15
 
 
 def timed_rounds(
-    steps: list[Callable[[], object]], device: torch.device, rounds: int = ROUNDS,
-    max_rounds: int = MAX_ROUNDS, spread: float = SETTLE_SPREAD,
-    clock: Callable[[], float] = time.perf_counter, warm_up: bool = True,
-) -> list[list[float]]:  # fmt: skip
+    steps: list[Callable[[], object]],
+    device: torch.device,
+    rounds: int = ROUNDS,
+    max_rounds: int = MAX_ROUNDS,
+    spread: float = SETTLE_SPREAD,
+    clock: Callable[[], float] = time.perf_counter,
+    warm_up: bool = True,
+) -> list[list[float]]:
     """Each step's timed repeats, after one warm-up call each (allocations, lazy packing;
     `warm_up` False: the caller made them): the steps interleaved round by round so that a
     burst of load lands on all of them alike, `rounds` of them, and more while the

@@ -149,13 +149,16 @@ class Drafter:
         state = request.drafts
         if state is not None and state.picks:
             steps = sum(state.picks.values())
-            self.recent_picks.append({
-                "request_id": request.request_id,
-                "steps": steps,
-                "share_by_source": {s: round(n / steps, 3) for s, n in state.picks.items()},
-                "acceptance": {s: round(a, 3) for s, a in state.acceptance.items()
-                               if s in self.sources},
-            })  # fmt: skip
+            self.recent_picks.append(
+                {
+                    "request_id": request.request_id,
+                    "steps": steps,
+                    "share_by_source": {s: round(n / steps, 3) for s, n in state.picks.items()},
+                    "acceptance": {
+                        s: round(a, 3) for s, a in state.acceptance.items() if s in self.sources
+                    },
+                }
+            )
         if "suffix" in self.sources and request.num_output_tokens > 1:
             salt = request.sampling_params.cache_salt
             recent = self.recent.pop(salt, None) or RecentOutputs(RECENT_TOKENS_PER_SALT)

@@ -73,9 +73,11 @@ def verify(logits: torch.Tensor, requests: list[Request]) -> list[SamplerOutput]
         else:
             tokens = _rejection_sample(r, sampling_probs(rows, [params] * (k + 1)))
         # token j came from processed row j: the sampler's own check of each pick
-        if tokens is None or REFUSED in mark_refused(
-            rows[: len(tokens)], torch.tensor(tokens, device=rows.device)
-        ).tolist():
+        if (
+            tokens is None
+            or REFUSED
+            in mark_refused(rows[: len(tokens)], torch.tensor(tokens, device=rows.device)).tolist()
+        ):
             # the row that picks the last token allows nothing (a draft is always allowed by
             # the row before it, or verification rejected it): the request ends here
             results.append(SamplerOutput([], [], refused=[0]))

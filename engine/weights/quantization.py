@@ -342,8 +342,11 @@ def judge_int8_activations(held: HeldOut, binding: bool, key: tuple | None = Non
         for w, limits in zip(weights, chosen):
             w.q8_max_rows, w.kernel_max_rows = limits
 
-    words = ("float activations", "int8 activations serve where faster",
-             "int8 activations refused by the accuracy judge")  # fmt: skip
+    words = (
+        "float activations",
+        "int8 activations serve where faster",
+        "int8 activations refused by the accuracy judge",
+    )
     keep, text = _int8_verdict(held, (exact, int8, restore), key, binding, words)
     if not keep:
         for w in weights:

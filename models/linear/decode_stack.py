@@ -101,9 +101,13 @@ class DecodeStack:
         self._key = _UNREAD
 
     def __call__(
-        self, layers: Sequence[Any], x: torch.Tensor,
-        rope: dict[Any, tuple[torch.Tensor, torch.Tensor]], attn: Any, eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        self,
+        layers: Sequence[Any],
+        x: torch.Tensor,
+        rope: dict[Any, tuple[torch.Tensor, torch.Tensor]],
+        attn: Any,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(output, residual) of every layer in one op for a decode step of `layers` (one
         rotary table `rope`, attention step `attn`); None where that does not apply."""
         if len(rope) != 1 or x.dim() != 2 or x.device.type != "cpu":
@@ -123,7 +127,22 @@ class DecodeStack:
         if ops is None or args is None:
             return None
         return ops.forward(
-            x, stack.norm1, stack.norm2, eps, operands(stack.weights, kind), kind, stack.fmts,
-            stack.outs, args.kv_caches, cos, sin, args.slot_block, args.slot_offset,
-            args.block_tables, args.seq_lens, stack.num_heads, args.scale, args.window,
-        )  # fmt: skip
+            x,
+            stack.norm1,
+            stack.norm2,
+            eps,
+            operands(stack.weights, kind),
+            kind,
+            stack.fmts,
+            stack.outs,
+            args.kv_caches,
+            cos,
+            sin,
+            args.slot_block,
+            args.slot_offset,
+            args.block_tables,
+            args.seq_lens,
+            stack.num_heads,
+            args.scale,
+            args.window,
+        )

@@ -162,9 +162,12 @@ class GGUFWeight:
         (a packed dense copy, int8 rows) made again for them."""
         kernel = self.kernel.rows(index)
         cut = replace(
-            self, kernel=kernel, kernel_q8=Int8Activations(kernel), dense=Dequantized(kernel),
+            self,
+            kernel=kernel,
+            kernel_q8=Int8Activations(kernel),
+            dense=Dequantized(kernel),
             int8=None,
-        )  # fmt: skip
+        )
         if self.int8 is not None:
             cut.int8 = self.int8.rows(index)
         if isinstance(self.dense, OneDNNPacked):

@@ -61,10 +61,12 @@ def measure_packed_rows(module: nn.Module) -> str:
     seen, chosen = [], PACKED_ROW_BUCKETS[-1] + 1
     for rows in PACKED_ROW_BUCKETS:
         xs = {n: torch.randn(rows, n).to(w.packed.dtype) for n, w in weights}
-        plain, packed = best_pass_times([
-            [(w.plain, xs[n]) for n, w in weights],
-            [(w.packed, xs[n]) for n, w in weights],
-        ])  # fmt: skip
+        plain, packed = best_pass_times(
+            [
+                [(w.plain, xs[n]) for n, w in weights],
+                [(w.packed, xs[n]) for n, w in weights],
+            ]
+        )
         seen.append(f"{rows}: {plain * 1e3:.1f}/{packed * 1e3:.1f}")
         if packed <= plain:
             chosen = rows
@@ -77,8 +79,10 @@ def measure_packed_rows(module: nn.Module) -> str:
 def _best_times(weights: list[GGUFWeight], paths: list[str], rows: int) -> list[float]:
     """One pass over `weights` in forward order through each of `paths` (the methods
     "kernel", "kernel_q8", "dense" or "int8") at `rows` rows, interleaved (`best_pass_times`)."""
-    xs = {w.kernel.in_features: torch.randn(rows, w.kernel.in_features).to(w.kernel.dtype)
-          for w in weights}  # fmt: skip
+    xs = {
+        w.kernel.in_features: torch.randn(rows, w.kernel.in_features).to(w.kernel.dtype)
+        for w in weights
+    }
     return best_pass_times(
         [[(getattr(w, p), xs[w.kernel.in_features]) for w in weights] for p in paths]
     )

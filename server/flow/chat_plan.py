@@ -71,10 +71,13 @@ def chat_tools(
     if functions is not None:
         if tools is not None:
             raise APIError(400, "send tools or functions, not both", param="functions")
-        return tuple(_tool(f, f"functions.{i}", f"functions.{i}.parameters")
-                     for i, f in enumerate(functions))  # fmt: skip
-    return tuple(_tool(t.function, f"tools.{i}", f"tools.{i}.function.parameters")
-                 for i, t in enumerate(tools or []))  # fmt: skip
+        return tuple(
+            _tool(f, f"functions.{i}", f"functions.{i}.parameters") for i, f in enumerate(functions)
+        )
+    return tuple(
+        _tool(t.function, f"tools.{i}", f"tools.{i}.function.parameters")
+        for i, t in enumerate(tools or [])
+    )
 
 
 def _tool(f: FunctionDef, param: str, schema_param: str) -> Tool:

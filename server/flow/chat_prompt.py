@@ -79,8 +79,10 @@ def template_messages(
         text = turn.text or ""
         entry: dict[str, Any] = {"role": role, "content": text}
         if turn.parts:  # a turn with images: its parts in order, as templates read them
-            entry["content"] = [{"type": "image"} if not isinstance(p, str)
-                                else {"type": "text", "text": p} for p in turn.parts]  # fmt: skip
+            entry["content"] = [
+                {"type": "image"} if not isinstance(p, str) else {"type": "text", "text": p}
+                for p in turn.parts
+            ]
         if turn.name:
             entry["name"] = turn.name
         if turn.thought is not None and role == "assistant":
@@ -101,8 +103,9 @@ def template_messages(
                 entry["tool_call_id"] = turn.call_id
         else:
             if turn.calls:
-                blocks = [_tool_call_block(c.name, _arguments_object(c.arguments))
-                          for c in turn.calls]  # fmt: skip
+                blocks = [
+                    _tool_call_block(c.name, _arguments_object(c.arguments)) for c in turn.calls
+                ]
                 entry["content"] = "\n".join([t for t in [text] if t] + blocks)
             if role == "tool":
                 entry = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}

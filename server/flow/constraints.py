@@ -81,8 +81,9 @@ def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
 def check_schema_size(schema: Any, param: str) -> None:
     error = schema_limit_error(schema)
     if error is not None:
-        raise APIError(400, f"{param}: the schema is too large: {error}", param=param,
-                       code="schema_too_large")  # fmt: skip
+        raise APIError(
+            400, f"{param}: the schema is too large: {error}", param=param, code="schema_too_large"
+        )
 
 
 def schema_spec(schema: dict[str, Any] | str, param: str) -> GrammarSpec:

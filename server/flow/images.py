@@ -50,19 +50,23 @@ def images_of(conversation: Conversation) -> list[ImageRef]:
     return [p for turn in conversation.turns for p in turn.parts if isinstance(p, ImageRef)]
 
 
-async def load_images(cfg: ServerConfig, engine: AsyncEngine, conversation: Conversation
-                      ) -> ImageSet:  # fmt: skip
+async def load_images(
+    cfg: ServerConfig, engine: AsyncEngine, conversation: Conversation
+) -> ImageSet:
     """Every image of the conversation, read and preprocessed (none: {})."""
     refs = images_of(conversation)
     if not refs:
         return {}
     processor = engine.image_processor
     if processor is None or engine.vision is None:
-        raise _refuse(refs[0], "this model takes text only; an image cannot be read",
-                      "unsupported_content")  # fmt: skip
+        raise _refuse(
+            refs[0], "this model takes text only; an image cannot be read", "unsupported_content"
+        )
     if len(refs) > cfg.max_images_per_request:
-        raise _refuse(refs[cfg.max_images_per_request],
-                      f"at most {cfg.max_images_per_request} images a request")  # fmt: skip
+        raise _refuse(
+            refs[cfg.max_images_per_request],
+            f"at most {cfg.max_images_per_request} images a request",
+        )
     loaded: ImageSet = {}
     for ref in refs:
         if ref not in loaded:
@@ -71,8 +75,9 @@ async def load_images(cfg: ServerConfig, engine: AsyncEngine, conversation: Conv
     return loaded
 
 
-def _preprocess(ref: ImageRef, data: bytes, processor: AnyImageProcessor, cfg: ServerConfig
-                ) -> LoadedImage:  # fmt: skip
+def _preprocess(
+    ref: ImageRef, data: bytes, processor: AnyImageProcessor, cfg: ServerConfig
+) -> LoadedImage:
     try:
         image = decode_image(data, cfg.max_image_pixels, cfg.min_image_side)
         pixels, grid = processor.process(image)
@@ -107,9 +112,12 @@ async def image_bytes(ref: ImageRef, cfg: ServerConfig) -> bytes:
     allowed = [d.lower() for d in cfg.allowed_media_domains]
     if parsed.hostname.lower() not in allowed:
         hosts = ", ".join(allowed) if allowed else "none are set"
-        raise _refuse(ref, f"images are not fetched from {parsed.hostname} (send a data: URL; "
-                      f"the server fetches only from allowed_media_domains: {hosts})",
-                      "media_domain_not_allowed")  # fmt: skip
+        raise _refuse(
+            ref,
+            f"images are not fetched from {parsed.hostname} (send a data: URL; "
+            f"the server fetches only from allowed_media_domains: {hosts})",
+            "media_domain_not_allowed",
+        )
     return await asyncio.to_thread(_fetch, ref, url, limit)
 
 
@@ -157,8 +165,9 @@ class ImageMarkup:
         if not begin or not image:
             raise ValueError("the tokenizer lacks the model's image tokens")
         whole = vision.marker == "begin"
-        return ImageMarkup(begin if whole else image, begin, end, image, vision.image_token_id,
-                           whole)  # fmt: skip
+        return ImageMarkup(
+            begin if whole else image, begin, end, image, vision.image_token_id, whole
+        )
 
     def expansion(self, n: int) -> str:
         if self.whole_block:  # Gemma 3's processor: its `full_image_sequence`
@@ -175,11 +184,14 @@ def place_images(
     markup = ImageMarkup.of(tokenizer, vision)
     pieces = text.split(markup.marker)
     if len(pieces) - 1 != len(images):
-        raise APIError(400, f"{param}: the chat template placed {len(pieces) - 1} "
-                       f"image markers for {len(images)} images", param=param)  # fmt: skip
+        raise APIError(
+            400,
+            f"{param}: the chat template placed {len(pieces) - 1} "
+            f"image markers for {len(images)} images",
+            param=param,
+        )
     counts = [vision.image_tokens(image.grid) for image in images]
-    widened = pieces[0] + "".join(markup.expansion(n) + rest
-                                  for n, rest in zip(counts, pieces[1:]))  # fmt: skip
+    widened = pieces[0] + "".join(markup.expansion(n) + rest for n, rest in zip(counts, pieces[1:]))
     ids = tokenizer.encode(widened, add_special_tokens=False)
     image_id = markup.image_token_id
     starts = [i for i, t in enumerate(ids) if t == image_id and (i == 0 or ids[i - 1] != t)]
@@ -187,11 +199,16 @@ def place_images(
         ids[s : s + n] == [image_id] * n for s, n in zip(starts, counts)
     )
     if not runs_ok or ids.count(image_id) != sum(counts):
-        raise APIError(400, f"{param}: the text holds the model's image placeholder token; "
-                       "send images as image parts", param=param)  # fmt: skip
+        raise APIError(
+            400,
+            f"{param}: the text holds the model's image placeholder token; "
+            "send images as image parts",
+            param=param,
+        )
     placed = tuple(
-        PromptImage(s, n, image.content_hash, torch.from_numpy(image.pixels), image.grid,
-                    vision.two_way)  # fmt: skip
+        PromptImage(
+            s, n, image.content_hash, torch.from_numpy(image.pixels), image.grid, vision.two_way
+        )
         for s, n, image in zip(starts, counts, images, strict=True)
     )
     return ids, placed

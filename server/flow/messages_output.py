@@ -77,13 +77,20 @@ def content_blocks(answer: Answer, omit_thought: bool) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if answer.thought is not None:
         shown = "" if omit_thought else answer.thought
-        blocks.append({"type": "thinking", "thinking": shown,
-                       "signature": signature(answer.thought)})  # fmt: skip
+        blocks.append(
+            {"type": "thinking", "thinking": shown, "signature": signature(answer.thought)}
+        )
     if answer.text:
         blocks.append({"type": "text", "text": answer.text})
     for call in answer.calls:
-        blocks.append({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
-                       "input": _tool_input(call.arguments)})  # fmt: skip
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": tool_use_id(call.id),
+                "name": call.name,
+                "input": _tool_input(call.arguments),
+            }
+        )
     return blocks
 
 
@@ -111,13 +118,22 @@ def messages_usage(
 
 
 def message_body(
-    msg_id: str, model: str, content: list[dict[str, Any]], reason: tuple[str | None, str | None],
+    msg_id: str,
+    model: str,
+    content: list[dict[str, Any]],
+    reason: tuple[str | None, str | None],
     usage: dict[str, int],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     return {
-        "id": msg_id, "type": "message", "role": "assistant", "model": model,
-        "content": content, "stop_reason": reason[0], "stop_sequence": reason[1], "usage": usage,
-    }  # fmt: skip
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason[0],
+        "stop_sequence": reason[1],
+        "usage": usage,
+    }
 
 
 def event(kind: str, fields: dict[str, Any]) -> bytes:

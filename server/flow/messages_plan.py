@@ -37,8 +37,10 @@ from server.state import ServerState
 # the engine's sampling parameters as the Messages API spells them, for the errors it raises
 PARAM_NAMES = {"stop": "stop_sequences", "user": "metadata.user_id"}
 _TOOL_CHOICES: dict[str, Literal["auto", "required", "none"]] = {
-    "auto": "auto", "any": "required", "none": "none",
-}  # fmt: skip
+    "auto": "auto",
+    "any": "required",
+    "none": "none",
+}
 
 
 def _refuse(param: str, why: str) -> APIError:
@@ -100,8 +102,11 @@ def messages_turns(body: MessagesRequest) -> list[Turn]:
 
 def _check_block(block: AnthropicContentBlock, where: str) -> None:
     if block.type not in TEXT_BLOCKS:
-        raise _refuse(f"{where}.type", f"{block.type!r} blocks are not supported here; send "
-                      "text, image, tool_use or tool_result")  # fmt: skip
+        raise _refuse(
+            f"{where}.type",
+            f"{block.type!r} blocks are not supported here; send "
+            "text, image, tool_use or tool_result",
+        )
 
 
 def _user_turn(blocks: list[AnthropicContentBlock], where: str) -> list[Turn]:
@@ -157,14 +162,25 @@ def messages_tools(body: MessagesRequest) -> tuple[Tool, ...]:
     tools = []
     for i, tool in enumerate(body.tools or []):
         if tool.type not in (None, "custom"):
-            raise _refuse(f"tools.{i}.type", f"server tool {tool.type!r} is not available here; "
-                          "client tools (name, input_schema) are")  # fmt: skip
+            raise _refuse(
+                f"tools.{i}.type",
+                f"server tool {tool.type!r} is not available here; "
+                "client tools (name, input_schema) are",
+            )
         if tool.input_schema is None:
             raise APIError(
                 400, f"tools.{i}.input_schema: required", param=f"tools.{i}.input_schema"
             )
-        tools.append(Tool(tool.name, tool.description, tool.input_schema, None, f"tools.{i}",
-                          f"tools.{i}.input_schema"))  # fmt: skip
+        tools.append(
+            Tool(
+                tool.name,
+                tool.description,
+                tool.input_schema,
+                None,
+                f"tools.{i}",
+                f"tools.{i}.input_schema",
+            )
+        )
     return tuple(tools)
 
 
@@ -214,11 +230,17 @@ async def messages_plan(
     user = body.metadata.user_id if body.metadata else None
     session = session_id(request, user)
     sampling = sampling_fields(
-        {"model": body.model, "stream": body.stream, "temperature": body.temperature,
-         "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences or None,
-         "user": user},
+        {
+            "model": body.model,
+            "stream": body.stream,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "stop": body.stop_sequences or None,
+            "user": user,
+        },
         PARAM_NAMES,
-    )  # fmt: skip
+    )
     generation = GenerationPlan(
         req_id=msg_id,
         body=sampling,
@@ -249,7 +271,8 @@ def kept_prefix(
     end, ttl = mark
     num_tokens = len(plan.generation.prompts[0])
     if end is not None:
-        upto = replace(conversation, turns=conversation.turns[: end + 1],
-                       add_generation_prompt=False)  # fmt: skip
+        upto = replace(
+            conversation, turns=conversation.turns[: end + 1], add_generation_prompt=False
+        )
         num_tokens = min(num_tokens, len(render(engine, upto, plan.tools, plan.images)[0]))
     return KeepPrefix(num_tokens, ttl, app)

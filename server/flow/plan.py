@@ -109,18 +109,29 @@ def make_choices(
         for i in range(body.n):
             first = i == 0
             params = body.sampling_params(
-                budget, plan.logprobs, seed_offset=i, grammar=grammar,
+                budget,
+                plan.logprobs,
+                seed_offset=i,
+                grammar=grammar,
                 cache_salt=cache_salt,
                 prompt_logprobs=plan.prompt_logprobs if first else None,
                 export_kv=exports_kv and first,
                 thought_budget=plan.thought_budget,
                 keep_prefix=plan.keep_prefix if first else None,
-                streamed=plan.streamed, lora=lora,
-            )  # fmt: skip
+                streamed=plan.streamed,
+                lora=lora,
+            )
             index = p_idx * body.n + i
-            choices.append(Choice(index, ids, params, f"{plan.req_id}-{index}",
-                                  app=app if first else None,
-                                  images=plan.images if p_idx == 0 else ()))  # fmt: skip
+            choices.append(
+                Choice(
+                    index,
+                    ids,
+                    params,
+                    f"{plan.req_id}-{index}",
+                    app=app if first else None,
+                    images=plan.images if p_idx == 0 else (),
+                )
+            )
     return choices
 
 

@@ -79,8 +79,9 @@ async def start(
         choices = make_choices(engine, plan, salt, app, transfer.publish, lora)
         if plan.grammar is not None:
             await compile_grammar(state, engine, *plan.grammar)
-        publish = await kv_handover(state, engine, choices, body.n, plan.kv_transfer_params,
-                                    transfer)  # fmt: skip
+        publish = await kv_handover(
+            state, engine, choices, body.n, plan.kv_transfer_params, transfer
+        )
     except (APIError, ParamError) as e:
         raise renamed(to_api_error(e), plan.param_names) from None
     on_done = None
@@ -91,9 +92,11 @@ async def start(
         def on_done(done: list[Choice]) -> None:
             first = done[0]
             state.sessions.end_turn(
-                session, first.prompt_ids + first.token_ids, first.params.cache_namespace,
+                session,
+                first.prompt_ids + first.token_ids,
+                first.params.cache_namespace,
                 first.images,
-            )  # fmt: skip
+            )
 
     return Generation.admit(state, engine, choices, body.n, plan.req_id, on_done, publish)
 
@@ -188,8 +191,12 @@ class Generation:
     ) -> Generation:
         """Every choice enters the engine now, or the request gets a 429."""
         submitted = time.monotonic()
-        q = submit_or_429(state, engine, [(c.request_id, c.prompt_ids, c.params) for c in choices],
-                          {c.request_id: c.images for c in choices if c.images})  # fmt: skip
+        q = submit_or_429(
+            state,
+            engine,
+            [(c.request_id, c.prompt_ids, c.params) for c in choices],
+            {c.request_id: c.images for c in choices if c.images},
+        )
         lora = choices[0].params.lora if choices else None
         head = {
             "id": req_id,
@@ -213,8 +220,9 @@ class Generation:
                     raise failed(f"request {choice.request_id} failed: {out.error}")
                 timing.output(out)
                 if choice.app is not None and out.prefix_hit is not None:
-                    self.state.app_cache.observe(choice.app, choice.prompt_ids, out.prefix_hit,
-                                                 choice.params.cache_namespace)  # fmt: skip
+                    self.state.app_cache.observe(
+                        choice.app, choice.prompt_ids, out.prefix_hit, choice.params.cache_namespace
+                    )
                     choice.app = None  # once per prompt
                 choice.add(out)
                 yield choice, out

@@ -61,8 +61,13 @@ def _parts(parts: str | list[InputPart], where: str, images: bool = True) -> lis
             else:
                 out.append({"type": "input_text", "text": part.text})
         elif images and part.type == "input_image" and part.image_url is not None:
-            out.append({"type": "input_image", "image_url": part.image_url,
-                        "detail": part.detail or "auto"})  # fmt: skip
+            out.append(
+                {
+                    "type": "input_image",
+                    "image_url": part.image_url,
+                    "detail": part.detail or "auto",
+                }
+            )
         else:
             why = f"a {part.type!r} part cannot be read (send input_text or input_image parts)"
             if part.type == "input_image":
@@ -120,8 +125,7 @@ def input_items(value: str | list[InputItem]) -> list[dict[str, Any]]:
             content = _parts(item.content, f"{where}.content", images=not assistant)
             if assistant:
                 text = "".join(p["text"] for p in content)
-                content = [{"type": "output_text", "text": text, "annotations": [],
-                            "logprobs": []}]  # fmt: skip
+                content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
             items.append(
                 {
                     "type": "message",
@@ -276,8 +280,13 @@ class OutputItems:
         events = []
         if self.open is None or self.open["type"] != "reasoning":
             text = {"type": "reasoning_text", "text": ""}
-            item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [text],
-                    "status": "in_progress"}  # fmt: skip
+            item = {
+                "type": "reasoning",
+                "id": new_id("rs"),
+                "summary": [],
+                "content": [text],
+                "status": "in_progress",
+            }
             events += self._open(item)
         assert self.open is not None
         self.open["content"][0]["text"] += delta
@@ -342,8 +351,12 @@ class OutputItems:
                 )
             )
         item["status"] = status
-        events.append(("response.output_item.done", {"output_index": where["output_index"],
-                                                      "item": _copy(item)}))  # fmt: skip
+        events.append(
+            (
+                "response.output_item.done",
+                {"output_index": where["output_index"], "item": _copy(item)},
+            )
+        )
         return events
 
 

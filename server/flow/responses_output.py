@@ -128,8 +128,15 @@ class ResponseEvents:
         return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
     def _snapshot(self, status: str, error: dict | None = None) -> dict[str, Any]:
-        return response_body(self.resp_id, self.created, self.body, self.model, status=status,
-                             output=self.out.items, error=error)  # fmt: skip
+        return response_body(
+            self.resp_id,
+            self.created,
+            self.body,
+            self.model,
+            status=status,
+            output=self.out.items,
+            error=error,
+        )
 
     def begin(self, gen: Generation) -> list[bytes]:
         self.model = gen.head["model"]

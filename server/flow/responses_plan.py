@@ -174,10 +174,16 @@ def responses_conversation(
     if not turns:
         raise APIError(400, "input: no instructions and no items to answer", param="input")
     tools = tuple(
-        Tool(model_function_name(namespace, tool.name or ""), tool.description, tool.parameters,
-             tool.strict, where, f"{where}.parameters")
+        Tool(
+            model_function_name(namespace, tool.name or ""),
+            tool.description,
+            tool.parameters,
+            tool.strict,
+            where,
+            f"{where}.parameters",
+        )
         for where, namespace, tool in offered_functions(body)
-    )  # fmt: skip
+    )
     choice = body.tool_choice
     if choice is None or isinstance(choice, str):
         tool_choice = None if choice is None else ToolChoice(choice)
@@ -230,8 +236,13 @@ async def responses_plan(
     with_logprobs = INCLUDE_LOGPROBS in (body.include or []) or bool(body.top_logprobs)
     top = body.top_logprobs if with_logprobs else None
     logprobs = logprobs_of(state, with_logprobs, top)
-    sampling = {"model": body.model, "stream": body.stream, "temperature": body.temperature,
-                "top_p": body.top_p, "user": body.user}  # fmt: skip
+    sampling = {
+        "model": body.model,
+        "stream": body.stream,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "user": body.user,
+    }
     generation = GenerationPlan(
         req_id=resp_id,
         body=sampling_fields(sampling, PARAM_NAMES),

@@ -80,9 +80,16 @@ class FunctionTool(_Base):
 # to the model, which therefore never calls them (README: Responses). Codex CLI sends
 # `web_search` by default; a 400 there is a Codex that cannot start.
 HOSTED_TOOLS = frozenset(
-    {"web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
-     "computer_use_preview", "mcp"}
-)  # fmt: skip
+    {
+        "web_search",
+        "web_search_preview",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "computer_use_preview",
+        "mcp",
+    }
+)
 
 
 class NamedFunction(_Base):

@@ -131,8 +131,13 @@ async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.kv
     engine = state.ready_engine()
     cards = [model_card(state)] + [model_card(state, name) for name in engine.loras]
-    body = {"object": "list", "data": cards, "has_more": False,
-            "first_id": cards[0]["id"], "last_id": cards[-1]["id"]}  # fmt: skip
+    body = {
+        "object": "list",
+        "data": cards,
+        "has_more": False,
+        "first_id": cards[0]["id"],
+        "last_id": cards[-1]["id"],
+    }
     return reply(ModelList, body)
 
 
@@ -161,9 +166,12 @@ async def tokenize(request: Request) -> Response:
     body, engine = await _tokenizer_body(request, TokenizeRequest)
     assert engine.tokenizer is not None
     if body.messages is not None:
-        conversation = Conversation(chat_turns(body.messages), "messages",
-                                    template_kwargs=body.chat_template_kwargs or {},
-                                    add_generation_prompt=body.add_generation_prompt)  # fmt: skip
+        conversation = Conversation(
+            chat_turns(body.messages),
+            "messages",
+            template_kwargs=body.chat_template_kwargs or {},
+            add_generation_prompt=body.add_generation_prompt,
+        )
         ids = render_prompt(engine.tokenizer, conversation, chat_tools(body.tools, None))
     elif body.prompt is not None:
         ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -214,7 +222,8 @@ async def offload_idle_sessions(state: ServerState) -> None:
         if engine is None or engine.dead is not None or not engine.info.has_host_tier:
             continue
         for sid, session in state.sessions.idle(idle):
-            moved = await engine.offload_prefix(session.token_ids, session.cache_salt,
-                                                session.images)  # fmt: skip
+            moved = await engine.offload_prefix(
+                session.token_ids, session.cache_salt, session.images
+            )
             session.offloaded = True
             log.debug("session %s idle %.0fs: %d blocks offloaded to host", sid, idle, moved)

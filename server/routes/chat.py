@@ -49,8 +49,11 @@ async def chat_completions(request: Request) -> Response:
         answer = Answer.read(plan.answer, ch.text)
         # an empty answer after a thought, or around a begun call, is no content
         empty = answer.began_call or answer.thought is not None
-        msg: dict = {"role": "assistant", "content": answer.text or (None if empty else ""),
-                     "refusal": None}  # fmt: skip
+        msg: dict = {
+            "role": "assistant",
+            "content": answer.text or (None if empty else ""),
+            "refusal": None,
+        }
         if plan.answer.reasoning is not None:
             msg["reasoning_content"] = answer.thought
         calls = answer.calls

@@ -86,8 +86,9 @@ async def embeddings(request: Request) -> Response:
         data = []
         for ch in choices:
             if ch.embedding is None:
-                raise RequestFailed(f"request {ch.request_id} ended without an embedding: "
-                                    f"{ch.finish_reason}")  # fmt: skip
+                raise RequestFailed(
+                    f"request {ch.request_id} ended without an embedding: {ch.finish_reason}"
+                )
             vector = encode(ch.embedding, body.dimensions, fmt)
             data.append({"object": "embedding", "embedding": vector, "index": ch.index})
         tokens = usage["prompt_tokens"]

@@ -23,13 +23,21 @@ async def load_lora_adapter(request: Request) -> Response:
     if not engine.lora_limits.enabled:
         raise APIError(400, "LoRA is off on this server (--max-loras 0)", param="lora_name")
     if body.lora_name == state.model_name or body.lora_name in engine.loras:
-        raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.",
-                       param="lora_name", code="lora_exists")  # fmt: skip
+        raise APIError(
+            400,
+            f"The lora adapter '{body.lora_name}' has already been loaded.",
+            param="lora_name",
+            code="lora_exists",
+        )
     try:
         ref = await engine.load_lora(body.lora_name, body.lora_path)
     except LoRAError as e:
-        raise APIError(400, f"cannot load LoRA adapter {body.lora_name!r}: {e}",
-                       param="lora_path", code="invalid_lora") from None  # fmt: skip
+        raise APIError(
+            400,
+            f"cannot load LoRA adapter {body.lora_name!r}: {e}",
+            param="lora_path",
+            code="invalid_lora",
+        ) from None
     log.info("LoRA adapter %s loaded from %s (%s)", ref.name, body.lora_path, ref.key[:12])
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
@@ -41,8 +49,12 @@ async def unload_lora_adapter(request: Request) -> Response:
     try:
         await engine.unload_lora(body.lora_name)
     except KeyError:
-        raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.",
-                       param="lora_name", code="lora_not_found") from None  # fmt: skip
+        raise APIError(
+            404,
+            f"The lora adapter '{body.lora_name}' cannot be found.",
+            param="lora_name",
+            code="lora_not_found",
+        ) from None
     except LoRAInUse as e:
         raise APIError(409, str(e), param="lora_name", code="lora_in_use") from None
     log.info("LoRA adapter %s unloaded", body.lora_name)

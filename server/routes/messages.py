@@ -81,8 +81,7 @@ async def _open(
 async def create_message(request: Request) -> Response:
     state, engine, body, conversation = await _open(request, MessagesRequest)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
-    plan, cache_control = await messages_plan(state, engine, request, body, conversation,
-                                              msg_id)  # fmt: skip
+    plan, cache_control = await messages_plan(state, engine, request, body, conversation, msg_id)
     gen = await start(state, engine, request, plan.generation)
     info = engine.info
 
@@ -100,8 +99,9 @@ async def create_message(request: Request) -> Response:
         answer = Answer.read(plan.answer, choice.text)  # the whole answer: its events folded
         content = content_blocks(answer, omit)
         reason = stop_reason(choice, bool(answer.calls), stops)
-        return reply(AnthropicMessage, message_body(msg_id, gen.head["model"], content, reason,
-                                                     counted))  # fmt: skip
+        return reply(
+            AnthropicMessage, message_body(msg_id, gen.head["model"], content, reason, counted)
+        )
 
     return await gen.collect(request, respond)
 

@@ -74,13 +74,15 @@ async def create_response(request: Request) -> Response:
     items = history + input_items(body.input)
     resp_id = new_id("resp")
     thread = thread or resp_id
-    plan = await responses_plan(state, engine, body, items, len(history), resp_id,
-                                f"response:{thread}")  # fmt: skip
+    plan = await responses_plan(
+        state, engine, body, items, len(history), resp_id, f"response:{thread}"
+    )
     gen = await start(state, engine, request, plan.generation)
     with_logprobs = plan.generation.logprobs is not None
     created = int(time.time())
-    summary = body.reasoning is not None and bool(body.reasoning.summary
-                                                  or body.reasoning.generate_summary)  # fmt: skip
+    summary = body.reasoning is not None and bool(
+        body.reasoning.summary or body.reasoning.generate_summary
+    )
     sealed = "reasoning.encrypted_content" in (body.include or [])
 
     def builder() -> OutputItems:
@@ -91,8 +93,12 @@ async def create_response(request: Request) -> Response:
         reasoning_tokens = (
             len(engine.tokenizer.encode(thought)) if thought and engine.tokenizer else 0
         )
-        usage = responses_usage(usage_of(gen.choices, 1), engine.info.block_size,
-                                engine.info.prefix_caching, reasoning_tokens)  # fmt: skip
+        usage = responses_usage(
+            usage_of(gen.choices, 1),
+            engine.info.block_size,
+            engine.info.prefix_caching,
+            reasoning_tokens,
+        )
         final = response_body(
             resp_id, created, body, gen.head["model"], status=status, output=output, usage=usage
         )
@@ -119,8 +125,9 @@ async def create_response(request: Request) -> Response:
 async def retrieve_response(request: Request) -> Response:
     state: ServerState = request.app.state.kv
     if request.query_params.get("stream", "false").lower() not in ("false", "0"):
-        raise APIError(400, "stream: only background responses can be streamed again",
-                       param="stream")  # fmt: skip
+        raise APIError(
+            400, "stream: only background responses can be streamed again", param="stream"
+        )
     stored = _stored(state, request)
     return reply(ResponseObject, stored.body)
 
@@ -181,5 +188,6 @@ def _stored(state: ServerState, request: Request) -> Any:
 
 
 def _missing(rid: str) -> APIError:
-    return APIError(404, f"response {rid!r} not found", param="response_id",
-                    code="response_not_found")  # fmt: skip
+    return APIError(
+        404, f"response {rid!r} not found", param="response_id", code="response_not_found"
+    )
