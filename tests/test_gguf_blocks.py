@@ -204,15 +204,18 @@ def test_weight_takes_kernel_or_dense_path_by_rows_with_bias(dtype) -> None:
 @pytest.fixture(scope="module")
 def smol_pair(smollm2_path):
     """The shipped Q4_1 file served as stored (on float activations: the exact kernel) and
-    dequantized, both float32."""
+    dequantized, both float32 (numbers only: the step budget and speculation costs are not
+    measured, tests of their own do that)."""
+    unmeasured = {"target_step_ms": -1, "spec_cost_model": False}
     native = LLM(
         smollm2_path,
         num_kv_blocks=16,
         dtype="float32",
         quantization="auto",
         gguf_int8_activations="off",
+        **unmeasured,
     )
-    dense = LLM(smollm2_path, num_kv_blocks=16, dtype="float32", quantization="none")
+    dense = LLM(smollm2_path, num_kv_blocks=16, dtype="float32", quantization="none", **unmeasured)
     return native, dense
 
 
@@ -328,7 +331,14 @@ def test_int4_at_load_is_measured_and_refused_where_it_breaks_the_model(llama_di
 @needs_ops
 @pytest.mark.slow
 def test_int4_at_load_serves_smollm2(smollm2_path) -> None:
-    q = LLM(smollm2_path, num_kv_blocks=16, dtype="float32", quantization="int4")
+    q = LLM(
+        smollm2_path,
+        num_kv_blocks=16,
+        dtype="float32",
+        quantization="int4",
+        target_step_ms=-1,
+        spec_cost_model=False,
+    )
     table = q.engine.info.kernel_table
     assert "weight-only int4: ggml blocks rounded at load (Q4_1 " in table
     assert float(table.split("top-1 agreement ")[1].split(",")[0]) >= 0.9
