@@ -8,7 +8,9 @@ value norm and no 1/sqrt(d) score scale; each kernel x kernel block of patches i
 into one soft token, scaled by sqrt(width) (optionally standardised), RMS-normed without a
 scale and projected into the text model's width. The text model is Gemma 4's (models/gemma4.py);
 its image placeholders hold the soft tokens, unscaled, and their per-layer inputs are the pad
-token's. The audio tower is not loaded (audio inputs are not accepted)."""
+token's. An image's soft tokens attend both ways on the sliding-window layers only, where the
+text config says "vision"; causally otherwise. The audio tower is not loaded (audio inputs
+are not accepted)."""
 
 from __future__ import annotations
 
@@ -28,17 +30,18 @@ _NESTED = "model."
 
 def gemma4_vision_spec(cfg: dict) -> VisionSpec | None:
     """The image side of a Gemma 4 ConditionalGeneration config (None: it has no tower).
-    Its images attend causally unless the text config asks for two-way attention among an
-    image's tokens, which Gemma 4 applies on its sliding-window layers only: not served."""
+    Its images attend causally, unless the text config's `use_bidirectional_attention` is
+    "vision": then an image's tokens attend both ways on the sliding-window layers only, as
+    transformers' mask for them does ("all", a text model attending both ways everywhere, is
+    refused)."""
     tower = cfg.get("vision_config")
     if not tower:
         return None
     two_way = (cfg.get("text_config") or {}).get("use_bidirectional_attention")
-    if two_way is not None:
+    if two_way not in (None, "vision"):
         raise ValueError(
-            f"Gemma 4 with use_bidirectional_attention={two_way!r} is not supported: its image "
-            "tokens attend both ways on the sliding-window layers only, and kvserve's image "
-            "spans open both ways on every layer"
+            f"Gemma 4 with use_bidirectional_attention={two_way!r} is not supported (a text "
+            "model attending both ways is not a causal decoder)"
         )
     rope = tower.get("rope_parameters") or {}
     if rope.get("rope_type", "axial") != "axial":
@@ -51,8 +54,9 @@ def gemma4_vision_spec(cfg: dict) -> VisionSpec | None:
         end_token_id=cfg.get("eoi_token_id", 258_882),
         tower_config=dict(tower),
         spatial_merge=int(tower.get("pooling_kernel_size", 3)),
-        two_way=False,
+        two_way=two_way == "vision",
         marker="wrapped",
+        two_way_windowed_only=True,
     )
 
 

@@ -69,6 +69,8 @@ class VisionSpec:
     spatial_merge: int = 0
     two_way: bool = True
     marker: str = "begin"
+    # Gemma 4: the two-way spans hold on the sliding-window layers only (full-context: causal)
+    two_way_windowed_only: bool = False
 
     def image_tokens(self, grid: tuple[int, int, int] | None) -> int:
         """Soft tokens of an image whose patch grid (t, h, w) is `grid` (None: fixed size)."""

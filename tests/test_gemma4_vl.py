@@ -2,8 +2,8 @@
 random `Gemma4ForConditionalGeneration`: the processor's patches and soft-token count, the
 image encoder's soft tokens, logits and greedy text for a prompt with one image (prefilled
 in chunks that split it), the same picture twice a prefix hit encoded once, the server's widening
-of the chat template's placeholder; a checkpoint asking for two-way
-image attention is refused at startup."""
+of the chat template's placeholder; with the text config's two-way image attention ("vision":
+on the sliding-window layers only) the same against transformers' mask; "all" refused."""
 
 from __future__ import annotations
 
@@ -54,14 +54,16 @@ def their_inputs(seed: int) -> dict:
 def prompt(llm: LLM, vlm: str, seed: int):
     """A user turn with one image, widened as Gemma 4's processor does (begin, placeholders,
     end), and the image at its soft tokens."""
-    processor = Gemma4ImageProcessor.read(vlm, hf_spec(vlm).vision.tower_config)
+    vision = hf_spec(vlm).vision
+    processor = Gemma4ImageProcessor.read(vlm, vision.tower_config)
     patches, grid = processor.process(decode_image(png(seed), 10**7, 2))
     n = grid[1] * grid[2] // 9
     text = "<bos><start_of_turn>user\n<start_of_image>" + "<image_soft_token>" * n
     text += "<end_of_image>What is this?<end_of_turn>\n<start_of_turn>model\n"
     ids = llm.tokenizer.encode(text, add_special_tokens=False)
     at = ids.index(IMAGE)
-    image = PromptImage(at, n, content_hash(patches, grid), torch.from_numpy(patches), grid, False)
+    pixels = torch.from_numpy(patches)
+    image = PromptImage(at, n, content_hash(patches, grid), pixels, grid, vision.two_way)
     return ids, (image,)
 
 
@@ -118,11 +120,47 @@ def test_one_image_matches_transformers_and_is_a_prefix_hit(vlm, reference) -> N
     assert placed[0].num_tokens == images[0].num_tokens and not placed[0].two_way
 
 
-def test_two_way_image_attention_is_refused(vlm, tmp_path) -> None:
-    other = tmp_path / "bidir"
+@pytest.fixture(scope="module")
+def two_way_vlm(vlm, tmp_path_factory) -> str:
+    """The same weights, the text config asking for two-way attention among an image's tokens
+    (on the sliding-window layers only, as Gemma 4 applies it)."""
+    other = tmp_path_factory.mktemp("gemma4-vlm-two-way") / "vlm"
     shutil.copytree(vlm, other)
     cfg = json.loads((other / "config.json").read_text())
     cfg["text_config"]["use_bidirectional_attention"] = "vision"
     (other / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="sliding-window layers only"):
+    return str(other)
+
+
+def test_two_way_images_on_sliding_layers_match_transformers(two_way_vlm) -> None:
+    reference = greedy_reference("Gemma4ForConditionalGeneration", two_way_vlm)
+    # chunks of 64: the first stops before the image, which the next takes whole
+    llm = LLM(two_way_vlm, num_kv_blocks=96, block_size=4, max_num_batched_tokens=64)
+    ids, images = prompt(llm, two_way_vlm, 1)
+    assert images[0].two_way
+    type_ids = torch.tensor([[int(t == IMAGE) for t in ids]])
+
+    def theirs_two_way(ids, images, generate: int = 0):
+        inputs = their_inputs(1)
+        kw = dict(
+            input_ids=torch.tensor([ids]),
+            pixel_values=inputs["pixel_values"],
+            image_position_ids=inputs["image_position_ids"],
+            mm_token_type_ids=type_ids,
+        )
+        return reference_run(reference, kw, len(ids), generate)
+
+    ref = assert_like_reference(llm, ids, images, theirs_two_way, GREEDY)
+    causal = theirs(reference, 1, ids, images)  # without the image's token types: causal
+    assert (causal - ref).abs().max().item() > 1e-3  # the two-way span matters
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
+
+
+def test_a_text_model_attending_both_ways_is_refused(vlm, tmp_path) -> None:
+    other = tmp_path / "all"
+    shutil.copytree(vlm, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["text_config"]["use_bidirectional_attention"] = "all"
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="not a causal decoder"):
         hf_spec(str(other))
