@@ -142,6 +142,7 @@ def gemma4_spec(cfg: dict, eos: tuple[int, ...]) -> ModelSpec:
             "per_layer_input": cfg.get("hidden_size_per_layer_input") or 0,
             "per_layer_vocab": cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"],
             "moe_intermediate_size": cfg.get("moe_intermediate_size") or 0,
+            "image_fill_id": cfg.get("pad_token_id") or 0,  # what an image's rows read as
         },
     )
 

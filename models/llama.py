@@ -246,7 +246,8 @@ class LlamaForCausalLM(nn.Module):
         those rows' hidden states after each of the first k layers."""
         layer_adds: tuple[torch.Tensor, ...] = ()
         if images is not None:  # a placeholder id may lie outside the vocabulary (Gemma 3)
-            input_ids = input_ids.index_fill(0, images[0], 0)
+            # Gemma 4's per-layer inputs read the placeholders as its pad token
+            input_ids = input_ids.index_fill(0, images[0], self.spec.extra.get("image_fill_id", 0))
         x = self.embed_tokens(input_ids)
         if self.spec.embedding_multiplier != 1.0:
             # in the serving dtype, as Gemma's own code rounds its sqrt(hidden) normaliser

@@ -26,6 +26,7 @@ from models.fp8_weights import dequantized
 from models.gemma3 import gemma3_fields, gemma3_weights
 from models.gemma3_vision import gemma3_vision_spec
 from models.gemma4 import Gemma4ForCausalLM, gemma4_spec, gemma4_weights
+from models.gemma4_vision import gemma4_vision_spec
 from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
 from models.laguna import LagunaForCausalLM, laguna_spec, laguna_weights
 from models.llama import LlamaForCausalLM
@@ -206,9 +207,10 @@ def hf_spec(path: str, context: int | None = None) -> ModelSpec:
     if arch in QWEN_VL_ARCHITECTURES:  # Qwen2/3 + M-RoPE, its tower (models/qwen_vl.py)
         arch, cfg, vision_fields = qwen_vl_config(arch, cfg)
     if arch == "Gemma4ForConditionalGeneration" and "text_config" in cfg:
+        vision = gemma4_vision_spec(cfg)  # its image path (models/gemma4_vision.py); no audio
         arch, cfg = "Gemma4ForCausalLM", {**cfg, **cfg["text_config"]}  # its language model
     if arch == "Gemma4ForCausalLM":
-        return gemma4_spec(cfg, tuple(_eos_ids(root, cfg)))
+        return replace(gemma4_spec(cfg, tuple(_eos_ids(root, cfg))), vision=vision)
     if arch == "LagunaForCausalLM":
         return laguna_spec(cfg, tuple(_eos_ids(root, cfg)))
     if arch == "DeepseekV4ForCausalLM":

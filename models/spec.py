@@ -55,10 +55,12 @@ class VisionSpec:
     image attend to each other in both directions (Gemma 3; Qwen's stay causal). `marker`:
     what the chat template writes for an image, which the processor widens ("begin": the
     begin token, widened into the whole block; "image": the placeholder itself, between the
-    begin and end tokens the template wrote, repeated). `tower_config`: the checkpoint's vision
-    config, for the encoder's own builder (models/gemma3_vision.py, models/qwen_vision.py)."""
+    begin and end tokens the template wrote, repeated; "wrapped": the placeholder itself,
+    widened into begin, the repeated placeholder and end: Gemma 4). `tower_config`: the
+    checkpoint's vision config, for the encoder's own builder (models/gemma3_vision.py,
+    models/qwen_vision.py, models/gemma4_vision.py)."""
 
-    architecture: str  # "gemma3", "qwen2_5_vl", "qwen3_vl"
+    architecture: str  # "gemma3", "qwen2_5_vl", "qwen3_vl", "gemma4"
     image_token_id: int
     tokens_per_image: int  # 0: each image's own (dynamic resolution)
     begin_token_id: int | None
@@ -67,6 +69,8 @@ class VisionSpec:
     spatial_merge: int = 0
     two_way: bool = True
     marker: str = "begin"
+    # Gemma 4: the two-way spans hold on the sliding-window layers only (full-context: causal)
+    two_way_windowed_only: bool = False
 
     def image_tokens(self, grid: tuple[int, int, int] | None) -> int:
         """Soft tokens of an image whose patch grid (t, h, w) is `grid` (None: fixed size)."""

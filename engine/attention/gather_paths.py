@@ -93,9 +93,13 @@ def gather_prefill(
     cache: torch.Tensor,
     scale: float,
     window: int | None,
+    two_way: bool = True,
 ) -> torch.Tensor:
+    """`two_way` False: the chunk's image spans stay causal in this layer (its masks are kept
+    per window, and a model's layers of one window agree on it)."""
     if window not in p.masks:
-        mask = prefill_mask(p.context, p.seq_len, window, p.image_spans)
+        spans = p.image_spans if two_way else ()
+        mask = prefill_mask(p.context, p.seq_len, window, spans)
         p.masks[window] = mask.to(q.device) if mask is not None else None
     mask = p.masks[window]
     if p.context > 0 or fresh is None:

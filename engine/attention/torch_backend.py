@@ -270,15 +270,17 @@ class TorchAttentionStep(AttentionStep):
             o = gather_decode(bucket, q.index_select(0, bucket.rows), cache, scale, window)
             out.index_copy_(0, bucket.rows, o)
         op_takes = self.backend.prefill_op is not None and cpp_reads(q.dtype, cache.dtype)
+        # Gemma 4's images attend both ways on its sliding-window layers only
+        two_way = window is not None or not backend.spans_windowed_only
         for p in self.prefills:
-            if op_takes and not p.image_spans:  # reads the chunk's pages (causal only)
+            if op_takes and not (two_way and p.image_spans):  # reads the pages (causal only)
                 o = out[p.rows]
                 self.backend.prefill_op(
                     q[p.rows], o, cache[0], cache[1], p.pages, p.context, scale, window or 0
                 )
                 continue
             fresh = (k[p.rows], v[p.rows]) if k is not None and v is not None else None
-            out[p.rows] = gather_prefill(p, q[p.rows], fresh, cache, scale, window)
+            out[p.rows] = gather_prefill(p, q[p.rows], fresh, cache, scale, window, two_way)
         return out
 
 
@@ -299,6 +301,7 @@ class TorchBackend(AttentionBackend):
         # the sliding-window layers' pool, where smaller than the others (engine/kv/window.py)
         self.smallest_cache = min(sizes) if len(sizes) > 1 else None
         self.int8 = kv_caches[0].dtype == torch.int8  # the range plan reads raw pool views
+        self.spans_windowed_only = spec.vision is not None and spec.vision.two_way_windowed_only
         # Decode rows go to the compiled C++ op where it builds (CPU, float32 or bfloat16 KV,
         # float32 arithmetic); None: PyTorch ops (range plan or gather buckets; float16 on
         # CPU). Tests set it to None to compare the paths.

@@ -152,7 +152,7 @@ class ImageMarkup:
     end: str
     image: str
     image_token_id: int
-    whole_block: bool  # Gemma 3: the marker is the begin token, widened into the whole block
+    kind: str  # VisionSpec.marker: "begin", "image" or "wrapped"
 
     @staticmethod
     def of(tokenizer: Tokenizer, vision: VisionSpec) -> ImageMarkup:
@@ -164,14 +164,14 @@ class ImageMarkup:
         image = text(vision.image_token_id)
         if not begin or not image:
             raise ValueError("the tokenizer lacks the model's image tokens")
-        whole = vision.marker == "begin"
-        return ImageMarkup(
-            begin if whole else image, begin, end, image, vision.image_token_id, whole
-        )
+        marker = begin if vision.marker == "begin" else image
+        return ImageMarkup(marker, begin, end, image, vision.image_token_id, vision.marker)
 
     def expansion(self, n: int) -> str:
-        if self.whole_block:  # Gemma 3's processor: its `full_image_sequence`
+        if self.kind == "begin":  # Gemma 3's processor: its `full_image_sequence`
             return f"\n\n{self.begin}{self.image * n}{self.end}\n\n"
+        if self.kind == "wrapped":  # Gemma 4's: the placeholder between begin and end
+            return f"{self.begin}{self.image * n}{self.end}"
         return self.image * n  # Qwen's: the template wrote the begin and end tokens around it
 
 
