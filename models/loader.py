@@ -101,10 +101,8 @@ def load_model(
     spec is returned either way."""
     spec = load_spec(path, context)
     part = shard(spec) if shard is not None else None
-    if part is not None:
-        model = empty_model(part.spec, dtype, device, part.vocab_rows)
-    else:
-        model = empty_model(spec, dtype, device)
+    built, rows = (part.spec, part.vocab_rows) if part is not None else (spec, None)
+    model = empty_model(built, dtype, device, rows)
     if is_gguf(path):
         from models.gguf_loader import gguf_weights
 
