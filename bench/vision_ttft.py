@@ -29,6 +29,15 @@ import httpx
 from harness import sse
 from harness.launch import Server
 
+# a 4B model on a few CPU cores, one request at a time: the startup's step-cost and encoder
+# timings (a 1,024-token step and an 896x896 picture, several rounds each) would take over ten
+# minutes, so every step may take the full token budget; two sequences, so that the windowed
+# layers' pool (each sequence's 1,024-token window) stays small beside a 1 GiB cache; no
+# speculation, no packed weight copies (2x the 7.3 GB)
+GEMMA3_4B_SERVER_ARGS = ["--target-step-ms=-1", "--max-num-seqs=2", "--kv-cache-memory=1GiB",
+                         "--max-model-len=4096", "--num-speculative-tokens=0",
+                         "--no-cpu-packed-weights"]  # fmt: skip
+
 
 def picture(seed: int, size: tuple[int, int]) -> bytes:
     import io
@@ -116,6 +125,7 @@ def main() -> None:
             from bench.random_vlm import build_gemma3_4b
 
             model = str(build_gemma3_4b(args.gemma3_4b))
+            server_args = [*GEMMA3_4B_SERVER_ARGS, *server_args]
         elif model is None:  # the tests' builder, from the checkout's root
             # its prompts are ~40 tokens: blocks of 16, so that the picture's are full ones
             server_args = ["--block-size", "16", *server_args]
