@@ -3,14 +3,16 @@ encoded by the vision tower, its prompt computed), the picture cached (the same 
 its blocks are a prefix hit, nothing encoded), and its encoding cached but not its KV (the
 prefix cache cleared: decoded, not encoded again, the prompt computed).
 
-    python bench/vision_ttft.py [--model GEMMA3_VLM_DIR] [--requests 8] [--size 640x480]
-        [--server-arg=--max-num-batched-tokens=512 ...]
+    python bench/vision_ttft.py [--model GEMMA3_VLM_DIR | --gemma3-4b DIR] [--requests 8]
+        [--size 640x480] [--server-arg=--max-num-batched-tokens=512 ...]
 
 Without --model, the tests' tiny random Gemma 3 vision model (tests/vision_model.py) is built
-in a temporary directory and served with blocks of 16 tokens. Sequential requests (one at a
-time), streamed; prints mean and p50 TTFT per case, the cached tokens and the encoder-cache
-counters. Run it with the checkout first on PYTHONPATH (`harness` launches the server from
-the checkout it is imported from)."""
+in a temporary directory and served with blocks of 16 tokens. --gemma3-4b DIR serves Gemma 3
+4B's geometry in random bfloat16 weights (bench/random_vlm.py; built into DIR once, ~7.3 GB,
+kept for the next run), its pictures 896x896 in 256 soft tokens. Sequential requests (one at
+a time), streamed; prints mean and p50 TTFT per case, the cached tokens, the encoder-cache
+counters, and the serving dtype the server chose. Run it with the checkout first on
+PYTHONPATH (`harness` launches the server from the checkout it is imported from)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,15 @@ import httpx
 
 from harness import sse
 from harness.launch import Server
+
+# a 4B model on a few CPU cores, one request at a time: the startup's step-cost and encoder
+# timings (a 1,024-token step and an 896x896 picture, several rounds each) would take over ten
+# minutes, so every step may take the full token budget; two sequences, so that the windowed
+# layers' pool (each sequence's 1,024-token window) stays small beside a 1 GiB cache; no
+# speculation, no packed weight copies (2x the 7.3 GB)
+GEMMA3_4B_SERVER_ARGS = ["--target-step-ms=-1", "--max-num-seqs=2", "--kv-cache-memory=1GiB",
+                         "--max-model-len=4096", "--num-speculative-tokens=0",
+                         "--no-cpu-packed-weights"]  # fmt: skip
 
 
 def picture(seed: int, size: tuple[int, int]) -> bytes:
@@ -62,6 +73,12 @@ async def one(client: httpx.AsyncClient, image: bytes, max_tokens: int) -> dict:
             "cached": s.usage["prompt_tokens_details"]["cached_tokens"]}  # fmt: skip
 
 
+def serving_dtype(log: str) -> str:
+    """The ready banner's dtype line (the dtype and why)."""
+    found = re.findall(r"^\s*dtype\s+(\S.*)$", log, re.M)
+    return found[0] if found else "(not in the log)"
+
+
 def counter(base: str, name: str) -> float:
     text = httpx.get(base + "/metrics", timeout=10).text
     found = re.findall(rf"^kvserve:{name}(?:_total)? (\S+)$", text, re.M)
@@ -89,24 +106,36 @@ async def run(base: str, n: int, size: tuple[int, int], max_tokens: int) -> None
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="a Gemma 3 vision-language HF directory")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--model", default=None, help="a Gemma 3 vision-language HF directory")
+    which.add_argument("--gemma3-4b", type=Path, default=None,
+                       help="Gemma 3 4B's geometry in random weights, built here once")  # fmt: skip
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--size", default="640x480", help="the pictures' width x height")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument("--startup-timeout", type=float, default=600.0,
+                    help="seconds for the server to load the model")  # fmt: skip
     args = ap.parse_args()
     size = tuple(int(v) for v in args.size.split("x"))
     server_args = list(args.server_arg)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
-        if model is None:  # the tests' builder, from the checkout's root
+        if args.gemma3_4b is not None:
+            from bench.random_vlm import build_gemma3_4b
+
+            model = str(build_gemma3_4b(args.gemma3_4b))
+            server_args = [*GEMMA3_4B_SERVER_ARGS, *server_args]
+        elif model is None:  # the tests' builder, from the checkout's root
             # its prompts are ~40 tokens: blocks of 16, so that the picture's are full ones
             server_args = ["--block-size", "16", *server_args]
             sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
             from tests.vision_model import build_gemma3_vlm
 
             model = str(build_gemma3_vlm(Path(tmp) / "tiny-gemma3-vlm"))
-        with Server(["--model", model, *server_args]) as server:
+        server_args = ["--model", model, *server_args]
+        with Server(server_args, timeout=args.startup_timeout) as server:
+            print(f"served: {serving_dtype(server.log())}")
             asyncio.run(run(server.base, args.requests, size, args.max_tokens))  # type: ignore[arg-type]
 
 

@@ -63,6 +63,14 @@ def build_gemma3_vlm(out: Path, text_layers: int = 2) -> Path:
             else:
                 p.normal_(0.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
+    write_gemma3_processor(out, TOKENS_PER_IMAGE, image_size=28)
+    return out
+
+
+def write_gemma3_processor(out: Path, tokens_per_image: int, image_size: int) -> None:
+    """Beside a Gemma 3 VLM checkpoint in `out`: the byte-level tokenizer (`SPECIALS` first),
+    the chat template, and the processor configs for square `image_size` pictures of
+    `tokens_per_image` soft tokens each."""
     train_tokenizer(out, SPECIALS)
     # what transformers' Gemma3Processor reads too (the tests' reference for the prompt)
     (out / "tokenizer_config.json").write_text(json.dumps({
@@ -74,16 +82,15 @@ def build_gemma3_vlm(out: Path, text_layers: int = 2) -> Path:
     }))  # fmt: skip
     (out / "chat_template.jinja").write_text(TEMPLATE)
     (out / "processor_config.json").write_text(json.dumps({
-        "processor_class": "Gemma3Processor", "image_seq_length": TOKENS_PER_IMAGE,
+        "processor_class": "Gemma3Processor", "image_seq_length": tokens_per_image,
     }))  # fmt: skip
     (out / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Gemma3ImageProcessor", "do_resize": True,
-        "size": {"height": 28, "width": 28}, "resample": 2, "do_rescale": True,
+        "size": {"height": image_size, "width": image_size}, "resample": 2, "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
-        "image_seq_length": TOKENS_PER_IMAGE,  # as Gemma 3's own (llama.cpp's converter reads it)
+        "image_seq_length": tokens_per_image,  # as Gemma 3's own (llama.cpp's converter reads it)
     }))  # fmt: skip
-    return out
 
 
 def png(seed: int, size: tuple[int, int] = (40, 30)) -> bytes:
