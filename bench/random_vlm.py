@@ -26,12 +26,22 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512  # the tests' tokenizer's rows (tests/vision_model.py)
 # google/gemma-3-4b-it's config.json, its keys as published; the token ids are the synthetic
 # tokenizer's (Gemma's own are 255999, 256000 and 262144)
-GEMMA3_4B_TEXT = dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
-                      rope_scaling={"factor": 8.0, "rope_type": "linear"},
-                      sliding_window=1024)  # fmt: skip
-GEMMA3_4B_VISION = dict(hidden_size=1152, image_size=896, intermediate_size=4304,
-                        num_attention_heads=16, num_hidden_layers=27, patch_size=14,
-                        vision_use_head=False)  # fmt: skip
+GEMMA3_4B_TEXT = dict(
+    hidden_size=2560,
+    intermediate_size=10240,
+    num_hidden_layers=34,
+    rope_scaling={"factor": 8.0, "rope_type": "linear"},
+    sliding_window=1024,
+)
+GEMMA3_4B_VISION = dict(
+    hidden_size=1152,
+    image_size=896,
+    intermediate_size=4304,
+    num_attention_heads=16,
+    num_hidden_layers=27,
+    patch_size=14,
+    vision_use_head=False,
+)
 GEMMA3_4B_SOFT_TOKENS = 256
 INIT_STD = 0.02  # the config's initializer_range
 
@@ -48,9 +58,14 @@ def build_gemma3_4b(out: Path) -> Path:
     from tests.vision_model import BOI, EOI, IMAGE, write_gemma3_processor
 
     text = GEMMA3_4B_TEXT | dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    config = Gemma3Config(text_config=text, vision_config=GEMMA3_4B_VISION,
-                          mm_tokens_per_image=GEMMA3_4B_SOFT_TOKENS, boi_token_index=BOI,
-                          eoi_token_index=EOI, image_token_index=IMAGE)  # fmt: skip
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=GEMMA3_4B_VISION,
+        mm_tokens_per_image=GEMMA3_4B_SOFT_TOKENS,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+        image_token_index=IMAGE,
+    )
     # shapes first (no memory), then one bfloat16 copy filled in place: ~2 bytes a parameter
     with torch.device("meta"):
         model = Gemma3ForConditionalGeneration(config)

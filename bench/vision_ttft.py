@@ -34,9 +34,14 @@ from harness.launch import Server
 # minutes, so every step may take the full token budget; two sequences, so that the windowed
 # layers' pool (each sequence's 1,024-token window) stays small beside a 1 GiB cache; no
 # speculation, no packed weight copies (2x the 7.3 GB)
-GEMMA3_4B_SERVER_ARGS = ["--target-step-ms=-1", "--max-num-seqs=2", "--kv-cache-memory=1GiB",
-                         "--max-model-len=4096", "--num-speculative-tokens=0",
-                         "--no-cpu-packed-weights"]  # fmt: skip
+GEMMA3_4B_SERVER_ARGS = [
+    "--target-step-ms=-1",
+    "--max-num-seqs=2",
+    "--kv-cache-memory=1GiB",
+    "--max-model-len=4096",
+    "--num-speculative-tokens=0",
+    "--no-cpu-packed-weights",
+]
 
 
 def picture(seed: int, size: tuple[int, int]) -> bytes:
@@ -59,8 +64,10 @@ def data_url(data: bytes) -> str:
 
 
 async def one(client: httpx.AsyncClient, image: bytes, max_tokens: int) -> dict:
-    content = [{"type": "image_url", "image_url": {"url": data_url(image)}},
-               {"type": "text", "text": "Describe this picture."}]  # fmt: skip
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(image)}},
+        {"type": "text", "text": "Describe this picture."},
+    ]
     body = {
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
@@ -69,8 +76,11 @@ async def one(client: httpx.AsyncClient, image: bytes, max_tokens: int) -> dict:
     }
     s = (await sse.stream(client, "/v1/chat/completions", body)).check()
     assert s.usage is not None
-    return {"ttft": s.ttft if s.ttft is not None else s.e2e, "prompt": s.usage["prompt_tokens"],
-            "cached": s.usage["prompt_tokens_details"]["cached_tokens"]}  # fmt: skip
+    return {
+        "ttft": s.ttft if s.ttft is not None else s.e2e,
+        "prompt": s.usage["prompt_tokens"],
+        "cached": s.usage["prompt_tokens_details"]["cached_tokens"],
+    }
 
 
 def serving_dtype(log: str) -> str:
@@ -96,26 +106,38 @@ async def run(base: str, n: int, size: tuple[int, int], max_tokens: int) -> None
             cases["encoded, KV not cached"].append(await one(client, picture(i, size), max_tokens))
     for name, results in cases.items():
         ttfts = sorted(r["ttft"] for r in results)
-        print(f"{name:24s} TTFT mean {statistics.mean(ttfts) * 1000:8.1f} ms  "
-              f"p50 {ttfts[len(ttfts) // 2] * 1000:8.1f} ms  cached "
-              f"{statistics.mean(r['cached'] for r in results):.0f} of "
-              f"{statistics.mean(r['prompt'] for r in results):.0f} prompt tokens")  # fmt: skip
-    print(f"encoder cache: {counter(base, 'encoder_cache_misses'):.0f} images encoded, "
-          f"{counter(base, 'encoder_cache_hits'):.0f} found cached")  # fmt: skip
+        print(
+            f"{name:24s} TTFT mean {statistics.mean(ttfts) * 1000:8.1f} ms  "
+            f"p50 {ttfts[len(ttfts) // 2] * 1000:8.1f} ms  cached "
+            f"{statistics.mean(r['cached'] for r in results):.0f} of "
+            f"{statistics.mean(r['prompt'] for r in results):.0f} prompt tokens"
+        )
+    print(
+        f"encoder cache: {counter(base, 'encoder_cache_misses'):.0f} images encoded, "
+        f"{counter(base, 'encoder_cache_hits'):.0f} found cached"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--model", default=None, help="a Gemma 3 vision-language HF directory")
-    which.add_argument("--gemma3-4b", type=Path, default=None,
-                       help="Gemma 3 4B's geometry in random weights, built here once")  # fmt: skip
+    which.add_argument(
+        "--gemma3-4b",
+        type=Path,
+        default=None,
+        help="Gemma 3 4B's geometry in random weights, built here once",
+    )
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--size", default="640x480", help="the pictures' width x height")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--server-arg", action="append", default=[])
-    ap.add_argument("--startup-timeout", type=float, default=600.0,
-                    help="seconds for the server to load the model")  # fmt: skip
+    ap.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for the server to load the model",
+    )
     args = ap.parse_args()
     size = tuple(int(v) for v in args.size.split("x"))
     server_args = list(args.server_arg)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the whole test suite, lint included; beside it, the tests that
-# depend on the CPU's instruction sets again, as an AVX2-only CPU (Zen 3) runs them: oneDNN without bf16
+# Set up (idempotent) and run the whole test suite, lint and the formatter's check included;
+# beside it, the tests that depend on the CPU's instruction sets again, as an AVX2-only CPU (Zen 3) runs them: oneDNN without bf16
 # packing, ATen's AVX2 kernels, fbgemm without VNNI (tests/test_every_cpu.py), kvserve's C++ ops
 # built for x86-64-v3 (AVX2, FMA, F16C; no AVX-512, no VNNI), as on Zen 3. Arguments go to
 # the main pytest run only, and skip the second. System packages the tests need (Chromium,
@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 ./scripts/system_deps.sh
 ./scripts/setup.sh --test
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 export KVSERVE_STRICT_SKIPS=1
 if [ $# -gt 0 ]; then
     exec .venv/bin/python -m pytest -q --durations=15 "$@"

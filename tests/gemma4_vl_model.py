@@ -14,8 +14,16 @@ import torch
 
 from tests.vision_model import train_tokenizer
 
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
-            "<end_of_image>", "<image_soft_token>"]  # fmt: skip
+SPECIALS = [
+    "<pad>",
+    "<bos>",
+    "<eos>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
 BOI, EOI, IMAGE = 5, 6, 7
 PROCESSOR = dict(patch_size=2, max_soft_tokens=70, pooling_kernel_size=3)
 
@@ -24,17 +32,45 @@ def build_gemma4_vlm(out: Path) -> Path:
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     s, f = "sliding_attention", "full_attention"
-    text = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-                sliding_window=8, layer_types=[s, f], max_position_embeddings=4096,
-                bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size_per_layer_input=8,
-                vocab_size_per_layer_input=512)  # fmt: skip
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, patch_size=2,
-                  position_embedding_size=64, pooling_kernel_size=3, standardize=True,
-                  use_clipped_linears=True)  # fmt: skip
-    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
-                          boi_token_id=BOI, eoi_token_id=EOI, image_token_id=IMAGE)  # fmt: skip
+    text = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=8,
+        layer_types=[s, f],
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=512,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        patch_size=2,
+        position_embedding_size=64,
+        pooling_kernel_size=3,
+        standardize=True,
+        use_clipped_linears=True,
+    )
+    config = Gemma4Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config=None,
+        boi_token_id=BOI,
+        eoi_token_id=EOI,
+        image_token_id=IMAGE,
+    )
     torch.manual_seed(zlib.crc32(b"gemma4-vlm") % 1000)
     model = Gemma4ForConditionalGeneration(config).float()
     with torch.no_grad():
@@ -54,12 +90,26 @@ def build_gemma4_vlm(out: Path) -> Path:
                 b.copy_(1.0 + 0.1 * torch.randn_like(b))
     model.save_pretrained(out, safe_serialization=True)
     train_tokenizer(out, SPECIALS)
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<bos>", "eos_token": "<end_of_turn>", "add_bos_token": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }))  # fmt: skip
-    (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Gemma4ImageProcessor", "resample": 3, "do_rescale": True,
-        "rescale_factor": 1 / 255, "do_normalize": False, **PROCESSOR,
-    }))  # fmt: skip
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<bos>",
+                "eos_token": "<end_of_turn>",
+                "add_bos_token": False,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Gemma4ImageProcessor",
+                "resample": 3,
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": False,
+                **PROCESSOR,
+            }
+        )
+    )
     return out

@@ -17,8 +17,16 @@ import torch
 
 from tests.conftest import CORPUS
 
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
-            "<end_of_image>", "<image_soft_token>"]  # fmt: skip
+SPECIALS = [
+    "<pad>",
+    "<bos>",
+    "<eos>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
 BOI, EOI, IMAGE = 5, 6, 7  # their ids (trained first, in this order)
 TOKENS_PER_IMAGE = 4
 # Gemma 3's template, its system-prompt merging left out: an image item is <start_of_image>,
@@ -42,16 +50,39 @@ def build_gemma3_vlm(out: Path, text_layers: int = 2) -> Path:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     kinds = ["sliding_attention"] * (text_layers - 1) + ["full_attention"]
-    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=text_layers, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
-                max_position_embeddings=4096, layer_types=kinds, bos_token_id=1,
-                eos_token_id=2, pad_token_id=0)  # fmt: skip
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  image_size=28, patch_size=7, vision_use_head=False)  # fmt: skip
-    config = Gemma3Config(text_config=text, vision_config=vision,
-                          mm_tokens_per_image=TOKENS_PER_IMAGE, boi_token_index=BOI,
-                          eoi_token_index=EOI, image_token_index=IMAGE)  # fmt: skip
+    text = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=text_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=4096,
+        layer_types=kinds,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=7,
+        vision_use_head=False,
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=TOKENS_PER_IMAGE,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+        image_token_index=IMAGE,
+    )
     torch.manual_seed(zlib.crc32(b"gemma3-vlm") % 1000)
     model = Gemma3ForConditionalGeneration(config).float()
     with torch.no_grad():
@@ -73,24 +104,50 @@ def write_gemma3_processor(out: Path, tokens_per_image: int, image_size: int) ->
     `tokens_per_image` soft tokens each."""
     train_tokenizer(out, SPECIALS)
     # what transformers' Gemma3Processor reads too (the tests' reference for the prompt)
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<bos>", "eos_token": "<end_of_turn>", "chat_template": TEMPLATE,
-        "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast",
-        "processor_class": "Gemma3Processor",
-        "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                                 "image_token": "<image_soft_token>"},
-    }))  # fmt: skip
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<bos>",
+                "eos_token": "<end_of_turn>",
+                "chat_template": TEMPLATE,
+                "add_bos_token": False,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "processor_class": "Gemma3Processor",
+                "extra_special_tokens": {
+                    "boi_token": "<start_of_image>",
+                    "eoi_token": "<end_of_image>",
+                    "image_token": "<image_soft_token>",
+                },
+            }
+        )
+    )
     (out / "chat_template.jinja").write_text(TEMPLATE)
-    (out / "processor_config.json").write_text(json.dumps({
-        "processor_class": "Gemma3Processor", "image_seq_length": tokens_per_image,
-    }))  # fmt: skip
-    (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Gemma3ImageProcessor", "do_resize": True,
-        "size": {"height": image_size, "width": image_size}, "resample": 2, "do_rescale": True,
-        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
-        "image_seq_length": tokens_per_image,  # as Gemma 3's own (llama.cpp's converter reads it)
-    }))  # fmt: skip
+    (out / "processor_config.json").write_text(
+        json.dumps(
+            {
+                "processor_class": "Gemma3Processor",
+                "image_seq_length": tokens_per_image,
+            }
+        )
+    )
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Gemma3ImageProcessor",
+                "do_resize": True,
+                "size": {"height": image_size, "width": image_size},
+                "resample": 2,
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "do_convert_rgb": True,
+                # as Gemma 3's own (llama.cpp's converter reads it)
+                "image_seq_length": tokens_per_image,
+            }
+        )
+    )
 
 
 def png(seed: int, size: tuple[int, int] = (40, 30)) -> bytes:
@@ -115,8 +172,11 @@ def train_tokenizer(out: Path, specials: list[str]) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     assert [tok.token_to_id(t) for t in specials] == list(range(len(specials)))
     tok.save(str(out / "tokenizer.json"))
