@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite, lint and the formatter's check included;
-# beside it, the tests that depend on the CPU's instruction sets again, as an AVX2-only CPU (Zen 3) runs them: oneDNN without bf16
-# packing, ATen's AVX2 kernels, fbgemm without VNNI (tests/test_every_cpu.py), kvserve's C++ ops
+# beside it, the tests that depend on the CPU's instruction sets again, as an AVX2-only CPU
+# (Zen 3) runs them: oneDNN without bf16 packing, ATen's AVX2 kernels, fbgemm without VNNI (tests/test_every_cpu.py), kvserve's C++ ops
 # built for x86-64-v3 (AVX2, FMA, F16C; no AVX-512, no VNNI), as on Zen 3. Arguments go to
 # the main pytest run only, and skip the second. System packages the tests need (Chromium,
 # redis-server) are installed first; a test that skips for anything but a missing GPU fails the
