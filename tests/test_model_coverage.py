@@ -486,3 +486,33 @@ def test_a_fixed_budget_admits_more_gemma3_requests_with_reclamation(new_dirs) -
     # pool (170 blocks, 60 a request) preempts and recomputes; the same tokens either way
     assert on.engine.scheduler.num_preemptions == 0 < off.engine.scheduler.num_preemptions
     assert outputs["on"] == outputs["off"]
+
+
+def test_windows_never_leave_the_full_context_pool_less_than_a_sequence(new_dirs) -> None:
+    """A budget too small for every running sequence's window beside one full-length sequence:
+    the window pool holds as many windows as full-length sequences fit beside them, rather than
+    leaving the full-context layers a block or two (every long prompt then refused)."""
+    from engine.build.window import block_bytes
+    from engine.kv.window import window_pool_blocks
+    from models.loader import load_spec
+
+    spec = load_spec(str(new_dirs["gemma3"]))
+    full, win = block_bytes(spec, 4, 4)  # float32 blocks of 4 tokens
+    windows = [window_pool_blocks(n, spec.sliding_window, 4, 64, 1 << 30) for n in (1, 64)]
+    full_length = 64 * full  # 256 tokens
+    budget = windows[0] * win + 3 * full_length  # well short of 64 windows beside one sequence
+    assert budget < windows[1] * win + full_length
+    llm = LLM(
+        str(new_dirs["gemma3"]),
+        kv_cache_memory=str(budget),
+        block_size=4,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        target_step_ms=-1,
+    )
+    kv = llm.engine.kv
+    assert kv.window is not None and kv.window.pool.num_blocks < windows[1]
+    assert llm.engine.num_blocks * 4 >= 256  # a full-length sequence fits
+    prompt = [(i * 7) % 400 + 3 for i in range(240)]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8

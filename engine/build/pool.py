@@ -135,6 +135,18 @@ def choose_and_warm_up(
             cap = config.num_kv_blocks or config.max_num_seqs * -(-max_model_len // block_size)
             window_blocks = window_phase.window_blocks_for(config, pool_spec, block_size, cap)
             windowed = window_phase.windowed_groups(pool_spec) or set()
+            full_length = -(-max_model_len // block_size) * block_bytes
+            if config.num_kv_blocks is None and window_blocks * window_bytes + full_length > (
+                budget := kv_budget(config, device)
+            ):
+                # every sequence's window would leave the full-context groups less than one
+                # full-length sequence: as many windows as such sequences fit beside them
+                seqs = window_phase.sequences_within(
+                    config, pool_spec, block_size, budget, full_length, window_bytes
+                )
+                window_blocks = window_phase.window_blocks_for(
+                    config, pool_spec, block_size, cap, seqs
+                )
             reserved = window_blocks * window_bytes
         num_blocks = num_blocks_for(
             config, device, block_bytes, max_model_len, block_size, reserved
@@ -239,6 +251,15 @@ def release_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def kv_budget(config: EngineConfig, device: torch.device) -> float:
+    """The bytes the KV pools may take: on CUDA what --gpu-memory-utilization leaves free, on
+    CPU --kv-cache-memory."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free - total * (1 - config.gpu_memory_utilization)
+    return parse_bytes(config.kv_cache_memory)
+
+
 def num_blocks_for(
     config: EngineConfig,
     device: torch.device,
@@ -251,17 +272,14 @@ def num_blocks_for(
     after `reserved` bytes (the window pool's)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = free - total * (1 - config.gpu_memory_utilization) - reserved
-    else:
-        budget = parse_bytes(config.kv_cache_memory) - reserved
+    budget = kv_budget(config, device) - reserved
     # Never more than every sequence at full length could use.
     per_sequence = -(-max_model_len // block_size)
     blocks = min(int(budget // block_bytes), config.max_num_seqs * per_sequence)
     if device.type == "cuda" and blocks < per_sequence:
         # a pool that cannot hold one full-length sequence is a server that cannot hold a
         # conversation: refuse with the numbers instead of serving from a block or two
+        free, total = torch.cuda.mem_get_info(device)
         raise ValueError(
             f"the KV pool would hold {max(blocks, 0) * block_size} tokens, less than one "
             f"{max_model_len}-token sequence: {free / 2**30:.2f} of {total / 2**30:.2f} GiB are "

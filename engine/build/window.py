@@ -51,12 +51,32 @@ def reclaim_refusal(
     return None
 
 
-def window_blocks_for(config: EngineConfig, spec: ModelSpec, block_size: int, cap: int) -> int:
-    """The window pool's blocks: every running sequence's window and a step's new tokens."""
+def window_blocks_for(
+    config: EngineConfig, spec: ModelSpec, block_size: int, cap: int, seqs: int | None = None
+) -> int:
+    """The window pool's blocks: every running sequence's window (`seqs` of them, default
+    max_num_seqs) and a step's new tokens."""
     assert spec.sliding_window is not None
+    seqs = config.max_num_seqs if seqs is None else seqs
     return window_pool_blocks(
-        config.max_num_seqs, spec.sliding_window, block_size, config.max_num_batched_tokens, cap
+        seqs, spec.sliding_window, block_size, config.max_num_batched_tokens, cap
     )
+
+
+def sequences_within(
+    config: EngineConfig,
+    spec: ModelSpec,
+    block_size: int,
+    budget: float,
+    full_length_bytes: int,
+    window_block_bytes: int,
+) -> int:
+    """How many full-length sequences a budget of `budget` bytes holds with their windows
+    beside them (at least 1, at most max_num_seqs)."""
+    one = window_blocks_for(config, spec, block_size, 1 << 62, 1) * window_block_bytes
+    more = (window_blocks_for(config, spec, block_size, 1 << 62, 2) * window_block_bytes) - one
+    fit = int((budget - one - full_length_bytes) // (more + full_length_bytes)) + 1
+    return max(1, min(config.max_num_seqs, fit))
 
 
 def scratch_blocks(num_blocks: int, window_blocks: int) -> int:
