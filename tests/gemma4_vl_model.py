@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.vision_model import train_tokenizer
+from tests.vision_model import TEMPLATE, train_tokenizer
 
 SPECIALS = [
     "<pad>",
@@ -25,6 +25,9 @@ SPECIALS = [
     "<image_soft_token>",
 ]
 BOI, EOI, IMAGE = 5, 6, 7
+# Gemma 3's turns, an image written as the one token the server widens (Gemma 4's processor:
+# begin, the image's soft tokens, end)
+GEMMA4_TEMPLATE = TEMPLATE.replace("<start_of_image>", "<image_soft_token>")
 PROCESSOR = dict(patch_size=2, max_soft_tokens=70, pooling_kernel_size=3)
 
 
@@ -97,6 +100,7 @@ def build_gemma4_vlm(out: Path) -> Path:
                 "eos_token": "<end_of_turn>",
                 "add_bos_token": False,
                 "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": GEMMA4_TEMPLATE,
             }
         )
     )

@@ -2,7 +2,8 @@
 random `Gemma4ForConditionalGeneration`: the processor's patches and soft-token count, the
 image encoder's soft tokens, logits and greedy text for a prompt with one image (prefilled
 in chunks that split it), the same picture twice a prefix hit encoded once, the server's widening
-of the chat template's placeholder; with the text config's two-way image attention ("vision":
+of the chat template's placeholder, the chat and Messages routes with the `openai` and
+`anthropic` SDKs; with the text config's two-way image attention ("vision":
 on the sliding-window layers only) the same against transformers' mask; "all" refused."""
 
 from __future__ import annotations
@@ -164,3 +165,65 @@ def test_a_text_model_attending_both_ways_is_refused(vlm, tmp_path) -> None:
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="not a causal decoder"):
         hf_spec(str(other))
+
+
+def test_chat_and_messages_answer_an_image_as_transformers(vlm, reference) -> None:
+    """One picture through HTTP: an `openai` chat `image_url` part and an `anthropic` Messages
+    `image` block answer with transformers' greedy text on the prompt the template and the
+    server's widening build (the engine test's prompt)."""
+    import base64
+
+    from anthropic import Anthropic
+    from transformers import AutoTokenizer
+
+    from tests.server_utils import InProcessServer
+    from tests.test_vision_server import openai_client
+    from tests.vision_model import data_url
+
+    server = InProcessServer(vlm, engine={"block_size": 4, "target_step_ms": -1})
+    try:
+        ids, images = prompt(server.core, vlm, 1)
+        tokens = theirs(reference, 1, ids, images, generate=GREEDY.max_tokens)
+        text = AutoTokenizer.from_pretrained(vlm).decode(tokens, skip_special_tokens=True)
+        answer = text.rstrip("\ufffd")  # the server holds an unfinished UTF-8 tail back
+        question = [{"type": "text", "text": "What is this?"}]
+        extra = {"ignore_eos": True, "temperature": 0.0}
+        r = openai_client(server).chat.completions.create(
+            model="vlm",
+            max_tokens=GREEDY.max_tokens,
+            extra_body=extra,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": data_url(png(1))}}]
+                    + question,
+                }
+            ],
+        )
+        assert r.choices[0].message.content == answer
+        assert r.usage.prompt_tokens == len(ids)
+        picture = base64.b64encode(png(1)).decode()
+        msg = Anthropic(base_url=server.base, api_key="x", max_retries=0).messages.create(
+            model="vlm",
+            max_tokens=GREEDY.max_tokens,
+            extra_body=extra,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "image/png",
+                                "data": picture,
+                            },
+                        }
+                    ]
+                    + question,
+                }
+            ],
+        )
+        assert "".join(b.text for b in msg.content if b.type == "text") == answer
+    finally:
+        server.stop()
