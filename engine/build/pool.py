@@ -135,18 +135,13 @@ def choose_and_warm_up(
             cap = config.num_kv_blocks or config.max_num_seqs * -(-max_model_len // block_size)
             window_blocks = window_phase.window_blocks_for(config, pool_spec, block_size, cap)
             windowed = window_phase.windowed_groups(pool_spec) or set()
-            full_length = -(-max_model_len // block_size) * block_bytes
-            if config.num_kv_blocks is None and window_blocks * window_bytes + full_length > (
-                budget := kv_budget(config, device)
-            ):
-                # every sequence's window would leave the full-context groups less than one
-                # full-length sequence: as many windows as such sequences fit beside them
-                seqs = window_phase.sequences_within(
-                    config, pool_spec, block_size, budget, full_length, window_bytes
-                )
-                window_blocks = window_phase.window_blocks_for(
-                    config, pool_spec, block_size, cap, seqs
-                )
+            if config.num_kv_blocks is None:
+                # a request's window table is never longer than its full one: past the full
+                # pool's size, window blocks could only starve the full-context groups (every
+                # sequence's window at a small budget left them a block or two)
+                balanced = int(kv_budget(config, device) // (window_bytes + block_bytes))
+                least = window_phase.window_blocks_for(config, pool_spec, block_size, cap, 1)
+                window_blocks = min(window_blocks, max(balanced, least))
             reserved = window_blocks * window_bytes
         num_blocks = num_blocks_for(
             config, device, block_bytes, max_model_len, block_size, reserved

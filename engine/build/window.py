@@ -63,22 +63,6 @@ def window_blocks_for(
     )
 
 
-def sequences_within(
-    config: EngineConfig,
-    spec: ModelSpec,
-    block_size: int,
-    budget: float,
-    full_length_bytes: int,
-    window_block_bytes: int,
-) -> int:
-    """How many full-length sequences a budget of `budget` bytes holds with their windows
-    beside them (at least 1, at most max_num_seqs)."""
-    one = window_blocks_for(config, spec, block_size, 1 << 62, 1) * window_block_bytes
-    more = (window_blocks_for(config, spec, block_size, 1 << 62, 2) * window_block_bytes) - one
-    fit = int((budget - one - full_length_bytes) // (more + full_length_bytes)) + 1
-    return max(1, min(config.max_num_seqs, fit))
-
-
 def scratch_blocks(num_blocks: int, window_blocks: int) -> int:
     """Blocks a startup forward may write (ids below this exist in every KV group: the window
     pool, where there is one, is the smaller)."""
