@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite, lint and the formatter's check included;
-# beside it, the tests that depend on the CPU's instruction sets again, as an AVX2-only CPU
-# (Zen 3) runs them: oneDNN without bf16 packing, ATen's AVX2 kernels, fbgemm without VNNI (tests/test_every_cpu.py), kvserve's C++ ops
-# built for x86-64-v3 (AVX2, FMA, F16C; no AVX-512, no VNNI), as on Zen 3. Arguments go to
+# then the tests that depend on the CPU's instruction sets again, as an AVX2-only CPU (Zen 3)
+# runs them: oneDNN without bf16 packing, ATen's AVX2 kernels, fbgemm without VNNI
+# (tests/test_every_cpu.py), kvserve's C++ ops built for x86-64-v3 (AVX2, FMA, F16C; no AVX-512, no VNNI), as on Zen 3. Arguments go to
 # the main pytest run only, and skip the second. System packages the tests need (Chromium,
 # redis-server) are installed first; a test that skips for anything but a missing GPU fails the
 # run (KVSERVE_STRICT_SKIPS, tests/conftest.py), and each run ends with its skips by reason and
@@ -14,24 +14,9 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 export KVSERVE_STRICT_SKIPS=1
-if [ $# -gt 0 ]; then
-    exec .venv/bin/python -m pytest -q --durations=15 "$@"
+.venv/bin/python -m pytest -q --durations=15 "$@"
+if [ $# -eq 0 ]; then
+    echo "== ISA-dependent tests as an AVX2-only CPU runs them"
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 \
+        KVSERVE_CPP_MARCH=x86-64-v3 exec .venv/bin/python -m pytest -q --durations=15 -m "isa and not main_pass_only"
 fi
-# The ISA pass runs beside the main pass (the suite's budget is wall time on two cores, and
-# neither pass keeps both busy throughout); its report follows the main pass's.
-isa_log="$(mktemp "${TMPDIR:-/tmp}/kvserve-isa-pass.XXXXXX")"
-ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 \
-    KVSERVE_CPP_MARCH=x86-64-v3 .venv/bin/python -m pytest -q --durations=15 \
-    -m "isa and not main_pass_only" >"$isa_log" 2>&1 &
-isa_pid=$!
-trap 'kill "$isa_pid" 2>/dev/null || true' EXIT
-main_rc=0
-.venv/bin/python -m pytest -q --durations=15 || main_rc=$?
-isa_rc=0
-wait "$isa_pid" || isa_rc=$?
-trap - EXIT
-echo "== ISA-dependent tests as an AVX2-only CPU runs them (beside the main pass)"
-cat "$isa_log"
-rm -f "$isa_log"
-echo "== main pass: exit $main_rc; ISA pass: exit $isa_rc"
-[ "$main_rc" -eq 0 ] && [ "$isa_rc" -eq 0 ]

@@ -183,7 +183,15 @@ def test_bf16_engine_generation_on_smollm2(smollm2_path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = {}
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(smollm2_path, dtype=dtype, num_kv_blocks=64, block_size=16, allow_slow_dtype=True)
+        llm = LLM(
+            smollm2_path,
+            dtype=dtype,
+            num_kv_blocks=64,
+            block_size=16,
+            allow_slow_dtype=True,
+            target_step_ms=-1,
+            spec_cost_model=False,
+        )  # numbers, not timings
         assert llm.engine.info.dtype == dtype and llm.engine.info.compiled_decode
         outs[dtype] = [o.outputs[0].token_ids for o in llm.generate(HELD_OUT, params)]
         del llm
