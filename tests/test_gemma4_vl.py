@@ -171,13 +171,10 @@ def test_chat_and_messages_answer_an_image_as_transformers(vlm, reference) -> No
     """One picture through HTTP: an `openai` chat `image_url` part and an `anthropic` Messages
     `image` block answer with transformers' greedy text on the prompt the template and the
     server's widening build (the engine test's prompt)."""
-    import base64
-
-    from anthropic import Anthropic
     from transformers import AutoTokenizer
 
     from tests.server_utils import InProcessServer
-    from tests.test_vision_server import openai_client
+    from tests.test_vision_server import messages_image, openai_client
     from tests.vision_model import data_url
 
     server = InProcessServer(vlm, engine={"block_size": 4, "target_step_ms": -1})
@@ -202,28 +199,7 @@ def test_chat_and_messages_answer_an_image_as_transformers(vlm, reference) -> No
         )
         assert r.choices[0].message.content == answer
         assert r.usage.prompt_tokens == len(ids)
-        picture = base64.b64encode(png(1)).decode()
-        msg = Anthropic(base_url=server.base, api_key="x", max_retries=0).messages.create(
-            model="vlm",
-            max_tokens=GREEDY.max_tokens,
-            extra_body=extra,
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "image",
-                            "source": {
-                                "type": "base64",
-                                "media_type": "image/png",
-                                "data": picture,
-                            },
-                        }
-                    ]
-                    + question,
-                }
-            ],
-        )
+        msg = messages_image(server, png(1), "What is this?", GREEDY.max_tokens, ignore_eos=True)
         assert "".join(b.text for b in msg.content if b.type == "text") == answer
     finally:
         server.stop()

@@ -208,13 +208,9 @@ def test_mrope_tables_match_transformers(interleaved: bool) -> None:
         assert (want[:, 16:] - got[:, 0]).abs().max() < 1e-6
 
 
-@pytest.mark.parametrize("qvl", ["qwen2.5-vl"], indirect=True)  # the path is one for both
-def test_preempted_image_request_resumes_on_its_positions(qvl, reference) -> None:
-    """Two image requests in a pool too small for both: the newer is preempted (recomputed from
-    its first token, outputs included) and still answers as transformers does."""
-    llm = LLM(
-        qvl, num_kv_blocks=23, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False
-    )
+def assert_two_image_requests_answer(llm: LLM, qvl: str, reference) -> None:
+    """Two image requests at once in `llm`'s small pool: one is preempted, and both answer as
+    transformers does."""
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     engine, want = llm.engine, {}
     for rid, seeds in (("a", [1]), ("b", [2])):
@@ -231,24 +227,24 @@ def test_preempted_image_request_resumes_on_its_positions(qvl, reference) -> Non
 
 
 @pytest.mark.parametrize("qvl", ["qwen2.5-vl"], indirect=True)  # the path is one for both
+def test_preempted_image_request_resumes_on_its_positions(qvl, reference) -> None:
+    """Two image requests in a pool too small for both: the newer is preempted (recomputed from
+    its first token, outputs included) and still answers as transformers does."""
+    llm = LLM(
+        qvl, num_kv_blocks=23, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False
+    )
+    assert_two_image_requests_answer(llm, qvl, reference)
+
+
+@pytest.mark.parametrize("qvl", ["qwen2.5-vl"], indirect=True)  # the path is one for both
 def test_the_host_tier_keeps_an_image_request_on_its_positions(qvl, reference) -> None:
     """With a host tier, a preempted image request swaps its blocks out and back and answers as
     transformers does (its M-RoPE positions stay the request's); then a picture's blocks are
     offloaded as an idle session's are, and the same picture again meets them in the host tier
     and answers the same."""
     llm = LLM(qvl, num_kv_blocks=23, block_size=4, max_num_batched_tokens=64, host_bytes="8MiB")
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    engine, want = llm.engine, {}
-    for rid, seeds in (("a", [1]), ("b", [2])):
-        ids, images = prompt(llm, qvl, seeds)
-        engine.add_request(rid, ids, params, images=images)
-        want[rid] = theirs(reference, ids, images, generate=params.max_tokens)
-    got: dict[str, list[int]] = {"a": [], "b": []}
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.error is None, out.error
-            got[out.request_id] += out.new_token_ids
-    assert got == want and engine.scheduler.num_preemptions > 0
+    assert_two_image_requests_answer(llm, qvl, reference)
+    engine = llm.engine
     ids, images = prompt(llm, qvl, [3])
     first, _ = run(llm, ids, images, rid="c")
     assert engine.offload_prefix(ids, None, images) > 0

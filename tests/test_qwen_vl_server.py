@@ -8,7 +8,6 @@ hit that is not encoded again; an image the processor cannot resize is a 400."""
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 from tests.qwen_vl_model import IMAGE_PAD
 from tests.server_utils import InProcessServer
 from tests.test_qwen_vl import BUILDERS
-from tests.test_vision_server import metric, openai_client
+from tests.test_vision_server import messages_image, metric, openai_client
 from tests.vision_model import data_url, png
 
 QUESTION = "What is this?"
@@ -128,29 +127,8 @@ def test_chat_and_responses_answer_images_as_transformers(server, reference) -> 
         ],
     )
     assert resp.output_text == answer and resp.usage.input_tokens == prompt_len
-    from anthropic import Anthropic
 
-    msg = Anthropic(base_url=server.base, api_key="x", max_retries=0).messages.create(
-        model="vlm",
-        max_tokens=MAX_TOKENS,
-        extra_body={"temperature": 0.0},
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {
-                        "type": "image",
-                        "source": {
-                            "type": "base64",
-                            "media_type": "image/png",
-                            "data": base64.b64encode(png(2, SIZES[2])).decode(),
-                        },
-                    },
-                    {"type": "text", "text": QUESTION},
-                ],
-            }
-        ],
-    )
+    msg = messages_image(server, png(2, SIZES[2]), QUESTION, MAX_TOKENS)
     assert "".join(b.text for b in msg.content if b.type == "text") == answer
     usage = msg.usage
     assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == prompt_len

@@ -112,6 +112,27 @@ def openai_client(server):
     return OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
 
 
+def messages_image(server, picture: bytes, question: str, max_tokens: int, **extra):
+    """An `anthropic` SDK Messages call with one base64 PNG `image` block and a question
+    (greedy; `extra`: more body fields); returns the message."""
+    from anthropic import Anthropic
+
+    image = {
+        "type": "image",
+        "source": {
+            "type": "base64",
+            "media_type": "image/png",
+            "data": base64.b64encode(picture).decode(),
+        },
+    }
+    return Anthropic(base_url=server.base, api_key="x", max_retries=0).messages.create(
+        model="vlm",
+        max_tokens=max_tokens,
+        extra_body={"temperature": 0.0, **extra},
+        messages=[{"role": "user", "content": [image, {"type": "text", "text": question}]}],
+    )
+
+
 def chat(server, *urls: str):
     content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
     content.append({"type": "text", "text": QUESTION})
@@ -134,7 +155,6 @@ def metric(server, name: str) -> float:
 
 
 def test_every_route_answers_images_as_transformers(server, reference) -> None:
-    from anthropic import Anthropic
 
     answer, prompt_len, _ = expected(reference, [1])
     r = chat(server, data_url(png(1)))
@@ -161,27 +181,7 @@ def test_every_route_answers_images_as_transformers(server, reference) -> None:
         ],
     )
     assert resp.output_text == answer and resp.usage.input_tokens == prompt_len
-    msg = Anthropic(base_url=server.base, api_key="x", max_retries=0).messages.create(
-        model="vlm",
-        max_tokens=MAX_TOKENS,
-        extra_body={"temperature": 0.0},
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {
-                        "type": "image",
-                        "source": {
-                            "type": "base64",
-                            "media_type": "image/png",
-                            "data": base64.b64encode(png(1)).decode(),
-                        },
-                    },
-                    {"type": "text", "text": QUESTION},
-                ],
-            }
-        ],
-    )
+    msg = messages_image(server, png(1), QUESTION, MAX_TOKENS)
     text = "".join(b.text for b in msg.content if b.type == "text")
     assert text == answer
     usage = msg.usage
