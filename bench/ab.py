@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from statistics import mean
 
-from bench import serve
+from bench import cli, serve
 from harness.launch import ROOT, Process
 
 STEP = re.compile(r"decode step, batch \d+: ([\d.]+) ms")
@@ -80,11 +80,7 @@ def streams(tree: Path, concurrency: int, requests: int, output_len: int) -> tup
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", required=True, type=Path, help="the other checkout")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--requests", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--output-len", type=int, default=64)
+    cli.add_flags(ap, rounds=2, concurrency=64, requests=128, steps=40, output_len=64)
     a = ap.parse_args()
     trees = {"before": a.before.resolve(), "after": ROOT}
     results = {k: {"step": [], "tok_s": [], "ttft": []} for k in trees}

@@ -12,12 +12,12 @@ on every machine, none of it in the held-out set the startup judge reads).
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import time
 
 import torch
 
+from bench import cli
 from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
 from harness.workload import chat_prompts
@@ -95,11 +95,7 @@ def decode_steps(batch: int, context: int, steps: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=1500)
-    a = ap.parse_args()
+    a = cli.parser(__doc__, steps=12, batch=64, tokens=1500).parse_args()
     accuracy("float32", a.tokens)
     accuracy("auto", a.tokens)
     for context in (260, 1000):

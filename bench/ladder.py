@@ -22,7 +22,6 @@ prompt tokens, from `usage`), and the cost per million output tokens at --dollar
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -31,6 +30,8 @@ import time
 
 import httpx
 
+from bench import cli
+from bench.chat_record import chat_record
 from harness import sse
 from harness.launch import Server
 from harness.workload import WORDS
@@ -87,16 +88,8 @@ async def run_session(
         messages.append({"role": "user", "content": q})
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "user": name}
         s = (await sse.stream(client, "/v1/chat/completions", body)).check()
-        assert s.usage is not None
         messages.append({"role": "assistant", "content": s.text})
-        results.append(
-            {
-                "ttft": s.ttft if s.ttft is not None else s.e2e,
-                "prompt": s.usage["prompt_tokens"],
-                "cached": s.usage["prompt_tokens_details"]["cached_tokens"],
-                "completion": s.usage["completion_tokens"],
-            }
-        )
+        results.append(chat_record(s))
     return results
 
 
@@ -144,15 +137,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sessions", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--idle-gap", type=float, default=3.0)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--dollars-per-hour", type=float, default=0.10)
-    ap.add_argument("--rungs", default="1,2,3,4,5,6")
-    ap.add_argument("--plot", default=None)
-    ap.add_argument("--json", default=None)
+    ap = cli.parser(__doc__, sessions=8, turns=3, idle_gap=3.0, max_tokens=32)
+    cli.add_flags(ap, dollars_per_hour=0.10, rungs="1,2,3,4,5,6", plot=None, json=None)
     args = ap.parse_args()
     system, questions = sessions(args.sessions, args.turns)
     wanted = {int(r) for r in args.rungs.split(",")}

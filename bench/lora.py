@@ -13,7 +13,6 @@ the mean ratio mixed/base, and the adapters' line of the server's banner (memory
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -26,6 +25,7 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
+from bench import cli
 from harness.launch import Server
 from harness.workload import WORDS
 from models.loader import default_model_path, load_spec
@@ -98,14 +98,8 @@ async def wave(base: str, models: list[str], prompts: list[str], max_tokens: int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--adapters", type=int, default=4)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--prompt-words", type=int, default=100)
+    ap = cli.parser(model=None, concurrency=16, adapters=4, rank=16, rounds=2)
+    cli.add_flags(ap, max_tokens=64, prompt_words=100)  # a request's
     ap.add_argument("--server-arg", action="append", default=[])
     args = ap.parse_args()
     model = args.model or default_model_path()

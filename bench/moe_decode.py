@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench import cli
 from bench.roofline import read_gbps
 from engine import LLM, SamplingParams
 
@@ -92,13 +93,7 @@ def decode_tok_s(llm: LLM, tokens: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = cli.parser(__doc__, experts=8, top_k=2, hidden=768, layers=12, tokens=64, rounds=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         engines = {

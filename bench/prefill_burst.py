@@ -29,15 +29,23 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+async def chat(
+    client: httpx.AsyncClient, rng: random.Random, prompt_words: int, max_tokens: int
+) -> sse.Stream:
+    """One completed greedy chat stream: a prompt of `prompt_words` random words, exactly
+    `max_tokens` out."""
+    body = {
+        "messages": [{"role": "user", "content": words(rng, prompt_words)}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    return (await sse.stream(client, "/v1/chat/completions", body)).check()
+
+
 async def streamer(client: httpx.AsyncClient, rng: random.Random, until: float, out: dict) -> None:
     while time.monotonic() < until:
-        body = {
-            "messages": [{"role": "user", "content": words(rng, 45)}],
-            "max_tokens": 96,
-            "ignore_eos": True,
-            "temperature": 0,
-        }
-        s = (await sse.stream(client, "/v1/chat/completions", body)).check()
+        s = await chat(client, rng, 45, 96)
         out["itl"].extend(s.itl)
         out["tokens"] += s.usage["completion_tokens"] if s.usage else 0
 
@@ -47,13 +55,7 @@ async def long_prompts(
 ) -> None:
     while time.monotonic() + every < until:
         await asyncio.sleep(every)
-        body = {
-            "messages": [{"role": "user", "content": words(rng, 1100)}],
-            "max_tokens": 8,
-            "ignore_eos": True,
-            "temperature": 0,
-        }
-        s = (await sse.stream(client, "/v1/chat/completions", body)).check()
+        s = await chat(client, rng, 1100, 8)
         out["ttft"].append(s.ttft if s.ttft is not None else s.e2e)
         out["prompt"].append(s.usage["prompt_tokens"] if s.usage else 0)
 

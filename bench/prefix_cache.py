@@ -17,7 +17,6 @@ token (its uncached prompt, computed in steps shared with the other requests), a
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import re
@@ -26,6 +25,8 @@ import time
 
 import httpx
 
+from bench import cli
+from bench.chat_record import chat_record
 from harness import sse
 from harness.launch import Server
 from harness.workload import WORDS
@@ -58,14 +59,7 @@ def build_requests(n: int, seed: int = 0) -> list[list[dict]]:
 
 async def one(client: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> dict:
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    s = (await sse.stream(client, "/v1/chat/completions", body)).check()
-    assert s.usage is not None
-    return {
-        "ttft": s.ttft if s.ttft is not None else s.e2e,
-        "prompt": s.usage["prompt_tokens"],
-        "cached": s.usage["prompt_tokens_details"]["cached_tokens"],
-        "completion": s.usage["completion_tokens"],
-    }
+    return chat_record((await sse.stream(client, "/v1/chat/completions", body)).check())
 
 
 async def drive(base: str, reqs: list[list[dict]], concurrency: int, max_tokens: int) -> list[dict]:
@@ -120,12 +114,7 @@ def summarize(name: str, results: list[dict], warmup: int, seconds: float) -> di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=16)
+    ap = cli.parser(model=None, requests=64, concurrency=8, max_tokens=16, warmup=16)
     ap.add_argument(
         "--server-arg",
         action="append",

@@ -19,6 +19,7 @@ import statistics
 
 import httpx
 
+from bench import cli
 from harness import sse
 from harness.launch import Server
 from harness.workload import WORDS
@@ -86,12 +87,7 @@ async def run(bases: dict[str, str], args: argparse.Namespace) -> dict[str, list
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--conversations", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--doc-words", type=int, default=500)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap = cli.parser(model=None, conversations=4, turns=4, doc_words=500, max_tokens=32)
     args = ap.parse_args()
     model = ["--model", args.model] if args.model else []
     with Server([*model]) as on, Server([*model, "--no-enable-prefix-caching"]) as off:

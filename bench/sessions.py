@@ -11,13 +11,13 @@ comes). Prints TTFT p50/p99 of turns 2-4 for both runs and the ratio, plus the h
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import re
 
 import httpx
 
+from bench import cli
 from harness import sse
 from harness.launch import Server
 from harness.workload import WORDS
@@ -79,12 +79,7 @@ def metric(text: str, pattern: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--sessions", type=int, default=64)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap = cli.parser(model=None, sessions=64, clients=8, turns=4, max_tokens=32)
     ap.add_argument("--device-blocks", type=int, default=140, help="64-token device KV blocks")
     ap.add_argument("--host-bytes", default="4GiB")
     args = ap.parse_args()

@@ -13,7 +13,6 @@ ratios: speculation on vs off, and on vs llama-server.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import peers
+from bench import cli, peers
 from bench.speculative import workload
 from harness.launch import kvserve_cmd
 from models.loader import default_model_path
@@ -54,13 +53,8 @@ def run(base: str, items: list, max_tokens: int) -> tuple[int, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--num-chat", type=int, default=4)
-    ap.add_argument("--peers-dir", default="bench/.peers")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap = cli.parser(__doc__, k=8, rounds=2, max_tokens=128, num_chat=4)
+    cli.add_flags(ap, peers_dir="bench/.peers", threads=os.cpu_count() or 2)  # llama-server's
     args = ap.parse_args()
     gguf = str(default_model_path())
     catalog = peers.catalog(Path(args.peers_dir), gguf, args.threads, 1, 4096, "default")

@@ -8,11 +8,11 @@ over typical schemas; and EAGLE acceptance with and without a schema (batch 1).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
+from bench import cli
 from engine import LLM, SamplingParams
 from engine.core.sampling_params import GrammarSpec
 from harness.workload import chat_prompts
@@ -83,11 +83,7 @@ def run(llm: LLM, prompts: list[list[int]], constrained: int, tokens: int) -> tu
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
-    a = ap.parse_args()
+    a = cli.parser(__doc__, batch=64, tokens=64, rounds=2).parse_args()
     llm = LLM(max_num_seqs=a.batch)
     timer = MaskTimer(llm)
     work = chat_prompts(llm.tokenizer, a.batch, (200, 260), (1, 1), seed=5)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.chat_record import chat_record
 from harness import sse
 from harness.launch import Server
 
@@ -74,13 +75,7 @@ async def one(client: httpx.AsyncClient, image: bytes, max_tokens: int) -> dict:
         "temperature": 0,
         "ignore_eos": True,
     }
-    s = (await sse.stream(client, "/v1/chat/completions", body)).check()
-    assert s.usage is not None
-    return {
-        "ttft": s.ttft if s.ttft is not None else s.e2e,
-        "prompt": s.usage["prompt_tokens"],
-        "cached": s.usage["prompt_tokens_details"]["cached_tokens"],
-    }
+    return chat_record((await sse.stream(client, "/v1/chat/completions", body)).check())
 
 
 def serving_dtype(log: str) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from bench import cli
 from engine import LLM, SamplingParams
 
 
@@ -77,13 +78,8 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--prompt", type=int, default=2000)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--budget", default="64MiB")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap = cli.parser(__doc__, layers=12, window=128, prompt=2000, requests=8)
+    cli.add_flags(ap, budget="64MiB", block_size=16)  # the KV cache's
     args = ap.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [
