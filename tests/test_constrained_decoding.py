@@ -217,3 +217,26 @@ def test_strict_tools_under_auto_shape_only_the_calls(llm) -> None:
     assert accepts('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}')
     assert not accepts('<tool_call>\n{"name": "get_time"')
     assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city": 5')
+
+
+def test_a_vocabulary_that_cannot_spell_json_builds_and_refuses_only_json(
+    llama_dir, tmp_path
+) -> None:
+    """The start-up warm-up compiles a JSON grammar; a word-level vocabulary (`t0`..`t511`, as
+    the benches' tiny models have) cannot spell JSON. The engine still builds: its JSON requests
+    are refused, while a grammar it can spell is served."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = tmp_path / "words"
+    shutil.copytree(llama_dir, words)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(words / "tokenizer.json"))
+    llm = LLM(str(words), num_kv_blocks=64, block_size=4)
+    with pytest.raises(ParamError):
+        llm.generate([PROMPTS[0]], SamplingParams(grammar=GrammarSpec("json_object", "")))
+    choice = GrammarSpec("choice", json.dumps(["t7", "t9"]))
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, grammar=choice))
+    assert out[0].outputs[0].token_ids[0] in (7, 9)  # the choice's token, then the end
