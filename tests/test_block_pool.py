@@ -14,15 +14,18 @@ from engine.kv.pool import BlockPool
 _LLM: dict[str, LLM] = {}
 
 
-def engine_for(llama_dir, caching: bool):
-    key = f"{llama_dir}:{caching}"
+def engine_for(model_dir, caching: bool, **extra):
+    """One engine per model, caching switch and `extra` options, kept across hypothesis's
+    examples (24 blocks of 4)."""
+    key = f"{model_dir}:{caching}:{sorted(extra.items())}"
     if key not in _LLM:
         _LLM[key] = LLM(
-            str(llama_dir),
+            str(model_dir),
             num_kv_blocks=24,
             block_size=4,
             max_num_batched_tokens=32,
             enable_prefix_caching=caching,
+            **extra,
         )
     return _LLM[key].engine
 
@@ -112,17 +115,7 @@ def windowed_dir(tmp_path_factory):
 def test_window_pool_blocks_all_free_after_everything_ends(windowed_dir, ops, caching) -> None:
     """The same random runs with the window pool: its blocks go back behind the window and at
     the end, prefix hits included, and nothing leaks or is freed twice."""
-    key = f"{windowed_dir}:{caching}"
-    if key not in _LLM:
-        _LLM[key] = LLM(
-            str(windowed_dir),
-            num_kv_blocks=24,
-            block_size=4,
-            max_num_batched_tokens=32,
-            max_num_seqs=4,
-            enable_prefix_caching=caching,
-        )
-    engine = _LLM[key].engine
+    engine = engine_for(windowed_dir, caching, max_num_seqs=4)
     assert engine.kv.window is not None
     drive(engine, ops, "w", repeat=3)  # prompts three times as long: past the window
     window = engine.kv.window

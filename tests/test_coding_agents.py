@@ -34,6 +34,23 @@ CLAUDE = next(
 )
 
 
+def run_headless(
+    argv: list[str], cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
+    """A CLI run once without a terminal, in `cwd` (made if missing): its output captured, no
+    stdin to wait on."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(
+        argv,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
 def codex(base: str, model: str, prompt: str, home: Path, cwd: Path) -> subprocess.CompletedProcess:
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.toml").write_text(
@@ -41,17 +58,8 @@ def codex(base: str, model: str, prompt: str, home: Path, cwd: Path) -> subproce
         f'name = "kvserve"\nbase_url = "{base}/v1"\nwire_api = "responses"\n'
         'env_key = "KVSERVE_KEY"\n'
     )
-    cwd.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CODEX_HOME": str(home), "KVSERVE_KEY": "unused"}
-    return subprocess.run(
-        [str(CODEX), "exec", "--skip-git-repo-check", prompt],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
+    return run_headless([str(CODEX), "exec", "--skip-git-repo-check", prompt], cwd, env, 300)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +104,6 @@ def claude(
     """`claude -p` as a user of a self-hosted model runs it: the base URL and a token, every
     model alias pointed at the served name, no traffic beyond the server."""
     home.mkdir(parents=True, exist_ok=True)
-    cwd.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
         "HOME": str(home),
@@ -110,15 +117,7 @@ def claude(
         "DISABLE_AUTOUPDATER": "1",
     }
     assert CLAUDE is not None
-    return subprocess.run(
-        [str(CLAUDE), "-p", prompt, "--model", model],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
-    )
+    return run_headless([str(CLAUDE), "-p", prompt, "--model", model], cwd, env, 600)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.spec.answer_corpus import SEPARATOR, AnswerCorpus, build_suffix_array, write_corpus
-from tests.test_drafting import PIN_K
+from tests.test_drafting import drafting_llm
 from tests.test_speculative import prompts
 
 
@@ -74,15 +74,7 @@ def test_corpus_drafts_are_lossless_and_kept(llama_dir, answers, tmp_path, metho
     identical with corpus drafts on, and most of what the corpus drafts is kept."""
     ps, want = answers
     write_corpus(tmp_path, want, {"test": True})
-    llm = LLM(
-        str(llama_dir),
-        num_kv_blocks=256,
-        block_size=4,
-        num_speculative_tokens=4,
-        speculative_method=method,
-        speculative_corpus=str(tmp_path),
-        **PIN_K,
-    )
+    llm = drafting_llm(llama_dir, 4, method, speculative_corpus=str(tmp_path))
     assert "corpus" in llm.engine.drafter.sources
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     got = [r.outputs[0].token_ids for r in llm.generate(ps, greedy)]

@@ -22,6 +22,13 @@ from tests.test_speculative import prompts
 PIN_K = {"spec_max_verify_rows": 1 << 16, "spec_cost_model": False}
 
 
+def drafting_llm(llama_dir, k: int, method: str = "auto", **extra) -> LLM:
+    """The tiny llama drafting up to `k` tokens a step by `method`, on 256 blocks of 4, with k
+    pinned (PIN_K): no verify-row cap or measured step cost cuts it."""
+    options = {"num_kv_blocks": 256, "block_size": 4, **PIN_K, **extra}
+    return LLM(str(llama_dir), num_speculative_tokens=k, speculative_method=method, **options)
+
+
 def test_suffix_index_continues_the_latest_longest_match() -> None:
     tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3]
     index = SuffixIndex(tokens)
@@ -87,15 +94,7 @@ def test_greedy_identical_with_suffix_drafts(llama_dir, plain, method) -> None:
     ps = [p + p[: len(p) // 2] for p in prompts(8)]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = [r.outputs[0].token_ids for r in plain.generate(ps, greedy)]
-    llm = LLM(
-        str(llama_dir),
-        num_kv_blocks=256,
-        block_size=4,
-        num_speculative_tokens=5,
-        speculative_method=method,
-        max_num_batched_tokens=24,
-        **PIN_K,
-    )
+    llm = drafting_llm(llama_dir, 5, method, max_num_batched_tokens=24)
     for _ in range(2):
         got = [r.outputs[0].token_ids for r in llm.generate(ps, greedy)]
         assert got == want
@@ -111,14 +110,7 @@ def test_grammar_drafts_are_lossless_and_taken(llama_dir, plain) -> None:
         temperature=0.0, max_tokens=80, grammar=GrammarSpec("json_schema", json.dumps(SCHEMA))
     )
     want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS, [greedy] * 3)]
-    llm = LLM(
-        str(llama_dir),
-        num_kv_blocks=256,
-        block_size=4,
-        num_speculative_tokens=6,
-        speculative_method="grammar",
-        **PIN_K,
-    )
+    llm = drafting_llm(llama_dir, 6, "grammar")
     got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, [greedy] * 3)]
     assert got == want
     stats = llm.engine.drafter.stats["grammar"]
@@ -152,7 +144,7 @@ def test_recent_outputs_are_kept_per_cache_salt() -> None:
 def test_a_seeded_sampled_request_depends_on_its_seed_alone(llama_dir, plain) -> None:
     """Suffix drafts come partly from other requests' outputs; a seeded sampled request is not
     drafted for, so it gives the plain engine's tokens whatever ran before it."""
-    llm = LLM(str(llama_dir), num_kv_blocks=256, block_size=4, num_speculative_tokens=5, **PIN_K)
+    llm = drafting_llm(llama_dir, 5)
     ps = prompts(4)
     seeded = [SamplingParams(temperature=0.9, max_tokens=24, seed=i) for i in range(4)]
     want = [r.outputs[0].token_ids for r in plain.generate(ps, seeded)]

@@ -71,22 +71,27 @@ def with_lone_surrogate(path: str, field: str, stream: bool = False) -> bytes:
     return json.dumps(body).replace(marker, "\\ud83d").encode()
 
 
+# each route's text fields that a lone surrogate goes into, and whether it goes in streamed too
+SURROGATE_FIELDS = {
+    "/v1/chat/completions": {
+        "messages.user": True,
+        "messages.system": True,
+        "stop": False,
+        "user": False,
+    },
+    "/v1/completions": {"prompt": True, "stop": False},
+    "/tokenize": {"prompt": False},
+    "/v1/responses": {"instructions": True, "input": False},
+}
+
+
 @pytest.mark.parametrize(
     "path,field,stream",
     [
-        ("/v1/chat/completions", "messages.user", False),
-        ("/v1/chat/completions", "messages.user", True),
-        ("/v1/chat/completions", "messages.system", False),
-        ("/v1/chat/completions", "messages.system", True),
-        ("/v1/chat/completions", "stop", False),
-        ("/v1/completions", "prompt", False),
-        ("/v1/completions", "prompt", True),
-        ("/v1/completions", "stop", False),
-        ("/tokenize", "prompt", False),
-        ("/v1/chat/completions", "user", False),
-        ("/v1/responses", "instructions", False),
-        ("/v1/responses", "instructions", True),
-        ("/v1/responses", "input", False),
+        (path, field, stream)
+        for path, fields in SURROGATE_FIELDS.items()
+        for field, streamed_too in fields.items()
+        for stream in ((False, True) if streamed_too else (False,))
     ],
 )
 def test_lone_surrogate_is_a_400_naming_the_field(server, path, field, stream) -> None:

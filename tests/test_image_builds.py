@@ -381,7 +381,7 @@ def test_cpu_image_package_set_resolves_for_its_python_and_platform(tmp_path) ->
     is resolved from PyPI with its pin, less what only PyPI's CUDA build of it requires (CUDA
     and NVIDIA wheels, Triton): the rest is what the CPU wheel requires too. Then the packages
     the image installs with --no-deps, alone."""
-    from tests.test_packaging import _pypi_reachable
+    from tests.test_packaging import _pypi_reachable, pep503, uv_compile
 
     if not _pypi_reachable():
         pytest.skip("PyPI is not reachable")
@@ -392,36 +392,13 @@ def test_cpu_image_package_set_resolves_for_its_python_and_platform(tmp_path) ->
     )
 
     def resolve(name: str, *extra: str, offline: bool = False) -> dict[str, str]:
-        out = tmp_path / (name + ".txt")
-        cmd = [
-            sys.executable,
-            "-m",
-            "uv",
-            "pip",
-            "compile",
-            str(tmp_path / name),
-            "-o",
-            str(out),
-            "--python-version",
-            _cpu_python(),
-            "--python-platform",
-            "x86_64-manylinux_2_36",
-            "--only-binary",
-            ":all:",
-            "--no-header",
-            "--no-annotate",
-            "--quiet",
-            *extra,
-            *(["--offline"] if offline else []),
-        ]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if r.returncode != 0 and offline:  # not all in uv's cache after all: ask PyPI
+        options = (*extra, "--offline") if offline else extra
+        pins = uv_compile(
+            tmp_path / name, _cpu_python(), "x86_64-manylinux_2_36", *options, timeout=300
+        )
+        if pins is None:  # not all in uv's cache after all: ask PyPI
             return resolve(name, *extra)
-        if r.returncode != 0 and ("Failed to fetch" in r.stderr or "timed out" in r.stderr):
-            pytest.skip("PyPI unreachable during resolution")
-        assert r.returncode == 0, r.stderr[-3000:]
-        pins = (line.split("==") for line in out.read_text().split() if line)
-        return {re.sub(r"[-_.]+", "-", n).lower(): v for n, v in pins}  # PEP 503 names
+        return pins
 
     def cuda_only(name: str) -> bool:
         return name.startswith(("nvidia-", "cuda-")) or name == "triton"
@@ -437,7 +414,7 @@ def test_cpu_image_package_set_resolves_for_its_python_and_platform(tmp_path) ->
         assert alone.result() == _no_deps_pins(CPU_IMAGE)
     for dep in deps:
         name, version = dep.split("==")
-        assert got[re.sub(r"[-_.]+", "-", name).lower()] == version, name
+        assert got[pep503(name)] == version, name
     assert not [n for n in got if cuda_only(n)]
     import importlib.metadata as md
 

@@ -37,17 +37,16 @@ def adapters(llama_dir, tmp_path_factory) -> dict[str, object]:
     }
 
 
+def lora_llm(llama_dir, lora_modules: list[str], **extra) -> LLM:
+    """The float32 engine these tests serve adapters on: 64 blocks of 4 unless `extra` says."""
+    options = {"dtype": "float32", "num_kv_blocks": 64, "block_size": 4} | extra
+    return LLM(str(llama_dir), lora_modules=lora_modules, **options)
+
+
 @pytest.fixture(scope="module")
 def llm(llama_dir, adapters) -> LLM:
     modules = [f"{name}={path}" for name, path in adapters.items()]
-    return LLM(
-        str(llama_dir),
-        dtype="float32",
-        num_kv_blocks=64,
-        block_size=4,
-        max_num_batched_tokens=32,
-        lora_modules=modules,
-    )
+    return lora_llm(llama_dir, modules, max_num_batched_tokens=32)
 
 
 def greedy(llm: LLM, lora: str | None, n: int = 8, **extra) -> SamplingParams:
@@ -102,14 +101,7 @@ def test_prefix_hits_within_an_adapter_and_none_across(llm) -> None:
 
 def test_at_most_max_loras_adapters_run_at_once(llama_dir, adapters) -> None:
     modules = [f"{name}={path}" for name, path in adapters.items()]
-    llm = LLM(
-        str(llama_dir),
-        dtype="float32",
-        num_kv_blocks=64,
-        block_size=4,
-        lora_modules=modules,
-        max_loras=1,
-    )
+    llm = lora_llm(llama_dir, modules, max_loras=1)
     engine = llm.engine
     for i, name in enumerate(["a", "b", "a", "b"]):
         engine.add_request(str(i), PROMPTS[0], greedy(llm, name, 4))
@@ -207,13 +199,7 @@ def test_a_gguf_lora_file_is_the_same_adapter(llama_dir, adapters, tmp_path) -> 
 
     cfg = json.loads((llama_dir / "config.json").read_text())
     gguf_file = write_gguf_lora(adapters["a"], cfg, tmp_path / "a.gguf")
-    llm = LLM(
-        str(llama_dir),
-        dtype="float32",
-        num_kv_blocks=32,
-        block_size=4,
-        lora_modules=[f"a={adapters['a']}", f"g={gguf_file}"],
-    )
+    llm = lora_llm(llama_dir, [f"a={adapters['a']}", f"g={gguf_file}"], num_kv_blocks=32)
     refs = llm.engine.loras.refs
     assert refs["g"].key == refs["a"].key
     a, g = (llm.generate(PROMPTS, greedy(llm, n))[0].outputs[0].token_ids for n in ("a", "g"))
@@ -226,23 +212,9 @@ def test_speculation_and_grammars_are_unchanged_with_an_adapter(llama_dir, adapt
     from engine.core.sampling_params import GrammarSpec
 
     modules = [f"a={adapters['a']}"]
-    plain = LLM(
-        str(llama_dir),
-        dtype="float32",
-        num_kv_blocks=64,
-        block_size=4,
-        lora_modules=modules,
-        num_speculative_tokens=0,
-    )
-    spec = LLM(
-        str(llama_dir),
-        dtype="float32",
-        num_kv_blocks=64,
-        block_size=4,
-        lora_modules=modules,
-        num_speculative_tokens=4,
-        speculative_method="suffix",
-        **PIN_K,
+    plain = lora_llm(llama_dir, modules, num_speculative_tokens=0)
+    spec = lora_llm(
+        llama_dir, modules, num_speculative_tokens=4, speculative_method="suffix", **PIN_K
     )
     for prompt in PROMPTS[:2]:
         want = plain.generate([prompt], greedy(plain, "a", 24))[0].outputs[0].token_ids

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -151,6 +152,49 @@ def _pypi_reachable() -> bool:
         return False
 
 
+def pep503(name: str) -> str:
+    """A distribution's name as PEP 503 compares it."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def uv_compile(
+    requirements: Path, python_version: str, platform: str, *options: str, timeout: float
+) -> dict[str, str] | None:
+    """uv's resolution of `requirements` for an image's Python and platform, binary wheels
+    only, without downloading them (pinned into `requirements` with a .txt suffix): the versions
+    by PEP 503 name. None where `--offline` is among `options` and uv's cache lacks a package;
+    a skip where PyPI stops answering during the resolution."""
+    pinned = requirements.with_suffix(".txt")
+    cmd = [
+        sys.executable,
+        "-m",
+        "uv",
+        "pip",
+        "compile",
+        str(requirements),
+        "--output-file",
+        str(pinned),
+        "--python-version",
+        python_version,
+        "--python-platform",
+        platform,
+        "--only-binary",
+        ":all:",
+        "--no-header",
+        "--no-annotate",
+        "--quiet",
+        *options,
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0 and "--offline" in options:
+        return None
+    if r.returncode != 0 and ("Failed to fetch" in r.stderr or "timed out" in r.stderr):
+        pytest.skip("PyPI unreachable during resolution")
+    assert r.returncode == 0, r.stderr[-3000:]
+    pins = (line.split("==") for line in pinned.read_text().split() if line)
+    return {pep503(name): version for name, version in pins}
+
+
 @pytest.mark.skipif(not _pypi_reachable(), reason="PyPI is not reachable")
 @pytest.mark.slow
 def test_image_package_set_resolves_for_its_python_and_platform(tmp_path) -> None:
@@ -162,42 +206,10 @@ def test_image_package_set_resolves_for_its_python_and_platform(tmp_path) -> Non
     project = _pyproject()["project"]
     reqs = tmp_path / "requirements.in"
     reqs.write_text("\n".join(project["dependencies"] + project["optional-dependencies"]["gpu"]))
-    pinned = tmp_path / "requirements.txt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "uv",
-        "pip",
-        "compile",
-        str(reqs),
-        "--output-file",
-        str(pinned),
-        "--python-version",
-        UBUNTU_PYTHON[ubuntu],
-        "--python-platform",
-        "x86_64-manylinux_2_39",
-        "--only-binary",
-        ":all:",
-        "--no-header",
-        "--no-annotate",
-        "--quiet",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and ("Failed to fetch" in r.stderr or "timed out" in r.stderr):
-        pytest.skip("PyPI unreachable during resolution")
-    assert r.returncode == 0, r.stderr[-3000:]
-    import re
-
-    def norm(name: str) -> str:
-        return re.sub(r"[-_.]+", "-", name).lower()
-
-    got = dict(
-        (norm(name), version)
-        for name, version in (line.split("==") for line in pinned.read_text().split() if line)
-    )
+    got = uv_compile(reqs, UBUNTU_PYTHON[ubuntu], "x86_64-manylinux_2_39", timeout=600)
     for dep in project["dependencies"] + project["optional-dependencies"]["gpu"]:
         name, version = dep.split("==")
-        assert got[norm(name)] == version.split(";")[0].strip(), name
+        assert got[pep503(name)] == version.split(";")[0].strip(), name
     assert got["torch"] == "2.13.0"
     toolkit = got.get("cuda-toolkit") or got.get("nvidia-cuda-runtime")
     assert toolkit is not None and toolkit.startswith(cuda + "."), (toolkit, cuda)

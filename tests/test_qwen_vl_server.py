@@ -18,11 +18,15 @@ import torch
 from tests.qwen_vl_model import IMAGE_PAD
 from tests.server_utils import InProcessServer
 from tests.test_qwen_vl import BUILDERS
-from tests.test_vision_server import messages_image, metric, openai_client
+from tests.test_vision_server import (
+    MAX_TOKENS,
+    QUESTION,
+    assert_responses_and_messages_answer,
+    metric,
+)
+from tests.test_vision_server import chat as chat_with_images
 from tests.vision_model import data_url, png
 
-QUESTION = "What is this?"
-MAX_TOKENS = 6
 SIZES = {1: (40, 30), 2: (20, 28), 21: (36, 36)}
 
 
@@ -92,16 +96,8 @@ def expected(reference, seeds: list[int]) -> tuple[str, int, int]:
 
 
 def chat(server, *seeds: int):
-    content = [
-        {"type": "image_url", "image_url": {"url": data_url(png(s, SIZES[s]))}} for s in seeds
-    ]
-    content.append({"type": "text", "text": QUESTION})
-    return openai_client(server).chat.completions.create(
-        model="vlm",
-        messages=[{"role": "user", "content": content}],
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-    )
+    """test_vision_server's greedy chat call with the pictures of these seeds, each its size."""
+    return chat_with_images(server, *(data_url(png(s, SIZES[s])) for s in seeds))
 
 
 def test_chat_and_responses_answer_images_as_transformers(server, reference) -> None:
@@ -112,26 +108,9 @@ def test_chat_and_responses_answer_images_as_transformers(server, reference) -> 
         assert r.usage.prompt_tokens == prompt_len
         assert r.usage.prompt_tokens_details.image_tokens == image_tokens
     answer, prompt_len, _ = expected(reference, [2])
-    resp = openai_client(server).responses.create(
-        model="vlm",
-        max_output_tokens=MAX_TOKENS,
-        temperature=0,
-        input=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "input_image", "image_url": data_url(png(2, SIZES[2]))},
-                    {"type": "input_text", "text": QUESTION},
-                ],
-            }
-        ],
+    assert_responses_and_messages_answer(
+        server, png(2, SIZES[2]), QUESTION, MAX_TOKENS, answer, prompt_len
     )
-    assert resp.output_text == answer and resp.usage.input_tokens == prompt_len
-
-    msg = messages_image(server, png(2, SIZES[2]), QUESTION, MAX_TOKENS)
-    assert "".join(b.text for b in msg.content if b.type == "text") == answer
-    usage = msg.usage
-    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == prompt_len
 
 
 def test_same_picture_is_a_prefix_hit_encoded_once(server, reference) -> None:

@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Tokenizer
 from engine.grammar.structured_output import CALL_FORMATS
 from tests.conftest import build_model
 from tests.server_utils import InProcessServer
-from tests.tool_schemas import ASK, TIME, WEATHER
+from tests.tool_schemas import ASK, TIME, WEATHER, ask_for_a_tool
 
 pytestmark = pytest.mark.slow  # in-process servers
 
@@ -189,12 +189,11 @@ def test_strict_tools_shape_the_calls_the_model_chooses(served, client) -> None:
     ids = httpx.post(server.base + "/tokenize", json=body).json()["tokens"]
     assert len(ids) == 1, ids
     strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
-    r = client.chat.completions.create(
+    r = ask_for_a_tool(
+        client,
         model="",
-        messages=ASK,
         tools=[strict],
         tool_choice="auto",
-        temperature=0,
         max_tokens=120,
         parallel_tool_calls=False,
         logit_bias={str(i): 100 for i in ids},

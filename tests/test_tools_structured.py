@@ -12,7 +12,7 @@ from openai import OpenAI
 from pydantic import BaseModel, Field
 
 from tests.openai_schema import validate
-from tests.tool_schemas import ASK, TIME, WEATHER
+from tests.tool_schemas import ASK, TIME, WEATHER, ask_for_a_tool
 
 pytestmark = pytest.mark.slow  # kvserve processes and client libraries
 
@@ -76,16 +76,16 @@ def test_json_object_and_cut_by_max_tokens(client) -> None:
     "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
 )
 def test_forced_tool_calls_stream_complete_calls(client, choice) -> None:
-    stream = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct",
-        messages=ASK,
-        tools=[WEATHER, TIME],
-        tool_choice=choice,
-        parallel_tool_calls=False,
-        stream=True,
+    stream = ask_for_a_tool(
+        client,
+        "SmolLM2-135M-Instruct",
+        [WEATHER, TIME],
+        choice,
+        100,
         temperature=0.7,
         seed=3,
-        max_tokens=100,
+        parallel_tool_calls=False,
+        stream=True,
     )
     calls: dict[int, dict] = {}
     finish = None
@@ -110,14 +110,8 @@ def test_forced_tool_calls_stream_complete_calls(client, choice) -> None:
 
 
 def test_non_streaming_named_call_and_parallel_off(client) -> None:
-    r = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct",
-        messages=ASK,
-        tools=[WEATHER, TIME],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        temperature=0,
-        max_tokens=100,
+    r = ask_for_a_tool(
+        client, "SmolLM2-135M-Instruct", [WEATHER, TIME], "required", 100, parallel_tool_calls=False
     )
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and len(msg.tool_calls) == 1
@@ -301,43 +295,31 @@ def test_what_cannot_be_honoured_is_a_400(server) -> None:
     assert cmpl.status_code == 400 and cmpl.json()["error"]["param"] == "suffix"
 
 
-NULLABLE_CHAT = [
+# the nullable fields chat completions and (legacy) completions share, then each one's own
+NULLABLE_SAMPLING = [
     "n",
     "stream",
     "logprobs",
-    "top_logprobs",
     "presence_penalty",
     "frequency_penalty",
     "temperature",
     "top_p",
     "seed",
     "max_tokens",
-    "max_completion_tokens",
     "logit_bias",
     "stop",
     "stream_options",
+]
+NULLABLE_CHAT = NULLABLE_SAMPLING + [
+    "top_logprobs",
+    "max_completion_tokens",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
     "response_format",
     "user",
 ]
-NULLABLE_COMPLETION = [
-    "n",
-    "stream",
-    "logprobs",
-    "echo",
-    "presence_penalty",
-    "frequency_penalty",
-    "temperature",
-    "top_p",
-    "seed",
-    "max_tokens",
-    "logit_bias",
-    "stop",
-    "suffix",
-    "stream_options",
-]
+NULLABLE_COMPLETION = NULLABLE_SAMPLING + ["echo", "suffix"]
 
 
 def test_nulls_in_every_nullable_field(server) -> None:
@@ -468,15 +450,7 @@ def test_forced_calls_are_compact_and_end_the_turn(client) -> None:
     separator leaks into `content`."""
     for parallel in (False, None):
         extra = {} if parallel is None else {"parallel_tool_calls": parallel}
-        r = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct",
-            messages=ASK,
-            tools=[WEATHER],
-            tool_choice="required",
-            temperature=0,
-            max_tokens=60,
-            **extra,
-        )
+        r = ask_for_a_tool(client, "SmolLM2-135M-Instruct", [WEATHER], "required", 60, **extra)
         choice = r.choices[0]
         assert choice.message.content is None, choice.message.content
         calls = choice.message.tool_calls
@@ -507,15 +481,15 @@ def test_response_format_beside_required_tools_is_a_call_or_an_answer(server, cl
             if choice == "required"
             else [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]
         )
-        r = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct",
-            messages=ASK,
-            tools=tools,
-            tool_choice=choice,
-            response_format=city,
+        r = ask_for_a_tool(
+            client,
+            "SmolLM2-135M-Instruct",
+            tools,
+            choice,
+            120,
             temperature=0.7,
             seed=seed,
-            max_tokens=120,
+            response_format=city,
         )
         msg = r.choices[0].message
         if msg.tool_calls:

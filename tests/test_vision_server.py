@@ -133,7 +133,36 @@ def messages_image(server, picture: bytes, question: str, max_tokens: int, **ext
     )
 
 
+def assert_responses_and_messages_answer(
+    server, picture: bytes, question: str, max_tokens: int, answer: str, prompt_len: int
+) -> None:
+    """One picture and a question as a Responses `input_image` part and as a Messages `image`
+    block, greedy: each answers `answer` on a prompt of `prompt_len` tokens (on Messages, those
+    read from the prefix cache and those not)."""
+    resp = openai_client(server).responses.create(
+        model="vlm",
+        max_output_tokens=max_tokens,
+        temperature=0,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(picture)},
+                    {"type": "input_text", "text": question},
+                ],
+            }
+        ],
+    )
+    assert resp.output_text == answer and resp.usage.input_tokens == prompt_len
+    msg = messages_image(server, picture, question, max_tokens)
+    text = "".join(b.text for b in msg.content if b.type == "text")
+    assert text == answer
+    usage = msg.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == prompt_len
+
+
 def chat(server, *urls: str):
+    """A greedy chat call: the pictures at these URLs, then QUESTION."""
     content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
     content.append({"type": "text", "text": QUESTION})
     return openai_client(server).chat.completions.create(
@@ -166,26 +195,7 @@ def test_every_route_answers_images_as_transformers(server, reference) -> None:
     assert r.choices[0].message.content == two and r.usage.prompt_tokens == two_len
     assert r.usage.prompt_tokens_details.image_tokens == 2 * TOKENS_PER_IMAGE
     validate("CreateChatCompletionResponse", r.model_dump(exclude_unset=True))
-    resp = openai_client(server).responses.create(
-        model="vlm",
-        max_output_tokens=MAX_TOKENS,
-        temperature=0,
-        input=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "input_image", "image_url": data_url(png(1))},
-                    {"type": "input_text", "text": QUESTION},
-                ],
-            }
-        ],
-    )
-    assert resp.output_text == answer and resp.usage.input_tokens == prompt_len
-    msg = messages_image(server, png(1), QUESTION, MAX_TOKENS)
-    text = "".join(b.text for b in msg.content if b.type == "text")
-    assert text == answer
-    usage = msg.usage
-    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == prompt_len
+    assert_responses_and_messages_answer(server, png(1), QUESTION, MAX_TOKENS, answer, prompt_len)
 
 
 def test_same_picture_is_a_prefix_hit_encoded_once_another_a_miss(server, reference) -> None:

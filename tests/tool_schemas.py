@@ -1,4 +1,5 @@
-"""The tools the tool-calling tests offer the model, and the question that wants one."""
+"""The tools the tool-calling tests offer the model, the question that wants one, and the
+greedy chat request that asks it."""
 
 WEATHER = {
     "type": "function",
@@ -27,3 +28,17 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+
+
+def ask_for_a_tool(client, model: str, tools: list[dict], tool_choice, max_tokens: int, **extra):
+    """ASK through an `openai` client's chat completions with `tools` offered under
+    `tool_choice`, greedy unless `extra` sets a temperature; `extra`: more request fields.
+    Returns the completion (or its stream)."""
+    return client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=tools,
+        tool_choice=tool_choice,
+        max_tokens=max_tokens,
+        **{"temperature": 0, **extra},
+    )
