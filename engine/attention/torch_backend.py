@@ -148,41 +148,39 @@ class TorchAttentionStep(AttentionStep):
         num_heads: int,
         decode_only: bool = False,
     ) -> torch.Tensor | None:
-        o = self.rope_decode(layer_idx, qkv, cos, sin, num_heads)
-        if o is not None or decode_only:
-            return o
+        if (step := self._step_of(layer_idx)) is not self:
+            return step.attend_qkv(layer_idx, qkv, cos, sin, num_heads, decode_only)
+        backend = self.backend
+        if (fused := self._fused_decode(cos)) is not None:
+            tables, lens = fused
+            return backend.rope_decode_op(
+                qkv.contiguous(),
+                cos,
+                sin,
+                backend.kv_caches[backend.layer_group[layer_idx]],
+                self.slot_block,
+                self.slot_offset,
+                tables,
+                lens,
+                num_heads,
+                1.0 / math.sqrt(cos.shape[-1] * 2),
+                backend.layer_window[layer_idx] or 0,
+            )
+        if decode_only:
+            return None
         q = self.rope_write(layer_idx, qkv, cos, sin, num_heads)
         return None if q is None else self.forward(layer_idx, q, None, None)
 
-    def rope_decode(
-        self,
-        layer_idx: int,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        num_heads: int,
-    ) -> torch.Tensor | None:
-        if (step := self._step_of(layer_idx)) is not self:
-            return step.rope_decode(layer_idx, qkv, cos, sin, num_heads)
+    def _fused_decode(self, cos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The C++ block tables and lengths where every row of this step is a decode row for
+        the op that fuses rotary (on float32 `cos`/`sin` tables), the KV write and the attention
+        (kernels/cpu_decode.cpp); None where the step cannot take it."""
         backend = self.backend
         if not self.all_decode or self.cpp_decode is None or backend.decode_op is None:
             return None  # (tests turn the C++ decode off by clearing decode_op)
         if backend.rope_decode_op is None or cos.dtype != torch.float32:
             return None
-        tables, lens = self.cpp_decode
-        return backend.rope_decode_op(
-            qkv.contiguous(),
-            cos,
-            sin,
-            backend.kv_caches[backend.layer_group[layer_idx]],
-            self.slot_block,
-            self.slot_offset,
-            tables,
-            lens,
-            num_heads,
-            1.0 / math.sqrt(cos.shape[-1] * 2),
-            backend.layer_window[layer_idx] or 0,
-        )
+        return self.cpp_decode
 
     def rope_write(
         self,
@@ -221,13 +219,9 @@ class TorchAttentionStep(AttentionStep):
             windowed = all(w is not None for w in self.backend.layer_window[:num_layers])
             return self.window_step.decode_stack_args(cos, num_layers) if windowed else None
         backend = self.backend
-        if not self.all_decode or self.cpp_decode is None or backend.decode_op is None:
-            return None
-        if backend.rope_decode_op is None or cos.dtype != torch.float32:
-            return None
-        if len(backend.windows) > 1:
-            return None  # the stack op takes one window for every layer
-        tables, lens = self.cpp_decode
+        if (fused := self._fused_decode(cos)) is None or len(backend.windows) > 1:
+            return None  # (the stack op takes one window for every layer)
+        tables, lens = fused
         return DecodeStackArgs(
             [backend.kv_caches[backend.layer_group[i]] for i in range(num_layers)],
             self.slot_block,
