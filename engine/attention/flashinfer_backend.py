@@ -161,15 +161,8 @@ class FlashInferGraphStep(FlashInferStep):
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
-    block_dim = 0
-    slot_dim = 2
+    kv_layout = ("blocks", "kv", "slots", "heads", "dim")  # NHD pages, K and V side by side
     supports_cuda_graphs = True
-
-    @classmethod
-    def kv_cache_shape(
-        cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (num_blocks, 2, block_size, kv_heads, head_dim)
 
     @classmethod
     def check(

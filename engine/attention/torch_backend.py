@@ -1,10 +1,11 @@
 """The CPU backend (named "torch"): the C++ decode and prefill ops, range decode and int8 KV, with
 PyTorch paths beside them (the slow general path on GPU). The plain reference: reference_backend.py
 
-KV layout (this backend's choice): one tensor per KV group, [2, kv_heads, num_blocks, block_size,
-head_dim]. Heads outermost means gathering a sequence's pages with one `index_select` over the
-block dimension yields [kv_heads, pages * block_size, head_dim] directly, contiguous per head:
-one copy of the KV per step instead of gather-then-reshape (decode is bound by reading the KV).
+KV layout (this backend's choice, base.HEADS_OUTERMOST): one tensor per KV group, [2, kv_heads,
+num_blocks, block_size, head_dim]. Heads outermost means gathering a sequence's pages with one
+`index_select` over the block dimension yields [kv_heads, pages * block_size, head_dim] directly,
+contiguous per head: one copy of the KV per step instead of gather-then-reshape (decode is bound
+by reading the KV).
 
 Decode rows (one query token) go to the C++ decode op, or through pool views (range decode), or
 in buckets of similar length (gather_paths.py). Prefill chunks are attended one sequence at a
@@ -22,7 +23,7 @@ import torch
 
 import engine.attention.cpu_prefill as cpu_prefill
 from engine.attention import kv_quant
-from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
+from engine.attention.base import HEADS_OUTERMOST, AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.gather_paths import (
     DecodeBucket,
     PrefillChunk,
@@ -280,6 +281,7 @@ class TorchAttentionStep(AttentionStep):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    kv_layout = HEADS_OUTERMOST
     reads_window_tables = True
     use_range_decode = True  # False forces the gather path (tests compare the two)
 
@@ -315,15 +317,6 @@ class TorchBackend(AttentionBackend):
                 lay.head_dim % prefill.simd_width() == 0 for lay in spec.layers
             ):
                 self.prefill_op = prefill.paged_prefill
-
-    @classmethod
-    def kv_cache_shape(
-        cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (2, kv_heads, num_blocks, block_size, head_dim)
-
-    block_dim = 2
-    slot_dim = 3
 
     @classmethod
     def check(

@@ -150,14 +150,7 @@ class XFormersStep(AttentionStep):
 
 class XFormersBackend(AttentionBackend):
     name = "xformers"
-    block_dim = 1
-    slot_dim = 2
-
-    @classmethod
-    def kv_cache_shape(
-        cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, kv_heads, head_dim)
+    kv_layout = ("kv", "blocks", "slots", "heads", "dim")
 
     @classmethod
     def check(
