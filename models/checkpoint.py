@@ -53,11 +53,40 @@ def fuse_parts(
             del pending[name]
             yield name, torch.cat([got[p] for p in parts])
     # a fused parameter none of whose parts arrived is reported by the model as missing
-    missing = [
-        f"{n} ({p})" for n, got in pending.items() for p in _parts_of(spec, n) if p not in got
-    ]
-    if missing and complete:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
+    if complete:
+        refuse_missing(
+            f"{n} ({p})" for n, got in pending.items() for p in _parts_of(spec, n) if p not in got
+        )
+
+
+def copy_named(
+    params: dict[str, torch.Tensor], weights: Iterable[tuple[str, torch.Tensor]], tied_head: bool
+) -> set[str]:
+    """Copy each (name, tensor) of `weights` into the model's tensor `params[name]` (an integer
+    one, such as DeepSeek V4's hash routing table, takes the values rounded); the names copied.
+    With `tied_head` an `lm_head.weight` is skipped: the head is the embedding. Raises on a name
+    or shape the model does not have."""
+    seen: set[str] = set()
+    for name, tensor in weights:
+        if name == "lm_head.weight" and tied_head:
+            continue
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"unexpected tensor {name}")
+        if param.shape != tensor.shape:
+            raise ValueError(
+                f"{name}: checkpoint shape {list(tensor.shape)}, model {list(param.shape)}"
+            )
+        param.data.copy_(tensor.round() if not param.dtype.is_floating_point else tensor)
+        seen.add(name)
+    return seen
+
+
+def refuse_missing(missing: Iterable[str]) -> None:
+    """Raise, naming a few of them, if the checkpoint lacks any of these tensors."""
+    names = sorted(missing)
+    if names:
+        raise ValueError(f"checkpoint lacks {len(names)} tensors, e.g. {names[:4]}")
 
 
 def _parts_of(spec: ModelSpec, name: str) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention_step import AttentionStep
+from models.checkpoint import copy_named, refuse_missing
 from models.deepseek_v4_attention import CSA, HCA, SLIDING, V4Attention, rms
 from models.deepseek_v4_load import v4_ropes
 from models.deepseek_v4_mix import HyperConnection
@@ -257,22 +258,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Copy tensors named as in `state_dict()` into the model; raises on a name or shape
         the model does not have, or if a weight never arrived."""
         params = dict(self.named_parameters()) | dict(self.named_buffers())
-        seen: set[str] = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-                continue
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"unexpected tensor {name}")
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: checkpoint shape {list(tensor.shape)}, model {list(param.shape)}"
-                )
-            param.data.copy_(tensor.round() if not param.dtype.is_floating_point else tensor)
-            seen.add(name)
+        seen = copy_named(params, weights, self.spec.tie_word_embeddings)
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
             seen.add("lm_head.weight")
-        missing = set(params) - seen
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
+        refuse_missing(set(params) - seen)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from models.image_processor import RESAMPLE, ImageError, ImageProcessor, resized_pixels
+from models.image_processor import ImageError, ImageProcessor, resized_pixels
 
 # the soft-token budgets transformers' processor accepts
 _SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
@@ -59,21 +59,11 @@ class Gemma4ImageProcessor:
         file = Path(path) / "preprocessor_config.json"
         cfg = json.loads(file.read_text()) if file.is_file() else {}
         cfg = cfg.get("image_processor", cfg)  # a processor_config.json's nesting
-        resample = cfg.get("resample", 3)
-        if resample not in RESAMPLE:
-            raise ValueError(f"preprocessor_config.json: unknown resample filter {resample}")
-        if cfg.get("do_normalize", False):
+        rescale = ImageProcessor.from_config(cfg, 0, 0, 3, normalize=False)
+        if rescale.do_normalize:
             raise ValueError("preprocessor_config.json: Gemma 4 with do_normalize is not supported")
         if cfg.get("do_resize") is False:
             raise ValueError("preprocessor_config.json: do_resize false is not supported")
-        rescale = ImageProcessor(
-            0,
-            0,
-            RESAMPLE[resample],
-            bool(cfg.get("do_rescale", True)),
-            float(cfg.get("rescale_factor", 1 / 255)),
-            False,
-        )
         out = Gemma4ImageProcessor(
             rescale,
             int(cfg.get("patch_size", 16)),

@@ -16,9 +16,22 @@ HF_ATTENTION_NAMES: LayerNames = {
     "self_attn.k_norm.weight": ("k_norm.weight", None),
     "self_attn.o_proj.weight": ("o_proj.weight", None),
 }
-# the gated FFN: gate and up fused into one gate_up_proj, then down_proj
-HF_MLP_NAMES: LayerNames = {
-    "mlp.gate_proj.weight": ("gate_up_proj.weight", "gate"),
-    "mlp.up_proj.weight": ("gate_up_proj.weight", "up"),
-    "mlp.down_proj.weight": ("down_proj.weight", None),
+# the gated FFN's projections -> the model's: gate and up fused into one gate_up_proj, then
+# down_proj (a dense FFN's, a shared expert's, each routed expert's)
+GATED_MLP_PARTS: dict[str, tuple[str, str | None]] = {
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+    "down_proj": ("down_proj", None),
 }
+
+
+def gated_mlp_names(prefix: str, own_prefix: str) -> LayerNames:
+    """The gated FFN's weights under the HF `prefix` ("mlp.") as the model names them under
+    `own_prefix`."""
+    return {
+        f"{prefix}{hf}.weight": (f"{own_prefix}{own}.weight", part)
+        for hf, (own, part) in GATED_MLP_PARTS.items()
+    }
+
+
+HF_MLP_NAMES: LayerNames = gated_mlp_names("mlp.", "")

@@ -96,7 +96,22 @@ class ImageProcessor:
                 f"preprocessor_config.json resizes to {height}x{width}; the vision tower reads "
                 f"{image_size}x{image_size}"
             )
-        resample = cfg.get("resample", 2)
+        return ImageProcessor.from_config(cfg, height, width, resample=2)
+
+    @staticmethod
+    def from_config(
+        cfg: dict,
+        height: int,
+        width: int,
+        resample: int,
+        mean: tuple[float, float, float] = _STANDARD,
+        std: tuple[float, float, float] = _STANDARD,
+        normalize: bool = True,
+    ) -> ImageProcessor:
+        """The resize filter, rescale and normalisation a preprocessor_config.json `cfg` sets,
+        for a resize to (height, width); `resample`, `mean`, `std` and `normalize` are the
+        model's processor defaults, for what `cfg` leaves out. Raises on an unknown filter."""
+        resample = cfg.get("resample", resample)
         if resample not in RESAMPLE:
             raise ValueError(f"preprocessor_config.json: unknown resample filter {resample}")
         return ImageProcessor(
@@ -105,9 +120,9 @@ class ImageProcessor:
             RESAMPLE[resample],
             bool(cfg.get("do_rescale", True)),
             float(cfg.get("rescale_factor", 1 / 255)),
-            bool(cfg.get("do_normalize", True)),
-            tuple(cfg.get("image_mean", _STANDARD)),
-            tuple(cfg.get("image_std", _STANDARD)),
+            bool(cfg.get("do_normalize", normalize)),
+            tuple(cfg.get("image_mean", mean)),
+            tuple(cfg.get("image_std", std)),
         )
 
     def __call__(self, image: Image.Image) -> np.ndarray:

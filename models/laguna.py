@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.checkpoint import Part
-from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
+from models.hf_names import (
+    GATED_MLP_PARTS,
+    HF_ATTENTION_NAMES,
+    HF_MLP_NAMES,
+    LayerNames,
+    gated_mlp_names,
+)
 from models.layers import rope_inv_freq
 from models.linear.layer import Linear
 from models.llama import DecoderLayer, LlamaForCausalLM
@@ -124,9 +130,7 @@ _LAYER_NAMES: LayerNames = {
     "self_attn.g_proj.weight": ("g_proj.weight", None),
     "mlp.gate.weight": ("moe.router.weight", None),
     "mlp.gate.e_score_correction_bias": ("moe.router_bias", None),
-    "mlp.shared_experts.gate_proj.weight": ("moe.shared.gate_up_proj.weight", "gate"),
-    "mlp.shared_experts.up_proj.weight": ("moe.shared.gate_up_proj.weight", "up"),
-    "mlp.shared_experts.down_proj.weight": ("moe.shared.down_proj.weight", None),
+    **gated_mlp_names("mlp.shared_experts.", "moe.shared."),
 }
 # the checkpoint files' own names (poolside's, and what transformers' save_pretrained writes back
 # through its conversion mapping) for what its modules call otherwise
@@ -138,11 +142,6 @@ _ON_DISK = {
 }
 # one expert's tensor on disk: "mlp.experts.E.gate_proj.weight"
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_EXPERT_PARTS = {
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-    "down_proj": ("down_proj", None),
-}
 _TOP_NAMES = {
     "model.embed_tokens.weight": "embed_tokens.weight",
     "model.norm.weight": "norm.weight",
@@ -167,7 +166,7 @@ def laguna_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Part
             continue
         expert = _EXPERT.fullmatch(rest)
         if expert:
-            own, part = _EXPERT_PARTS[expert[2]]
+            own, part = GATED_MLP_PARTS[expert[2]]
             yield f"layers.{idx}.moe.experts.{expert[1]}.{own}.weight", part, t
             continue
         rest = _ON_DISK.get(rest, rest)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from models.attention_step import AttentionStep
+from models.checkpoint import copy_named, refuse_missing
 from models.layers import (
     GATED_ACTIVATIONS,
     RMSNorm,
@@ -333,19 +334,7 @@ class LlamaForCausalLM(nn.Module):
         `lm_head.weight`, the head shares the embedding. Raises on a name or shape the model
         does not have, or if a weight never arrived."""
         params = dict(self.named_parameters())
-        seen: set[str] = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-                continue
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"unexpected tensor {name}")
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: checkpoint shape {list(tensor.shape)}, model {list(param.shape)}"
-                )
-            param.data.copy_(tensor)
-            seen.add(name)
+        seen = copy_named(params, weights, self.spec.tie_word_embeddings)
         if self.spec.tie_word_embeddings or "lm_head.weight" not in seen:
             # tied: one tensor, both roles (the head's rows a view of the embedding's)
             v0, v1 = self.vocab_rows
@@ -353,6 +342,4 @@ class LlamaForCausalLM(nn.Module):
             whole = (v0, v1) == (0, self.spec.vocab_size)
             self.lm_head.weight = embedding if whole else nn.Parameter(embedding[v0:v1], False)
             seen.add("lm_head.weight")
-        missing = {name for name in params if not name.endswith(".bias")} - seen
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
+        refuse_missing({name for name in params if not name.endswith(".bias")} - seen)

@@ -27,7 +27,7 @@ from models.gemma3 import gemma3_fields, gemma3_weights
 from models.gemma3_vision import gemma3_vision_spec
 from models.gemma4 import Gemma4ForCausalLM, gemma4_spec, gemma4_weights
 from models.gemma4_vision import gemma4_vision_spec
-from models.hf_names import HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
+from models.hf_names import GATED_MLP_PARTS, HF_ATTENTION_NAMES, HF_MLP_NAMES, LayerNames
 from models.laguna import LagunaForCausalLM, laguna_spec, laguna_weights
 from models.llama import LlamaForCausalLM
 from models.openelm import openelm_spec, openelm_weights
@@ -365,13 +365,10 @@ _HF_LAYER_NAMES: LayerNames = {
 }
 # An expert's tensors: Qwen3-MoE's "mlp.experts.E.gate_proj", Mixtral's "...experts.E.w1"
 _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # its names for them
 _EXPERT_PARTS = {
-    "gate_proj": ("gate_up_proj", "gate"),
-    "w1": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-    "w3": ("gate_up_proj", "up"),
-    "down_proj": ("down_proj", None),
-    "w2": ("down_proj", None),
+    **GATED_MLP_PARTS,
+    **{mixtral: GATED_MLP_PARTS[hf] for mixtral, hf in _MIXTRAL_EXPERT.items()},
 }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from models.image_processor import RESAMPLE, ImageError, ImageProcessor, resized_pixels
+from models.image_processor import ImageError, ImageProcessor, resized_pixels
 
 # transformers' OPENAI_CLIP_MEAN / STD: Qwen2-VL's processor defaults
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -60,19 +60,7 @@ class QwenImageProcessor:
         file = Path(path) / "preprocessor_config.json"
         cfg = json.loads(file.read_text()) if file.is_file() else {}
         size = cfg.get("size") or {}
-        resample = cfg.get("resample", 3)
-        if resample not in RESAMPLE:
-            raise ValueError(f"preprocessor_config.json: unknown resample filter {resample}")
-        normalise = ImageProcessor(
-            0,
-            0,
-            RESAMPLE[resample],
-            bool(cfg.get("do_rescale", True)),
-            float(cfg.get("rescale_factor", 1 / 255)),
-            bool(cfg.get("do_normalize", True)),
-            tuple(cfg.get("image_mean", _CLIP_MEAN)),
-            tuple(cfg.get("image_std", _CLIP_STD)),
-        )
+        normalise = ImageProcessor.from_config(cfg, 0, 0, 3, _CLIP_MEAN, _CLIP_STD)
         out = QwenImageProcessor(
             normalise,
             int(size.get("shortest_edge", cfg.get("min_pixels", 56 * 56))),

@@ -70,16 +70,9 @@ def time_one_unit(head_dim: int) -> int:
     import torch
 
     spec = module_specs((head_dim,), (torch.bfloat16,), ("fa3",))[-1]
-    spec.write_ninja()
-    listed = subprocess.run(
-        ["ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path), "-t", "commands"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
-    units = [line for line in listed if shlex.split(line)[0].endswith("nvcc")]
+    units = nvcc_commands(spec)
     start = time.time()
-    done = subprocess.run(shlex.split(units[0]), capture_output=True, text=True)
+    done = subprocess.run(units[0], capture_output=True, text=True)
     print(
         f"fa3 prefill: {len(units)} nvcc units; the first took {time.time() - start:.0f} s "
         f"on one core here (exit {done.returncode})"
@@ -89,8 +82,8 @@ def time_one_unit(head_dim: int) -> int:
     return done.returncode
 
 
-def scan_commands(spec, cuda_includes: list[str]) -> list[tuple[str, list[str]]]:
-    """(source, the nvcc command as a dependency scan) for each CUDA source of a module."""
+def nvcc_commands(spec) -> list[list[str]]:
+    """The nvcc commands (argv) of a module's ninja build, in build order (written first)."""
     spec.write_ninja()
     listed = subprocess.run(
         ["ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path), "-t", "commands"],
@@ -98,12 +91,15 @@ def scan_commands(spec, cuda_includes: list[str]) -> list[tuple[str, list[str]]]
         text=True,
         check=True,
     ).stdout.splitlines()
+    commands = (shlex.split(line) for line in listed)
+    return [argv for argv in commands if argv and argv[0].endswith("nvcc")]
+
+
+def scan_commands(spec, cuda_includes: list[str]) -> list[tuple[str, list[str]]]:
+    """(source, the nvcc command as a dependency scan) for each CUDA source of a module."""
     extra = [f for inc in cuda_includes for f in ("-isystem", inc)]
     scans = []
-    for line in listed:
-        argv = shlex.split(line)
-        if not argv or not argv[0].endswith("nvcc"):
-            continue
+    for argv in nvcc_commands(spec):
         source = argv[argv.index("-c") + 1]
         kept, skip = [], 0
         for arg in argv:

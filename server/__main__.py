@@ -108,8 +108,8 @@ def kv_store_line(config: Config) -> str:
 
 def kernels(argv: list[str]) -> int:
     """`python -m server kernels --model PATH`: the kernel-support matrix, without serving."""
-    from engine.attention import DeviceFacts, kv_quant, select_backend
-    from engine.build.pool import block_size_for, kv_cache_dtype
+    from engine.attention import DeviceFacts, kv_quant
+    from engine.build.pool import block_size_for, configured_backend, kv_cache_dtype
     from models.loader import checkpoint_dtype, default_model_path, load_spec
 
     config = load_config(argv).engine
@@ -133,16 +133,7 @@ def kernels(argv: list[str]) -> int:
     block_size = block_size_for(config, spec, facts, dtype, device)
     print(f"block size {block_size} tokens")
     try:
-        choice = select_backend(
-            spec,
-            facts,
-            dtype,
-            block_size,
-            config.attention_backend,
-            config.allow_slow_dtype,
-            config.require_fast_kernels,
-            kv_dtype=kv_dtype,
-        )
+        choice = configured_backend(config, spec, facts, dtype, block_size, kv_dtype)
     except ValueError as e:
         print(e)
         return 1

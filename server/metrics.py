@@ -116,24 +116,14 @@ class EngineCollector(Collector):
             yield gauge(
                 "host_kv_capacity_bytes", "Host tier capacity in bytes.", host.capacity_bytes
             )
-            yield counter(
-                "host_kv_offload_blocks", "Blocks copied to the host tier.", host.saved_blocks
-            )
-            yield counter(
-                "host_kv_offload_bytes",
-                "Bytes copied to the host tier.",
-                host.saved_blocks * host.block_bytes,
-            )
-            yield counter(
-                "host_kv_swap_in_blocks",
-                "Blocks copied back from the host tier.",
-                host.loaded_blocks,
-            )
-            yield counter(
-                "host_kv_swap_in_bytes",
-                "Bytes copied back from the host tier.",
-                host.loaded_blocks * host.block_bytes,
-            )
+            # each direction's copies in blocks and in bytes
+            for name, copied, blocks in (
+                ("offload", "copied to", host.saved_blocks),
+                ("swap_in", "copied back from", host.loaded_blocks),
+            ):
+                doc = f"{copied} the host tier."
+                yield counter(f"host_kv_{name}_blocks", f"Blocks {doc}", blocks)
+                yield counter(f"host_kv_{name}_bytes", f"Bytes {doc}", blocks * host.block_bytes)
             yield counter(
                 "host_kv_evictions", "Blocks evicted from the host tier.", host.evicted_blocks
             )

@@ -90,23 +90,39 @@ def paged_layer_cache(
     return cache
 
 
+# The KV layout of the CPU backend and the reference (so that an int8 cache is the same rows
+# with their scales for both): heads outermost, so one `index_select` of a sequence's pages over
+# the block dimension gives [kv_heads, pages * block_size, head_dim], contiguous per head.
+HEADS_OUTERMOST = ("kv", "heads", "blocks", "slots", "dim")
+
+
 class AttentionBackend(ABC):
-    """A backend owns the layout of the KV tensors it attends over (`kv_cache_shape`); the pool
-    allocates one tensor per KV group in that layout, and `block_dim` says which dimension
-    indexes physical blocks (for copies between tiers)."""
+    """A backend owns the layout of the KV tensors it attends over (`kv_layout`); the pool
+    allocates one tensor per KV group in that layout (`kv_cache_shape`), and `block_dim` says
+    which dimension indexes physical blocks (for copies between tiers)."""
 
     name: str = ""
+    # the KV tensor's dimensions, outermost first: "kv" (K, V), "heads" (KV heads), "blocks",
+    # "slots" (a block's tokens), "dim" (head_dim); block_dim and slot_dim are read off it
+    kv_layout: tuple[str, ...] = ("blocks", "kv", "slots", "heads", "dim")
     block_dim: int = 0
     slot_dim: int = 2  # the token-within-block dimension (> block_dim)
     supports_cuda_graphs: bool = False  # decode steps can be captured (`graph_step`)
     # reads StepMetadata.window_block_tables for the windowed layers (engine/kv/window.py)
     reads_window_tables: bool = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.block_dim = cls.kv_layout.index("blocks")
+        cls.slot_dim = cls.kv_layout.index("slots")
+
     @classmethod
-    @abstractmethod
     def kv_cache_shape(
         cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]: ...
+    ) -> tuple[int, ...]:
+        """The shape of one KV group's tensor in this backend's `kv_layout`."""
+        sizes = {"kv": 2, "heads": kv_heads, "blocks": num_blocks, "slots": block_size}
+        return tuple(head_dim if d == "dim" else sizes[d] for d in cls.kv_layout)
 
     @classmethod
     @abstractmethod

@@ -28,14 +28,7 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata, paged_layer_cache
-from engine.attention.matrix import (
-    DeviceFacts,
-    ModelNeeds,
-    Verdict,
-    dtype_name,
-    gpu_library_verdict,
-    model_refusals,
-)
+from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, gpu_verdict, model_refusals
 from models.spec import ModelSpec
 
 HEAD_DIMS = (64, 128, 256)
@@ -101,30 +94,14 @@ class FlashInferStep(AttentionStep):
         heads, kv_heads, head_dim = geometry
         backend = self.backend
         kw = plan_kwargs(backend.spec, backend.dtype)
+        # the decode wrapper's plan takes the page table and geometry; the prefill wrapper's the
+        # query rows' CSR offsets before them, and causal masking
+        pages = (self.kv_indptr, self.kv_indices, self.last_len)
+        geometry_args = (heads, kv_heads, head_dim, backend.block_size)
         if self.decode_only:
-            wrapper.plan(
-                self.kv_indptr,
-                self.kv_indices,
-                self.last_len,
-                heads,
-                kv_heads,
-                head_dim,
-                backend.block_size,
-                **kw,
-            )
+            wrapper.plan(*pages, *geometry_args, **kw)
         else:
-            wrapper.plan(
-                self.qo_indptr,
-                self.kv_indptr,
-                self.kv_indices,
-                self.last_len,
-                heads,
-                kv_heads,
-                head_dim,
-                backend.block_size,
-                causal=True,
-                **kw,
-            )
+            wrapper.plan(self.qo_indptr, *pages, *geometry_args, causal=True, **kw)
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
@@ -184,26 +161,15 @@ class FlashInferGraphStep(FlashInferStep):
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
-    block_dim = 0
-    slot_dim = 2
+    kv_layout = ("blocks", "kv", "slots", "heads", "dim")  # NHD pages, K and V side by side
     supports_cuda_graphs = True
-
-    @classmethod
-    def kv_cache_shape(
-        cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (num_blocks, 2, block_size, kv_heads, head_dim)
 
     @classmethod
     def check(
         cls, needs: ModelNeeds, facts: DeviceFacts, dtype: torch.dtype, block_size: int
     ) -> Verdict:
-        verdict = gpu_library_verdict(facts, "flashinfer")
-        if facts.capability is not None and facts.capability < (7, 5):
-            verdict["compute capability"] = f"sm{facts.capability[0]}{facts.capability[1]} < sm75"
-        if dtype not in (torch.float16, torch.bfloat16):
-            verdict["dtype"] = f"{dtype_name(dtype)}: kernels are built for float16/bfloat16"
-        elif dtype == torch.bfloat16 and facts.capability is not None and facts.capability < (8, 0):
+        verdict = gpu_verdict(facts, "flashinfer", (7, 5), dtype)
+        if dtype == torch.bfloat16 and facts.capability is not None and facts.capability < (8, 0):
             verdict["dtype"] = "bfloat16 needs sm80+"
         if block_size not in PAGE_SIZES:
             verdict["block size"] = f"page size {block_size} not in {PAGE_SIZES}"

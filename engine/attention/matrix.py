@@ -225,7 +225,7 @@ class ModelNeeds:
 Verdict = dict[str, str | None]  # requirement -> reason it fails, or None when met
 
 
-def gpu_library_verdict(facts: DeviceFacts, library: str) -> Verdict:
+def _gpu_library(facts: DeviceFacts, library: str) -> Verdict:
     """The "device" verdict of a backend built on a GPU kernel library: a CUDA device, the
     library installed, and nothing known to stop its kernels from building or loading."""
     if facts.type != "cuda":
@@ -235,6 +235,27 @@ def gpu_library_verdict(facts: DeviceFacts, library: str) -> Verdict:
     if facts.kernel_notes.get(library):
         return {"device": facts.kernel_notes[library]}
     return {}
+
+
+def gpu_verdict(
+    facts: DeviceFacts,
+    library: str,
+    min_capability: tuple[int, int],
+    dtype: torch.dtype,
+    capability_why: str = "",
+    dtype_why: str = "kernels are built for float16/bfloat16",
+) -> Verdict:
+    """The verdicts a backend built on a CUDA kernel library shares with the others: the device
+    (`_gpu_library`), a compute capability of at least `min_capability` (`capability_why`: what
+    sets it) and a float16/bfloat16 serving dtype (`dtype_why`: why)."""
+    verdict = _gpu_library(facts, library)
+    cap = facts.capability
+    if cap is not None and cap < min_capability:
+        need = f"sm{min_capability[0]}{min_capability[1]}"
+        verdict["compute capability"] = f"sm{cap[0]}{cap[1]} < {need}{capability_why}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        verdict["dtype"] = f"{dtype_name(dtype)}: {dtype_why}"
+    return verdict
 
 
 def slow_cpu_dtype(facts: DeviceFacts, dtype: torch.dtype) -> Verdict:

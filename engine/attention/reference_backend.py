@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import kv_quant
-from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
+from engine.attention.base import HEADS_OUTERMOST, AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, model_refusals, slow_cpu_dtype
 
 
@@ -85,14 +85,7 @@ class ReferenceStep(AttentionStep):
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
-    block_dim = 2
-    slot_dim = 3
-
-    @classmethod
-    def kv_cache_shape(
-        cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (2, kv_heads, num_blocks, block_size, head_dim)
+    kv_layout = HEADS_OUTERMOST
 
     @classmethod
     def check(

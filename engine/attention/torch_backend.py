@@ -1,10 +1,11 @@
 """The CPU backend (named "torch"): the C++ decode and prefill ops, range decode and int8 KV, with
 PyTorch paths beside them (the slow general path on GPU). The plain reference: reference_backend.py
 
-KV layout (this backend's choice): one tensor per KV group, [2, kv_heads, num_blocks, block_size,
-head_dim]. Heads outermost means gathering a sequence's pages with one `index_select` over the
-block dimension yields [kv_heads, pages * block_size, head_dim] directly, contiguous per head:
-one copy of the KV per step instead of gather-then-reshape (decode is bound by reading the KV).
+KV layout (this backend's choice, base.HEADS_OUTERMOST): one tensor per KV group, [2, kv_heads,
+num_blocks, block_size, head_dim]. Heads outermost means gathering a sequence's pages with one
+`index_select` over the block dimension yields [kv_heads, pages * block_size, head_dim] directly,
+contiguous per head: one copy of the KV per step instead of gather-then-reshape (decode is bound
+by reading the KV).
 
 Decode rows (one query token) go to the C++ decode op, or through pool views (range decode), or
 in buckets of similar length (gather_paths.py). Prefill chunks are attended one sequence at a
@@ -22,7 +23,7 @@ import torch
 
 import engine.attention.cpu_prefill as cpu_prefill
 from engine.attention import kv_quant
-from engine.attention.base import AttentionBackend, AttentionStep, StepMetadata
+from engine.attention.base import HEADS_OUTERMOST, AttentionBackend, AttentionStep, StepMetadata
 from engine.attention.gather_paths import (
     DecodeBucket,
     PrefillChunk,
@@ -148,41 +149,39 @@ class TorchAttentionStep(AttentionStep):
         num_heads: int,
         decode_only: bool = False,
     ) -> torch.Tensor | None:
-        o = self.rope_decode(layer_idx, qkv, cos, sin, num_heads)
-        if o is not None or decode_only:
-            return o
+        if (step := self._step_of(layer_idx)) is not self:
+            return step.attend_qkv(layer_idx, qkv, cos, sin, num_heads, decode_only)
+        backend = self.backend
+        if (fused := self._fused_decode(cos)) is not None:
+            tables, lens = fused
+            return backend.rope_decode_op(
+                qkv.contiguous(),
+                cos,
+                sin,
+                backend.kv_caches[backend.layer_group[layer_idx]],
+                self.slot_block,
+                self.slot_offset,
+                tables,
+                lens,
+                num_heads,
+                1.0 / math.sqrt(cos.shape[-1] * 2),
+                backend.layer_window[layer_idx] or 0,
+            )
+        if decode_only:
+            return None
         q = self.rope_write(layer_idx, qkv, cos, sin, num_heads)
         return None if q is None else self.forward(layer_idx, q, None, None)
 
-    def rope_decode(
-        self,
-        layer_idx: int,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        num_heads: int,
-    ) -> torch.Tensor | None:
-        if (step := self._step_of(layer_idx)) is not self:
-            return step.rope_decode(layer_idx, qkv, cos, sin, num_heads)
+    def _fused_decode(self, cos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The C++ block tables and lengths where every row of this step is a decode row for
+        the op that fuses rotary (on float32 `cos`/`sin` tables), the KV write and the attention
+        (kernels/cpu_decode.cpp); None where the step cannot take it."""
         backend = self.backend
         if not self.all_decode or self.cpp_decode is None or backend.decode_op is None:
             return None  # (tests turn the C++ decode off by clearing decode_op)
         if backend.rope_decode_op is None or cos.dtype != torch.float32:
             return None
-        tables, lens = self.cpp_decode
-        return backend.rope_decode_op(
-            qkv.contiguous(),
-            cos,
-            sin,
-            backend.kv_caches[backend.layer_group[layer_idx]],
-            self.slot_block,
-            self.slot_offset,
-            tables,
-            lens,
-            num_heads,
-            1.0 / math.sqrt(cos.shape[-1] * 2),
-            backend.layer_window[layer_idx] or 0,
-        )
+        return self.cpp_decode
 
     def rope_write(
         self,
@@ -221,13 +220,9 @@ class TorchAttentionStep(AttentionStep):
             windowed = all(w is not None for w in self.backend.layer_window[:num_layers])
             return self.window_step.decode_stack_args(cos, num_layers) if windowed else None
         backend = self.backend
-        if not self.all_decode or self.cpp_decode is None or backend.decode_op is None:
-            return None
-        if backend.rope_decode_op is None or cos.dtype != torch.float32:
-            return None
-        if len(backend.windows) > 1:
-            return None  # the stack op takes one window for every layer
-        tables, lens = self.cpp_decode
+        if (fused := self._fused_decode(cos)) is None or len(backend.windows) > 1:
+            return None  # (the stack op takes one window for every layer)
+        tables, lens = fused
         return DecodeStackArgs(
             [backend.kv_caches[backend.layer_group[i]] for i in range(num_layers)],
             self.slot_block,
@@ -286,6 +281,7 @@ class TorchAttentionStep(AttentionStep):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    kv_layout = HEADS_OUTERMOST
     reads_window_tables = True
     use_range_decode = True  # False forces the gather path (tests compare the two)
 
@@ -321,15 +317,6 @@ class TorchBackend(AttentionBackend):
                 lay.head_dim % prefill.simd_width() == 0 for lay in spec.layers
             ):
                 self.prefill_op = prefill.paged_prefill
-
-    @classmethod
-    def kv_cache_shape(
-        cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (2, kv_heads, num_blocks, block_size, head_dim)
-
-    block_dim = 2
-    slot_dim = 3
 
     @classmethod
     def check(

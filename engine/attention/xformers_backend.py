@@ -31,14 +31,7 @@ from engine.attention.base import (
     paged_layer_cache,
     sdpa_rows,
 )
-from engine.attention.matrix import (
-    DeviceFacts,
-    ModelNeeds,
-    Verdict,
-    dtype_name,
-    gpu_library_verdict,
-    model_refusals,
-)
+from engine.attention.matrix import DeviceFacts, ModelNeeds, Verdict, gpu_verdict, model_refusals
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)
 BLOCK_N = 64  # triton_splitk.FwOp.BLOCK_N: a page must hold whole key blocks
@@ -157,25 +150,20 @@ class XFormersStep(AttentionStep):
 
 class XFormersBackend(AttentionBackend):
     name = "xformers"
-    block_dim = 1
-    slot_dim = 2
-
-    @classmethod
-    def kv_cache_shape(
-        cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, kv_heads, head_dim)
+    kv_layout = ("kv", "blocks", "slots", "heads", "dim")
 
     @classmethod
     def check(
         cls, needs: ModelNeeds, facts: DeviceFacts, dtype: torch.dtype, block_size: int
     ) -> Verdict:
-        verdict = gpu_library_verdict(facts, "xformers")
-        if facts.capability is not None and facts.capability < (8, 0):
-            cap = f"sm{facts.capability[0]}{facts.capability[1]}"
-            verdict["compute capability"] = f"{cap} < sm80 (Triton split-K paged decode)"
-        if dtype not in (torch.float16, torch.bfloat16):
-            verdict["dtype"] = f"{dtype_name(dtype)}: the paged operator takes float16/bfloat16"
+        verdict = gpu_verdict(
+            facts,
+            "xformers",
+            (8, 0),
+            dtype,
+            capability_why=" (Triton split-K paged decode)",
+            dtype_why="the paged operator takes float16/bfloat16",
+        )
         if block_size % BLOCK_N:
             verdict["block size"] = (
                 f"page size {block_size} is not a multiple of the Triton split-K BLOCK_N "

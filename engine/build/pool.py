@@ -111,17 +111,7 @@ def choose_and_warm_up(
     and the refusal."""
     failed: dict[str, str] = {}
     while True:
-        choice = select_backend(
-            pool_spec,
-            facts,
-            dtype,
-            block_size,
-            config.attention_backend,
-            config.allow_slow_dtype,
-            config.require_fast_kernels,
-            failed,
-            kv_dtype,
-        )
+        choice = configured_backend(config, pool_spec, facts, dtype, block_size, kv_dtype, failed)
         backend_cls = choice.backend
         graphs = use_cuda_graphs(config, device, backend_cls)
         # the backend's workspace first: the pool is sized from the memory left after it
@@ -198,6 +188,30 @@ def pool_for(
     backend = backend_cls(spec, caches, block_size, workspace)
     warm_up(model, backend, spec, num_blocks, block_size, device)
     return backend
+
+
+def configured_backend(
+    config: EngineConfig,
+    spec: ModelSpec,
+    facts: DeviceFacts,
+    dtype: torch.dtype,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    failed: dict[str, str] | None = None,
+) -> BackendChoice:
+    """`select_backend` as the config asks: --attention-backend, --allow-slow-dtype and
+    --require-fast-kernels (`failed`: the backends whose warm-up failed, with the reason)."""
+    return select_backend(
+        spec,
+        facts,
+        dtype,
+        block_size,
+        config.attention_backend,
+        config.allow_slow_dtype,
+        config.require_fast_kernels,
+        failed,
+        kv_dtype,
+    )
 
 
 def block_size_for(

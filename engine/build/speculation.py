@@ -9,7 +9,7 @@ import logging
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.build.step_costs import weight_bytes
+from engine.build.step_costs import measurement_key, weight_bytes
 from engine.config import EngineConfig
 from engine.core.step_budget import plausible_step_s
 from engine.grammar.structured_output import StructuredOutputs
@@ -143,15 +143,8 @@ def _step_costs(
     block_size = backend.block_size
     # steps of more rows than a step may verify never enter a choice of k
     rows = tuple(r for r in MEASURED_ROWS if r <= max(2, config.spec_max_verify_rows))
-    key = (
-        weights_key,
-        str(backend.kv_caches[0].dtype),
-        type(backend).__name__,
-        str(device),
-        block_size,
-        getattr(head, "source", None),
-        measured_shape(rows, head is not None, num_blocks, block_size),
-    )
+    shape = measured_shape(rows, head is not None, num_blocks, block_size)
+    key = measurement_key(weights_key, backend, device, getattr(head, "source", None), shape)
     cost = _MEASURED_COSTS.get(key)
     if cost is None:
         plausible = plausible_step_s(weight_bytes(model))

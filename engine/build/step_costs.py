@@ -48,15 +48,7 @@ def step_budget(
     block_size = backend.block_size
     rows = tuple(sorted({r for r in STEP_ROWS if r < full} | {full}))
     context, rows = measured_shape(rows, False, num_blocks, block_size, context=64)
-    key = (
-        weights_key,
-        str(backend.kv_caches[0].dtype),
-        type(backend).__name__,
-        str(device),
-        block_size,
-        context,
-        rows,
-    )
+    key = measurement_key(weights_key, backend, device, context, rows)
     costs = _MEASURED.get(key)
     if costs is None:
         costs = _measure(model, backend, rows, context, block_size, device)
@@ -124,3 +116,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
     quantized weights included), for the roofline's floor."""
     tensors = [*model.parameters(), *model.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measurement_key(
+    weights_key: tuple, backend: AttentionBackend, device: torch.device, *shape: object
+) -> tuple:
+    """What a measured step cost depends on, to reuse it across builds in this process: the
+    weights, the KV cache's dtype, the backend, the device, the block size, and the `shape`
+    measured."""
+    kv_dtype = str(backend.kv_caches[0].dtype)
+    return (weights_key, kv_dtype, type(backend).__name__, str(device), backend.block_size, *shape)

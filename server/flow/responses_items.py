@@ -43,6 +43,28 @@ def call_name(name: str, namespaces: frozenset[str]) -> dict[str, str]:
     return {"name": name}
 
 
+def message_item(
+    item_id: str, status: str, role: str, content: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A message item resource (the client's, stored, or the model's answer)."""
+    return {"type": "message", "id": item_id, "status": status, "role": role, "content": content}
+
+
+def call_item(
+    item_id: str, call_id: str | None, name: dict[str, str], arguments: str | None, status: str
+) -> dict[str, Any]:
+    """A function_call item resource; `name`: its `name` field, and `namespace` where it has one
+    (`call_name`)."""
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        **name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
 def _part_text(parts: str | list[InputPart], where: str) -> str:
     return "".join(p["text"] for p in _parts(parts, where, images=False))
 
@@ -126,28 +148,13 @@ def input_items(value: str | list[InputItem]) -> list[dict[str, Any]]:
             if assistant:
                 text = "".join(p["text"] for p in content)
                 content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-            items.append(
-                {
-                    "type": "message",
-                    "id": item.id or new_id("msg"),
-                    "status": "completed",
-                    "role": item.role,
-                    "content": content,
-                }
-            )
+            items.append(message_item(item.id or new_id("msg"), "completed", item.role, content))
         elif item.type == "function_call":
             assert item.name is not None
-            items.append(
-                {
-                    "type": "function_call",
-                    "id": item.id or new_id("fc"),
-                    "call_id": item.call_id,
-                    **({"namespace": item.namespace} if item.namespace else {}),
-                    "name": item.name,
-                    "arguments": item.arguments,
-                    "status": "completed",
-                }
-            )
+            name = {"namespace": item.namespace} if item.namespace else {}
+            name["name"] = item.name
+            item_id = item.id or new_id("fc")
+            items.append(call_item(item_id, item.call_id, name, item.arguments, "completed"))
         elif item.type == "function_call_output":
             assert item.output is not None
             items.append(
@@ -253,13 +260,7 @@ class OutputItems:
     def _text(self, delta: str, lps: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
         events = []
         if self.open is None or self.open["type"] != "message":
-            message = {
-                "type": "message",
-                "id": new_id("msg"),
-                "status": "in_progress",
-                "role": "assistant",
-                "content": [],
-            }
+            message = message_item(new_id("msg"), "in_progress", "assistant", [])
             events += self._open(message)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             message["content"].append(part)
@@ -313,14 +314,8 @@ class OutputItems:
 
     def _call(self, e: ToolCallStart | ToolCallArgsDelta) -> list[tuple[str, dict[str, Any]]]:
         if isinstance(e, ToolCallStart):  # a new call: its header
-            call = {
-                "type": "function_call",
-                "id": new_id("fc"),
-                "call_id": e.id,
-                **call_name(e.name, self.namespaces),
-                "arguments": "",
-                "status": "in_progress",
-            }
+            name = call_name(e.name, self.namespaces)
+            call = call_item(new_id("fc"), e.id, name, "", "in_progress")
             self.call_items[e.index] = call
             return self._open(call)
         item = self.call_items[e.index]

@@ -269,12 +269,19 @@ class ChatChoice(_Out):
     finish_reason: FinishReason
 
 
-class ChatCompletionResponse(_Out):
+class _CompletionHeader(_Out):
+    """The fields a completion (chat or text, whole or a stream chunk) starts with; each class
+    narrows `object` to its own name (the field keeps its place)."""
+
     id: str
-    object: Literal["chat.completion"]
+    object: str
     created: int
     model: str
     system_fingerprint: str | None = None
+
+
+class ChatCompletionResponse(_CompletionHeader):
+    object: Literal["chat.completion"]
     choices: list[ChatChoice]
     usage: Usage
     kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer
@@ -307,12 +314,8 @@ class ChatChunkChoice(_Out):
     finish_reason: FinishReason | None
 
 
-class ChatCompletionChunk(_Out):
-    id: str
+class ChatCompletionChunk(_CompletionHeader):
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -331,14 +334,10 @@ class CompletionChoice(_Out):
     finish_reason: Literal["stop", "length"] | None
 
 
-class CompletionResponse(_Out):
+class CompletionResponse(_CompletionHeader):
     """Also the shape of each completion stream chunk (as OpenAI does it)."""
 
-    id: str
     object: Literal["text_completion"]
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
     kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.protocol.openai import TokenLogprob
+from server.protocol.structured import JsonSchemaFormat
 
 
 class _Base(BaseModel):
@@ -97,14 +98,10 @@ class NamedFunction(_Base):
     name: str | None = None
 
 
-class TextFormat(_Base):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str = Field(default="response", pattern=r"^[a-zA-Z0-9_\-]{1,64}$")
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+class TextFormat(JsonSchemaFormat):
+    """`text.format`: Chat Completions' json_schema format flattened beside its `type`."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class TextParam(_Base):
