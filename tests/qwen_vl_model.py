@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tests.conftest import TINY_TEXT, randomize
-from tests.vision_model import write_tokenizer_files
+from tests.vision_model import RESIZE_RESCALE_NORMALIZE, write_tokenizer_files
 
 SPECIALS = [
     "<|endoftext|>",
@@ -108,17 +108,12 @@ def _save(model_class, config, out: Path, seed: bytes, processor_class: str) -> 
             "vision_eos_token": "<|vision_end|>",
         },
     }
-    image_processor = {
+    image_processor = RESIZE_RESCALE_NORMALIZE | {
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": processor_class,
-        "do_resize": True,
         "resample": 3,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "do_convert_rgb": True,
         "size": {"shortest_edge": 8 * 8, "longest_edge": 48 * 48},
         "patch_size": PATCH,
         "temporal_patch_size": 2,

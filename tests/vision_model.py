@@ -31,6 +31,15 @@ BOI, EOI, IMAGE = 5, 6, 7  # their ids (trained first, in this order)
 TOKENS_PER_IMAGE = 4
 # the vision tower's size, here and in Gemma 4's (tests/gemma4_vl_model.py)
 TINY_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+# an image processor's steps, Gemma 3's and Qwen's alike: RGB, resized, scaled to [0, 1] and
+# normalised by the processor's own mean and std
+RESIZE_RESCALE_NORMALIZE = {
+    "do_convert_rgb": True,
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+}
 # Gemma 3's template, its system-prompt merging left out: an image item is <start_of_image>,
 # which the processor widens into the image's soft tokens
 TEMPLATE = (
@@ -107,17 +116,12 @@ def write_gemma3_processor(out: Path, tokens_per_image: int, image_size: int) ->
             "image_token": "<image_soft_token>",
         },
     }
-    image_processor = {
+    image_processor = RESIZE_RESCALE_NORMALIZE | {
         "image_processor_type": "Gemma3ImageProcessor",
-        "do_resize": True,
         "size": {"height": image_size, "width": image_size},
         "resample": 2,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
-        "do_convert_rgb": True,
         # as Gemma 3's own (llama.cpp's converter reads it)
         "image_seq_length": tokens_per_image,
     }
