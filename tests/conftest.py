@@ -130,6 +130,7 @@ TINY_TEXT = TOKENIZER_IDS | dict(
     max_position_embeddings=4096,
     rms_norm_eps=1e-6,
 )
+S, F = "sliding_attention", "full_attention"  # transformers' layer types
 
 
 def build_model(arch: str, out: Path, vocab_size: int = 512, **extra) -> Path:

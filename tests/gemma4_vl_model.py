@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import TINY_TEXT, randomize
+from tests.conftest import TINY_TEXT, F, S, randomize
 from tests.vision_model import (
     BOI,
     EOI,
@@ -25,7 +25,6 @@ from tests.vision_model import (
 # Gemma 3's special tokens (vision_model's SPECIALS, the same ids) and turns, an image written
 # as the one token the server widens (Gemma 4's processor: begin, the image's soft tokens, end)
 GEMMA4_TEMPLATE = TEMPLATE.replace("<start_of_image>", "<image_soft_token>")
-S, F = "sliding_attention", "full_attention"
 # the tiny Gemma 4 text model (tests/test_gemma4.py's shapes start from it too): a sliding
 # layer, then a global one of wider heads; per-layer inputs
 GEMMA4_TEXT = TINY_TEXT | dict(
@@ -46,11 +45,12 @@ def build_gemma4_vlm(out: Path) -> Path:
     vision = TINY_TOWER | dict(
         num_key_value_heads=1,
         head_dim=16,
-        patch_size=2,
         position_embedding_size=64,
-        pooling_kernel_size=3,
         standardize=True,
         use_clipped_linears=True,
+        # the processor's patches and pooling
+        patch_size=PROCESSOR["patch_size"],
+        pooling_kernel_size=PROCESSOR["pooling_kernel_size"],
     )
     config = Gemma4Config(
         text_config=GEMMA4_TEXT,

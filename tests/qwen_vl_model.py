@@ -42,13 +42,14 @@ TEMPLATE = "".join(
 
 
 TEXT = TINY_TEXT | dict(bos_token_id=0)
-# both towers: 3 blocks of width 32 over 4-pixel patches (2 frames), merged 2x2
+# both towers: 3 blocks of width 32 over 4-pixel patches (2 frames), merged 2x2 and projected
+# to the text model's width
 VISION = dict(
     depth=3,
     hidden_size=32,
     intermediate_size=64,
     num_heads=2,
-    out_hidden_size=64,
+    out_hidden_size=TEXT["hidden_size"],
     patch_size=PATCH,
     spatial_merge_size=MERGE,
     temporal_patch_size=2,

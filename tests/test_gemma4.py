@@ -19,9 +19,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
-from tests.conftest import build_dirs, save_model
+from tests.conftest import F, S, build_dirs, save_model
 from tests.conftest import randomize as randomize_weights
-from tests.gemma4_vl_model import GEMMA4_TEXT, F, S, multiplies_by_weight
+from tests.gemma4_vl_model import GEMMA4_TEXT, multiplies_by_weight
 from tests.test_model_coverage import (
     PROMPTS,
     assert_matches,

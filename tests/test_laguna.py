@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine import LLM
-from tests.conftest import TINY_TEXT, build_dirs, save_model
+from tests.conftest import TINY_TEXT, F, S, build_dirs, save_model
 from tests.test_model_coverage import (
     GREEDY,
     assert_matches,
@@ -27,7 +27,6 @@ from tests.test_model_coverage import (
     reference_greedy,
 )
 
-S, F = "sliding_attention", "full_attention"
 BASE = TINY_TEXT | dict(
     intermediate_size=96,
     head_dim=16,

@@ -15,7 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
-from tests.conftest import TINY_TEXT, build_dirs, build_random, build_tokenizer
+from tests.conftest import TINY_TEXT, F, S, build_dirs, build_random, build_tokenizer
 from tests.gguf_export import write_gguf
 
 pytestmark = pytest.mark.isa  # the C++ attention and block kernels again as an AVX2 CPU runs them
@@ -47,7 +47,7 @@ NEW_ARCHS = {
             head_dim=16,
             sliding_window=8,
             query_pre_attn_scalar=24,
-            layer_types=["sliding_attention", "full_attention"],
+            layer_types=[S, F],
         ),
     ),
     # Phi-4-mini's shape of rotary (three quarters of each head) under LongRoPE
