@@ -36,6 +36,10 @@ def run_transformers(path: str, work, batch: int) -> tuple[int, int, float]:
         d if kwargs else path, dtype=torch.float32, **kwargs
     )
     model.eval()
+    # greedy, no EOS, padded with 0: every request makes its whole answer (as kvserve's do)
+    model.generation_config.do_sample = False
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
     useful = produced = 0
     t = time.perf_counter()
     for start in range(0, len(work), batch):
@@ -49,13 +53,7 @@ def run_transformers(path: str, work, batch: int) -> tuple[int, int, float]:
         new = max(m for _, m in chunk)
         with torch.no_grad():
             model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
+                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new
             )
         useful += sum(m for _, m in chunk)
         produced += new * len(chunk)

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 512  # the tests' tokenizer's rows (tests/vision_model.py)
-# google/gemma-3-4b-it's config.json, its keys as published; the token ids are the synthetic
-# tokenizer's (Gemma's own are 255999, 256000 and 262144)
+# google/gemma-3-4b-it's config.json, its keys as published; the vocabulary and token ids
+# are the synthetic tokenizer's (tests/vision_model.py's `gemma3_vlm_config`: 512 rows; Gemma's
+# image tokens are 255999, 256000 and 262144)
 GEMMA3_4B_TEXT = dict(
     hidden_size=2560,
     intermediate_size=10240,
@@ -53,19 +53,11 @@ def build_gemma3_4b(out: Path) -> Path:
     if (out / "preprocessor_config.json").exists():
         return out
     sys.path.insert(0, str(ROOT))  # the tests' tokenizer builder, from the checkout's root
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers import Gemma3ForConditionalGeneration
 
-    from tests.vision_model import BOI, EOI, IMAGE, write_gemma3_processor
+    from tests.vision_model import gemma3_vlm_config, write_gemma3_processor
 
-    text = GEMMA3_4B_TEXT | dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    config = Gemma3Config(
-        text_config=text,
-        vision_config=GEMMA3_4B_VISION,
-        mm_tokens_per_image=GEMMA3_4B_SOFT_TOKENS,
-        boi_token_index=BOI,
-        eoi_token_index=EOI,
-        image_token_index=IMAGE,
-    )
+    config = gemma3_vlm_config(GEMMA3_4B_TEXT, GEMMA3_4B_VISION, GEMMA3_4B_SOFT_TOKENS)
     # shapes first (no memory), then one bfloat16 copy filled in place: ~2 bytes a parameter
     with torch.device("meta"):
         model = Gemma3ForConditionalGeneration(config)

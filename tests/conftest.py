@@ -117,41 +117,64 @@ HEAD64_GQA2 = dict(
 )
 
 
+# The test tokenizers' rows and special ids (build_tokenizer's <|endoftext|>, <|im_start|>,
+# <|im_end|>; tests/vision_model.py's <pad>, <bos>, <eos>), and the tiny decoder every test
+# family starts from (a family's own fields on top)
+TOKENIZER_IDS = dict(vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+TINY_TEXT = TOKENIZER_IDS | dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+)
+S, F = "sliding_attention", "full_attention"  # transformers' layer types
+
+
 def build_model(arch: str, out: Path, vocab_size: int = 512, **extra) -> Path:
     """A tiny random checkpoint of `arch` (std-0.2 weights) with a trained tokenizer; `extra`
     overrides config fields. Seeded by the arch name, so every process builds the same one."""
+    cfg_name, model_name, overrides = ARCHS[arch]
+    config = TINY_TEXT | dict(vocab_size=vocab_size, tie_word_embeddings=False) | overrides | extra
+    return build_random(cfg_name, model_name, config, arch, out, max_shard_size="200KB")
+
+
+def build_random(
+    config_class: str,
+    model_class: str,
+    config: dict[str, Any],
+    seed: str,
+    out: Path,
+    norm_center: float = 1.0,
+    **save: Any,
+) -> Path:
+    """transformers' `model_class` over `config_class(**config)` in random weights
+    (`randomize`, norms around `norm_center`) from a generator seeded by the name `seed`, so
+    every process builds the same one; saved with the test tokenizer (`save`: to
+    `save_pretrained`)."""
     import zlib
 
     import transformers
 
-    cfg_name, model_name, overrides = ARCHS[arch]
-    base = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    base.update(overrides)
-    base.update(extra)
-    config = getattr(transformers, cfg_name)(**base)
-    torch.manual_seed(zlib.crc32(arch.encode()) % 1000)
-    model = getattr(transformers, model_name)(config).float()
-    randomize(model)
-    return save_model(model, out, max_shard_size="200KB")
+    built = getattr(transformers, config_class)(**config)
+    torch.manual_seed(zlib.crc32(seed.encode()) % 1000)
+    model = getattr(transformers, model_class)(built).float()
+    randomize(model, norm_center)
+    return save_model(model, out, **save)
 
 
-def randomize(model: torch.nn.Module, norm_center: float = 1.0) -> None:
-    """Random weights for a test model from torch's generator: norms around `norm_center`
-    (Gemma multiplies by 1 + w: 0), the rest N(0, 0.2)."""
+def randomize(
+    model: torch.nn.Module,
+    norm_center: float = 1.0,
+    is_norm: Callable[[str], bool] = lambda name: "norm" in name,
+) -> None:
+    """Random weights for a test model from torch's generator: the parameters `is_norm` names
+    around `norm_center` (Gemma 3 multiplies by 1 + w: 0), the rest N(0, 0.2)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if is_norm(name):
                 p.copy_(norm_center + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.2)

@@ -6,68 +6,54 @@ turn and image tokens."""
 
 from __future__ import annotations
 
-import json
 import zlib
 from pathlib import Path
 
 import torch
 
-from tests.vision_model import TEMPLATE, train_tokenizer
+from tests.conftest import TINY_TEXT, F, S, randomize
+from tests.vision_model import (
+    BOI,
+    EOI,
+    IMAGE,
+    SPECIALS,
+    TEMPLATE,
+    TINY_TOWER,
+    write_tokenizer_files,
+)
 
-SPECIALS = [
-    "<pad>",
-    "<bos>",
-    "<eos>",
-    "<start_of_turn>",
-    "<end_of_turn>",
-    "<start_of_image>",
-    "<end_of_image>",
-    "<image_soft_token>",
-]
-BOI, EOI, IMAGE = 5, 6, 7
-# Gemma 3's turns, an image written as the one token the server widens (Gemma 4's processor:
-# begin, the image's soft tokens, end)
+# Gemma 3's special tokens (vision_model's SPECIALS, the same ids) and turns, an image written
+# as the one token the server widens (Gemma 4's processor: begin, the image's soft tokens, end)
 GEMMA4_TEMPLATE = TEMPLATE.replace("<start_of_image>", "<image_soft_token>")
+# the tiny Gemma 4 text model (tests/test_gemma4.py's shapes start from it too): a sliding
+# layer, then a global one of wider heads; per-layer inputs
+GEMMA4_TEXT = TINY_TEXT | dict(
+    intermediate_size=96,
+    head_dim=16,
+    global_head_dim=32,
+    sliding_window=8,
+    layer_types=[S, F],
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=512,
+)
 PROCESSOR = dict(patch_size=2, max_soft_tokens=70, pooling_kernel_size=3)
 
 
 def build_gemma4_vlm(out: Path) -> Path:
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    s, f = "sliding_attention", "full_attention"
-    text = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        global_head_dim=32,
-        sliding_window=8,
-        layer_types=[s, f],
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=512,
-    )
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+    vision = TINY_TOWER | dict(
         num_key_value_heads=1,
         head_dim=16,
-        patch_size=2,
         position_embedding_size=64,
-        pooling_kernel_size=3,
         standardize=True,
         use_clipped_linears=True,
+        # the processor's patches and pooling
+        patch_size=PROCESSOR["patch_size"],
+        pooling_kernel_size=PROCESSOR["pooling_kernel_size"],
     )
     config = Gemma4Config(
-        text_config=text,
+        text_config=GEMMA4_TEXT,
         vision_config=vision,
         audio_config=None,
         boi_token_id=BOI,
@@ -76,12 +62,8 @@ def build_gemma4_vlm(out: Path) -> Path:
     )
     torch.manual_seed(zlib.crc32(b"gemma4-vlm") % 1000)
     model = Gemma4ForConditionalGeneration(config).float()
+    randomize(model, is_norm=multiplies_by_weight)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("scale"):  # Gemma 4 multiplies by the weight
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
         for name, b in model.named_buffers():
             if name.endswith(("input_min", "output_min")):  # bounds some values pass
                 b.fill_(-1.5)
@@ -92,28 +74,20 @@ def build_gemma4_vlm(out: Path) -> Path:
             elif name.endswith("std_scale"):
                 b.copy_(1.0 + 0.1 * torch.randn_like(b))
     model.save_pretrained(out, safe_serialization=True)
-    train_tokenizer(out, SPECIALS)
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<bos>",
-                "eos_token": "<end_of_turn>",
-                "add_bos_token": False,
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "chat_template": GEMMA4_TEMPLATE,
-            }
-        )
-    )
-    (out / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "image_processor_type": "Gemma4ImageProcessor",
-                "resample": 3,
-                "do_rescale": True,
-                "rescale_factor": 1 / 255,
-                "do_normalize": False,
-                **PROCESSOR,
-            }
-        )
-    )
+    tokenizer = {"bos_token": "<bos>", "eos_token": "<end_of_turn>", "add_bos_token": False}
+    image_processor = {
+        "image_processor_type": "Gemma4ImageProcessor",
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": False,
+        **PROCESSOR,
+    }
+    write_tokenizer_files(out, SPECIALS, GEMMA4_TEMPLATE, tokenizer, image_processor)
     return out
+
+
+def multiplies_by_weight(name: str) -> bool:
+    """Gemma 4's norms and scales: it multiplies by the weight itself, so they are drawn
+    around 1 (`randomize`'s norms)."""
+    return "norm" in name or name.endswith("scale")

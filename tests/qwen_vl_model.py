@@ -7,13 +7,13 @@ a few soft tokens."""
 
 from __future__ import annotations
 
-import json
 import zlib
 from pathlib import Path
 
 import torch
 
-from tests.vision_model import train_tokenizer
+from tests.conftest import TINY_TEXT, randomize
+from tests.vision_model import RESIZE_RESCALE_NORMALIZE, write_tokenizer_files
 
 SPECIALS = [
     "<|endoftext|>",
@@ -41,19 +41,20 @@ TEMPLATE = "".join(
 )
 
 
-TEXT = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    bos_token_id=0,
-    eos_token_id=2,
-    pad_token_id=0,
+TEXT = TINY_TEXT | dict(bos_token_id=0)
+# both towers: 3 blocks of width 32 over 4-pixel patches (2 frames), merged 2x2 and projected
+# to the text model's width
+VISION = dict(
+    depth=3,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=TEXT["hidden_size"],
+    patch_size=PATCH,
+    spatial_merge_size=MERGE,
+    temporal_patch_size=2,
 )
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 TOKEN_IDS = dict(
     image_token_id=IMAGE_PAD,
     video_token_id=VIDEO_PAD,
@@ -65,21 +66,8 @@ TOKEN_IDS = dict(
 def build_qwen25_vl(out: Path) -> Path:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    text = TEXT | dict(
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    )
-    vision = dict(
-        depth=3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
-        patch_size=PATCH,
-        spatial_merge_size=MERGE,
-        temporal_patch_size=2,
-        window_size=16,
-        fullatt_block_indexes=[1],
-    )
+    text = TEXT | dict(rope_parameters=MROPE)
+    vision = VISION | dict(window_size=16, fullatt_block_indexes=[1])
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **TOKEN_IDS)
     return _save(
         Qwen2_5_VLForConditionalGeneration, config, out, b"qwen2.5-vl", "Qwen2_5_VLProcessor"
@@ -93,24 +81,8 @@ def build_qwen3_vl(out: Path) -> Path:
     deepstack mergers after blocks 0 and 2, added after decoder layers 0 and 1."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    text = TEXT | dict(
-        head_dim=16,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [2, 3, 3],
-            "mrope_interleaved": True,
-        },
-    )
-    vision = dict(
-        depth=3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
-        patch_size=PATCH,
-        spatial_merge_size=MERGE,
-        temporal_patch_size=2,
+    text = TEXT | dict(head_dim=16, rope_parameters=MROPE | {"mrope_interleaved": True})
+    vision = VISION | dict(
         num_position_embeddings=16,
         deepstack_visual_indexes=[0, 2],
         hidden_act="gelu_pytorch_tanh",
@@ -124,48 +96,29 @@ def _save(model_class, config, out: Path, seed: bytes, processor_class: str) -> 
     template and a processor config whose pixel bounds give small images a few soft tokens."""
     torch.manual_seed(zlib.crc32(seed) % 1000)
     model = model_class(config).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            is_norm = "norm" in name or "ln_q" in name
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if is_norm else 0.2 * torch.randn_like(p))
+    randomize(model, is_norm=lambda name: "norm" in name or "ln_q" in name)
     model.save_pretrained(out, safe_serialization=True)
-    train_tokenizer(out, SPECIALS)
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "eos_token": "<|im_end|>",
-                "pad_token": "<|endoftext|>",
-                "chat_template": TEMPLATE,
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "processor_class": processor_class,
-                "extra_special_tokens": {
-                    "image_token": "<|image_pad|>",
-                    "video_token": "<|video_pad|>",
-                    "vision_bos_token": "<|vision_start|>",
-                    "vision_eos_token": "<|vision_end|>",
-                },
-            }
-        )
-    )
-    (out / "chat_template.jinja").write_text(TEMPLATE)
-    (out / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "image_processor_type": "Qwen2VLImageProcessor",
-                "processor_class": processor_class,
-                "do_resize": True,
-                "resample": 3,
-                "do_rescale": True,
-                "rescale_factor": 1 / 255,
-                "do_normalize": True,
-                "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                "image_std": [0.26862954, 0.26130258, 0.27577711],
-                "do_convert_rgb": True,
-                "size": {"shortest_edge": 8 * 8, "longest_edge": 48 * 48},
-                "patch_size": PATCH,
-                "temporal_patch_size": 2,
-                "merge_size": MERGE,
-            }
-        )
-    )
+    tokenizer = {
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "processor_class": processor_class,
+        "extra_special_tokens": {
+            "image_token": "<|image_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_bos_token": "<|vision_start|>",
+            "vision_eos_token": "<|vision_end|>",
+        },
+    }
+    image_processor = RESIZE_RESCALE_NORMALIZE | {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": processor_class,
+        "resample": 3,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "size": {"shortest_edge": 8 * 8, "longest_edge": 48 * 48},
+        "patch_size": PATCH,
+        "temporal_patch_size": 2,
+        "merge_size": MERGE,
+    }
+    write_tokenizer_files(out, SPECIALS, TEMPLATE, tokenizer, image_processor)
     return out

@@ -19,28 +19,19 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
-from tests.conftest import build_dirs, save_model
-from tests.test_model_coverage import GREEDY, PROMPTS, assert_matches, reference
+from tests.conftest import F, S, build_dirs, save_model
+from tests.conftest import randomize as randomize_weights
+from tests.gemma4_vl_model import GEMMA4_TEXT, multiplies_by_weight
+from tests.test_model_coverage import (
+    PROMPTS,
+    assert_matches,
+    assert_prefix_hit_swap_and_drafts,
+    reference,
+    whole_and_chunked,
+)
 
-S, F = "sliding_attention", "full_attention"
-BASE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    global_head_dim=32,
-    sliding_window=8,
-    layer_types=[S, F, S, F],
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    hidden_size_per_layer_input=0,
-    vocab_size_per_layer_input=512,
+BASE = GEMMA4_TEXT | dict(
+    num_hidden_layers=4, layer_types=[S, F, S, F], hidden_size_per_layer_input=0
 )
 # (a): layers 3 (sliding) and 4 (global) read the last earlier layer of their type: 1 and 2
 CONFIGS = {
@@ -68,12 +59,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
     """std-0.2 weights; norms, scales and the layer scalars around 1 (Gemma 4 multiplies by
     the weight itself)."""
     torch.manual_seed(seed)
+    randomize_weights(model, is_norm=multiplies_by_weight)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("scale"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # a saved buffer, 1 at init: tested off 1
                 b.copy_(0.6 + 0.8 * torch.rand_like(b))
@@ -125,14 +112,7 @@ def test_matches_transformers(name: str, dirs) -> None:
     decode under suffix drafts (k pinned: no startup cost measurement, drafts always
     verified); the banner's two KV figures and the windowed groups' own pool for (a)."""
     ref = reference(dirs[name])
-    for chunk in (1024, 7):
-        llm = LLM(
-            str(dirs[name]),
-            num_kv_blocks=96,
-            block_size=4,
-            max_num_batched_tokens=chunk,
-            spec_cost_model=False,
-        )
+    for llm in whole_and_chunked(dirs[name], spec_cost_model=False):
         assert llm.engine.spec.architecture == "Gemma4ForCausalLM"
         if name == "shared":
             info = llm.engine.info
@@ -150,31 +130,10 @@ def test_matches_transformers(name: str, dirs) -> None:
 
 @pytest.mark.slow
 def test_prefix_hit_preemption_and_speculation_keep_outputs(dirs) -> None:
-    """Each shape, against a roomy run without speculation: a prompt's second run hits the
-    prefix cache (cached tokens > 0, the same text); a pool too small for the batch swaps to
-    the host tier while suffix drafts are verified (some accepted), and gives the same text."""
-    prompts = [[(s * 31 + i * 7) % 400 + 3 for i in range(40)] for s in range(4)]
-    prompts.append([7, 8, 9] * 12)  # repeats: suffix drafts get accepted
-    for name, path in sorted(dirs.items()):
-        plain = LLM(str(path), num_kv_blocks=256, block_size=4, num_speculative_tokens=0)
-        want = [r.outputs[0].token_ids for r in plain.generate(prompts, GREEDY)]
-        again = plain.generate(prompts[:2], GREEDY)
-        assert [r.outputs[0].token_ids for r in again] == want[:2], name
-        assert all(r.num_cached_tokens > 0 for r in again), name
-        tight = LLM(
-            str(path),
-            num_kv_blocks=36,
-            block_size=4,
-            host_bytes="16MiB",
-            preemption_mode="swap",
-            num_speculative_tokens=4,
-            spec_cost_model=False,
-            spec_max_verify_rows=1 << 16,
-        )
-        got = [r.outputs[0].token_ids for r in tight.generate(prompts, GREEDY)]
-        assert tight.engine.scheduler.num_preemptions > 0, name
-        assert tight.engine.drafter.total_stats().num_accepted_tokens > 0, name
-        assert got == want, name
+    """Each shape: a prefix hit, then swaps to the host tier under suffix drafts, the same text
+    as a roomy run without speculation."""
+    for name in sorted(dirs):
+        assert_prefix_hit_swap_and_drafts(str(dirs[name]))
 
 
 @pytest.mark.slow

@@ -18,26 +18,23 @@ import pytest
 import torch
 
 from engine import LLM
-from tests.conftest import build_dirs, save_model
-from tests.test_model_coverage import GREEDY, assert_matches, reference, reference_greedy
+from tests.conftest import TINY_TEXT, F, S, build_dirs, save_model
+from tests.test_model_coverage import (
+    GREEDY,
+    assert_matches,
+    assert_prefix_hit_swap_and_drafts,
+    reference,
+    reference_greedy,
+)
 
-S, F = "sliding_attention", "full_attention"
-BASE = dict(
-    vocab_size=512,
-    hidden_size=64,
+BASE = TINY_TEXT | dict(
     intermediate_size=96,
-    num_attention_heads=4,
     head_dim=16,
     sliding_window=8,
     num_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=32,
     shared_expert_intermediate_size=48,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
 )
 CONFIGS = {
     "per_head": dict(
@@ -168,27 +165,7 @@ def test_prefix_hit_preemption_speculation_and_two_ranks(name: str, dirs) -> Non
     are verified (some accepted); two tensor-parallel ranks give the same text, with prefix
     hits, and the banner states each layer's KV bytes per rank."""
     path = str(dirs[name])
-    prompts = [[(s * 31 + i * 7) % 400 + 3 for i in range(40)] for s in range(4)]
-    prompts.append([7, 8, 9] * 12)  # repeats: suffix drafts get accepted
-    plain = LLM(path, num_kv_blocks=256, block_size=4, num_speculative_tokens=0, **FAST)
-    want = [r.outputs[0].token_ids for r in plain.generate(prompts, GREEDY)]
-    again = plain.generate(prompts[:2], GREEDY)
-    assert [r.outputs[0].token_ids for r in again] == want[:2]
-    assert all(r.num_cached_tokens > 0 for r in again)
-    tight = LLM(
-        path,
-        num_kv_blocks=36,
-        block_size=4,
-        host_bytes="16MiB",
-        preemption_mode="swap",
-        num_speculative_tokens=4,
-        spec_cost_model=False,
-        spec_max_verify_rows=1 << 16,
-        **FAST,
-    )
-    assert [r.outputs[0].token_ids for r in tight.generate(prompts, GREEDY)] == want
-    assert tight.engine.scheduler.num_preemptions > 0
-    assert tight.engine.drafter.total_stats().num_accepted_tokens > 0
+    prompts, want = assert_prefix_hit_swap_and_drafts(path, **FAST)
     two = LLM(
         path,
         dtype="float32",

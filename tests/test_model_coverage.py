@@ -7,7 +7,7 @@ the HF directory and from a GGUF written from it as llama.cpp's converter does."
 from __future__ import annotations
 
 import json
-import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,25 +15,12 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.scoring import score_prompt
-from tests.conftest import build_dirs, build_tokenizer, randomize, save_model
+from tests.conftest import TINY_TEXT, F, S, build_dirs, build_random, build_tokenizer
 from tests.gguf_export import write_gguf
 
 pytestmark = pytest.mark.isa  # the C++ attention and block kernels again as an AVX2 CPU runs them
 
-BASE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+BASE = TINY_TEXT | dict(tie_word_embeddings=False)
 ROPE_FACTORS = dict(
     short_factor=[1.0 + 0.1 * i for i in range(6)], long_factor=[2.0 + 0.3 * i for i in range(6)]
 )
@@ -60,7 +47,7 @@ NEW_ARCHS = {
             head_dim=16,
             sliding_window=8,
             query_pre_attn_scalar=24,
-            layer_types=["sliding_attention", "full_attention"],
+            layer_types=[S, F],
         ),
     ),
     # Phi-4-mini's shape of rotary (three quarters of each head) under LongRoPE
@@ -101,15 +88,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def build(arch: str, out: Path) -> Path:
-    import transformers
-
     cfg_name, model_name, overrides = NEW_ARCHS[arch]
-    config = getattr(transformers, cfg_name)(**{**BASE, **overrides})
-    torch.manual_seed(zlib.crc32(arch.encode()) % 1000)
-    model = getattr(transformers, model_name)(config).float()
     # Gemma multiplies by (1 + w): norms around 1 either way
-    randomize(model, 0.0 if arch == "gemma3" else 1.0)
-    return save_model(model, out)
+    norm_center = 0.0 if arch == "gemma3" else 1.0
+    return build_random(cfg_name, model_name, BASE | overrides, arch, out, norm_center)
 
 
 @pytest.fixture(scope="module")
@@ -151,19 +133,49 @@ def assert_matches(llm: LLM, ref, prompts=PROMPTS, greedy: list[list[int]] | Non
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
 
 
+def whole_and_chunked(path: Path, **engine) -> Iterator[LLM]:
+    """An engine on `path` that prefills each prompt whole, then one that prefills in chunks of
+    7 (windows across chunk boundaries); `engine`: more options for both."""
+    for chunk in (1024, 7):
+        yield LLM(str(path), num_kv_blocks=96, block_size=4, max_num_batched_tokens=chunk, **engine)
+
+
+def assert_prefix_hit_swap_and_drafts(path: str, **engine) -> tuple[list, list]:
+    """Against a roomy run without speculation: a prompt's second run hits the prefix cache
+    (cached tokens > 0, the same text); a pool too small for the batch swaps to the host tier
+    while suffix drafts are verified (some accepted), and gives the same text. `engine`: more
+    options for both engines. Returns the prompts and the roomy run's tokens."""
+    prompts = [[(s * 31 + i * 7) % 400 + 3 for i in range(40)] for s in range(4)]
+    prompts.append([7, 8, 9] * 12)  # repeats: suffix drafts get accepted
+    plain = LLM(path, num_kv_blocks=256, block_size=4, num_speculative_tokens=0, **engine)
+    want = [r.outputs[0].token_ids for r in plain.generate(prompts, GREEDY)]
+    again = plain.generate(prompts[:2], GREEDY)
+    assert [r.outputs[0].token_ids for r in again] == want[:2], path
+    assert all(r.num_cached_tokens > 0 for r in again), path
+    tight = LLM(
+        path,
+        num_kv_blocks=36,
+        block_size=4,
+        host_bytes="16MiB",
+        preemption_mode="swap",
+        num_speculative_tokens=4,
+        spec_cost_model=False,
+        spec_max_verify_rows=1 << 16,
+        **engine,
+    )
+    got = [r.outputs[0].token_ids for r in tight.generate(prompts, GREEDY)]
+    assert tight.engine.scheduler.num_preemptions > 0, path
+    assert tight.engine.drafter.total_stats().num_accepted_tokens > 0, path
+    assert got == want, path
+    return prompts, want
+
+
 @pytest.mark.parametrize("arch", sorted(NEW_ARCHS))
 def test_hf_checkpoint_matches_transformers(arch: str, new_dirs) -> None:
     """Prefill whole and in chunks of 7 (windowed layers across chunk boundaries), decode."""
     ref = reference(new_dirs[arch])
     context = {"max_model_len": 128} if arch == "phi3" else {}  # LongRoPE's short factors
-    for chunk in (1024, 7):
-        llm = LLM(
-            str(new_dirs[arch]),
-            num_kv_blocks=96,
-            block_size=4,
-            max_num_batched_tokens=chunk,
-            **context,
-        )
+    for llm in whole_and_chunked(new_dirs[arch], **context):
         assert llm.engine.spec.architecture == NEW_ARCHS[arch][1]
         assert_matches(llm, ref)
 
@@ -328,16 +340,8 @@ def test_qwen3_moe_dense_layers_by_config() -> None:
     has no such layers, so this shape is HF only)."""
     from models.loader import llama_layers
 
-    cfg = dict(
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        intermediate_size=128,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        decoder_sparse_step=2,
-        mlp_only_layers=[3],
-    )
+    experts = NEW_ARCHS["qwen3moe"][2] | dict(num_experts=8)
+    cfg = BASE | experts | dict(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
     layers = llama_layers(cfg, 16)
     assert [lay.num_experts for lay in layers] == [0, 8, 0, 0, 0, 8]
     assert [lay.intermediate_size for lay in layers] == [128, 32, 128, 128, 128, 32]

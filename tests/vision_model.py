@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.conftest import CORPUS
+from tests.conftest import CORPUS, TINY_TEXT, TOKENIZER_IDS
 
 SPECIALS = [
     "<pad>",
@@ -29,6 +29,17 @@ SPECIALS = [
 ]
 BOI, EOI, IMAGE = 5, 6, 7  # their ids (trained first, in this order)
 TOKENS_PER_IMAGE = 4
+# the vision tower's size, here and in Gemma 4's (tests/gemma4_vl_model.py)
+TINY_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+# an image processor's steps, Gemma 3's and Qwen's alike: RGB, resized, scaled to [0, 1] and
+# normalised by the processor's own mean and std
+RESIZE_RESCALE_NORMALIZE = {
+    "do_convert_rgb": True,
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+}
 # Gemma 3's template, its system-prompt merging left out: an image item is <start_of_image>,
 # which the processor widens into the image's soft tokens
 TEMPLATE = (
@@ -47,42 +58,18 @@ TEMPLATE = (
 def build_gemma3_vlm(out: Path, text_layers: int = 2) -> Path:
     """`text_layers` 6: llama.cpp's fixed Gemma 3 pattern (five windowed, then a global one),
     the only one a GGUF can say; 2: one of each."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers import Gemma3ForConditionalGeneration
 
     kinds = ["sliding_attention"] * (text_layers - 1) + ["full_attention"]
-    text = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
+    text = TINY_TEXT | dict(
         num_hidden_layers=text_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         sliding_window=8,
         query_pre_attn_scalar=16,
-        max_position_embeddings=4096,
         layer_types=kinds,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=7,
-        vision_use_head=False,
-    )
-    config = Gemma3Config(
-        text_config=text,
-        vision_config=vision,
-        mm_tokens_per_image=TOKENS_PER_IMAGE,
-        boi_token_index=BOI,
-        eoi_token_index=EOI,
-        image_token_index=IMAGE,
-    )
+    vision = TINY_TOWER | dict(image_size=28, patch_size=7, vision_use_head=False)
+    config = gemma3_vlm_config(text, vision, TOKENS_PER_IMAGE)
     torch.manual_seed(zlib.crc32(b"gemma3-vlm") % 1000)
     model = Gemma3ForConditionalGeneration(config).float()
     with torch.no_grad():
@@ -98,30 +85,47 @@ def build_gemma3_vlm(out: Path, text_layers: int = 2) -> Path:
     return out
 
 
-def write_gemma3_processor(out: Path, tokens_per_image: int, image_size: int) -> None:
-    """Beside a Gemma 3 VLM checkpoint in `out`: the byte-level tokenizer (`SPECIALS` first),
-    the chat template, and the processor configs for square `image_size` pictures of
-    `tokens_per_image` soft tokens each."""
-    train_tokenizer(out, SPECIALS)
-    # what transformers' Gemma3Processor reads too (the tests' reference for the prompt)
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<bos>",
-                "eos_token": "<end_of_turn>",
-                "chat_template": TEMPLATE,
-                "add_bos_token": False,
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "processor_class": "Gemma3Processor",
-                "extra_special_tokens": {
-                    "boi_token": "<start_of_image>",
-                    "eoi_token": "<end_of_image>",
-                    "image_token": "<image_soft_token>",
-                },
-            }
-        )
+def gemma3_vlm_config(text: dict, vision: dict, tokens_per_image: int):
+    """A `Gemma3Config` of the `text` and `vision` towers over the synthetic tokenizer: its rows,
+    special ids and image tokens (`text` may name its own)."""
+    from transformers import Gemma3Config
+
+    return Gemma3Config(
+        text_config=TOKENIZER_IDS | text,
+        vision_config=vision,
+        mm_tokens_per_image=tokens_per_image,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+        image_token_index=IMAGE,
     )
-    (out / "chat_template.jinja").write_text(TEMPLATE)
+
+
+def write_gemma3_processor(out: Path, tokens_per_image: int, image_size: int) -> None:
+    """Beside a Gemma 3 VLM checkpoint in `out`: the tokenizer files (`write_tokenizer_files`,
+    `SPECIALS` first) and the processor configs for square `image_size` pictures of
+    `tokens_per_image` soft tokens each."""
+    # what transformers' Gemma3Processor reads too (the tests' reference for the prompt)
+    tokenizer = {
+        "bos_token": "<bos>",
+        "eos_token": "<end_of_turn>",
+        "add_bos_token": False,
+        "processor_class": "Gemma3Processor",
+        "extra_special_tokens": {
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    }
+    image_processor = RESIZE_RESCALE_NORMALIZE | {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "size": {"height": image_size, "width": image_size},
+        "resample": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        # as Gemma 3's own (llama.cpp's converter reads it)
+        "image_seq_length": tokens_per_image,
+    }
+    write_tokenizer_files(out, SPECIALS, TEMPLATE, tokenizer, image_processor)
     (out / "processor_config.json").write_text(
         json.dumps(
             {
@@ -130,24 +134,19 @@ def write_gemma3_processor(out: Path, tokens_per_image: int, image_size: int) ->
             }
         )
     )
-    (out / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "image_processor_type": "Gemma3ImageProcessor",
-                "do_resize": True,
-                "size": {"height": image_size, "width": image_size},
-                "resample": 2,
-                "do_rescale": True,
-                "rescale_factor": 1 / 255,
-                "do_normalize": True,
-                "image_mean": [0.5, 0.5, 0.5],
-                "image_std": [0.5, 0.5, 0.5],
-                "do_convert_rgb": True,
-                # as Gemma 3's own (llama.cpp's converter reads it)
-                "image_seq_length": tokens_per_image,
-            }
-        )
-    )
+
+
+def write_tokenizer_files(
+    out: Path, specials: list[str], template: str, tokenizer: dict, image_processor: dict
+) -> None:
+    """Beside a VLM checkpoint in `out`: the byte-level tokenizer (`specials` first), its config
+    (`tokenizer`'s fields, the fast tokenizer's class, the chat `template`), the template in a
+    file of its own as transformers' processors save it, and the image processor's config."""
+    train_tokenizer(out, specials)
+    config = tokenizer | {"chat_template": template, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "chat_template.jinja").write_text(template)
+    (out / "preprocessor_config.json").write_text(json.dumps(image_processor))
 
 
 def png(seed: int, size: tuple[int, int] = (40, 30)) -> bytes:
