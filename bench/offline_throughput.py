@@ -83,7 +83,7 @@ def main() -> None:
         f"{sum(m for _, m in work)} output tokens"
     )
 
-    gflops = matmul_gflops(spec.hidden_size, spec.layers[0].intermediate_size)
+    gflops = matmul_gflops(spec.hidden_size, spec.layers[0].intermediate_size, 256)
     ours_tokens, ours_dt = run_kvserve(llm, work)
     ours_tps = ours_tokens / ours_dt
     flops = spec.flops_per_token()
