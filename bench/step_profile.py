@@ -56,7 +56,9 @@ def main() -> None:
     engine = llm.engine
     n = a.prompt_len
     work = chat_prompts(llm.tokenizer, a.batch, (n, n), (1, 1), seed=3)
-    tokens = 1 if a.prefill_only else a.steps + 5
+    # the step budget prefills about a prompt a step, and every running request decodes in each
+    # of those steps: each must outlast the whole prefill to be in the decode batch timed
+    tokens = 1 if a.prefill_only else a.steps + 5 + a.batch
     for i, (prompt, _) in enumerate(work):
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         engine.add_request(str(i), prompt, params)
@@ -82,6 +84,8 @@ def main() -> None:
         return
     for _ in range(3):
         engine.step()
+    rows = len(engine.scheduler.running)
+    assert rows == a.batch, f"{rows} of the {a.batch} requests still decode"
     t = time.perf_counter()
     for _ in range(a.steps - 5):
         engine.step()
