@@ -375,6 +375,7 @@ def test_cpu_compose_file_runs_the_cpu_image_without_a_gpu() -> None:
 
 
 @pytest.mark.slow  # two resolutions from PyPI at once, a third from uv's cache (~12 s)
+@pytest.mark.network
 def test_cpu_image_package_set_resolves_for_its_python_and_platform(tmp_path) -> None:
     """The CPU image's set resolves for Python 3.12 on bookworm's glibc (manylinux_2_36), binary
     wheels only. PyTorch's CPU index is not reachable from the development machines, so torch

@@ -197,6 +197,7 @@ def uv_compile(
 
 @pytest.mark.skipif(not _pypi_reachable(), reason="PyPI is not reachable")
 @pytest.mark.slow
+@pytest.mark.network
 def test_image_package_set_resolves_for_its_python_and_platform(tmp_path) -> None:
     """The image's pip install (the project's dependencies and its `gpu` extra) resolves from
     PyPI for the image's Python and platform, binary wheels only, without downloading them;
@@ -219,6 +220,7 @@ def test_image_package_set_resolves_for_its_python_and_platform(tmp_path) -> Non
 
 @pytest.mark.skipif(not _pypi_reachable(), reason="PyPI is not reachable")
 @pytest.mark.slow
+@pytest.mark.network
 def test_flashinfer_imports_from_the_image_set_alone(tmp_path) -> None:
     """FlashInfer installed as the image installs it, without its declared dependencies, beside
     the `gpu` extra (xformers aside: it only needs torch) and this project's dependencies that
