@@ -20,7 +20,9 @@ if [ $# -gt 0 ]; then
 fi
 # the tests that wait on PyPI run beside the main pass: they hardly use the CPU it needs
 network_log=$(mktemp)
-.venv/bin/python -m pytest -q -p no:cacheprovider -m network >"$network_log" 2>&1 &
+network_files=$(grep -l "pytest.mark.network" tests/test_*.py)  # collect only those files
+# shellcheck disable=SC2086
+.venv/bin/python -m pytest -q -p no:cacheprovider -m network $network_files >"$network_log" 2>&1 &
 network=$!
 main_rc=0
 .venv/bin/python -m pytest -q --durations=15 -m "not network" || main_rc=$?

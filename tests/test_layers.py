@@ -116,7 +116,7 @@ def test_a_stale_build_lock_does_not_hang_startup() -> None:
     """A process killed while compiling the C++ ops leaves torch's `lock` file behind; the next
     start must not wait on it forever (it did: a killed first start hung every later one). One
     op stands for all: they share CppOps.load, and each rebuild here is ~15 s of g++."""
-    name = "kvserve_cpu_fused"
+    name = "kvserve_token_bitmask"
     import subprocess
     import sys
     from pathlib import Path
