@@ -129,11 +129,8 @@ def table(
             cells.append("-" if v is None else format(v, fmt))
         ours = values.get("kvserve")
         others = [v for n, v in values.items() if not n.startswith("kvserve") and v]
-        cells.append(
-            better_by(ours, max(others) if higher_better else min(others), higher_better)
-            if others
-            else "-"
-        )
+        best = (max if higher_better else min)(others, default=None)
+        cells.append(better_by(ours, best, higher_better))
         if spec_col:
             cells.append(better_by(ours, values.get(peers.SPEC_OFF), higher_better))
         lines.append(f"| {row} | " + " | ".join(cells) + " |")

@@ -105,8 +105,8 @@ class AttentionBackend(ABC):
     # the KV tensor's dimensions, outermost first: "kv" (K, V), "heads" (KV heads), "blocks",
     # "slots" (a block's tokens), "dim" (head_dim); block_dim and slot_dim are read off it
     kv_layout: tuple[str, ...] = ("blocks", "kv", "slots", "heads", "dim")
-    block_dim: int = 0
-    slot_dim: int = 2  # the token-within-block dimension (> block_dim)
+    block_dim: int  # where "blocks" stands in kv_layout (set for each backend class)
+    slot_dim: int  # the token-within-block dimension (> block_dim)
     supports_cuda_graphs: bool = False  # decode steps can be captured (`graph_step`)
     # reads StepMetadata.window_block_tables for the windowed layers (engine/kv/window.py)
     reads_window_tables: bool = False
