@@ -272,11 +272,13 @@ class EngineConfig:
     )
     gguf_int8_prefill: str = setting(
         "off",
-        "GGUF weights' dense path (prefill chunks) as int8 W8A8: the blocks rounded again per "
-        "output channel, activations per row, int32 sums (VNNI where the CPU has it). auto: "
-        "from the rows where it measures faster, if the startup accuracy judge accepts it "
-        "against the float GEMM; on: where faster, the judge's figures only reported; off: "
-        "never (1 byte a weight more memory)",
+        "GGUF weights' dense path (prefill chunks, wide decode steps) as int8 W8A8: the blocks "
+        "rounded again per output channel after SmoothQuant's factor from calibration text, "
+        "activations per row, int32 sums (VNNI where the CPU has it). auto: from the rows "
+        "where it measures faster, on the projections the startup accuracy judge accepts "
+        "against the float GEMM; on: every projection where faster, the judge's figures only "
+        "reported; off: never (the default: every step's rows on float activations, so a "
+        "near-tie does not flip with a step's row count; 1 byte a weight more memory)",
         ("auto", "on", "off"),
     )
     kv_cache_dtype: str = setting(

@@ -14,24 +14,31 @@
 #include <cmath>
 #include <type_traits>
 #include <tuple>
+#include <vector>
 
 namespace {
 
+// `smooth` (K factors or nullptr): each column multiplied by its factor before the row's range
+// is taken (SmoothQuant: the weight's columns carry the reciprocals).
 template <typename T>
-void quantize_impl(const at::Tensor& x, at::Tensor& q, at::Tensor& scales) {
+void quantize_impl(const at::Tensor& x, const float* smooth, at::Tensor& q, at::Tensor& scales) {
   const int64_t M = x.size(0), K = x.size(1);
   const T* xp = x.data_ptr<T>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scales.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
     for (int64_t m = begin; m < end; ++m) {
-      const T* row = xp + m * K;
+      const T* src = xp + m * K;
       float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(row[k])));
+      for (int64_t k = 0; k < K; ++k) {
+        row[k] = smooth != nullptr ? static_cast<float>(src[k]) * smooth[k] : static_cast<float>(src[k]);
+        amax = std::max(amax, std::fabs(row[k]));
+      }
       const float scale = amax / 127.f;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       int8_t* out = qp + m * K;
-      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[k]) * inv));
+      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(row[k] * inv));
       sp[m] = scale;
     }
   });
@@ -62,17 +69,23 @@ void scale_impl(const at::Tensor& acc, const at::Tensor& xs, const at::Tensor& w
 
 }  // namespace
 
-// x [M, K] float32 or bfloat16, contiguous -> (int8 [M, K], float32 [M]): each row rounded to
-// int8 by its own absolute maximum (x ~= q * scale).
-std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+// x [M, K] float32 or bfloat16, contiguous (times `smooth` [K] float32 per column, where given)
+// -> (int8 [M, K], float32 [M]): each row rounded to int8 by its own absolute maximum
+// (x * smooth ~= q * scale).
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
+                                                 const c10::optional<at::Tensor>& smooth) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x [M, K] contiguous");
+  TORCH_CHECK(!smooth.has_value() || (smooth->scalar_type() == at::kFloat &&
+                                      smooth->is_contiguous() && smooth->numel() == x.size(1)),
+              "smooth: float32 [K]");
+  const float* sm = smooth.has_value() ? smooth->data_ptr<float>() : nullptr;
   auto q = at::empty(x.sizes(), x.options().dtype(at::kChar));
   auto scales = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
   if (x.scalar_type() == at::kFloat) {
-    quantize_impl<float>(x, q, scales);
+    quantize_impl<float>(x, sm, q, scales);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-    quantize_impl<at::BFloat16>(x, q, scales);
+    quantize_impl<at::BFloat16>(x, sm, q, scales);
   }
   return {q, scales};
 }
@@ -97,7 +110,7 @@ at::Tensor scale_rows(const at::Tensor& acc, const at::Tensor& row_scales,
 }
 
 TORCH_LIBRARY(kvserve_int8_rows, m) {
-  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.def("quantize_rows(Tensor x, Tensor? smooth=None) -> (Tensor, Tensor)");
   m.impl("quantize_rows", c10::DispatchKey::CPU, TORCH_FN(quantize_rows));
   m.def("scale_rows(Tensor acc, Tensor row_scales, Tensor col_scales, Tensor? bias, "
         "ScalarType dtype) -> Tensor");

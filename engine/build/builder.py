@@ -45,16 +45,15 @@ from engine.kv.window import WindowTables
 from engine.parallel.messages import Load, WorkerBuild
 from engine.parallel.tensor_parallel import TPGroup, start_ranks
 from engine.runner.model_runner import ModelRunner
+from engine.weights.int8_dense import int8_dense_path
 from engine.weights.quantization import (
     WEIGHT_ONLY,
     HeldOut,
     judge_int8_activations,
-    judge_int8_prefill,
     quantize_model,
     quantize_weight_only,
 )
 from models.eagle.head import EagleHead
-from models.linear import measure
 from models.linear.layer import pack_linears
 from models.loader import checkpoint_dtype, default_model_path
 from models.tokenizer import Tokenizer, load_tokenizer
@@ -316,10 +315,11 @@ def _quantize(
             key,
         )
     judged = judge_int8_activations(held, config.gguf_int8_activations == "auto", key)
-    if int8_prefill(config) and (int8 := measure.measure_int8_dense(model, key)):
-        log.info("GGUF dense path: %s", int8)
-        notes += f"; {int8}"
-    prefill = judge_int8_prefill(held, config.gguf_int8_prefill == "auto", (*key, "int8 prefill"))
+    prefill = (
+        int8_dense_path(held, config.gguf_int8_prefill == "auto", key)
+        if int8_prefill(config)
+        else ""
+    )
     return "; ".join(part for part in (notes, judged, prefill) if part)
 
 

@@ -18,10 +18,8 @@ refused, with no warning band: on a CPU without VNNI fbgemm's activations drop t
 its first token's outliers (SmolLM2: top-1 0.81, and one prompt's last logits at cosine 0.72), and
 such a server would answer differently from the model it names; it refuses, naming the measurement
 and `int8wo` (Q8_0 weights, llama.cpp's int8 activations) as what serves there. `--gguf-
-int8-prefill`: GGUF weights' dense path (prefill) on int8 W8A8 copies (per-row activations, per-
-channel weights: models/linear/int8_prefill.py) where the probe measures them faster, judged against
-the float GEMM at the `--gguf-int8-activations` bar (`judge_int8_prefill`; the shipped SmolLM2 Q4_1
-fails it: top-1 0.85, its activation outliers set each row's int8 step). Everything measured is
+int8-prefill`: GGUF weights' dense path on smoothed int8 W8A8 copies, calibrated, timed and judged
+by projection in engine/weights/int8_dense.py. Everything measured is
 deterministic (fixed calibration and held-out text, a fixed probe): a build gives the same figures
 on every start of the same CPU and settings."""
 
@@ -352,35 +350,4 @@ def judge_int8_activations(held: HeldOut, binding: bool, key: tuple | None = Non
         for w in weights:
             w.q8_max_rows = 0
     log.info("GGUF block kernel: %s", text)
-    return text
-
-
-def judge_int8_prefill(held: HeldOut, binding: bool, key: tuple | None = None) -> str:
-    """Where the startup measurement kept int8 W8A8 copies for the dense path (prefill), measure
-    what they cost: HELD_OUT with every dense-path row on them against the same weights on the
-    float GEMM. `binding` (auto): below INT8_ACTIVATION_TOP1 / _COSINE (the bar int8 block-kernel
-    activations meet) the copies are dropped. Returns the banner's words ("" where none serve)."""
-    weights = [w for w in gguf_linear.gguf_weights(held.model) if w.int8 is not None]
-    if not weights:
-        return ""
-    chosen = [(w.int8_min_rows, w.kernel_max_rows) for w in weights]
-
-    def exact() -> None:  # the held-out prompts are short: every row through the dense path
-        for w in weights:
-            w.int8_min_rows, w.kernel_max_rows = 1 << 30, 0
-
-    def int8() -> None:
-        for w in weights:
-            w.int8_min_rows = 1
-
-    def restore() -> None:
-        for w, (rows, kernel) in zip(weights, chosen):
-            w.int8_min_rows, w.kernel_max_rows = rows, kernel
-
-    words = ("the float GEMM", "int8 prefill serves", "int8 prefill refused by the accuracy judge")
-    keep, text = _int8_verdict(held, (exact, int8, restore), key, binding, words)
-    if not keep:
-        for w in weights:
-            w.int8, w.int8_min_rows = None, 1 << 30
-    log.info("GGUF dense path: %s", text)
     return text

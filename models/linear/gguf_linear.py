@@ -43,10 +43,10 @@ def load_q8() -> Any:
 
 def gguf_weights(model: nn.Module) -> list[GGUFWeight]:
     """The model's linear weights served from GGUF blocks, in module order."""
-    return [w for _, w in _served(model)]
+    return [w for _, w in served_weights(model)]
 
 
-def _served(model: nn.Module) -> list[tuple[str, GGUFWeight]]:
+def served_weights(model: nn.Module) -> list[tuple[str, GGUFWeight]]:
     """(module name, its GGUF weight) of every `Linear` served from blocks, in module order."""
     found = []
     for name, module in model.named_modules():
@@ -186,12 +186,15 @@ class GGUFWeight:
             self.dense = OneDNNPacked(packed, bias, w.dtype, Dequantized(w))
         return w.out_features * w.in_features * w.dtype.itemsize
 
-    def make_int8(self) -> int:
-        """Hold the int8 W8A8 copy (the blocks dequantized, rounded per output channel); returns
+    def make_int8(self, input_range: torch.Tensor | None = None) -> int:
+        """Hold the int8 W8A8 copy (the blocks dequantized, rounded per output channel; smoothed
+        where `input_range`, max |x| per input channel on calibration text, is given); returns
         its bytes (0 where its ops are not built here)."""
         if int8_prefill.load() is None:
             return 0
-        self.int8 = Int8Weight.from_dense(self.kernel.dequantized(torch.float32), self.kernel.bias)
+        dense = self.kernel.dequantized(torch.float32)
+        smoothing = None if input_range is None else int8_prefill.smoothing_for(input_range, dense)
+        self.int8 = Int8Weight.from_dense(dense, self.kernel.bias, smoothing)
         return self.int8.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -248,7 +251,7 @@ def weight_groups(model: nn.Module) -> dict[str, list[GGUFWeight]]:
     """The model's GGUF weights in forward order, as the probes time them: "decoder layers" and
     "lm_head" (another shape and format)."""
     groups: dict[str, list[GGUFWeight]] = {}
-    for name, weight in _served(model):
+    for name, weight in served_weights(model):
         group = "lm_head" if name.endswith("lm_head") else "decoder layers"
         groups.setdefault(group, []).append(weight)
     return groups

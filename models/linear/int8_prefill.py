@@ -35,21 +35,42 @@ def int_mm_exact() -> bool:
     return torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
 
 
+# SmoothQuant's migration strength: a factor per input channel of max|x|^a / max|w|^(1 - a).
+SMOOTHING_ALPHA = 0.65
+
+
+def smoothing_for(input_range: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """The factor activations are multiplied by before rounding (float32 [in]), from max |x| per
+    input channel over calibration text: SmoothQuant's 1 / s, which moves a channel's outliers
+    into the weight's column (multiplied by s) where per-channel rounding absorbs them."""
+    weight_range = dense.abs().float().amax(dim=0).clamp(min=1e-5)
+    alpha = SMOOTHING_ALPHA
+    s = (input_range.float().clamp(min=1e-5) ** alpha / weight_range ** (1 - alpha)).clamp(min=1e-5)
+    return (1 / s).contiguous()
+
+
 @dataclass(frozen=True, slots=True)
 class Int8Weight:
     """The int8 rows format: a weight [out, in] as int8 [in, out] (the GEMM's right operand),
-    float32 scales [out] and the layer's bias (float32)."""
+    float32 scales [out], the layer's bias (float32) and, where smoothed, the factor
+    [in] float32 each activation column is multiplied by before rounding (the weight's columns
+    were divided by it: the product is the same function)."""
 
     weight: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor | None = None
+    smoothing: torch.Tensor | None = None
 
     @staticmethod
-    def from_dense(dense: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Weight:
-        w = dense.float()
+    def from_dense(
+        dense: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        smoothing: torch.Tensor | None = None,
+    ) -> Int8Weight:
+        w = dense.float() if smoothing is None else dense.float() / smoothing[None, :]
         scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        return Int8Weight(q.t().contiguous(), scales.contiguous(), bias)
+        return Int8Weight(q.t().contiguous(), scales.contiguous(), bias, smoothing)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -58,7 +79,8 @@ class Int8Weight:
         """Output rows `index` (each row is rounded by its own scale: the same codes as the
         rows quantized alone)."""
         bias = None if self.bias is None else self.bias[index]
-        return Int8Weight(self.weight[:, index].contiguous(), self.scales[index].contiguous(), bias)
+        weight, scales = self.weight[:, index].contiguous(), self.scales[index].contiguous()
+        return Int8Weight(weight, scales, bias, self.smoothing)
 
     def pack(self) -> int:
         return 0
@@ -66,7 +88,7 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] float32 or bf16 -> [rows, out] in x's dtype."""
         ops = load()
-        xq, xs = ops.quantize_rows(x.contiguous())
+        xq, xs = ops.quantize_rows(x.contiguous(), self.smoothing)
         acc = torch._int_mm(xq, self.weight)
         return ops.scale_rows(acc, xs, self.scales, None if bias is None else bias.float(), x.dtype)
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from models.linear import int8_prefill
 from models.linear.dense import DenseWeight
-from models.linear.gguf_linear import GGUFWeight, load_q8, weight_groups
+from models.linear.gguf_linear import GGUFWeight, load_q8, served_weights, weight_groups
 from models.linear.layer import Linear
 
 # Row counts the startup probe compares the block kernel and the dense path at (a decode
@@ -171,8 +171,11 @@ _MEASURED_INT8: dict[tuple, tuple[int, str]] = {}
 
 
 @torch.inference_mode()
-def measure_int8_dense(model: nn.Module, key: tuple | None = None) -> str:
-    """Give the decoder's GGUF weights int8 W8A8 copies and time the dense path on them against
+def measure_int8_dense(
+    model: nn.Module, key: tuple | None = None, input_ranges: dict[str, torch.Tensor] | None = None
+) -> str:
+    """Give the decoder's GGUF weights int8 W8A8 copies (smoothed by `input_ranges`, max |x| per
+    input channel by module name, where given) and time the dense path on them against
     the float one at INT8_ROW_BUCKETS (all weights in forward order). They serve from the
     smallest bucket from which they win at every larger one by Q8_MARGIN (they round
     activations); where they never win, the copies are dropped. The lm_head keeps the float
@@ -187,7 +190,12 @@ def measure_int8_dense(model: nn.Module, key: tuple | None = None) -> str:
             else "its C++ ops cannot be built"
         )
         return f"int8 W8A8 dense path unavailable: {why}"
-    copies = sum(w.make_int8() for w in weights)
+    ranges = input_ranges or {}
+    copies = sum(
+        w.make_int8(ranges.get(name))
+        for name, w in served_weights(model)
+        if not name.endswith("lm_head")
+    )
     if key is not None and key in _MEASURED_INT8:
         start, text = _MEASURED_INT8[key]
     else:
