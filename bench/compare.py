@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import time
 import zlib
@@ -144,6 +145,14 @@ def better_by(ours: float | None, theirs: float | None, higher_better: bool) -> 
     return f"{ours / theirs:.2f}x" if higher_better else f"{theirs / ours:.2f}x"
 
 
+def variant(text: str) -> tuple[str, list[str]]:
+    """`--variant NAME=FLAGS` as (NAME, the flags split as a shell would)."""
+    name, sep, flags = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: NAME=FLAGS")
+    return name, shlex.split(flags)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers-dir", default="bench/.peers")
@@ -173,6 +182,14 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="also kvserve with --num-speculative-tokens 0 (on/off from the same rounds)",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="also kvserve with these flags, as kvserve-NAME in the same rounds (never a peer), "
+        "e.g. int8='--gguf-int8-prefill auto'",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--out", default="bench/results/compare.json")
     ap.add_argument("--plot", default="bench/results/compare.png")
@@ -189,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
         ctx_per_slot,
         a.precision,
         a.spec_off,
+        dict(variant(v) for v in a.variant),
     )
     chosen = [p for p in found.available if not a.only or p.name in a.only.split(",")]
     for name, why in found.missing.items():

@@ -68,6 +68,7 @@ def catalog(
     ctx_per_slot: int,
     precision: str = "float32",
     spec_off: bool = False,
+    variants: dict[str, list[str]] | None = None,
 ) -> Catalog:
     models = peers_dir / "models"
     how = PRECISIONS[precision]
@@ -79,6 +80,10 @@ def catalog(
     if spec_off:  # the same server without speculation: its on/off ratio from the same rounds
         off = ["--model", gguf, *how["kvserve"], "--num-speculative-tokens", "0"]
         available.append(Peer(SPEC_OFF, kvserve_cmd(off)))
+    for name, flags in (variants or {}).items():  # kvserve under other flags: never a peer
+        available.append(
+            Peer(f"kvserve-{name}", kvserve_cmd(["--model", gguf, *how["kvserve"], *flags]))
+        )
     missing: dict[str, str] = {}
 
     def need(name: str, *paths: Path) -> bool:

