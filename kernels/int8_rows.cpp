@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -17,6 +18,19 @@
 #include <vector>
 
 namespace {
+
+#if defined(__AVX512F__)
+// The rounding pass 16 values at a time: its two loops (a range, then a rounding) did not
+// vectorize (290 x 576 bf16: 107 -> 22 us, ~4% of a wide prefill step beside the int8 GEMM)
+constexpr int64_t kV = 16;
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#else
+constexpr int64_t kV = 0;  // the scalar loops only
+#endif
 
 // `smooth` (K factors or nullptr): each column multiplied by its factor before the row's range
 // is taken (SmoothQuant: the weight's columns carry the reciprocals).
@@ -31,14 +45,33 @@ void quantize_impl(const at::Tensor& x, const float* smooth, at::Tensor& q, at::
     for (int64_t m = begin; m < end; ++m) {
       const T* src = xp + m * K;
       float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) {
+      int64_t k = 0;
+#if defined(__AVX512F__)
+      __m512 vmax = _mm512_setzero_ps();
+      for (; k + kV <= K; k += kV) {
+        __m512 v = load16(src + k);
+        if (smooth != nullptr) v = _mm512_mul_ps(v, _mm512_loadu_ps(smooth + k));
+        _mm512_storeu_ps(row.data() + k, v);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+      }
+      amax = _mm512_reduce_max_ps(vmax);
+#endif
+      for (; k < K; ++k) {
         row[k] = smooth != nullptr ? static_cast<float>(src[k]) * smooth[k] : static_cast<float>(src[k]);
         amax = std::max(amax, std::fabs(row[k]));
       }
       const float scale = amax / 127.f;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       int8_t* out = qp + m * K;
-      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(row[k] * inv));
+      k = 0;
+#if defined(__AVX512F__)
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (; k + kV <= K; k += kV) {  // the conversion rounds to nearest-even, as nearbyint
+        const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row.data() + k), vinv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtsepi32_epi8(codes));
+      }
+#endif
+      for (; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(row[k] * inv));
       sp[m] = scale;
     }
   });
@@ -58,6 +91,7 @@ void scale_impl(const at::Tensor& acc, const at::Tensor& xs, const at::Tensor& w
       const int32_t* a = ap + m * N;
       T* o = op + m * N;
       const float s = xp[m];
+      // left to the compiler: AVX-512 intrinsics measured slower here (3,072 columns 66 -> 88 us)
       if (bp != nullptr) {
         for (int64_t n = 0; n < N; ++n) o[n] = static_cast<T>(static_cast<float>(a[n]) * s * wp[n] + bp[n]);
       } else {
