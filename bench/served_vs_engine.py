@@ -29,9 +29,11 @@ import time
 import httpx
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from harness import sse
 from harness.launch import Server
 from harness.workload import chat_prompts
+from server.config import load_config
 
 SHORT_LEN = 256
 SERVED_LINE = re.compile(r"prompt_tokens=(\d+) .*ttft=([\d.]+)s queue=([\d.]+)s prefill=([\d.]+)s")
@@ -92,7 +94,9 @@ def main() -> None:
     ap.add_argument("--server-arg", action="append", default=[], help="one server flag each")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="server start, seconds")
     a = ap.parse_args()
-    llm = LLM()
+    # the engine settings the server gets from the same flags (config.toml and KVSERVE_* too)
+    settings = load_config(a.server_arg).engine
+    llm = LLM(**{name: getattr(settings, name) for name in EngineConfig.field_names()})
     print(f"step budget: {llm.engine.scheduler.budget.describe()}", flush=True)
     n_short = a.rounds * a.short_first * 2
     longs = chat_prompts(llm.tokenizer, 3 * a.rounds + 2, (a.len, a.len), (1, 1), seed=11)
