@@ -45,6 +45,7 @@ from engine.kv.window import WindowTables
 from engine.parallel.messages import Load, WorkerBuild
 from engine.parallel.tensor_parallel import TPGroup, start_ranks
 from engine.runner.model_runner import ModelRunner
+from engine.runner.pool_memory import keep_freed_memory
 from engine.weights.int8_dense import int8_dense_path
 from engine.weights.quantization import (
     WEIGHT_ONLY,
@@ -84,6 +85,8 @@ def _build(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     model_path = config.model or default_model_path()
     device = config.resolved_device()
     use_device(device)
+    if device.type == "cpu":
+        keep_freed_memory()  # a step's freed buffers stay mapped for the next
     facts = DeviceFacts.detect(device)
     dtype, dtype_reason = config.dtype_choice(facts, checkpoint_dtype(model_path))
     log.info("dtype %s (%s)", dtype_name(dtype), dtype_reason)

@@ -20,6 +20,7 @@ from engine.parallel.messages import Step
 from engine.parallel.tensor_parallel import TPGroup
 from engine.runner.cuda_graphs import CudaGraphs
 from engine.runner.encoder import ImageEncoder, StepImages
+from engine.runner.pool_memory import exclude_from_forks
 from engine.runner.runner_output import RunnerOutput, pool, sample_step, score_prompts
 from engine.runner.step_inputs import step_inputs
 from models.llama import LlamaForCausalLM
@@ -51,7 +52,9 @@ def allocate_kv_caches(
         else:
             h, d = group
             shape = backend.kv_cache_shape(n, block_size, h, kv_quant.row_width(d, dtype))
-        caches.append(torch.zeros(shape, dtype=dtype, device=device))
+        cache = torch.zeros(shape, dtype=dtype, device=device)
+        exclude_from_forks(cache)  # a forked worker would make each first write a page copy
+        caches.append(cache)
     return caches
 
 
