@@ -20,7 +20,7 @@ from engine.parallel.messages import Step
 from engine.parallel.tensor_parallel import TPGroup
 from engine.runner.cuda_graphs import CudaGraphs
 from engine.runner.encoder import ImageEncoder, StepImages
-from engine.runner.pool_memory import exclude_from_forks
+from engine.runner.pool_memory import pool_zeros
 from engine.runner.runner_output import RunnerOutput, pool, sample_step, score_prompts
 from engine.runner.step_inputs import step_inputs
 from models.llama import LlamaForCausalLM
@@ -52,8 +52,12 @@ def allocate_kv_caches(
         else:
             h, d = group
             shape = backend.kv_cache_shape(n, block_size, h, kv_quant.row_width(d, dtype))
-        cache = torch.zeros(shape, dtype=dtype, device=device)
-        exclude_from_forks(cache)  # a forked worker would make each first write a page copy
+        # on CPU out of forked children: they would make each first write a page copy
+        cache = (
+            pool_zeros(shape, dtype)
+            if device.type == "cpu"
+            else torch.zeros(shape, dtype=dtype, device=device)
+        )
         caches.append(cache)
     return caches
 

@@ -1,4 +1,4 @@
-"""The engine's host memory: the KV pool kept out of forked children (`exclude_from_forks`) and
+"""The engine's host memory: the KV pool kept out of forked children (`pool_zeros`) and
 freed step buffers kept for reuse (`keep_freed_memory`).
 
 Why: the server forks its grammar-trial workers (engine/grammar/budget.py) after the pool exists.
@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import mmap
 import sys
+import warnings
 
 import torch
 
-MADV_DONTFORK = 10  # linux/mman.h
 # mallopt parameters (malloc.h) and values: the threshold's maximum on 64-bit (HEAP_MAX_SIZE / 2)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 KEPT = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 256 << 20))
@@ -43,26 +44,16 @@ def keep_freed_memory() -> bool:
     return all(mallopt(param, value) == 1 for param, value in KEPT)
 
 
-@functools.cache
-def _madvise():  # noqa: ANN202 (a ctypes function)
-    libc = ctypes.CDLL(None, use_errno=True)
-    madvise = libc.madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
-def exclude_from_forks(tensor: torch.Tensor) -> int:
-    """Mark the whole pages under a CPU tensor's storage MADV_DONTFORK (Linux); returns the bytes
-    marked (0 elsewhere, on a device, or where the kernel refuses: nothing else changes)."""
-    if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
-        return 0
-    page = mmap.PAGESIZE
-    start = tensor.untyped_storage().data_ptr()
-    end = start + tensor.untyped_storage().nbytes()
-    first, last = -(-start // page) * page, end // page * page
-    if last <= first:
-        return 0
-    if _madvise()(first, last - first, MADV_DONTFORK) != 0:
-        return 0
-    return last - first
+def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor in an anonymous mapping of its own, marked MADV_DONTFORK (Linux) and
+    paged in now. A mapping of its own: malloc may place a storage in its heap beside other
+    blocks, whose pages a child's malloc walks (a grammar worker died of excluded heap pages)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0 or not sys.platform.startswith("linux"):
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes)
+    region.madvise(mmap.MADV_DONTFORK)
+    with warnings.catch_warnings():  # frombuffer warns of nothing that applies to a mapping
+        warnings.simplefilter("ignore")
+        tensor = torch.frombuffer(region, dtype=dtype).view(shape)  # holds `region`
+    return tensor.zero_()
