@@ -55,7 +55,7 @@ def allocate_kv_caches(
         # on CPU out of forked children: they would make each first write a page copy
         cache = (
             pool_zeros(shape, dtype)
-            if device.type == "cpu"
+            if torch.device(device).type == "cpu"
             else torch.zeros(shape, dtype=dtype, device=device)
         )
         caches.append(cache)
