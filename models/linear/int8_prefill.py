@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kernels.ops import INT8_ROWS
+from models.linear.w8a8 import smoothing
 
 
 def load() -> Any:
@@ -43,10 +44,7 @@ def smoothing_for(input_range: torch.Tensor, dense: torch.Tensor) -> torch.Tenso
     """The factor activations are multiplied by before rounding (float32 [in]), from max |x| per
     input channel over calibration text: SmoothQuant's 1 / s, which moves a channel's outliers
     into the weight's column (multiplied by s) where per-channel rounding absorbs them."""
-    weight_range = dense.abs().float().amax(dim=0).clamp(min=1e-5)
-    alpha = SMOOTHING_ALPHA
-    s = (input_range.float().clamp(min=1e-5) ** alpha / weight_range ** (1 - alpha)).clamp(min=1e-5)
-    return (1 / s).contiguous()
+    return (1 / smoothing(input_range.float(), dense, SMOOTHING_ALPHA)).contiguous()
 
 
 @dataclass(frozen=True, slots=True)

@@ -130,7 +130,7 @@ def dense_layers(model: nn.Module) -> list[nn.Module]:
     return [lay for lay in model.layers if lay.moe is None and lay.qkv_proj is not None]
 
 
-def _smoothing(act: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+def smoothing(act: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
     """SmoothQuant's per-channel factor: divides activations, multiplies weight columns."""
     w = weight.detach().abs().float().amax(dim=0).clamp(min=1e-5)
     return (act.clamp(min=1e-5) ** alpha / w ** (1 - alpha)).clamp(min=1e-5)
@@ -146,11 +146,11 @@ def smooth(model: nn.Module, ranges: dict[Linear, torch.Tensor], alpha: float = 
             (layer.input_layernorm, layer.qkv_proj),
             (layer.post_attention_layernorm, layer.gate_up_proj),
         ):
-            s = _smoothing(ranges[linear], linear.weight, alpha)
+            s = smoothing(ranges[linear], linear.weight, alpha)
             norm.weight.data.div_(s.to(norm.weight.dtype))
             linear.weight.data.mul_(s.to(linear.weight.dtype))
         down, n = layer.down_proj, layer.down_proj.in_features
-        s = _smoothing(ranges[down], down.weight, alpha)
+        s = smoothing(ranges[down], down.weight, alpha)
         layer.gate_up_proj.weight.data[n:].div_(s.to(down.weight.dtype)[:, None])
         down.weight.data.mul_(s.to(down.weight.dtype))
         for linear in (layer.qkv_proj, layer.gate_up_proj, down):
